@@ -1,0 +1,114 @@
+//! Options of one KDA call: gate mode, scale, normalisation, layout, residual strategy.
+
+use crate::shape::Layout;
+use crate::tensor::HostTensor;
+
+/// How the per-channel log-decay `g` is produced (spec section 2).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub enum GateMode {
+    /// `g` is already `ln(alpha)` (the default).
+    #[default]
+    Preactivated,
+    /// `g = -exp(a_log[h]) * softplus(x + dt_bias[h, :])`, with `x` passed as `g`.
+    Softplus {
+        /// `[H]`, required.
+        a_log: Option<HostTensor>,
+        /// `[H*K]`, optional.
+        dt_bias: Option<HostTensor>,
+    },
+    /// `g = lb * sigmoid(exp(a_log[h]) * (x + dt_bias[h, :]))` with `lb` in `[-5, 0)`.
+    LowerBound {
+        /// The lower bound of the gate.
+        lb: f64,
+        /// `[H]`, required.
+        a_log: Option<HostTensor>,
+        /// `[H*K]`, optional.
+        dt_bias: Option<HostTensor>,
+    },
+}
+
+impl GateMode {
+    /// The in-kernel softplus gate.
+    pub fn softplus(a_log: HostTensor, dt_bias: Option<HostTensor>) -> Self {
+        GateMode::Softplus { a_log: Some(a_log), dt_bias }
+    }
+    /// The in-kernel lower-bound gate.
+    pub fn lower_bound(lb: f64, a_log: HostTensor, dt_bias: Option<HostTensor>) -> Self {
+        GateMode::LowerBound { lb, a_log: Some(a_log), dt_bias }
+    }
+    /// `a_log` and `dt_bias` when the gate is computed in the kernel.
+    pub fn params(&self) -> Option<(Option<&HostTensor>, Option<&HostTensor>)> {
+        match self {
+            GateMode::Preactivated => None,
+            GateMode::Softplus { a_log, dt_bias } | GateMode::LowerBound { a_log, dt_bias, .. } => {
+                Some((a_log.as_ref(), dt_bias.as_ref()))
+            }
+        }
+    }
+    /// The gate's kind without its tensors.
+    pub fn kind(&self) -> GateKind {
+        match self {
+            GateMode::Preactivated => GateKind::Preactivated,
+            GateMode::Softplus { .. } => GateKind::Softplus,
+            GateMode::LowerBound { lb, .. } => GateKind::LowerBound(*lb),
+        }
+    }
+}
+
+/// [`GateMode`] without its parameter tensors.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum GateKind {
+    /// `g` given directly.
+    Preactivated,
+    /// In-kernel softplus gate.
+    Softplus,
+    /// In-kernel lower-bound gate with this bound.
+    LowerBound(f64),
+}
+
+/// The scalar options of a KDA call.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct KdaConfig {
+    /// Layout of the per-token tensors (batch-first by default, as PyTorch users hold them).
+    pub layout: Layout,
+    /// Query scale; `None` means `K^-1/2`.
+    pub scale: Option<f64>,
+    /// L2-normalise q and k over K (`x * rsqrt(sum(x^2) + 1e-6)`) inside the kernel.
+    pub use_qk_l2norm: bool,
+    /// Return the final state of every segment.
+    pub output_final_state: bool,
+}
+
+/// The epsilon of the in-kernel q/k L2 norm.
+pub const L2NORM_EPS: f64 = 1e-6;
+
+/// The largest key width any backend supports.
+pub const MAX_K: usize = 256;
+
+/// What the forward keeps for the backward (spec section 5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum BackwardStrategy {
+    /// Keep the state entering every chunk; the backward never re-runs the recurrence.
+    #[default]
+    SavedState,
+    /// Keep no states; the backward re-runs the state recurrence.
+    Rematerialize,
+}
+
+impl BackwardStrategy {
+    /// Parses `saved-state` or `remat`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "saved-state" | "saved" => Some(Self::SavedState),
+            "remat" | "rematerialize" => Some(Self::Rematerialize),
+            _ => None,
+        }
+    }
+    /// The command-line name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::SavedState => "saved-state",
+            Self::Rematerialize => "remat",
+        }
+    }
+}

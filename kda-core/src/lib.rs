@@ -1,0 +1,28 @@
+//! The contract of Kimi Delta Attention kernels: shapes, layouts, dtypes, options, segment
+//! metadata, validated problems, typed errors and the [`Backend`] trait.
+//!
+//! The math and conventions follow `KDA_SPEC.md` (sections 1-3 and 6); every violation of the
+//! contract is a [`KdaError`] that names the argument, what was expected and what came.
+
+#![warn(missing_docs)]
+
+mod backend;
+mod config;
+mod dtype;
+mod error;
+mod io;
+mod problem;
+mod segments;
+mod shape;
+mod tensor;
+
+pub use backend::{Backend, Residuals};
+pub use config::{BackwardStrategy, GateKind, GateMode, KdaConfig, L2NORM_EPS, MAX_K};
+pub use dtype::DType;
+pub use error::{ErrorKind, KdaError, Result};
+pub use half::bf16;
+pub use io::{Cotangents, KdaGradients, KdaInputs, KdaOutputs};
+pub use problem::Problem;
+pub use segments::{SegmentTable, Segments};
+pub use shape::{fmt_shape, shape, Layout, ProblemDims, Shape};
+pub use tensor::{HostTensor, TensorData};

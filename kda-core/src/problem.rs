@@ -1,0 +1,200 @@
+//! Validation: the contract of spec sections 2, 3 and 6 turned into typed errors, and the
+//! validated [`Problem`] that backends work from.
+
+use crate::config::{GateKind, GateMode, MAX_K};
+use crate::dtype::DType;
+use crate::error::{KdaError, Result};
+use crate::io::{Cotangents, KdaInputs};
+use crate::segments::SegmentTable;
+use crate::shape::{fmt_shape, Layout, ProblemDims, Shape};
+use crate::tensor::HostTensor;
+
+/// A validated KDA call: sizes, options and segments, without the tensors.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Problem {
+    /// Sizes (N = segment slots per row).
+    pub dims: ProblemDims,
+    /// Layout of the per-token tensors.
+    pub layout: Layout,
+    /// dtype of q, k, v (and of the output).
+    pub dtype: DType,
+    /// The resolved query scale.
+    pub scale: f64,
+    /// Segments, one range per slot and row.
+    pub segments: SegmentTable,
+    /// Whether an initial state was given.
+    pub has_initial_state: bool,
+    /// The gate kind.
+    pub gate: GateKind,
+    /// Whether an in-kernel gate has a `dt_bias`.
+    pub has_dt_bias: bool,
+    /// q/k L2 norm inside the kernel.
+    pub use_qk_l2norm: bool,
+    /// Whether final states are returned.
+    pub output_final_state: bool,
+    /// The shape `beta` was given in (a trailing 1 is kept for `dbeta`).
+    pub beta_shape: Shape,
+}
+
+impl Problem {
+    /// dtype of final states and `dh0`: f64 for f64 inputs, f32 otherwise.
+    pub fn state_dtype(&self) -> DType {
+        if self.dtype == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        }
+    }
+}
+
+fn finite(arg: &str, t: &HostTensor) -> Result<()> {
+    match t.first_non_finite() {
+        Some(i) => Err(KdaError::value(arg, "finite values", format!("{} at flat index {i}", t.get_f64(i)))),
+        None => Ok(()),
+    }
+}
+
+fn expect_shape(arg: &str, t: &HostTensor, want: &[usize], what: &str) -> Result<()> {
+    if t.shape() != want {
+        return Err(KdaError::shape(arg, format!("{} ({what})", fmt_shape(want)), fmt_shape(t.shape())));
+    }
+    Ok(())
+}
+
+impl KdaInputs {
+    /// Checks every rule of the contract and returns the validated problem.
+    pub fn validate(&self) -> Result<Problem> {
+        let layout = self.config.layout;
+        let axes = match layout {
+            Layout::HeadFirst => "[H, B, T, K]",
+            Layout::BatchFirst => "[B, T, H, K]",
+        };
+        if self.q.shape().len() != 4 {
+            return Err(KdaError::shape("q", format!("rank 4 {axes}"), fmt_shape(self.q.shape())));
+        }
+        let (h, b, t) = layout.hbt(self.q.shape());
+        let k = self.q.shape()[3];
+        if self.q.shape().contains(&0) {
+            return Err(KdaError::shape("q", "non-empty H, B, T and K", fmt_shape(self.q.shape())));
+        }
+        if k > MAX_K {
+            return Err(KdaError::unsupported("K", format!("K <= {MAX_K}"), format!("K = {k}")));
+        }
+        let token_k = layout.token_shape(h, b, t, k);
+        expect_shape("k", &self.k, &token_k, "like q")?;
+        expect_shape("g", &self.g, &token_k, "like q")?;
+        if self.v.shape().len() != 4 {
+            return Err(KdaError::shape("v", "rank 4 with q's leading axes", fmt_shape(self.v.shape())));
+        }
+        let v = self.v.shape()[3];
+        if v == 0 {
+            return Err(KdaError::shape("v", "non-empty V", fmt_shape(self.v.shape())));
+        }
+        expect_shape("v", &self.v, &layout.token_shape(h, b, t, v), "q's leading axes, width V")?;
+        let scalar = layout.scalar_shape(h, b, t);
+        let mut scalar1 = scalar.clone();
+        scalar1.push(1);
+        if self.beta.shape() != scalar.as_slice() && self.beta.shape() != scalar1.as_slice() {
+            return Err(KdaError::shape(
+                "beta",
+                format!("{} or {}", fmt_shape(&scalar), fmt_shape(&scalar1)),
+                fmt_shape(self.beta.shape()),
+            ));
+        }
+
+        let dtype = self.q.dtype();
+        for (arg, x) in [("k", &self.k), ("v", &self.v)] {
+            if x.dtype() != dtype {
+                return Err(KdaError::dtype(arg, format!("{dtype} like q"), x.dtype().to_string()));
+            }
+        }
+        for (arg, x) in [("q", &self.q), ("k", &self.k), ("v", &self.v), ("g", &self.g), ("beta", &self.beta)]
+        {
+            finite(arg, x)?;
+        }
+        for i in 0..self.beta.len() {
+            let x = self.beta.get_f64(i);
+            if !(0.0..=1.0).contains(&x) {
+                return Err(KdaError::value("beta", "values in [0, 1]", format!("{x} at flat index {i}")));
+            }
+        }
+
+        let scale = match self.config.scale {
+            Some(s) if !s.is_finite() => {
+                return Err(KdaError::value("scale", "a finite scale", s.to_string()))
+            }
+            Some(s) => s,
+            None => 1.0 / (k as f64).sqrt(),
+        };
+
+        let segments = match &self.segments {
+            Some(s) => s.validate(b, t)?,
+            None => SegmentTable::fixed(b, t),
+        };
+        let n = segments.n();
+        let dims = ProblemDims { h, b, t, k, v, n };
+
+        if let Some(h0) = &self.initial_state {
+            let want = dims.state_shape();
+            if h0.shape().len() == 5 && h0.shape()[1] != n && h0.shape()[0] == b {
+                return Err(KdaError::shape(
+                    "initial_state",
+                    format!("N = {n} segment slots ({} from the segments)", fmt_shape(&want)),
+                    fmt_shape(h0.shape()),
+                ));
+            }
+            expect_shape("initial_state", h0, &want, "[B, N, H, K, V]")?;
+            finite("initial_state", h0)?;
+        }
+
+        let (gate, has_dt_bias) = self.validate_gate(h, k)?;
+
+        Ok(Problem {
+            dims,
+            layout,
+            dtype,
+            scale,
+            segments,
+            has_initial_state: self.initial_state.is_some(),
+            gate,
+            has_dt_bias,
+            use_qk_l2norm: self.config.use_qk_l2norm,
+            output_final_state: self.config.output_final_state,
+            beta_shape: Shape::from_slice(self.beta.shape()),
+        })
+    }
+
+    fn validate_gate(&self, h: usize, k: usize) -> Result<(GateKind, bool)> {
+        if let GateMode::LowerBound { lb, .. } = self.gate {
+            if !(-5.0..0.0).contains(&lb) {
+                return Err(KdaError::value("lb", "a lower bound in [-5, 0)", lb.to_string()));
+            }
+        }
+        let Some((a_log, dt_bias)) = self.gate.params() else {
+            return Ok((GateKind::Preactivated, false));
+        };
+        let a_log =
+            a_log.ok_or_else(|| KdaError::missing("a_log", "an in-kernel gate needs a_log of shape [H]"))?;
+        expect_shape("a_log", a_log, &[h], "[H]")?;
+        finite("a_log", a_log)?;
+        if let Some(dt) = dt_bias {
+            expect_shape("dt_bias", dt, &[h * k], "[H*K]")?;
+            finite("dt_bias", dt)?;
+        }
+        Ok((self.gate.kind(), dt_bias.is_some()))
+    }
+}
+
+impl Cotangents {
+    /// Checks the cotangents against a validated problem.
+    pub fn validate(&self, p: &Problem) -> Result<()> {
+        let d = &p.dims;
+        expect_shape("do", &self.d_o, &p.layout.token_shape(d.h, d.b, d.t, d.v), "shaped like o")?;
+        finite("do", &self.d_o)?;
+        if let Some(dht) = &self.dht {
+            expect_shape("dht", dht, &d.state_shape(), "[B, N, H, K, V]")?;
+            finite("dht", dht)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,200 @@
+//! Host tensors: a shape plus contiguous row-major data of one dtype.
+
+use crate::dtype::DType;
+use crate::error::{KdaError, Result};
+use crate::shape::{fmt_shape, Shape};
+use half::bf16;
+
+/// The element storage of a [`HostTensor`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum TensorData {
+    /// f64 elements (reference inputs and results).
+    F64(Vec<f64>),
+    /// f32 elements.
+    F32(Vec<f32>),
+    /// bf16 elements.
+    BF16(Vec<bf16>),
+}
+
+/// A row-major tensor in host memory.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostTensor {
+    shape: Shape,
+    data: TensorData,
+}
+
+fn check_len(shape: &[usize], len: usize) -> Result<()> {
+    let want: usize = shape.iter().product();
+    if want != len {
+        return Err(KdaError::shape(
+            "tensor data",
+            format!("{} elements for shape {}", want, fmt_shape(shape)),
+            format!("{len} elements"),
+        ));
+    }
+    Ok(())
+}
+
+impl HostTensor {
+    /// A tensor from data; fails when the element count does not match the shape.
+    pub fn new(shape: &[usize], data: TensorData) -> Result<Self> {
+        let len = match &data {
+            TensorData::F64(v) => v.len(),
+            TensorData::F32(v) => v.len(),
+            TensorData::BF16(v) => v.len(),
+        };
+        check_len(shape, len)?;
+        Ok(Self { shape: Shape::from_slice(shape), data })
+    }
+    /// An f32 tensor.
+    pub fn from_f32(shape: &[usize], data: Vec<f32>) -> Result<Self> {
+        Self::new(shape, TensorData::F32(data))
+    }
+    /// An f64 tensor.
+    pub fn from_f64(shape: &[usize], data: Vec<f64>) -> Result<Self> {
+        Self::new(shape, TensorData::F64(data))
+    }
+    /// A bf16 tensor.
+    pub fn from_bf16(shape: &[usize], data: Vec<bf16>) -> Result<Self> {
+        Self::new(shape, TensorData::BF16(data))
+    }
+    /// A tensor of `dtype` from f64 values, rounding each to the dtype.
+    pub fn from_f64_as(shape: &[usize], data: &[f64], dtype: DType) -> Result<Self> {
+        let data = match dtype {
+            DType::F64 => TensorData::F64(data.to_vec()),
+            DType::F32 => TensorData::F32(data.iter().map(|&x| x as f32).collect()),
+            DType::BF16 => TensorData::BF16(data.iter().map(|&x| bf16::from_f64(x)).collect()),
+        };
+        Self::new(shape, data)
+    }
+    /// A zero tensor.
+    pub fn zeros(shape: &[usize], dtype: DType) -> Self {
+        let n: usize = shape.iter().product();
+        let data = match dtype {
+            DType::F64 => TensorData::F64(vec![0.0; n]),
+            DType::F32 => TensorData::F32(vec![0.0; n]),
+            DType::BF16 => TensorData::BF16(vec![bf16::ZERO; n]),
+        };
+        Self { shape: Shape::from_slice(shape), data }
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        match self.data {
+            TensorData::F64(_) => DType::F64,
+            TensorData::F32(_) => DType::F32,
+            TensorData::BF16(_) => DType::BF16,
+        }
+    }
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+    /// True when the tensor has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The storage.
+    pub fn data(&self) -> &TensorData {
+        &self.data
+    }
+    /// The raw little-endian bytes of the elements (for device uploads and files).
+    pub fn as_bytes(&self) -> &[u8] {
+        match &self.data {
+            TensorData::F64(v) => bytemuck::cast_slice(v),
+            TensorData::F32(v) => bytemuck::cast_slice(v),
+            TensorData::BF16(v) => bytemuck::cast_slice(v),
+        }
+    }
+    /// Element `i` widened to f64.
+    #[inline]
+    pub fn get_f64(&self, i: usize) -> f64 {
+        match &self.data {
+            TensorData::F64(v) => v[i],
+            TensorData::F32(v) => v[i] as f64,
+            TensorData::BF16(v) => v[i].to_f64(),
+        }
+    }
+    /// All elements widened to f64.
+    pub fn to_f64_vec(&self) -> Vec<f64> {
+        match &self.data {
+            TensorData::F64(v) => v.clone(),
+            TensorData::F32(v) => v.iter().map(|&x| x as f64).collect(),
+            TensorData::BF16(v) => v.iter().map(|x| x.to_f64()).collect(),
+        }
+    }
+    /// All elements converted to f32 (rounding f64, widening bf16).
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        match &self.data {
+            TensorData::F64(v) => v.iter().map(|&x| x as f32).collect(),
+            TensorData::F32(v) => v.clone(),
+            TensorData::BF16(v) => v.iter().map(|x| x.to_f32()).collect(),
+        }
+    }
+    /// The same values in another dtype (round to nearest even when narrowing).
+    pub fn cast(&self, dtype: DType) -> HostTensor {
+        if dtype == self.dtype() {
+            return self.clone();
+        }
+        let data = match dtype {
+            DType::F64 => TensorData::F64(self.to_f64_vec()),
+            DType::F32 => TensorData::F32(self.to_f32_vec()),
+            DType::BF16 => TensorData::BF16(match &self.data {
+                TensorData::F64(v) => v.iter().map(|&x| bf16::from_f64(x)).collect(),
+                TensorData::F32(v) => v.iter().map(|&x| bf16::from_f32(x)).collect(),
+                TensorData::BF16(v) => v.clone(),
+            }),
+        };
+        HostTensor { shape: self.shape.clone(), data }
+    }
+    /// The same data under another shape with the same element count.
+    pub fn reshape(&self, shape: &[usize]) -> Result<HostTensor> {
+        check_len(shape, self.len())?;
+        Ok(HostTensor { shape: Shape::from_slice(shape), data: self.data.clone() })
+    }
+    /// Index of the first non-finite element, if any.
+    pub fn first_non_finite(&self) -> Option<usize> {
+        match &self.data {
+            TensorData::F64(v) => v.iter().position(|x| !x.is_finite()),
+            TensorData::F32(v) => v.iter().position(|x| !x.is_finite()),
+            TensorData::BF16(v) => v.iter().position(|x| !x.is_finite()),
+        }
+    }
+    /// Reorders the axes: result axis `i` is input axis `perm[i]`.
+    pub fn permute(&self, perm: &[usize]) -> Result<HostTensor> {
+        let rank = self.shape.len();
+        let mut seen = vec![false; rank];
+        if perm.len() != rank || perm.iter().any(|&p| p >= rank || std::mem::replace(&mut seen[p], true)) {
+            return Err(KdaError::shape("perm", format!("a permutation of 0..{rank}"), format!("{perm:?}")));
+        }
+        let out_shape: Vec<usize> = perm.iter().map(|&p| self.shape[p]).collect();
+        let mut in_strides = vec![1usize; rank];
+        for i in (0..rank.saturating_sub(1)).rev() {
+            in_strides[i] = in_strides[i + 1] * self.shape[i + 1];
+        }
+        let strides: Vec<usize> = perm.iter().map(|&p| in_strides[p]).collect();
+        let n = self.len();
+        let mut src = Vec::with_capacity(n);
+        let mut idx = vec![0usize; rank];
+        for _ in 0..n {
+            src.push(idx.iter().zip(&strides).map(|(i, s)| i * s).sum::<usize>());
+            for ax in (0..rank).rev() {
+                idx[ax] += 1;
+                if idx[ax] < out_shape[ax] {
+                    break;
+                }
+                idx[ax] = 0;
+            }
+        }
+        let data = match &self.data {
+            TensorData::F64(v) => TensorData::F64(src.iter().map(|&i| v[i]).collect()),
+            TensorData::F32(v) => TensorData::F32(src.iter().map(|&i| v[i]).collect()),
+            TensorData::BF16(v) => TensorData::BF16(src.iter().map(|&i| v[i]).collect()),
+        };
+        HostTensor::new(&out_shape, data)
+    }
+}
