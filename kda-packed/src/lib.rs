@@ -1,1 +1,34 @@
-//! placeholder
+//! Packed (variable-length) batches for Kimi Delta Attention (spec sections 3 and 4): the chunk
+//! plan, segment loading into the chunk-aligned layout and gradient compaction back out of it.
+//!
+//! Every segment starts a new chunk of `C` tokens. The aligned layout of a per-token tensor is
+//! `[H, NT, C, D]` where `NT` is the plan's exact chunk count (or a static capacity); slot
+//! `chunk * C + i` holds token `i` of that chunk and padding slots are zero. Packed tokens are
+//! numbered `b * T + t` in the `i32` index tables that device programs use.
+
+#![warn(missing_docs)]
+
+mod compact;
+mod cotangents;
+mod dispatch;
+mod layout;
+mod load;
+mod plan;
+mod segment_view;
+mod static_plan;
+mod tables;
+
+pub use compact::{
+    compact_gradients, compact_gradients_into, compact_scalar_tensor, compact_tensor, compact_with_tables,
+    gather_gradients, gather_scalar_tensor, gather_tensor,
+};
+pub use cotangents::{AlignedGradients, AlignedInputs, PackedIo};
+pub use layout::{AlignedShape, PackedShape};
+pub use load::{
+    load_scalar_tensor, load_segments, load_segments_into, load_tensor, load_tensor_with_tables,
+    load_with_tables,
+};
+pub use plan::{check_chunk_size, ChunkInfo, SegmentInfo, SegmentPlan, CHUNK_SIZES, DEFAULT_CHUNK_SIZE};
+pub use segment_view::{segment_state, segment_tensor, write_segment, write_segment_state};
+pub use static_plan::{StaticCapacity, StaticPlan};
+pub use tables::{IndexTables, SENTINEL};
