@@ -102,6 +102,14 @@ impl HostTensor {
     pub fn data(&self) -> &TensorData {
         &self.data
     }
+    /// Mutable access to the storage (the shape stays fixed).
+    pub fn data_mut(&mut self) -> &mut TensorData {
+        &mut self.data
+    }
+    /// The storage, consuming the tensor.
+    pub fn into_data(self) -> TensorData {
+        self.data
+    }
     /// The raw little-endian bytes of the elements (for device uploads and files).
     pub fn as_bytes(&self) -> &[u8] {
         match &self.data {

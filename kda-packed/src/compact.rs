@@ -79,6 +79,7 @@ pub fn compact_with_tables<T: Copy + Default>(
     shape: PackedShape,
     aligned: &[T],
 ) -> Result<Vec<T>> {
+    tables.check()?;
     shape.check_tables(tables)?;
     let a = shape.aligned(tables.capacity, tables.c);
     a.check_len("aligned", aligned.len())?;
@@ -101,6 +102,7 @@ pub fn gather_gradients<T: Copy + Default>(
     shape: PackedShape,
     aligned: &[T],
 ) -> Result<Vec<T>> {
+    tables.check()?;
     shape.check_tables(tables)?;
     let a = shape.aligned(tables.capacity, tables.c);
     a.check_len("aligned", aligned.len())?;

@@ -58,6 +58,7 @@ pub fn load_with_tables<T: Copy + Default>(
     shape: PackedShape,
     packed: &[T],
 ) -> Result<Vec<T>> {
+    tables.check()?;
     shape.check_tables(tables)?;
     shape.check_len("packed", packed.len())?;
     let a = shape.aligned(tables.capacity, tables.c);

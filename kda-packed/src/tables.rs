@@ -69,10 +69,10 @@ impl IndexTables {
                 plan.n().to_string(),
             ));
         }
-        let slots = capacity.checked_mul(c).unwrap_or(usize::MAX);
+        let slots = capacity.saturating_mul(c);
         to_i32("aligned slots", slots)?;
-        to_i32("packed tokens", b.checked_mul(t).unwrap_or(usize::MAX))?;
-        to_i32("segment slots", b.checked_mul(n_slots).unwrap_or(usize::MAX))?;
+        to_i32("packed tokens", b.saturating_mul(t))?;
+        to_i32("segment slots", b.saturating_mul(n_slots))?;
 
         let mut tables = Self {
             c,
@@ -115,6 +115,43 @@ impl IndexTables {
         Ok(tables)
     }
 
+    /// `Ok` when the table lengths match the sizes and every index is in range (or the sentinel);
+    /// the table-driven loaders call this, so edited tables give a `Value` error, not a panic.
+    pub fn check(&self) -> Result<()> {
+        let (slots, tokens, segs) = (self.capacity * self.c, self.b * self.t, self.b * self.n_slots);
+        let lens = [
+            ("slot_token", self.slot_token.len(), slots),
+            ("token_slot", self.token_slot.len(), tokens),
+            ("chunk_segment", self.chunk_segment.len(), self.capacity),
+            ("chunk_row", self.chunk_row.len(), self.capacity),
+            ("chunk_local", self.chunk_local.len(), self.capacity),
+            ("chunk_first", self.chunk_first.len(), self.capacity),
+            ("chunk_last", self.chunk_last.len(), self.capacity),
+            ("chunk_len", self.chunk_len.len(), self.capacity),
+            ("chunk_start", self.chunk_start.len(), self.capacity),
+            ("segment_first_chunk", self.segment_first_chunk.len(), segs),
+            ("segment_last_chunk", self.segment_last_chunk.len(), segs),
+        ];
+        for (arg, got, want) in lens {
+            if got != want {
+                return Err(KdaError::shape(arg, format!("{want} entries"), format!("{got} entries")));
+            }
+        }
+        let ranges = [("slot_token", &self.slot_token, tokens), ("token_slot", &self.token_slot, slots)];
+        for (arg, table, bound) in ranges {
+            if let Some((i, x)) =
+                table.iter().enumerate().find(|(_, &x)| x < SENTINEL || x as i64 >= bound as i64)
+            {
+                return Err(KdaError::value(
+                    arg,
+                    format!("indices in 0..{bound} or the sentinel {SENTINEL}"),
+                    format!("{x} at entry {i}"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Aligned slots per head, `capacity * C`.
     pub fn num_slots(&self) -> usize {
         self.slot_token.len()
@@ -122,16 +159,16 @@ impl IndexTables {
 
     /// Decodes chunk `i` back into the plan's form; `None` for an unused (or out-of-range) chunk.
     pub fn chunk_info(&self, i: usize) -> Option<ChunkInfo> {
-        let segment = usize::try_from(*self.chunk_segment.get(i)?).ok()?;
-        let row = usize::try_from(self.chunk_row[i]).ok()?;
-        let start = usize::try_from(self.chunk_start[i]).ok()?;
+        let entry = |table: &[i32]| table.get(i).and_then(|&x| usize::try_from(x).ok());
+        let (segment, row, start) =
+            (entry(&self.chunk_segment)?, entry(&self.chunk_row)?, entry(&self.chunk_start)?);
         Some(ChunkInfo {
             row,
             segment: segment.checked_sub(row * self.n_slots)?,
-            local: usize::try_from(self.chunk_local[i]).ok()?,
-            first: self.chunk_first[i] != 0,
-            last: self.chunk_last[i] != 0,
-            len: usize::try_from(self.chunk_len[i]).ok()?,
+            local: entry(&self.chunk_local)?,
+            first: *self.chunk_first.get(i)? != 0,
+            last: *self.chunk_last.get(i)? != 0,
+            len: entry(&self.chunk_len)?,
             start: start.checked_sub(row * self.t)?,
         })
     }

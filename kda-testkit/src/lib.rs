@@ -1,1 +1,38 @@
-//! placeholder
+//! The test kit every backend shares: agreement metrics against the f64 reference (spec
+//! section 7), the tolerance table, seeded input profiles, the named case table (spec section 6
+//! and the benchmark shapes) and a conformance suite a backend instantiates with one macro:
+//!
+//! ```ignore
+//! kda_testkit::conformance_suite!(my_backend::MyBackend::new());
+//! ```
+
+#![warn(missing_docs)]
+
+pub mod cases;
+pub mod conformance;
+pub mod inputs;
+pub mod metrics;
+pub mod rng;
+pub mod tolerance;
+
+pub use cases::{all_cases, benchmark_cases, case, Case, CaseGate, CaseSegments, Profile, CASE_NAMES};
+pub use inputs::{case_data, widen, CaseData};
+pub use metrics::{agreement, ulp_distance, Agreement};
+pub use rng::Rng;
+pub use tolerance::{rms_limit, Quantity};
+
+/// Instantiates the whole conformance suite (forward and backward, both strategies, split and
+/// fused, f32 and bf16, every case of the table) for the backend that `$make` builds. Invoke it
+/// once, at the top level of an integration test file.
+#[macro_export]
+macro_rules! conformance_suite {
+    ($make:expr) => {
+        $crate::for_each_case!(@list conformance $make);
+    };
+}
+
+#[doc(hidden)]
+pub mod __private {
+    pub use crate::conformance::Path;
+    pub use kda_core::{BackwardStrategy, DType};
+}

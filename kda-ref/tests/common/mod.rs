@@ -1,4 +1,5 @@
 //! Small seeded f64 inputs for the reference's own tests.
+#![allow(dead_code)] // shared by several test files; each uses a part
 
 use kda_core::{Cotangents, GateMode, HostTensor, KdaConfig, KdaInputs, Layout, Segments};
 

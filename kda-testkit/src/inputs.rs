@@ -1,0 +1,173 @@
+//! Seeded inputs for a [`Case`]: the same name and dtype always give the same tensors.
+
+use crate::cases::{Case, CaseGate, CaseSegments, Profile};
+use crate::rng::Rng;
+use kda_core::{Cotangents, DType, GateMode, HostTensor, KdaConfig, KdaInputs, Result, Segments};
+
+/// Inputs and cotangents of one case.
+#[derive(Debug, Clone)]
+pub struct CaseData {
+    /// Forward inputs, in the case's dtype.
+    pub inputs: KdaInputs,
+    /// Cotangents (`do`, and `dht` when the case has states).
+    pub cotangents: Cotangents,
+}
+
+fn normalise_rows(x: &mut [f64], d: usize) {
+    for row in x.chunks_mut(d) {
+        let n = row.iter().map(|a| a * a).sum::<f64>().sqrt().max(1e-12);
+        row.iter_mut().for_each(|a| *a /= n);
+    }
+}
+
+fn segments(case: &Case) -> Option<Segments> {
+    let cu = |rows: &Vec<Vec<usize>>| -> Vec<Vec<i64>> {
+        rows.iter()
+            .map(|r| {
+                let mut c = vec![0i64];
+                for l in r {
+                    c.push(c[c.len() - 1] + *l as i64);
+                }
+                c
+            })
+            .collect()
+    };
+    match &case.segments {
+        CaseSegments::Fixed => None,
+        CaseSegments::Lengths(rows) => Some(Segments::CuSeqlens(cu(rows))),
+        CaseSegments::SegmentIds(rows) => Some(Segments::SegmentIds(
+            rows.iter()
+                .map(|r| {
+                    let mut ids = vec![0i64; case.t];
+                    let mut pos = 0;
+                    for (i, l) in r.iter().enumerate() {
+                        ids[pos..pos + l].fill(i as i64 + 1);
+                        pos += l;
+                    }
+                    ids
+                })
+                .collect(),
+        )),
+    }
+}
+
+/// Segment slots per row of a case.
+pub fn slots(case: &Case) -> usize {
+    match &case.segments {
+        CaseSegments::Fixed => 1,
+        CaseSegments::Lengths(rows) | CaseSegments::SegmentIds(rows) => {
+            rows.iter().map(|r| r.len()).max().unwrap_or(1)
+        }
+    }
+}
+
+/// Draws the inputs of `case` in `dtype` (the reference then runs on these rounded values).
+pub fn case_data(case: &Case, dtype: DType) -> Result<CaseData> {
+    let mut r = Rng::from_name(case.name);
+    let (h, b, t, k, v) = (case.h, case.b, case.t, case.k, case.v);
+    let n = h * b * t;
+    let lay = case.layout;
+    let tk = lay.token_shape(h, b, t, k);
+    let tv = lay.token_shape(h, b, t, v);
+    let mut ts = lay.scalar_shape(h, b, t).to_vec();
+    if case.beta_trailing_one {
+        ts.push(1);
+    }
+    let mut q = r.normal_vec(n * k);
+    let mut kk = r.normal_vec(n * k);
+    if !case.l2norm {
+        // Well-conditioned inputs (spec section 7): q and k arrive L2-normalised.
+        normalise_rows(&mut q, k);
+        normalise_rows(&mut kk, k);
+    }
+    let vv = r.normal_vec(n * v);
+    let mut g = match (case.gate, case.profile) {
+        (CaseGate::Preactivated, Profile::StrongDecay) => r.uniform_vec(n * k, -5.0, -4.5),
+        (CaseGate::Preactivated, _) => r.uniform_vec(n * k, -5.0, 0.0),
+        // Raw gate inputs; the activation maps them into (lb, 0) or (-inf, 0).
+        (_, Profile::StrongDecay) => r.uniform_vec(n * k, 3.0, 4.0),
+        (_, _) => r.uniform_vec(n * k, -3.0, 3.0),
+    };
+    if case.profile == Profile::HardReset {
+        // Every 37th token (in storage order) forgets everything.
+        for tok in (5..n).step_by(37) {
+            g[tok * k..(tok + 1) * k].fill(-1000.0);
+        }
+    }
+    let mut beta = r.uniform_vec(n, 0.0, 1.0);
+    if case.profile == Profile::BetaEdges {
+        for (i, x) in beta.iter_mut().enumerate() {
+            match i % 5 {
+                0 => *x = 0.0,
+                1 => *x = 1.0,
+                _ => {}
+            }
+        }
+    }
+    let gate = match case.gate {
+        CaseGate::Preactivated => GateMode::Preactivated,
+        CaseGate::Softplus => GateMode::softplus(
+            HostTensor::from_f64_as(&[h], &r.uniform_vec(h, -1.0, 0.5), DType::F32)?,
+            Some(HostTensor::from_f64_as(&[h * k], &r.uniform_vec(h * k, -0.5, 0.5), DType::F32)?),
+        ),
+        CaseGate::LowerBound(lb) => GateMode::lower_bound(
+            lb,
+            HostTensor::from_f64_as(&[h], &r.uniform_vec(h, -1.0, 0.5), DType::F32)?,
+            Some(HostTensor::from_f64_as(&[h * k], &r.uniform_vec(h * k, -0.5, 0.5), DType::F32)?),
+        ),
+    };
+    let slots = slots(case);
+    let state = [b, slots, h, k, v];
+    let state_len = b * slots * h * k * v;
+    let mut inputs = KdaInputs::new(
+        HostTensor::from_f64_as(&tk, &q, dtype)?,
+        HostTensor::from_f64_as(&tk, &kk, dtype)?,
+        HostTensor::from_f64_as(&tv, &vv, dtype)?,
+        HostTensor::from_f64_as(&tk, &g, dtype)?,
+        HostTensor::from_f64_as(&ts, &beta, dtype)?,
+    )
+    .with_gate(gate)
+    .with_config(KdaConfig {
+        layout: lay,
+        scale: None,
+        use_qk_l2norm: case.l2norm,
+        output_final_state: case.final_state,
+    });
+    if case.initial_state {
+        let h0 = r.normal_vec(state_len).iter().map(|x| 0.5 * x).collect::<Vec<_>>();
+        inputs = inputs.with_initial_state(HostTensor::from_f64_as(&state, &h0, DType::F32)?);
+    }
+    if let Some(s) = segments(case) {
+        inputs = inputs.with_segments(s);
+    }
+    let d_o = HostTensor::from_f64_as(&tv, &r.normal_vec(n * v), dtype)?;
+    let dht = if case.final_state {
+        Some(HostTensor::from_f64_as(&state, &r.normal_vec(state_len), DType::F32)?)
+    } else {
+        None
+    };
+    Ok(CaseData { inputs, cotangents: Cotangents { d_o, dht } })
+}
+
+/// The same inputs widened to f64, for the reference.
+pub fn widen(data: &CaseData) -> CaseData {
+    let w = |t: &HostTensor| t.cast(DType::F64);
+    let mut x = data.inputs.clone();
+    x.q = w(&x.q);
+    x.k = w(&x.k);
+    x.v = w(&x.v);
+    x.g = w(&x.g);
+    x.beta = w(&x.beta);
+    x.initial_state = x.initial_state.as_ref().map(w);
+    x.gate = match x.gate {
+        GateMode::Preactivated => GateMode::Preactivated,
+        GateMode::Softplus { a_log, dt_bias } => {
+            GateMode::Softplus { a_log: a_log.as_ref().map(w), dt_bias: dt_bias.as_ref().map(w) }
+        }
+        GateMode::LowerBound { lb, a_log, dt_bias } => {
+            GateMode::LowerBound { lb, a_log: a_log.as_ref().map(w), dt_bias: dt_bias.as_ref().map(w) }
+        }
+    };
+    let c = &data.cotangents;
+    CaseData { inputs: x, cotangents: Cotangents { d_o: w(&c.d_o), dht: c.dht.as_ref().map(w) } }
+}

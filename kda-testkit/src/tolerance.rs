@@ -1,0 +1,41 @@
+//! The spec's tolerance table (section 7) as data.
+
+use kda_core::DType;
+
+/// A checked quantity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Quantity {
+    /// The output `o`.
+    Output,
+    /// Final states.
+    FinalState,
+    /// dq, dk, dv, dh0.
+    PrimaryGradient,
+    /// dg, dbeta, da_log, ddt_bias.
+    GateGradient,
+}
+
+impl Quantity {
+    /// The quantity class of a named result (`o`, `final_state`, `dq`, ...).
+    pub fn of(name: &str) -> Quantity {
+        match name {
+            "o" => Quantity::Output,
+            "final_state" | "ht" => Quantity::FinalState,
+            "dq" | "dk" | "dv" | "dh0" => Quantity::PrimaryGradient,
+            _ => Quantity::GateGradient,
+        }
+    }
+}
+
+/// The RMS-ratio target for `quantity` computed from `dtype` inputs, against f64 on the same
+/// (rounded) inputs.
+pub fn rms_limit(quantity: Quantity, dtype: DType) -> f64 {
+    match dtype {
+        DType::BF16 => 2e-2,
+        DType::F32 | DType::F64 => match quantity {
+            Quantity::Output | Quantity::FinalState => 1e-5,
+            Quantity::PrimaryGradient => 1e-4,
+            Quantity::GateGradient => 1e-3,
+        },
+    }
+}

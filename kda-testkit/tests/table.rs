@@ -1,0 +1,77 @@
+//! The case table: complete, consistent, and covering spec section 6.
+
+use kda_core::Layout;
+use kda_testkit::{all_cases, case, case_data, CaseGate, CaseSegments, Profile, CASE_NAMES};
+use rstest::rstest;
+
+#[test]
+fn every_listed_name_has_a_case_with_that_name() {
+    for name in CASE_NAMES {
+        let c = case(name).unwrap_or_else(|| panic!("{name} listed but not in the table"));
+        assert_eq!(c.name, *name);
+    }
+    let mut names = CASE_NAMES.to_vec();
+    names.sort();
+    names.dedup();
+    assert_eq!(names.len(), CASE_NAMES.len(), "duplicate case names");
+    assert!(case("no_such_case").is_none());
+}
+
+fn lengths_present(len: usize) -> bool {
+    all_cases().iter().any(|c| match &c.segments {
+        CaseSegments::Lengths(r) | CaseSegments::SegmentIds(r) => r.iter().flatten().any(|&l| l == len),
+        CaseSegments::Fixed => false,
+    })
+}
+
+#[rstest]
+#[case::single_head(|| all_cases().iter().any(|c| c.h == 1))]
+#[case::one_row(|| all_cases().iter().any(|c| c.b == 1))]
+#[case::several_rows(|| all_cases().iter().any(|c| c.b > 1))]
+#[case::one_token(|| all_cases().iter().any(|c| c.t == 1))]
+#[case::one_token_segment(|| lengths_present(1))]
+#[case::segment_lengths_63_64_65_0(|| [63, 64, 65, 0].iter().all(|&l| lengths_present(l)))]
+#[case::packed_several_rows(|| all_cases().iter().any(|c| c.is_packed() && c.b > 1))]
+#[case::packed_one_slot(|| all_cases().iter().any(|c| kda_testkit::inputs::slots(c) == 1 && c.is_packed()))]
+#[case::segment_ids(|| all_cases().iter().any(|c| matches!(c.segments, CaseSegments::SegmentIds(_))))]
+#[case::beta_trailing_one(|| all_cases().iter().any(|c| c.beta_trailing_one))]
+#[case::k96_v160(|| all_cases().iter().any(|c| c.k == 96 && c.v == 160))]
+#[case::k129_v127(|| all_cases().iter().any(|c| c.k == 129 && c.v == 127))]
+#[case::k_ne_v(|| all_cases().iter().any(|c| c.k != c.v))]
+#[case::k256(|| all_cases().iter().any(|c| c.k == 256))]
+#[case::both_layouts(|| [Layout::HeadFirst, Layout::BatchFirst].iter().all(|l| all_cases().iter().any(|c| c.layout == *l)))]
+#[case::every_gate(|| all_cases().iter().any(|c| c.gate == CaseGate::Softplus)
+    && all_cases().iter().any(|c| matches!(c.gate, CaseGate::LowerBound(_))))]
+#[case::every_profile(|| [Profile::StrongDecay, Profile::HardReset, Profile::BetaEdges].iter()
+    .all(|p| all_cases().iter().any(|c| c.profile == *p)))]
+#[case::primary_benchmark_shape(|| all_cases().iter().any(|c| (c.h, c.t, c.k, c.v) == (8, 1024, 128, 128)))]
+fn table_covers(#[case] covered: fn() -> bool) {
+    assert!(covered());
+}
+
+#[test]
+fn every_case_draws_valid_inputs() {
+    for c in all_cases() {
+        let data = case_data(&c, kda_core::DType::F32).unwrap();
+        let p = data.inputs.validate().unwrap_or_else(|e| panic!("{}: {e}", c.name));
+        data.cotangents.validate(&p).unwrap();
+        assert_eq!(
+            (p.dims.h, p.dims.b, p.dims.t, p.dims.k, p.dims.v),
+            (c.h, c.b, c.t, c.k, c.v),
+            "{}",
+            c.name
+        );
+    }
+}
+
+#[test]
+fn inputs_are_reproducible_from_the_name() {
+    let c = case("fixed_small").unwrap();
+    let a = case_data(&c, kda_core::DType::BF16).unwrap();
+    let b = case_data(&c, kda_core::DType::BF16).unwrap();
+    assert_eq!(a.inputs, b.inputs);
+    assert_ne!(
+        a.inputs.q,
+        case_data(&case("strong_decay").unwrap(), kda_core::DType::BF16).unwrap().inputs.q
+    );
+}
