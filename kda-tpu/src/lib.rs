@@ -1,1 +1,18 @@
-//! placeholder
+//! KDA kernels over PJRT: a runtime for any PJRT plugin (CPU here, libtpu or CUDA elsewhere) and
+//! deviceless ahead-of-time TPU compiles. Build after `cargo xtask setup` (see [`error::SETUP_HINT`]).
+#![warn(missing_docs)]
+
+pub mod aot;
+pub mod backend;
+pub mod error;
+pub mod hlo;
+pub mod kernels;
+pub mod runtime;
+
+pub use backend::{PjrtBackend, PjrtResiduals, ProgramKind};
+pub use aot::{AotReport, CostAnalysis, TpuCompiler, DEFAULT_TOPOLOGY};
+pub use error::{Result, TpuError};
+pub use runtime::{
+    CompileOptions, DeviceBuffer, ElementType, Executable, MemoryStats, Runtime, Signature, TensorType,
+    XlaOption,
+};

@@ -1,0 +1,135 @@
+//! Deviceless ahead-of-time TPU compiles through libtpu: proves a program is accepted by the TPU
+//! compiler for a named topology and returns its memory statistics (with peak) and cost analysis.
+//! Nothing runs: numbers of record come from the CPU plugin.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use crate::error::{Result, TpuError};
+use crate::runtime::guard::guarded;
+use crate::runtime::plugin::{self, PluginLocation};
+use crate::runtime::raw::RawApi;
+use crate::runtime::{CompileOptions, MemoryStats};
+
+/// The topology used when none is given: TPU v7x, 2x2x1 chips.
+pub const DEFAULT_TOPOLOGY: &str = "tpu7x:2x2x1";
+
+/// The compiler's cost estimate for one program.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CostAnalysis {
+    /// Floating-point operations (`flops`).
+    pub flops: f64,
+    /// Bytes read and written (`bytes accessed`).
+    pub bytes_accessed: f64,
+    /// The compiler's time estimate; meaningless (often negative) for programs with `while` loops.
+    pub optimal_seconds: f64,
+    /// Every numeric property the compiler reported, by name.
+    pub properties: BTreeMap<String, f64>,
+}
+
+/// What a deviceless compile reports.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AotReport {
+    /// The topology compiled for.
+    pub topology: String,
+    /// Memory statistics, including `peak_bytes`.
+    pub memory: MemoryStats,
+    /// The cost analysis.
+    pub cost: CostAnalysis,
+    /// Wall time of the compile.
+    pub compile_time: Duration,
+}
+
+/// libtpu loaded for deviceless compiles. Not `Send` (it holds the raw plugin table).
+pub struct TpuCompiler {
+    raw: RawApi,
+    version: (i32, i32),
+}
+
+impl std::fmt::Debug for TpuCompiler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "TpuCompiler(PJRT API {}.{})", self.version.0, self.version.1)
+    }
+}
+
+impl TpuCompiler {
+    /// Loads `$KDA_LIBTPU`, else the setup's libtpu (`<.kda>/plugins/tpu/libtpu/libtpu.so`).
+    pub fn load() -> Result<Self> {
+        Self::from_location(&plugin::default_libtpu())
+    }
+
+    /// Loads libtpu from `path`.
+    pub fn with_libtpu(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref().to_path_buf();
+        Self::from_location(&PluginLocation { path, what: "libtpu", hint: "check the path".to_string() })
+    }
+
+    fn from_location(loc: &PluginLocation) -> Result<Self> {
+        // Without this, libtpu spends about 90 s retrying a cloud metadata server, then fails.
+        // set_var is only sound while no other thread reads the environment: call this early.
+        if std::env::var_os("TPU_SKIP_MDS_QUERY").is_none() {
+            std::env::set_var("TPU_SKIP_MDS_QUERY", "1");
+        }
+        let (_api, raw) = plugin::load(loc)?;
+        let version = raw.version();
+        Ok(Self { raw, version })
+    }
+
+    /// libtpu's PJRT C API version.
+    pub fn plugin_version(&self) -> (i32, i32) {
+        self.version
+    }
+
+    /// Compiles StableHLO text for `topology` (e.g. [`DEFAULT_TOPOLOGY`]) with default options.
+    pub fn compile(&self, program: &str, topology: &str) -> Result<AotReport> {
+        self.compile_with(program, topology, &CompileOptions::default())
+    }
+
+    /// Compiles StableHLO text for `topology` with `options`.
+    pub fn compile_with(&self, program: &str, topology: &str, options: &CompileOptions) -> Result<AotReport> {
+        check_topology(topology)?;
+        let _span = tracing::info_span!("compile", topology, bytes = program.len()).entered();
+        let started = Instant::now();
+        let encoded = options.to_pjrt().encode();
+        let (memory, properties) = guarded("aot compile", || {
+            self.raw.compile_for_topology(topology, program, &encoded, |raw, exe| {
+                Ok((raw.memory_stats(exe)?, raw.cost_analysis(exe)?))
+            })
+        })
+        .map_err(|e| match e {
+            TpuError::Unsupported { what, message } => TpuError::Unsupported {
+                what,
+                message: format!("{message}; known names: tpu7x:2x2x1, v6e:2x2, v5e:2x2, v5p:2x2x1"),
+            },
+            other => other,
+        })?;
+        let get = |k: &str| properties.get(k).copied().unwrap_or(f64::NAN);
+        let cost = CostAnalysis {
+            flops: get("flops"),
+            bytes_accessed: get("bytes accessed"),
+            optimal_seconds: get("optimal_seconds"),
+            properties: properties.clone(),
+        };
+        Ok(AotReport { topology: topology.to_string(), memory, cost, compile_time: started.elapsed() })
+    }
+}
+
+/// Rejects names libtpu is known to refuse, with the right spelling (`v7x:..` is `tpu7x:..`).
+pub fn check_topology(topology: &str) -> Result<()> {
+    if let Some(rest) = topology.strip_prefix("v7x") {
+        return Err(TpuError::unsupported(
+            format!("TPU topology `{topology}`"),
+            format!("libtpu names TPU v7x `tpu7x`: use `tpu7x{rest}` (default {DEFAULT_TOPOLOGY})"),
+        ));
+    }
+    if !topology.contains(':') {
+        return Err(TpuError::unsupported(
+            format!("TPU topology `{topology}`"),
+            format!(
+                "expected `<generation>:<chips>` such as {DEFAULT_TOPOLOGY}, v6e:2x2, v5e:2x2, v5p:2x2x1"
+            ),
+        ));
+    }
+    Ok(())
+}

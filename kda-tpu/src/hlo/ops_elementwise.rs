@@ -1,0 +1,286 @@
+//! Constants, iota and elementwise ops. Plain binary ops need equal types; the `_bcast`
+//! forms first broadcast both operands numpy-style (trailing dims aligned, size 1 stretches).
+
+use super::builder::FnBuilder;
+use super::emit::fmt_float;
+use super::error::{err, Result};
+use super::types::{Cmp, ElemType, TensorType, Value};
+
+/// Which element types an elementwise op accepts.
+#[derive(Clone, Copy)]
+enum Kind {
+    /// f32, bf16, i32, u16.
+    Numeric,
+    /// f32, bf16.
+    Float,
+    /// i1, i32, u16.
+    Logical,
+    /// f32, bf16, i32.
+    Signed,
+}
+
+fn check_kind(op: &str, kind: Kind, v: &Value) -> Result<()> {
+    let e = v.elem();
+    let ok = match kind {
+        Kind::Numeric => e != ElemType::I1,
+        Kind::Float => e.is_float(),
+        Kind::Logical => matches!(e, ElemType::I1 | ElemType::I32 | ElemType::U16),
+        Kind::Signed => matches!(e, ElemType::F32 | ElemType::BF16 | ElemType::I32),
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(err(op, format!("element type {e} not supported (operand {})", v.ty())))
+    }
+}
+
+impl FnBuilder {
+    /// Splat constant of a float type (`f32`/`bf16`; bf16 rounds `value` to nearest).
+    pub fn constant_f32(&mut self, value: f32, ty: TensorType) -> Result<Value> {
+        if !ty.elem.is_float() {
+            return Err(err("constant_f32", format!("type {ty} is not a float type")));
+        }
+        let attr = format!("value = dense<{}> : {ty}", fmt_float(value, ty.elem));
+        self.push_op1("constant_f32", "stablehlo.constant", &[], &attr, ty)
+    }
+
+    /// Splat constant of an integer type (`i32`, or `ui16` for 0..=65535).
+    pub fn constant_i32(&mut self, value: i32, ty: TensorType) -> Result<Value> {
+        let ok = match ty.elem {
+            ElemType::I32 => true,
+            ElemType::U16 => (0..=u16::MAX as i32).contains(&value),
+            _ => false,
+        };
+        if !ok {
+            return Err(err("constant_i32", format!("value {value} does not fit type {ty}")));
+        }
+        let attr = format!("value = dense<{value}> : {ty}");
+        self.push_op1("constant_i32", "stablehlo.constant", &[], &attr, ty)
+    }
+
+    /// Splat boolean constant of type `tensor<dims x i1>`.
+    pub fn constant_bool(&mut self, value: bool, dims: &[i64]) -> Result<Value> {
+        let ty = TensorType::new(ElemType::I1, dims);
+        let attr = format!("value = dense<{value}> : {ty}");
+        self.push_op1("constant_bool", "stablehlo.constant", &[], &attr, ty)
+    }
+
+    /// Scalar `tensor<i32>` constant (indices for `dynamic_slice`, loop counters).
+    pub fn scalar_i32(&mut self, value: i32) -> Result<Value> {
+        self.constant_i32(value, TensorType::scalar(ElemType::I32))
+    }
+
+    /// `stablehlo.iota`: counts 0, 1, ... along `dim`, constant along the other dims.
+    pub fn iota(&mut self, ty: TensorType, dim: usize) -> Result<Value> {
+        if dim >= ty.rank() || ty.elem == ElemType::I1 {
+            return Err(err("iota", format!("dim {dim} / element type invalid for {ty}")));
+        }
+        let attr = format!("iota_dimension = {dim} : i64");
+        self.push_op1("iota", "stablehlo.iota", &[], &attr, ty)
+    }
+
+    fn binary(&mut self, op: &str, mlir: &str, kind: Kind, a: Value, b: Value) -> Result<Value> {
+        if a.elem() != b.elem() || a.dims() != b.dims() {
+            return Err(err(op, format!("operand types differ: {} vs {}", a.ty(), b.ty())));
+        }
+        check_kind(op, kind, &a)?;
+        self.push_op1(op, mlir, &[a, b], "", a.ty())
+    }
+
+    fn unary(&mut self, op: &str, mlir: &str, kind: Kind, a: Value) -> Result<Value> {
+        check_kind(op, kind, &a)?;
+        self.push_op1(op, mlir, &[a], "", a.ty())
+    }
+
+    /// `a + b` (equal types).
+    pub fn add(&mut self, a: Value, b: Value) -> Result<Value> {
+        self.binary("add", "stablehlo.add", Kind::Numeric, a, b)
+    }
+    /// `a - b` (equal types).
+    pub fn sub(&mut self, a: Value, b: Value) -> Result<Value> {
+        self.binary("sub", "stablehlo.subtract", Kind::Numeric, a, b)
+    }
+    /// `a * b` (equal types).
+    pub fn mul(&mut self, a: Value, b: Value) -> Result<Value> {
+        self.binary("mul", "stablehlo.multiply", Kind::Numeric, a, b)
+    }
+    /// `a / b` (equal types; integer division truncates).
+    pub fn div(&mut self, a: Value, b: Value) -> Result<Value> {
+        self.binary("div", "stablehlo.divide", Kind::Numeric, a, b)
+    }
+    /// Elementwise maximum (equal types).
+    pub fn max(&mut self, a: Value, b: Value) -> Result<Value> {
+        self.binary("max", "stablehlo.maximum", Kind::Numeric, a, b)
+    }
+    /// Elementwise minimum (equal types).
+    pub fn min(&mut self, a: Value, b: Value) -> Result<Value> {
+        self.binary("min", "stablehlo.minimum", Kind::Numeric, a, b)
+    }
+    /// `a ^ b` for floats (equal types).
+    pub fn pow(&mut self, a: Value, b: Value) -> Result<Value> {
+        self.binary("pow", "stablehlo.power", Kind::Float, a, b)
+    }
+    /// Logical/bitwise and (i1 or integers).
+    pub fn and(&mut self, a: Value, b: Value) -> Result<Value> {
+        self.binary("and", "stablehlo.and", Kind::Logical, a, b)
+    }
+    /// Logical/bitwise or (i1 or integers).
+    pub fn or(&mut self, a: Value, b: Value) -> Result<Value> {
+        self.binary("or", "stablehlo.or", Kind::Logical, a, b)
+    }
+    /// Logical/bitwise not (i1 or integers).
+    pub fn not(&mut self, a: Value) -> Result<Value> {
+        self.unary("not", "stablehlo.not", Kind::Logical, a)
+    }
+    /// `-a`.
+    pub fn neg(&mut self, a: Value) -> Result<Value> {
+        self.unary("neg", "stablehlo.negate", Kind::Signed, a)
+    }
+    /// `|a|`.
+    pub fn abs(&mut self, a: Value) -> Result<Value> {
+        self.unary("abs", "stablehlo.abs", Kind::Signed, a)
+    }
+    /// `e^a`.
+    pub fn exp(&mut self, a: Value) -> Result<Value> {
+        self.unary("exp", "stablehlo.exponential", Kind::Float, a)
+    }
+    /// `e^a - 1`, accurate near 0.
+    pub fn expm1(&mut self, a: Value) -> Result<Value> {
+        self.unary("expm1", "stablehlo.exponential_minus_one", Kind::Float, a)
+    }
+    /// Natural log.
+    pub fn log(&mut self, a: Value) -> Result<Value> {
+        self.unary("log", "stablehlo.log", Kind::Float, a)
+    }
+    /// `ln(1 + a)`, accurate near 0.
+    pub fn log1p(&mut self, a: Value) -> Result<Value> {
+        self.unary("log1p", "stablehlo.log_plus_one", Kind::Float, a)
+    }
+    /// Square root.
+    pub fn sqrt(&mut self, a: Value) -> Result<Value> {
+        self.unary("sqrt", "stablehlo.sqrt", Kind::Float, a)
+    }
+    /// `1 / sqrt(a)`.
+    pub fn rsqrt(&mut self, a: Value) -> Result<Value> {
+        self.unary("rsqrt", "stablehlo.rsqrt", Kind::Float, a)
+    }
+    /// Sigmoid `1 / (1 + e^-a)`.
+    pub fn logistic(&mut self, a: Value) -> Result<Value> {
+        self.unary("logistic", "stablehlo.logistic", Kind::Float, a)
+    }
+    /// Hyperbolic tangent.
+    pub fn tanh(&mut self, a: Value) -> Result<Value> {
+        self.unary("tanh", "stablehlo.tanh", Kind::Float, a)
+    }
+
+    /// `compare(dir, a, b)` -> i1 of the same dims (FLOAT, SIGNED or UNSIGNED by element type).
+    pub fn compare(&mut self, dir: Cmp, a: Value, b: Value) -> Result<Value> {
+        let op = "compare";
+        if a.elem() != b.elem() || a.dims() != b.dims() {
+            return Err(err(op, format!("operand types differ: {} vs {}", a.ty(), b.ty())));
+        }
+        let ct = match a.elem() {
+            ElemType::F32 | ElemType::BF16 => "FLOAT",
+            ElemType::I32 => "SIGNED",
+            ElemType::I1 | ElemType::U16 => "UNSIGNED",
+        };
+        let attr = format!(
+            "comparison_direction = #stablehlo<comparison_direction {}>, compare_type = #stablehlo<comparison_type {ct}>",
+            dir.mlir()
+        );
+        self.push_op1(op, "stablehlo.compare", &[a, b], &attr, a.ty().with_elem(ElemType::I1))
+    }
+
+    /// `pred ? a : b` elementwise; `pred` is i1 with the dims of `a` or a scalar.
+    pub fn select(&mut self, pred: Value, a: Value, b: Value) -> Result<Value> {
+        let op = "select";
+        if a.elem() != b.elem() || a.dims() != b.dims() {
+            return Err(err(op, format!("branch types differ: {} vs {}", a.ty(), b.ty())));
+        }
+        if pred.elem() != ElemType::I1 || (pred.rank() != 0 && pred.dims() != a.dims()) {
+            return Err(err(op, format!("pred {} must be i1 of dims {:?} or a scalar", pred.ty(), a.dims())));
+        }
+        self.push_op1(op, "stablehlo.select", &[pred, a, b], "", a.ty())
+    }
+
+    /// Element type conversion (rounds to nearest even for f32 -> bf16).
+    pub fn convert(&mut self, v: Value, elem: ElemType) -> Result<Value> {
+        self.push_op1("convert", "stablehlo.convert", &[v], "", v.ty().with_elem(elem))
+    }
+
+    /// Reinterprets bits as another element type of the same width (u16 <-> bf16, i32 <-> f32).
+    pub fn bitcast_convert(&mut self, v: Value, elem: ElemType) -> Result<Value> {
+        if v.elem().bit_width() != elem.bit_width() || elem == ElemType::I1 {
+            return Err(err("bitcast_convert", format!("{} to {elem}: widths differ", v.ty())));
+        }
+        self.push_op1("bitcast_convert", "stablehlo.bitcast_convert", &[v], "", v.ty().with_elem(elem))
+    }
+
+    /// Numpy broadcast of two shapes (trailing dims aligned; a 1 stretches).
+    pub fn broadcast_dims(op: &str, a: &[i64], b: &[i64]) -> Result<Vec<i64>> {
+        let r = a.len().max(b.len());
+        let mut out = vec![0; r];
+        for (i, o) in out.iter_mut().enumerate() {
+            let da = if i + a.len() >= r { a[i + a.len() - r] } else { 1 };
+            let db = if i + b.len() >= r { b[i + b.len() - r] } else { 1 };
+            *o = match (da, db) {
+                _ if da == db => da,
+                (1, d) | (d, 1) => d,
+                _ => return Err(err(op, format!("dims {a:?} and {b:?} do not broadcast"))),
+            };
+        }
+        Ok(out)
+    }
+
+    /// Broadcasts `a` and `b` numpy-style to a common shape, then applies `f`.
+    fn bcast2<F>(&mut self, op: &str, a: Value, b: Value, f: F) -> Result<Value>
+    where
+        F: FnOnce(&mut Self, Value, Value) -> Result<Value>,
+    {
+        let dims = Self::broadcast_dims(op, a.dims(), b.dims())?;
+        let a2 = if a.dims() == dims.as_slice() { a } else { self.broadcast_to(a, &dims)? };
+        let b2 = if b.dims() == dims.as_slice() { b } else { self.broadcast_to(b, &dims)? };
+        f(self, a2, b2)
+    }
+
+    /// `a + b` with numpy broadcasting (trailing-aligned).
+    pub fn add_bcast(&mut self, a: Value, b: Value) -> Result<Value> {
+        self.bcast2("add_bcast", a, b, Self::add)
+    }
+    /// `a - b` with numpy broadcasting (trailing-aligned).
+    pub fn sub_bcast(&mut self, a: Value, b: Value) -> Result<Value> {
+        self.bcast2("sub_bcast", a, b, Self::sub)
+    }
+    /// `a * b` with numpy broadcasting (trailing-aligned).
+    pub fn mul_bcast(&mut self, a: Value, b: Value) -> Result<Value> {
+        self.bcast2("mul_bcast", a, b, Self::mul)
+    }
+    /// `a / b` with numpy broadcasting (trailing-aligned).
+    pub fn div_bcast(&mut self, a: Value, b: Value) -> Result<Value> {
+        self.bcast2("div_bcast", a, b, Self::div)
+    }
+    /// Elementwise max with numpy broadcasting (trailing-aligned).
+    pub fn max_bcast(&mut self, a: Value, b: Value) -> Result<Value> {
+        self.bcast2("max_bcast", a, b, Self::max)
+    }
+    /// Elementwise min with numpy broadcasting (trailing-aligned).
+    pub fn min_bcast(&mut self, a: Value, b: Value) -> Result<Value> {
+        self.bcast2("min_bcast", a, b, Self::min)
+    }
+    /// Compare with numpy broadcasting (trailing-aligned).
+    pub fn compare_bcast(&mut self, dir: Cmp, a: Value, b: Value) -> Result<Value> {
+        self.bcast2("compare_bcast", a, b, |s, x, y| s.compare(dir, x, y))
+    }
+
+    /// `v * c` for a float constant `c` (splat of `v`'s type).
+    pub fn mul_const(&mut self, v: Value, c: f32) -> Result<Value> {
+        let k = self.constant_f32(c, v.ty())?;
+        self.mul(v, k)
+    }
+
+    /// `v + c` for a float constant `c` (splat of `v`'s type).
+    pub fn add_const(&mut self, v: Value, c: f32) -> Result<Value> {
+        let k = self.constant_f32(c, v.ty())?;
+        self.add(v, k)
+    }
+}

@@ -1,0 +1,118 @@
+//! Small compositions of builder ops that the kernels use everywhere.
+
+use crate::hlo::{Cmp, ElemType, FnBuilder, TensorType, Value};
+use crate::Result;
+
+/// An f32 tensor type.
+pub fn f32t(dims: &[i64]) -> TensorType {
+    TensorType::new(ElemType::F32, dims)
+}
+
+/// A splat f32 constant of shape `dims`.
+pub fn splat(b: &mut FnBuilder, x: f32, dims: &[i64]) -> Result<Value> {
+    Ok(b.constant_f32(x, f32t(dims))?)
+}
+
+/// An i1 mask of shape `dims` that is true where index(col_axis) `<=` (or `<` when `strict`)
+/// index(row_axis).
+pub fn causal_mask(
+    b: &mut FnBuilder,
+    dims: &[i64],
+    row_axis: usize,
+    col_axis: usize,
+    strict: bool,
+) -> Result<Value> {
+    let it = TensorType::new(ElemType::I32, dims);
+    let r = b.iota(it.clone(), row_axis)?;
+    let c = b.iota(it, col_axis)?;
+    Ok(b.compare(if strict { Cmp::Lt } else { Cmp::Le }, c, r)?)
+}
+
+/// An i1 mask of shape `dims` that is true where index(a) `cmp` index(b).
+pub fn index_mask(b: &mut FnBuilder, dims: &[i64], a: usize, cmp: Cmp, c: usize) -> Result<Value> {
+    let it = TensorType::new(ElemType::I32, dims);
+    let x = b.iota(it.clone(), a)?;
+    let y = b.iota(it, c)?;
+    Ok(b.compare(cmp, x, y)?)
+}
+
+/// `select(mask, x, 0)`, broadcasting `mask` to `x`'s shape (trailing-aligned).
+pub fn keep(b: &mut FnBuilder, mask: Value, x: Value) -> Result<Value> {
+    let m = if mask.dims() == x.dims() { mask } else { b.broadcast_to(mask, x.dims())? };
+    let z = splat(b, 0.0, x.dims())?;
+    Ok(b.select(m, x, z)?)
+}
+
+/// `select(mask, x, -inf)`, so that `exp` of the result is 0 where the mask is false: no
+/// anti-causal exponent is ever formed.
+pub fn keep_or_neg_inf(b: &mut FnBuilder, mask: Value, x: Value) -> Result<Value> {
+    let m = if mask.dims() == x.dims() { mask } else { b.broadcast_to(mask, x.dims())? };
+    let z = splat(b, f32::NEG_INFINITY, x.dims())?;
+    Ok(b.select(m, x, z)?)
+}
+
+/// Inclusive (or, with `reverse`, suffix) cumulative sum along axis 1 of `[N, n, D]`, as a
+/// matmul with a triangular matrix of ones (fast on every backend).
+pub fn cumsum_rows(b: &mut FnBuilder, x: Value, reverse: bool) -> Result<Value> {
+    let (nb, n) = (x.dims()[0], x.dims()[1]);
+    // tri[t, s] = 1 where s <= t (prefix) or s >= t (suffix).
+    let it = TensorType::new(ElemType::I32, &[n, n]);
+    let t = b.iota(it.clone(), 0)?;
+    let s = b.iota(it, 1)?;
+    let m = b.compare(if reverse { Cmp::Ge } else { Cmp::Le }, s, t)?;
+    let one = splat(b, 1.0, &[n, n])?;
+    let zero = splat(b, 0.0, &[n, n])?;
+    let tri = b.select(m, one, zero)?;
+    let tri = b.broadcast_in_dim(tri, &[nb, n, n], &[1, 2])?;
+    Ok(b.batch_matmul(tri, x, false, false)?)
+}
+
+/// Sum over the last axis, keeping it as size 1.
+pub fn sum_last_keep(b: &mut FnBuilder, x: Value) -> Result<Value> {
+    let r = x.rank();
+    let s = b.reduce_sum(x, &[r as i64 - 1])?;
+    let mut dims = x.dims().to_vec();
+    dims[r - 1] = 1;
+    Ok(b.reshape(s, &dims)?)
+}
+
+/// `x[..., start:limit]` on the last axis.
+pub fn last_axis(b: &mut FnBuilder, x: Value, start: i64, limit: i64) -> Result<Value> {
+    Ok(b.slice_axis(x, x.rank() - 1, start, limit)?)
+}
+
+/// Element `i` of a 1-D i32 vector as a scalar.
+pub fn element(b: &mut FnBuilder, v: Value, i: Value) -> Result<Value> {
+    let s = b.dynamic_slice(v, &[i], &[1])?;
+    Ok(b.reshape(s, &[])?)
+}
+
+/// Reads `x[.., i, ..]` along `axis` (size kept 1 then dropped).
+pub fn take(b: &mut FnBuilder, x: Value, axis: usize, i: Value) -> Result<Value> {
+    let zero = b.scalar_i32(0)?;
+    let idx: Vec<Value> = (0..x.rank()).map(|a| if a == axis { i } else { zero }).collect();
+    let mut sizes = x.dims().to_vec();
+    sizes[axis] = 1;
+    let s = b.dynamic_slice(x, &idx, &sizes)?;
+    let mut dims = x.dims().to_vec();
+    dims.remove(axis);
+    Ok(b.reshape(s, &dims)?)
+}
+
+/// Writes `u` (shaped like `x` without `axis`) into `x[.., i, ..]`.
+pub fn put(b: &mut FnBuilder, x: Value, axis: usize, i: Value, u: Value) -> Result<Value> {
+    let zero = b.scalar_i32(0)?;
+    let idx: Vec<Value> = (0..x.rank()).map(|a| if a == axis { i } else { zero }).collect();
+    let mut dims = x.dims().to_vec();
+    dims[axis] = 1;
+    let u = b.reshape(u, &dims)?;
+    Ok(b.dynamic_update_slice(x, u, &idx)?)
+}
+
+/// `select(flag != 0, a, b)` for an i32 scalar flag.
+pub fn choose(b: &mut FnBuilder, flag: Value, x: Value, y: Value) -> Result<Value> {
+    let zero = b.scalar_i32(0)?;
+    let p = b.compare(Cmp::Ne, flag, zero)?;
+    let p = b.broadcast_in_dim(p, x.dims(), &[])?;
+    Ok(b.select(p, x, y)?)
+}

@@ -1,0 +1,219 @@
+//! Inputs to the kernels' working form and results back: layout, dtype, q/k L2 norm, gate
+//! activation, and the segment loading / gradient compaction between tokens and aligned chunks.
+
+use super::ops::{f32t, splat, sum_last_keep};
+use super::spec::{KernelSpec, CHUNK};
+use crate::hlo::{ElemType, FnBuilder, Value};
+use crate::Result;
+use kda_core::{DType, GateKind, Layout, L2NORM_EPS};
+
+/// The element type of a dtype's tensors on the device.
+pub fn elem(d: DType) -> ElemType {
+    match d {
+        DType::BF16 => ElemType::BF16,
+        _ => ElemType::F32,
+    }
+}
+
+/// Per-token tensor in the caller's layout to head-first `[H, B, T, D]` f32.
+pub fn head_first(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result<Value> {
+    let x = if x.elem() == ElemType::F32 { x } else { b.convert(x, ElemType::F32)? };
+    Ok(match s.layout {
+        Layout::HeadFirst => x,
+        Layout::BatchFirst => b.transpose(x, &[2, 0, 1, 3])?,
+    })
+}
+
+/// `beta` as the caller gives it to `[H, B, T, 1]` f32.
+pub fn beta_head_first(b: &mut FnBuilder, s: &KernelSpec, beta: Value) -> Result<Value> {
+    let mut d = s.layout.scalar_shape(s.h, s.b, s.t).iter().map(|&x| x as i64).collect::<Vec<_>>();
+    d.push(1);
+    let x = b.reshape(beta, &d)?;
+    head_first(b, s, x)
+}
+
+/// Head-first `[H, B, T, D]` f32 back to the caller's layout and `dtype`.
+pub fn to_caller(b: &mut FnBuilder, s: &KernelSpec, x: Value, dtype: ElemType) -> Result<Value> {
+    let x = match s.layout {
+        Layout::HeadFirst => x,
+        Layout::BatchFirst => b.transpose(x, &[1, 2, 0, 3])?,
+    };
+    Ok(if dtype == ElemType::F32 { x } else { b.convert(x, dtype)? })
+}
+
+/// Head-first `[H, B, T, 1]` back to beta's caller shape and `dtype`.
+pub fn beta_to_caller(b: &mut FnBuilder, s: &KernelSpec, x: Value, dtype: ElemType) -> Result<Value> {
+    let x = to_caller(b, s, x, dtype)?;
+    Ok(b.reshape(x, &s.beta_dims())?)
+}
+
+/// `x * rsqrt(sum(x^2) + eps)` over the last axis; returns the normalised `x` and `rstd`.
+pub fn l2_normalise(b: &mut FnBuilder, x: Value) -> Result<(Value, Value)> {
+    let sq = b.mul(x, x)?;
+    let ss = sum_last_keep(b, sq)?;
+    let ss = b.add_const(ss, L2NORM_EPS as f32)?;
+    let rstd = b.rsqrt(ss)?;
+    Ok((b.mul_bcast(x, rstd)?, rstd))
+}
+
+/// The L2-norm backward `rstd * (dy - (dy . y) y)` with `y` the normalised input.
+pub fn l2_backward(b: &mut FnBuilder, dy: Value, y: Value, rstd: Value) -> Result<Value> {
+    let p = b.mul(dy, y)?;
+    let dot = sum_last_keep(b, p)?;
+    let t = b.mul_bcast(y, dot)?;
+    let d = b.sub(dy, t)?;
+    Ok(b.mul_bcast(d, rstd)?)
+}
+
+/// The gate parameters broadcast to `[H, B, T, K]`: `exp(a_log[h])` and `dt_bias[h, :]` (0 if absent).
+pub struct GateParams {
+    /// `exp(a_log)` per head.
+    pub a: Value,
+    /// `dt_bias` per head and channel.
+    pub bias: Value,
+}
+
+/// Broadcasts `a_log` `[H]` and `dt_bias` `[H*K]` to `x`'s `[H, B, T, K]` shape.
+pub fn gate_params(
+    b: &mut FnBuilder,
+    s: &KernelSpec,
+    a_log: Value,
+    dt_bias: Option<Value>,
+    dims: &[i64],
+) -> Result<GateParams> {
+    let a = b.exp(a_log)?;
+    let a = b.broadcast_in_dim(a, dims, &[0])?;
+    let bias = match dt_bias {
+        Some(d) => {
+            let d = b.reshape(d, &[s.h as i64, s.k as i64])?;
+            b.broadcast_in_dim(d, dims, &[0, 3])?
+        }
+        None => splat(b, 0.0, dims)?,
+    };
+    Ok(GateParams { a, bias })
+}
+
+/// The activated log-decay from the raw gate input `x` `[H, B, T, K]` (spec section 2).
+pub fn activate(b: &mut FnBuilder, s: &KernelSpec, x: Value, p: Option<&GateParams>) -> Result<Value> {
+    let Some(p) = p else { return Ok(x) };
+    let z = b.add(x, p.bias)?;
+    match s.gate {
+        GateKind::Preactivated => Ok(x),
+        GateKind::Softplus => {
+            // softplus(z) = max(z, 0) + log1p(exp(-|z|)), exact and overflow-free.
+            let sp = softplus(b, z)?;
+            let g = b.mul(p.a, sp)?;
+            Ok(b.neg(g)?)
+        }
+        GateKind::LowerBound(lb) => {
+            let az = b.mul(p.a, z)?;
+            let sg = b.logistic(az)?;
+            Ok(b.mul_const(sg, lb as f32)?)
+        }
+    }
+}
+
+fn softplus(b: &mut FnBuilder, z: Value) -> Result<Value> {
+    let zero = splat(b, 0.0, z.dims())?;
+    let pos = b.max(z, zero)?;
+    let a = b.abs(z)?;
+    let na = b.neg(a)?;
+    let e = b.exp(na)?;
+    let l = b.log1p(e)?;
+    Ok(b.add(pos, l)?)
+}
+
+/// Gradients through the gate: `(dx, da_log [H], ddt_bias [H*K])` from `dg` w.r.t. the activated
+/// gate, all `[H, B, T, K]` before the reductions.
+pub fn gate_backward(
+    b: &mut FnBuilder,
+    s: &KernelSpec,
+    x: Value,
+    g: Value,
+    dg: Value,
+    p: &GateParams,
+) -> Result<(Value, Value, Value)> {
+    let z = b.add(x, p.bias)?;
+    let (dx, dalog) = match s.gate {
+        GateKind::Preactivated => return Ok((dg, dg, dg)),
+        GateKind::Softplus => {
+            // g = -a softplus(z): dg/dz = -a sigmoid(z), dg/da_log = g.
+            let sg = b.logistic(z)?;
+            let d = b.mul(p.a, sg)?;
+            let d = b.neg(d)?;
+            (b.mul(dg, d)?, b.mul(dg, g)?)
+        }
+        GateKind::LowerBound(lb) => {
+            // g = lb sigmoid(a z): dg/dz = lb s (1 - s) a, dg/da_log = lb s (1 - s) a z.
+            let az = b.mul(p.a, z)?;
+            let sg = b.logistic(az)?;
+            let one = splat(b, 1.0, sg.dims())?;
+            let om = b.sub(one, sg)?;
+            let ds = b.mul(sg, om)?;
+            let ds = b.mul_const(ds, lb as f32)?;
+            let dsa = b.mul(ds, p.a)?;
+            let dsaz = b.mul(ds, az)?;
+            (b.mul(dg, dsa)?, b.mul(dg, dsaz)?)
+        }
+    };
+    let da_log = b.reduce_sum(dalog, &[1, 2, 3])?;
+    let ddt = b.reduce_sum(dx, &[1, 2])?;
+    let ddt = b.reshape(ddt, &[(s.h * s.k) as i64])?;
+    Ok((dx, da_log, ddt))
+}
+
+/// Segment loading: head-first `[H, B, T, D]` to aligned chunks `[L, NT, C, D]` (padding rows 0).
+/// Packed programs gather through `slot_token` (`[NT*C]`, padding slots point at a zero row).
+pub fn to_chunks(b: &mut FnBuilder, s: &KernelSpec, x: Value, slot_token: Option<Value>) -> Result<Value> {
+    let d = x.dims()[3];
+    let (h, bb, t) = (s.h as i64, s.b as i64, s.t as i64);
+    let (l, nt, c) = (s.lanes() as i64, s.chunks() as i64, CHUNK as i64);
+    let zero = b.constant_f32(0.0, f32t(&[]))?;
+    match slot_token {
+        None => {
+            let x = b.reshape(x, &[h * bb, t, d])?;
+            let x = b.pad(x, zero, &[0, 0, 0], &[0, nt * c - t, 0], &[0, 0, 0])?;
+            Ok(b.reshape(x, &[l, nt, c, d])?)
+        }
+        Some(idx) => {
+            let x = b.reshape(x, &[h, bb * t, d])?;
+            let x = b.pad(x, zero, &[0, 0, 0], &[0, 1, 0], &[0, 0, 0])?;
+            let x = b.gather_axis(x, 1, idx)?;
+            Ok(b.reshape(x, &[l, nt, c, d])?)
+        }
+    }
+}
+
+/// Gradient compaction: aligned `[L, NT, C, D]` to head-first `[H, B, T, D]`, each token read
+/// from its slot (`token_slot` `[B*T]`, padding tokens point at a zero row, so they are exactly 0).
+pub fn from_chunks(b: &mut FnBuilder, s: &KernelSpec, y: Value, token_slot: Option<Value>) -> Result<Value> {
+    let d = y.dims()[3];
+    let (h, bb, t) = (s.h as i64, s.b as i64, s.t as i64);
+    let (nt, c) = (s.chunks() as i64, CHUNK as i64);
+    match token_slot {
+        None => {
+            let y = b.reshape(y, &[h * bb, nt * c, d])?;
+            let y = b.slice_axis(y, 1, 0, t)?;
+            Ok(b.reshape(y, &[h, bb, t, d])?)
+        }
+        Some(idx) => {
+            let zero = b.constant_f32(0.0, f32t(&[]))?;
+            let y = b.reshape(y, &[h, nt * c, d])?;
+            let y = b.pad(y, zero, &[0, 0, 0], &[0, 1, 0], &[0, 0, 0])?;
+            let y = b.gather_axis(y, 1, idx)?;
+            Ok(b.reshape(y, &[h, bb, t, d])?)
+        }
+    }
+}
+
+/// States `[B, N, H, K, V]` to the per-lane table `[L, slots, K, V]`.
+pub fn state_table(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result<Value> {
+    let x = b.transpose(x, &[2, 0, 1, 3, 4])?;
+    Ok(b.reshape(x, &[s.lanes() as i64, s.slots() as i64, s.k as i64, s.v as i64])?)
+}
+
+/// The per-lane table `[L, slots, K, V]` back to `[B, N, H, K, V]`.
+pub fn state_from_table(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result<Value> {
+    let x = b.reshape(x, &[s.h as i64, s.b as i64, s.n as i64, s.k as i64, s.v as i64])?;
+    Ok(b.transpose(x, &[1, 2, 0, 3, 4])?)
+}

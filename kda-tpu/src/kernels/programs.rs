@@ -1,0 +1,385 @@
+//! The programs: forward (optionally keeping `h` for the saved-state backward), backward (saved
+//! state or rematerialized) and the fused forward+VJP, assembled from the pieces in this module.
+
+use super::intra::{chunk_terms, col_side, row_side, rowdot, unit_lower, ChunkTerms};
+use super::ops::{causal_mask, cumsum_rows, keep, splat};
+use super::prep::{self, GateParams};
+use super::recurrence::{run_grads, run_states, ChunkTables};
+use super::spec::{KernelSpec, CHUNK};
+use crate::hlo::{ElemType, FnBuilder, Module, TensorType, Value};
+use crate::Result;
+use kda_core::BackwardStrategy;
+
+/// The program arguments, in order.
+struct Args {
+    q: Value,
+    k: Value,
+    v: Value,
+    g: Value,
+    beta: Value,
+    h0: Option<Value>,
+    a_log: Option<Value>,
+    dt_bias: Option<Value>,
+    tables: ChunkTables,
+    slot_token: Option<Value>,
+    token_slot: Option<Value>,
+}
+
+fn i32t(dims: &[i64]) -> TensorType {
+    TensorType::new(ElemType::I32, dims)
+}
+
+/// Declares the forward inputs: `q k v g beta [h0] [a_log] [dt_bias] first last slot
+/// [slot_token token_slot]`.
+fn declare(b: &mut FnBuilder, s: &KernelSpec) -> Result<Args> {
+    let e = prep::elem(s.dtype);
+    let f32 = |d: &[i64]| TensorType::new(ElemType::F32, d);
+    let q = b.arg(TensorType::new(e, &s.token_dims(s.k)))?;
+    let k = b.arg(TensorType::new(e, &s.token_dims(s.k)))?;
+    let v = b.arg(TensorType::new(e, &s.token_dims(s.v)))?;
+    let g = b.arg(TensorType::new(e, &s.token_dims(s.k)))?;
+    let beta = b.arg(TensorType::new(e, &s.beta_dims()))?;
+    let h0 = if s.has_h0 { Some(b.arg(f32(&s.state_dims()))?) } else { None };
+    let (a_log, dt_bias) = if s.in_kernel_gate() {
+        let a = b.arg(f32(&[s.h as i64]))?;
+        let d = if s.has_dt_bias { Some(b.arg(f32(&[(s.h * s.k) as i64]))?) } else { None };
+        (Some(a), d)
+    } else {
+        (None, None)
+    };
+    let nt = s.chunks() as i64;
+    let tables =
+        ChunkTables { first: b.arg(i32t(&[nt]))?, last: b.arg(i32t(&[nt]))?, slot: b.arg(i32t(&[nt]))? };
+    let (slot_token, token_slot) = if s.packed_chunks.is_some() {
+        (Some(b.arg(i32t(&[nt * CHUNK as i64]))?), Some(b.arg(i32t(&[(s.b * s.t) as i64]))?))
+    } else {
+        (None, None)
+    };
+    Ok(Args { q, k, v, g, beta, h0, a_log, dt_bias, tables, slot_token, token_slot })
+}
+
+/// Inputs in working form: head-first f32 tokens (normalised, gate activated) and chunks.
+struct Working {
+    q: Value,
+    k: Value,
+    q_rstd: Option<Value>,
+    k_rstd: Option<Value>,
+    x: Value,
+    g: Value,
+    gate: Option<GateParams>,
+    v: Value,
+    beta: Value,
+    /// `[N, C, D]` chunk views (N = lanes x chunks).
+    qc: Value,
+    kc: Value,
+    vc: Value,
+    gc: Value,
+    betac: Value,
+}
+
+fn flat_chunks(b: &mut FnBuilder, s: &KernelSpec, x: Value, idx: Option<Value>) -> Result<Value> {
+    let c = prep::to_chunks(b, s, x, idx)?;
+    let d = c.dims()[3];
+    Ok(b.reshape(c, &[(s.lanes() * s.chunks()) as i64, CHUNK as i64, d])?)
+}
+
+fn working(b: &mut FnBuilder, s: &KernelSpec, a: &Args) -> Result<Working> {
+    let q = prep::head_first(b, s, a.q)?;
+    let k = prep::head_first(b, s, a.k)?;
+    let (q, k, q_rstd, k_rstd) = if s.l2norm {
+        let (qn, qr) = prep::l2_normalise(b, q)?;
+        let (kn, kr) = prep::l2_normalise(b, k)?;
+        (qn, kn, Some(qr), Some(kr))
+    } else {
+        (q, k, None, None)
+    };
+    let v = prep::head_first(b, s, a.v)?;
+    let x = prep::head_first(b, s, a.g)?;
+    let gate = match a.a_log {
+        Some(al) => Some(prep::gate_params(b, s, al, a.dt_bias, x.dims())?),
+        None => None,
+    };
+    let g = prep::activate(b, s, x, gate.as_ref())?;
+    let beta = prep::beta_head_first(b, s, a.beta)?;
+    let qc = flat_chunks(b, s, q, a.slot_token)?;
+    let kc = flat_chunks(b, s, k, a.slot_token)?;
+    let vc = flat_chunks(b, s, v, a.slot_token)?;
+    let gc = flat_chunks(b, s, g, a.slot_token)?;
+    let betac = flat_chunks(b, s, beta, a.slot_token)?;
+    Ok(Working { q, k, q_rstd, k_rstd, x, g, gate, v, beta, qc, kc, vc, gc, betac })
+}
+
+fn state_tab(b: &mut FnBuilder, s: &KernelSpec, x: Option<Value>) -> Result<Value> {
+    match x {
+        Some(x) => prep::state_table(b, s, x),
+        None => splat(b, 0.0, &[s.lanes() as i64, s.slots() as i64, s.k as i64, s.v as i64]),
+    }
+}
+
+fn flat(b: &mut FnBuilder, x: Value) -> Result<Value> {
+    let d = x.dims();
+    let mut dims = vec![d[0] * d[1]];
+    dims.extend_from_slice(&d[2..]);
+    Ok(b.reshape(x, &dims)?)
+}
+
+/// Forward outputs from the chunk terms and the state run: `o` in the caller's layout and dtype.
+fn output(
+    b: &mut FnBuilder,
+    s: &KernelSpec,
+    a: &Args,
+    ct: &ChunkTerms,
+    h: Value,
+    v_new: Value,
+) -> Result<Value> {
+    let hf = flat(b, h)?;
+    let vf = flat(b, v_new)?;
+    let inter = b.batch_matmul(ct.qg, hf, false, false)?;
+    let inter = b.mul_const(inter, s.scale as f32)?;
+    let intra = b.batch_matmul(ct.aqk, vf, false, false)?;
+    let o = b.add(inter, intra)?;
+    let o = b.reshape(o, &[s.lanes() as i64, s.chunks() as i64, CHUNK as i64, s.v as i64])?;
+    let o = prep::from_chunks(b, s, o, a.token_slot)?;
+    prep::to_caller(b, s, o, prep::elem(s.dtype))
+}
+
+struct Forward {
+    o: Value,
+    final_state: Option<Value>,
+    h: Value,
+    v_new: Value,
+}
+
+fn forward_core(
+    b: &mut FnBuilder,
+    s: &KernelSpec,
+    a: &Args,
+    w: &Working,
+    ct: &ChunkTerms,
+) -> Result<Forward> {
+    let h0 = state_tab(b, s, a.h0)?;
+    let run = run_states(b, s, a.tables, h0, ct.u, ct.w, ct.kg, ct.dc.eg_last)?;
+    let o = output(b, s, a, ct, run.h, run.v_new)?;
+    let _ = w;
+    let final_state = if s.final_state { Some(prep::state_from_table(b, s, run.final_tab)?) } else { None };
+    Ok(Forward { o, final_state, h: run.h, v_new: run.v_new })
+}
+
+/// Gradients in the caller's layout and dtypes, in `KdaGradients` order.
+fn backward_core(
+    b: &mut FnBuilder,
+    s: &KernelSpec,
+    a: &Args,
+    w: &Working,
+    ct: &ChunkTerms,
+    h: Value,
+    v_new: Value,
+    d_o: Value,
+    dht: Option<Value>,
+) -> Result<Vec<Value>> {
+    let scale = s.scale as f32;
+    let doh = prep::head_first(b, s, d_o)?;
+    let doc = flat_chunks(b, s, doh, a.slot_token)?;
+    // Chunk-parallel parts of the dh recurrence.
+    let p1 = b.batch_matmul(ct.aqk, doc, true, false)?;
+    let p2 = b.batch_matmul(ct.qg, doc, true, false)?;
+    let p2 = b.mul_const(p2, scale)?;
+    let dht_tab = state_tab(b, s, dht)?;
+    let run = run_grads(b, s, a.tables, dht_tab, p1, p2, ct.w, ct.kg, ct.dc.eg_last)?;
+    let (h, dh, vn, dvn) = (flat(b, h)?, flat(b, run.dh)?, flat(b, v_new)?, flat(b, run.dv_new)?);
+    let (q, k, v, beta) = (w.qc, w.kc, w.vc, w.betac);
+    let dc = &ct.dc;
+    // Through O = scale qg S0 + Aqk v_new and S1 = exp(G_last) S0 + kg^T v_new.
+    let dqg = b.batch_matmul(doc, h, false, true)?;
+    let dqg = b.mul_const(dqg, scale)?;
+    let mut dq = b.mul(dqg, dc.eg)?;
+    let mut dgg = b.mul(dqg, ct.qg)?;
+    let dkg = b.batch_matmul(vn, dh, false, true)?;
+    let mut dk = b.mul(dkg, dc.eg_rest)?;
+    let t2 = b.mul(dkg, ct.kg)?;
+    dgg = b.sub(dgg, t2)?;
+    let mut dlast = b.reduce_sum(t2, &[1])?;
+    let hd = b.mul(h, dh)?;
+    let hd = b.reduce_sum(hd, &[2])?;
+    let hd = b.mul(hd, dc.eg_last)?;
+    dlast = b.add(dlast, hd)?;
+    // Through the WY solve: u = A (beta v), w = A (beta k exp(G)), v_new = u - w S0.
+    let dw = b.batch_matmul(dvn, h, false, true)?;
+    let dw = b.neg(dw)?;
+    let rhs = b.concatenate(&[dvn, dw], 2)?;
+    let al = unit_lower(b, ct.l)?;
+    let xs = b.triangular_solve(al, rhs, true, true, true, true)?;
+    let vd = s.v as i64;
+    let xu = super::ops::last_axis(b, xs, 0, vd)?;
+    let xw = super::ops::last_axis(b, xs, vd, vd + s.k as i64)?;
+    let dv = b.mul_bcast(xu, beta)?;
+    let db1 = rowdot(b, xu, v)?;
+    let db2 = rowdot(b, xw, ct.keg)?;
+    let mut dbeta = b.add(db1, db2)?;
+    let bxw = b.mul_bcast(xw, beta)?;
+    let t = b.mul(bxw, dc.eg)?;
+    dk = b.add(dk, t)?;
+    let t = b.mul(bxw, ct.keg)?;
+    dgg = b.add(dgg, t)?;
+    let a1 = b.batch_matmul(xu, ct.u, false, true)?;
+    let a2 = b.batch_matmul(xw, ct.w, false, true)?;
+    let dl = b.add(a1, a2)?;
+    let dl = b.neg(dl)?;
+    let strict = causal_mask(b, dl.dims(), 1, 2, true)?;
+    let dl = keep(b, strict, dl)?;
+    let t = rowdot(b, dl, ct.kk)?;
+    dbeta = b.add(dbeta, t)?;
+    // Intra-chunk terms through Aqk and L.
+    let da = b.batch_matmul(doc, vn, false, true)?;
+    let causal = causal_mask(b, da.dims(), 1, 2, false)?;
+    let m1 = keep(b, causal, da)?;
+    let m1 = b.mul_const(m1, scale)?;
+    let m2 = b.mul_bcast(dl, beta)?;
+    let r1 = row_side(b, dc, m1, k)?;
+    let r2 = row_side(b, dc, m2, k)?;
+    let c1 = col_side(b, dc, m1, q)?;
+    let c2 = col_side(b, dc, m2, k)?;
+    dq = b.add(dq, r1)?;
+    dk = b.add(dk, r2)?;
+    let cc = b.add(c1, c2)?;
+    dk = b.add(dk, cc)?;
+    let t = b.mul(q, r1)?;
+    dgg = b.add(dgg, t)?;
+    let t = b.mul(k, r2)?;
+    dgg = b.add(dgg, t)?;
+    let t = b.mul(k, cc)?;
+    dgg = b.sub(dgg, t)?;
+    let n = dgg.dims()[0];
+    let dlast = b.reshape(dlast, &[n, 1, s.k as i64])?;
+    let zero = b.constant_f32(0.0, TensorType::new(ElemType::F32, &[]))?;
+    let dlast = b.pad(dlast, zero, &[0, CHUNK as i64 - 1, 0], &[0, 0, 0], &[0, 0, 0])?;
+    dgg = b.add(dgg, dlast)?;
+    let dg = cumsum_rows(b, dgg, true)?;
+    // Back to tokens, then through the L2 norm and the gate.
+    let lanes4 = |b: &mut FnBuilder, x: Value| -> Result<Value> {
+        let d = x.dims()[2];
+        Ok(b.reshape(x, &[s.lanes() as i64, s.chunks() as i64, CHUNK as i64, d])?)
+    };
+    let tok = |b: &mut FnBuilder, x: Value| -> Result<Value> {
+        let x = lanes4(b, x)?;
+        prep::from_chunks(b, s, x, a.token_slot)
+    };
+    let mut dq = tok(b, dq)?;
+    let mut dk = tok(b, dk)?;
+    let dv = tok(b, dv)?;
+    let mut dg = tok(b, dg)?;
+    let dbeta = tok(b, dbeta)?;
+    if let (Some(qr), Some(kr)) = (w.q_rstd, w.k_rstd) {
+        dq = prep::l2_backward(b, dq, w.q, qr)?;
+        dk = prep::l2_backward(b, dk, w.k, kr)?;
+    }
+    let mut gate_grads = Vec::new();
+    if let Some(gp) = &w.gate {
+        let (dx, da_log, ddt) = prep::gate_backward(b, s, w.x, w.g, dg, gp)?;
+        dg = dx;
+        gate_grads.push(da_log);
+        if s.has_dt_bias {
+            gate_grads.push(ddt);
+        }
+    }
+    let e = prep::elem(s.dtype);
+    let mut out = vec![
+        prep::to_caller(b, s, dq, e)?,
+        prep::to_caller(b, s, dk, e)?,
+        prep::to_caller(b, s, dv, e)?,
+        prep::to_caller(b, s, dg, e)?,
+        prep::beta_to_caller(b, s, dbeta, e)?,
+    ];
+    if s.has_h0 {
+        out.push(prep::state_from_table(b, s, run.dh0_tab)?);
+    }
+    out.extend(gate_grads);
+    let _ = (w.v, w.beta);
+    Ok(out)
+}
+
+fn finish(mut f: FnBuilder, outs: &[Value]) -> Result<String> {
+    f.ret(outs)?;
+    let mut m = Module::new();
+    m.add(f)?;
+    Ok(m.to_text())
+}
+
+/// The forward program. Outputs: `o`, `[final_state]`, and `h` `[L, NT, K, V]` when `keep_h`.
+pub fn forward_program(s: &KernelSpec, keep_h: bool) -> Result<String> {
+    let mut f = FnBuilder::new("main", true);
+    f.set_dot_precision(crate::hlo::Precision::Highest);
+    let a = declare(&mut f, s)?;
+    let w = working(&mut f, s, &a)?;
+    let ct = chunk_terms(&mut f, w.qc, w.kc, w.vc, w.gc, w.betac, s.scale as f32)?;
+    let fw = forward_core(&mut f, s, &a, &w, &ct)?;
+    let mut outs = vec![fw.o];
+    outs.extend(fw.final_state);
+    if keep_h {
+        outs.push(fw.h);
+    }
+    finish(f, &outs)
+}
+
+/// The backward program. Inputs: the forward's, then `[h]` (saved state), `do`, `[dht]`.
+/// Outputs: `dq dk dv dg dbeta [dh0] [da_log] [ddt_bias]`.
+pub fn backward_program(s: &KernelSpec, strategy: BackwardStrategy) -> Result<String> {
+    let mut f = FnBuilder::new("main", true);
+    f.set_dot_precision(crate::hlo::Precision::Highest);
+    let a = declare(&mut f, s)?;
+    let saved = match strategy {
+        BackwardStrategy::SavedState => Some(f.arg(TensorType::new(
+            ElemType::F32,
+            &[s.lanes() as i64, s.chunks() as i64, s.k as i64, s.v as i64],
+        ))?),
+        BackwardStrategy::Rematerialize => None,
+    };
+    let d_o = f.arg(TensorType::new(prep::elem(s.dtype), &s.token_dims(s.v)))?;
+    let dht = if s.has_dht { Some(f.arg(TensorType::new(ElemType::F32, &s.state_dims()))?) } else { None };
+    let w = working(&mut f, s, &a)?;
+    let ct = chunk_terms(&mut f, w.qc, w.kc, w.vc, w.gc, w.betac, s.scale as f32)?;
+    let (h, v_new) = match saved {
+        Some(h) => {
+            // v_new = u - w S0, chunk-parallel from the saved states.
+            let hf = flat(&mut f, h)?;
+            let ws = f.batch_matmul(ct.w, hf, false, false)?;
+            let vn = f.sub(ct.u, ws)?;
+            let vn = f.reshape(vn, &[s.lanes() as i64, s.chunks() as i64, CHUNK as i64, s.v as i64])?;
+            (h, vn)
+        }
+        None => {
+            let h0 = state_tab(&mut f, s, a.h0)?;
+            let run = run_states(&mut f, s, a.tables, h0, ct.u, ct.w, ct.kg, ct.dc.eg_last)?;
+            (run.h, run.v_new)
+        }
+    };
+    let outs = backward_core(&mut f, s, &a, &w, &ct, h, v_new, d_o, dht)?;
+    finish(f, &outs)
+}
+
+/// The fused forward+VJP program: inputs of the forward then `do`, `[dht]`; outputs `o`,
+/// `[final_state]`, then the gradients. With `Rematerialize` the backward half re-runs the
+/// recurrence instead of reading the forward's states.
+pub fn fused_program(s: &KernelSpec, strategy: BackwardStrategy) -> Result<String> {
+    let mut f = FnBuilder::new("main", true);
+    f.set_dot_precision(crate::hlo::Precision::Highest);
+    let a = declare(&mut f, s)?;
+    let d_o = f.arg(TensorType::new(prep::elem(s.dtype), &s.token_dims(s.v)))?;
+    let dht = if s.has_dht { Some(f.arg(TensorType::new(ElemType::F32, &s.state_dims()))?) } else { None };
+    let w = working(&mut f, s, &a)?;
+    let ct = chunk_terms(&mut f, w.qc, w.kc, w.vc, w.gc, w.betac, s.scale as f32)?;
+    let fw = forward_core(&mut f, s, &a, &w, &ct)?;
+    let (h, v_new) = match strategy {
+        BackwardStrategy::SavedState => (fw.h, fw.v_new),
+        BackwardStrategy::Rematerialize => {
+            let h0 = state_tab(&mut f, s, a.h0)?;
+            let run = run_states(&mut f, s, a.tables, h0, ct.u, ct.w, ct.kg, ct.dc.eg_last)?;
+            (run.h, run.v_new)
+        }
+    };
+    let grads = backward_core(&mut f, s, &a, &w, &ct, h, v_new, d_o, dht)?;
+    let mut outs = vec![fw.o];
+    outs.extend(fw.final_state);
+    outs.extend(grads);
+    finish(f, &outs)
+}

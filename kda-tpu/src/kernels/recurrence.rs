@@ -1,0 +1,141 @@
+//! The two sequential parts: the state recurrence over chunks (forward) and the `dh`
+//! recurrence in reverse (backward). Everything else is chunk-parallel.
+
+use super::ops::{choose, element, put, splat, take};
+use super::spec::{KernelSpec, CHUNK};
+use crate::hlo::{FnBuilder, Value};
+use crate::Result;
+
+/// Per-chunk segment tables (i32 `[NT]` each).
+#[derive(Clone, Copy)]
+pub struct ChunkTables {
+    /// 1 at a segment's first chunk (the state resets there).
+    pub first: Value,
+    /// 1 at a segment's last chunk (its final state is written there).
+    pub last: Value,
+    /// The state slot of the chunk's segment.
+    pub slot: Value,
+}
+
+fn lanes4(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result<Value> {
+    let (l, nt) = (s.lanes() as i64, s.chunks() as i64);
+    let d = x.dims();
+    let mut dims = vec![l, nt];
+    dims.extend_from_slice(&d[1..]);
+    Ok(b.reshape(x, &dims)?)
+}
+
+/// Results of the forward recurrence.
+pub struct StateRun {
+    /// The state entering every chunk, `[L, NT, K, V]`.
+    pub h: Value,
+    /// `v_new = u - w S` per chunk, `[L, NT, C, V]`.
+    pub v_new: Value,
+    /// Final state per slot, `[L, slots, K, V]` (the initial state for empty segments).
+    pub final_tab: Value,
+}
+
+/// Runs `S <- exp(G_last) S + kg^T (u - w S)` over the chunks of every lane, resetting to the
+/// slot's initial state at each segment's first chunk. Inputs are `[N, ...]` chunk tensors.
+pub fn run_states(
+    b: &mut FnBuilder,
+    s: &KernelSpec,
+    t: ChunkTables,
+    h0: Value,
+    u: Value,
+    w: Value,
+    kg: Value,
+    eg_last: Value,
+) -> Result<StateRun> {
+    let (l, nt, k, v, c) = (s.lanes() as i64, s.chunks() as i64, s.k as i64, s.v as i64, CHUNK as i64);
+    let (u, w, kg, el) = (lanes4(b, s, u)?, lanes4(b, s, w)?, lanes4(b, s, kg)?, lanes4(b, s, eg_last)?);
+    let s0 = splat(b, 0.0, &[l, k, v])?;
+    let h_all = splat(b, 0.0, &[l, nt, k, v])?;
+    let vn_all = splat(b, 0.0, &[l, nt, c, v])?;
+    let out = b.for_loop(nt as i32, &[s0, h_all, vn_all, h0], |b, i, a| {
+        let (st, h_all, vn_all, fin) = (a[0], a[1], a[2], a[3]);
+        let first = element(b, t.first, i)?;
+        let last = element(b, t.last, i)?;
+        let slot = element(b, t.slot, i)?;
+        let init = take(b, h0, 1, slot)?;
+        let st = choose(b, first, init, st)?;
+        let h_all = put(b, h_all, 1, i, st)?;
+        let (uc, wc, kgc, elc) =
+            (take(b, u, 1, i)?, take(b, w, 1, i)?, take(b, kg, 1, i)?, take(b, el, 1, i)?);
+        let ws = b.batch_matmul(wc, st, false, false)?;
+        let vn = b.sub(uc, ws)?;
+        let vn_all = put(b, vn_all, 1, i, vn)?;
+        let elb = b.broadcast_in_dim(elc, &[l, k, v], &[0, 1])?;
+        let decayed = b.mul(elb, st)?;
+        let write = b.batch_matmul(kgc, vn, true, false)?;
+        let s1 = b.add(decayed, write)?;
+        let cur = take(b, fin, 1, slot)?;
+        let upd = choose(b, last, s1, cur)?;
+        let fin = put(b, fin, 1, slot, upd)?;
+        Ok(vec![s1, h_all, vn_all, fin])
+    })?;
+    Ok(StateRun { h: out[1], v_new: out[2], final_tab: out[3] })
+}
+
+/// Results of the reverse recurrence.
+pub struct GradRun {
+    /// dL/d(state after every chunk), `[L, NT, K, V]`.
+    pub dh: Value,
+    /// dL/d(v_new) per chunk, `[L, NT, C, V]`.
+    pub dv_new: Value,
+    /// dL/d(initial state) per slot, `[L, slots, K, V]` (`dht` for empty segments).
+    pub dh0_tab: Value,
+}
+
+/// Runs `dh_prev = exp(G_last) dh + p2 - w^T dv_new`, `dv_new = p1 + kg dh` from the last chunk
+/// to the first, seeding `dh` from `dht` at each segment's last chunk (spec section 4, steps 1-2).
+#[allow(clippy::too_many_arguments)]
+pub fn run_grads(
+    b: &mut FnBuilder,
+    s: &KernelSpec,
+    t: ChunkTables,
+    dht: Value,
+    p1: Value,
+    p2: Value,
+    w: Value,
+    kg: Value,
+    eg_last: Value,
+) -> Result<GradRun> {
+    let (l, nt, k, v, c) = (s.lanes() as i64, s.chunks() as i64, s.k as i64, s.v as i64, CHUNK as i64);
+    let (p1, p2, w, kg, el) =
+        (lanes4(b, s, p1)?, lanes4(b, s, p2)?, lanes4(b, s, w)?, lanes4(b, s, kg)?, lanes4(b, s, eg_last)?);
+    let d0 = splat(b, 0.0, &[l, k, v])?;
+    let dh_all = splat(b, 0.0, &[l, nt, k, v])?;
+    let dvn_all = splat(b, 0.0, &[l, nt, c, v])?;
+    let out = b.for_loop(nt as i32, &[d0, dh_all, dvn_all, dht], |b, i, a| {
+        let (ds, dh_all, dvn_all, dh0) = (a[0], a[1], a[2], a[3]);
+        let top = b.scalar_i32(nt as i32 - 1)?;
+        let ci = b.sub(top, i)?;
+        let first = element(b, t.first, ci)?;
+        let last = element(b, t.last, ci)?;
+        let slot = element(b, t.slot, ci)?;
+        let seed = take(b, dht, 1, slot)?;
+        let ds1 = choose(b, last, seed, ds)?;
+        let dh_all = put(b, dh_all, 1, ci, ds1)?;
+        let (p1c, p2c, wc, kgc, elc) = (
+            take(b, p1, 1, ci)?,
+            take(b, p2, 1, ci)?,
+            take(b, w, 1, ci)?,
+            take(b, kg, 1, ci)?,
+            take(b, el, 1, ci)?,
+        );
+        let kd = b.batch_matmul(kgc, ds1, false, false)?;
+        let dvn = b.add(p1c, kd)?;
+        let dvn_all = put(b, dvn_all, 1, ci, dvn)?;
+        let elb = b.broadcast_in_dim(elc, &[l, k, v], &[0, 1])?;
+        let decayed = b.mul(elb, ds1)?;
+        let wd = b.batch_matmul(wc, dvn, true, false)?;
+        let prev = b.add(decayed, p2c)?;
+        let prev = b.sub(prev, wd)?;
+        let cur = take(b, dh0, 1, slot)?;
+        let upd = choose(b, first, prev, cur)?;
+        let dh0 = put(b, dh0, 1, slot, upd)?;
+        Ok(vec![prev, dh_all, dvn_all, dh0])
+    })?;
+    Ok(GradRun { dh: out[1], dv_new: out[2], dh0_tab: out[3] })
+}

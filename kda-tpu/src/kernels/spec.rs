@@ -1,0 +1,114 @@
+//! The static description of one compiled program: everything that changes the program text.
+
+use kda_core::{DType, GateKind, Layout, Problem};
+
+/// Chunk size of the chunked algorithm (spec section 4).
+pub const CHUNK: usize = 64;
+/// Sub-block size inside a chunk: exponents stay relative to a row of the same 16-row block.
+pub const SUB: usize = 16;
+
+/// Shapes and options baked into a program. Two problems with equal specs share executables.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KernelSpec {
+    /// Heads, rows, tokens per row, key and value widths, segment slots per row.
+    pub h: usize,
+    /// Rows.
+    pub b: usize,
+    /// Tokens per row.
+    pub t: usize,
+    /// Key width.
+    pub k: usize,
+    /// Value width.
+    pub v: usize,
+    /// Segment slots per row.
+    pub n: usize,
+    /// Layout of per-token inputs and outputs.
+    pub layout: Layout,
+    /// Element type of q, k, v, g, beta, do (and of o and the per-token gradients).
+    pub dtype: DType,
+    /// Gate kind (the lower bound is baked in).
+    pub gate: GateKind,
+    /// Whether an in-kernel gate has a `dt_bias` input.
+    pub has_dt_bias: bool,
+    /// In-kernel q/k L2 norm.
+    pub l2norm: bool,
+    /// The query scale.
+    pub scale: f64,
+    /// Whether `beta` carries a trailing 1.
+    pub beta_trailing_one: bool,
+    /// Whether an initial state is an input.
+    pub has_h0: bool,
+    /// Whether final states are an output.
+    pub final_state: bool,
+    /// Whether `dht` is an input of backward programs.
+    pub has_dht: bool,
+    /// Packed: the static chunk capacity; `None` for fixed length.
+    pub packed_chunks: Option<usize>,
+}
+
+impl KernelSpec {
+    /// The spec of a validated problem; `packed_chunks` comes from `kda-packed`'s static plan.
+    pub fn new(p: &Problem, packed_chunks: Option<usize>, has_dht: bool) -> Self {
+        let d = p.dims;
+        KernelSpec {
+            h: d.h,
+            b: d.b,
+            t: d.t,
+            k: d.k,
+            v: d.v,
+            n: d.n,
+            layout: p.layout,
+            dtype: p.dtype,
+            gate: p.gate,
+            has_dt_bias: p.has_dt_bias,
+            l2norm: p.use_qk_l2norm,
+            scale: p.scale,
+            beta_trailing_one: p.beta_shape.len() == 4,
+            has_h0: p.has_initial_state,
+            final_state: p.output_final_state,
+            has_dht,
+            packed_chunks,
+        }
+    }
+    /// Independent recurrences run side by side: `H*B` fixed, `H` packed (rows run in sequence).
+    pub fn lanes(&self) -> usize {
+        if self.packed_chunks.is_some() {
+            self.h
+        } else {
+            self.h * self.b
+        }
+    }
+    /// Chunks per lane.
+    pub fn chunks(&self) -> usize {
+        self.packed_chunks.unwrap_or(self.t.div_ceil(CHUNK))
+    }
+    /// State slots per lane: `B*N` packed, 1 fixed.
+    pub fn slots(&self) -> usize {
+        if self.packed_chunks.is_some() {
+            self.b * self.n
+        } else {
+            self.n
+        }
+    }
+    /// Whether the gate is computed in the kernel.
+    pub fn in_kernel_gate(&self) -> bool {
+        self.gate != GateKind::Preactivated
+    }
+    /// Shape of a per-token input of width `d` in the caller's layout.
+    pub fn token_dims(&self, d: usize) -> Vec<i64> {
+        self.layout.token_shape(self.h, self.b, self.t, d).iter().map(|&x| x as i64).collect()
+    }
+    /// Shape of `beta` as the caller gives it.
+    pub fn beta_dims(&self) -> Vec<i64> {
+        let mut s: Vec<i64> =
+            self.layout.scalar_shape(self.h, self.b, self.t).iter().map(|&x| x as i64).collect();
+        if self.beta_trailing_one {
+            s.push(1);
+        }
+        s
+    }
+    /// `[B, N, H, K, V]`.
+    pub fn state_dims(&self) -> Vec<i64> {
+        [self.b, self.n, self.h, self.k, self.v].iter().map(|&x| x as i64).collect()
+    }
+}

@@ -1,0 +1,106 @@
+//! Compile options, the compiled-program handle, and the compile cache key.
+
+use std::collections::hash_map::DefaultHasher;
+use std::collections::BTreeMap;
+use std::hash::{Hash, Hasher};
+use std::time::Duration;
+
+use pjrt::protos::xla::{option_override_proto, OptionOverrideProto};
+use pjrt::LoadedExecutable;
+use pjrt_sys::PJRT_LoadedExecutable;
+
+use super::signature::Signature;
+
+/// The value of one XLA option override (`CompileOptionsProto.env_option_overrides`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum XlaOption {
+    /// A boolean flag.
+    Bool(bool),
+    /// An integer flag.
+    Int(i64),
+    /// A string flag.
+    Str(String),
+}
+
+/// Options of one compile; part of the cache key. The default is pjrt's (one replica, one partition).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct CompileOptions {
+    overrides: BTreeMap<String, XlaOption>,
+}
+
+impl CompileOptions {
+    /// Sets an XLA debug option for this compile, e.g. `("xla_cpu_enable_fast_math", Bool(false))`.
+    pub fn with_xla_option(mut self, name: impl Into<String>, value: XlaOption) -> Self {
+        self.overrides.insert(name.into(), value);
+        self
+    }
+    /// The overrides set so far, by name.
+    pub fn xla_options(&self) -> &BTreeMap<String, XlaOption> {
+        &self.overrides
+    }
+    /// pjrt's options: `CompileOptions::new()` plus the overrides.
+    pub(crate) fn to_pjrt(&self) -> pjrt::CompileOptions {
+        let mut options = pjrt::CompileOptions::new();
+        for (name, value) in &self.overrides {
+            let value = match value {
+                XlaOption::Bool(b) => option_override_proto::Value::BoolField(*b),
+                XlaOption::Int(i) => option_override_proto::Value::IntField(*i),
+                XlaOption::Str(s) => option_override_proto::Value::StringField(s.clone()),
+            };
+            options
+                .proto_mut()
+                .env_option_overrides
+                .insert(name.clone(), OptionOverrideProto { value: Some(value) });
+        }
+        options
+    }
+}
+
+/// Cache key: a hash of the program text plus the options (the text itself is compared on a hit).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) struct CacheKey {
+    pub(crate) text_hash: u64,
+    pub(crate) options: CompileOptions,
+}
+
+impl CacheKey {
+    pub(crate) fn new(text: &str, options: &CompileOptions) -> Self {
+        let mut h = DefaultHasher::new();
+        text.hash(&mut h);
+        Self { text_hash: h.finish(), options: options.clone() }
+    }
+}
+
+/// A program compiled for the runtime's device. Shared through `Rc` by the compile cache.
+pub struct Executable {
+    pub(crate) loaded: LoadedExecutable,
+    pub(crate) raw: *mut PJRT_LoadedExecutable,
+    pub(crate) text: String,
+    pub(crate) signature: Option<Signature>,
+    pub(crate) compile_time: Duration,
+}
+
+impl std::fmt::Debug for Executable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Executable({} bytes of text, {:?})", self.text.len(), self.compile_time)
+    }
+}
+
+impl Executable {
+    /// `@main`'s types as read from the text (`None` if the text is not in the pretty form).
+    pub fn signature(&self) -> Option<&Signature> {
+        self.signature.as_ref()
+    }
+    /// The number of results `@main` declares, if known.
+    pub fn num_outputs(&self) -> Option<usize> {
+        self.signature.as_ref().map(|s| s.results.len())
+    }
+    /// How long the plugin took to compile it.
+    pub fn compile_time(&self) -> Duration {
+        self.compile_time
+    }
+    /// The StableHLO text it was compiled from.
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+}

@@ -1,0 +1,226 @@
+//! The PJRT runtime: one plugin, one client, one device, a compile cache, transfers and execution.
+//!
+//! Threading: pjrt's `Client`, `Buffer` and executables are `Rc`/raw-pointer based, so [`Runtime`],
+//! [`DeviceBuffer`] and [`Executable`] are neither `Send` nor `Sync`: create and use a runtime on one
+//! thread (or own it from a worker thread and talk to it through channels).
+//! Panics: every call into pjrt runs behind a `catch_unwind` boundary (see `guard`); `Drop` of
+//! buffers and executables is not guarded (pjrt `expect`s the destroy call, which does not fail).
+
+mod buffer;
+mod compile;
+mod execute;
+pub(crate) mod guard;
+pub mod plugin;
+pub(crate) mod raw;
+mod signature;
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::time::Instant;
+
+use pjrt::{Api, Client, Device, LoadedExecutable, NamedValue, Program, ProgramFormat};
+use pjrt_sys::PJRT_LoadedExecutable;
+
+pub use buffer::{DeviceBuffer, ElementType};
+pub use compile::{CompileOptions, Executable, XlaOption};
+pub use raw::MemoryStats;
+pub use signature::{Signature, TensorType};
+
+use buffer::{download_bytes, upload, Bf16Bits};
+use compile::CacheKey;
+use execute::{check_inputs, check_outputs, Borrowed};
+use guard::guarded;
+use plugin::{explain, PluginLocation};
+use raw::{paired_ptr, RawApi};
+
+use crate::error::{Result, TpuError};
+
+/// A loaded PJRT plugin with one client and its first device. Not `Send`: see the module docs.
+pub struct Runtime {
+    api: Api,
+    client: Client,
+    device: Device,
+    raw: RawApi,
+    plugin_path: PathBuf,
+    platform: String,
+    cache: RefCell<HashMap<CacheKey, Rc<Executable>>>,
+    cache_hits: Cell<u64>,
+}
+
+impl std::fmt::Debug for Runtime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Runtime({} via {})", self.platform, self.plugin_path.display())
+    }
+}
+
+impl Runtime {
+    /// Loads `$KDA_PJRT_PLUGIN`, else the setup's CPU plugin (`<workspace>/.kda` or `$KDA_HOME`).
+    pub fn new() -> Result<Self> {
+        Self::from_location(&plugin::default_plugin())
+    }
+
+    /// Loads the plugin at `path`.
+    pub fn with_plugin(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref().to_path_buf();
+        Self::from_location(&PluginLocation { path, what: "PJRT plugin", hint: "check the path".to_string() })
+    }
+
+    fn from_location(loc: &PluginLocation) -> Result<Self> {
+        let (api, raw) = plugin::load(loc)?;
+        guarded("client create", || {
+            // The CPU plugin makes 4 devices by default; ask for 1. Other plugins may reject the option.
+            let client = Client::builder(&api)
+                .options(vec![NamedValue::i64("cpu_device_count", 1)])
+                .build()
+                .or_else(|_| Client::builder(&api).build())
+                .map_err(|e| {
+                    explain(&api, &e, |m| TpuError::PluginLoad {
+                        path: loc.path.display().to_string(),
+                        message: m,
+                    })
+                })?;
+            let device =
+                client.addressable_devices().into_iter().next().ok_or_else(|| TpuError::PluginLoad {
+                    path: loc.path.display().to_string(),
+                    message: "the plugin has no addressable device".to_string(),
+                })?;
+            let platform = client.platform_name().into_owned();
+            tracing::debug!(platform = %platform, plugin = %loc.path.display(), "PJRT runtime ready");
+            Ok(Self {
+                api: api.clone(),
+                client,
+                device,
+                raw,
+                plugin_path: loc.path.clone(),
+                platform,
+                cache: RefCell::new(HashMap::new()),
+                cache_hits: Cell::new(0),
+            })
+        })
+    }
+
+    /// The platform name the plugin reports (`cpu`, `tpu`, `cuda`).
+    pub fn platform(&self) -> &str {
+        &self.platform
+    }
+    /// The plugin file this runtime loaded.
+    pub fn plugin_path(&self) -> &Path {
+        &self.plugin_path
+    }
+    /// The plugin's PJRT C API version (major, minor).
+    pub fn plugin_version(&self) -> (i32, i32) {
+        plugin::plugin_version(&self.api)
+    }
+
+    /// Compiles StableHLO text with default options (cached).
+    pub fn compile(&self, program: &str) -> Result<Rc<Executable>> {
+        self.compile_with(program, &CompileOptions::default())
+    }
+
+    /// Compiles StableHLO text; a second call with the same text and options returns the cached one.
+    pub fn compile_with(&self, program: &str, options: &CompileOptions) -> Result<Rc<Executable>> {
+        let key = CacheKey::new(program, options);
+        if let Some(hit) = self.cache.borrow().get(&key).filter(|e| e.text == program) {
+            self.cache_hits.set(self.cache_hits.get() + 1);
+            return Ok(Rc::clone(hit));
+        }
+        let _span = tracing::info_span!("compile", bytes = program.len(), hash = key.text_hash).entered();
+        let started = Instant::now();
+        let loaded: LoadedExecutable = guarded("compile", || {
+            let program = Program::new(ProgramFormat::MLIR, program);
+            self.client
+                .compile(&program, options.to_pjrt())
+                .map_err(|e| explain(&self.api, &e, |message| TpuError::Compile { message }))
+        })?;
+        let raw = paired_ptr::<LoadedExecutable, PJRT_LoadedExecutable>(&self.client, &loaded)?;
+        let exe = Rc::new(Executable {
+            loaded,
+            raw,
+            text: program.to_string(),
+            signature: Signature::parse(program),
+            compile_time: started.elapsed(),
+        });
+        tracing::debug!(ms = exe.compile_time.as_secs_f64() * 1e3, "compiled");
+        self.cache.borrow_mut().insert(key, Rc::clone(&exe));
+        Ok(exe)
+    }
+
+    /// How many compiles were answered from the cache.
+    pub fn cache_hits(&self) -> u64 {
+        self.cache_hits.get()
+    }
+    /// How many programs the cache holds.
+    pub fn cache_len(&self) -> usize {
+        self.cache.borrow().len()
+    }
+    /// Drops every cached program (executables still held elsewhere stay alive).
+    pub fn clear_cache(&self) {
+        self.cache.borrow_mut().clear();
+    }
+
+    /// Runs `exe` on borrowed inputs (they stay valid and can be reused); one buffer per result.
+    pub fn execute(&self, exe: &Executable, inputs: &[&DeviceBuffer]) -> Result<Vec<DeviceBuffer>> {
+        let _span = tracing::info_span!("execute", inputs = inputs.len()).entered();
+        check_inputs(exe, inputs)?;
+        let outputs = guarded("execute", || {
+            let mut per_device = exe
+                .loaded
+                .execution(Borrowed::new(inputs))
+                .run_sync()
+                .map_err(|e| explain(&self.api, &e, |message| TpuError::Execute { message }))?;
+            if per_device.len() != 1 {
+                return Err(TpuError::Execute {
+                    message: format!("expected 1 device, got {}", per_device.len()),
+                });
+            }
+            let bufs = per_device.swap_remove(0);
+            bufs.into_iter().map(|b| DeviceBuffer::wrap(&self.client, b)).collect::<Result<Vec<_>>>()
+        })?;
+        check_outputs(exe, &outputs)?;
+        Ok(outputs)
+    }
+
+    /// Compiler memory statistics of `exe`, including the peak (read through pjrt-sys directly).
+    pub fn memory_stats(&self, exe: &Executable) -> Result<MemoryStats> {
+        guarded("memory stats", || self.raw.loaded_memory_stats(exe.raw))
+    }
+
+    /// Uploads f32 data with row-major `dims`.
+    pub fn upload_f32(&self, data: &[f32], dims: &[i64]) -> Result<DeviceBuffer> {
+        self.upload_vec(data.to_vec(), dims)
+    }
+    /// Uploads bf16 data with row-major `dims` (as `PrimitiveType::BF16`).
+    pub fn upload_bf16(&self, data: &[half::bf16], dims: &[i64]) -> Result<DeviceBuffer> {
+        self.upload_vec(data.iter().map(|x| Bf16Bits(x.to_bits())).collect(), dims)
+    }
+    /// Uploads i32 data with row-major `dims` (`&[]` for a scalar).
+    pub fn upload_i32(&self, data: &[i32], dims: &[i64]) -> Result<DeviceBuffer> {
+        self.upload_vec(data.to_vec(), dims)
+    }
+
+    fn upload_vec<E: pjrt::ElemType>(&self, data: Vec<E>, dims: &[i64]) -> Result<DeviceBuffer> {
+        let _span = tracing::info_span!("transfer", to = "device", elements = data.len()).entered();
+        guarded("upload", || upload(&self.client, &self.device, data, dims))
+    }
+
+    /// Downloads an f32 buffer (error if it holds another dtype).
+    pub fn download_f32(&self, buf: &DeviceBuffer) -> Result<Vec<f32>> {
+        self.download(buf, ElementType::F32, "download_f32")
+    }
+    /// Downloads a bf16 buffer (error if it holds another dtype).
+    pub fn download_bf16(&self, buf: &DeviceBuffer) -> Result<Vec<half::bf16>> {
+        self.download(buf, ElementType::Bf16, "download_bf16")
+    }
+    /// Downloads an i32 buffer (error if it holds another dtype).
+    pub fn download_i32(&self, buf: &DeviceBuffer) -> Result<Vec<i32>> {
+        self.download(buf, ElementType::I32, "download_i32")
+    }
+
+    fn download<T: bytemuck::Pod>(&self, buf: &DeviceBuffer, want: ElementType, arg: &str) -> Result<Vec<T>> {
+        let _span = tracing::info_span!("transfer", to = "host", elements = buf.num_elements()).entered();
+        let bytes = guarded("download", || download_bytes(buf, want, arg))?;
+        Ok(bytes.chunks_exact(std::mem::size_of::<T>()).map(bytemuck::pod_read_unaligned).collect())
+    }
+}

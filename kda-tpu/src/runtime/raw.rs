@@ -1,0 +1,244 @@
+//! Direct pjrt-sys calls for what pjrt 0.2.0 hides: `peak_memory_in_bytes` of the compiled memory
+//! statistics, a panic-free cost analysis, and the raw handles behind its buffers and executables.
+
+use std::collections::BTreeMap;
+use std::ffi::c_char;
+use std::mem::{offset_of, size_of};
+use std::path::Path;
+
+use libloading::Library;
+use pjrt::Client;
+use pjrt_sys::*;
+
+use crate::error::{compiler_message, Result, TpuError};
+
+/// What `PJRT_Executable_GetCompiledMemoryStats` reports for the device, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MemoryStats {
+    /// Generated code (0 on CPU).
+    pub generated_code_bytes: i64,
+    /// All arguments.
+    pub argument_bytes: i64,
+    /// All outputs.
+    pub output_bytes: i64,
+    /// Output bytes that alias arguments.
+    pub alias_bytes: i64,
+    /// Scratch space.
+    pub temp_bytes: i64,
+    /// The compiler's peak estimate (JAX's `memory_analysis().peak_memory_in_bytes`).
+    pub peak_bytes: i64,
+}
+
+/// pjrt 0.2.0 keeps the raw pointer of `Buffer` / `LoadedExecutable` crate-private. Both are
+/// `{ client: Client /* one Rc word */, ptr }`; the word equal to our client handle is the client,
+/// the other is the pointer. Checked at run time (sizes, exactly one match): an error, never a guess.
+pub(crate) fn paired_ptr<T, P>(client: &Client, value: &T) -> Result<*mut P> {
+    let layout_changed =
+        || TpuError::unsupported("pjrt version", "pjrt's Buffer/LoadedExecutable layout changed");
+    if size_of::<T>() != 2 * size_of::<usize>() || size_of::<Client>() != size_of::<usize>() {
+        return Err(layout_changed());
+    }
+    // SAFETY: both types are exactly pointer-sized words, all initialised (checked above).
+    let words: [usize; 2] = unsafe { std::mem::transmute_copy(value) };
+    let client_word: usize = unsafe { std::mem::transmute_copy(client) };
+    match (words[0] == client_word, words[1] == client_word) {
+        (true, false) if words[1] != 0 => Ok(words[1] as *mut P),
+        (false, true) if words[0] != 0 => Ok(words[0] as *mut P),
+        _ => Err(layout_changed()),
+    }
+}
+
+/// The plugin's `PJRT_Api` function table, reached by reopening the already loaded `.so`.
+pub(crate) struct RawApi {
+    api: *const PJRT_Api,
+    _lib: Library,
+}
+
+/// A function pointer from the table, checking the plugin's table is long enough to hold it.
+macro_rules! api_fn {
+    ($self:expr, $field:ident) => {{
+        // SAFETY: `api` came from GetPjrtApi of a library we keep open.
+        let api = unsafe { &*$self.api };
+        if offset_of!(PJRT_Api, $field) >= api.struct_size {
+            Err(raw_err(stringify!($field), "not in this plugin's PJRT_Api"))
+        } else {
+            api.$field.ok_or_else(|| raw_err(stringify!($field), "null function pointer"))
+        }
+    }};
+}
+
+/// Calls a PJRT function with its args struct; a returned `PJRT_Error` becomes a `TpuError`.
+macro_rules! call {
+    ($self:expr, $field:ident, $args:expr) => {{
+        let f = api_fn!($self, $field)?;
+        // SAFETY: args built with pjrt-sys's `new()` (struct_size set), pointers owned by the caller.
+        let err = unsafe { f($args) };
+        $self.check(stringify!($field), err)
+    }};
+}
+
+fn raw_err(call: &str, message: impl Into<String>) -> TpuError {
+    TpuError::Execute { message: format!("{call}: {}", message.into()) }
+}
+
+impl RawApi {
+    /// dlopen + `GetPjrtApi`. No `PJRT_Plugin_Initialize`: `pjrt::plugin(..).load()` did it.
+    pub(crate) fn open(path: &Path) -> Result<Self> {
+        let load_err = |e: libloading::Error| TpuError::PluginLoad {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        };
+        // SAFETY: the library is a PJRT plugin that pjrt has already loaded; dlopen returns it again.
+        let lib = unsafe { Library::new(path) }.map_err(load_err)?;
+        // SAFETY: `GetPjrtApi` has this signature in every PJRT plugin.
+        let get: libloading::Symbol<unsafe extern "C" fn() -> *const PJRT_Api> =
+            unsafe { lib.get(b"GetPjrtApi") }.map_err(load_err)?;
+        let api = unsafe { get() };
+        if api.is_null() {
+            return Err(TpuError::PluginLoad {
+                path: path.display().to_string(),
+                message: "GetPjrtApi returned null".into(),
+            });
+        }
+        Ok(Self { api, _lib: lib })
+    }
+
+    fn check(&self, call: &str, err: *mut PJRT_Error) -> Result<()> {
+        if err.is_null() {
+            return Ok(());
+        }
+        let mut m = PJRT_Error_Message_Args::new();
+        m.error = err;
+        let message = match api_fn!(self, PJRT_Error_Message) {
+            Ok(f) => {
+                // SAFETY: `err` is a live PJRT_Error; the message lives until it is destroyed below.
+                unsafe { f(&mut m) };
+                let bytes = unsafe { std::slice::from_raw_parts(m.message as *const u8, m.message_size) };
+                String::from_utf8_lossy(bytes).into_owned()
+            }
+            Err(_) => "(no message)".to_string(),
+        };
+        if let Ok(f) = api_fn!(self, PJRT_Error_Destroy) {
+            let mut d = PJRT_Error_Destroy_Args::new();
+            d.error = err;
+            // SAFETY: destroys the error we were handed, once.
+            unsafe { f(&mut d) };
+        }
+        if message.contains("Unexpected") && message.contains("size") {
+            return Err(TpuError::HeaderTooOld {
+                bindings: (PJRT_API_MAJOR, PJRT_API_MINOR),
+                plugin: self.version(),
+                detail: message,
+            });
+        }
+        Err(raw_err(call, message))
+    }
+
+    /// The plugin's PJRT C API version.
+    pub(crate) fn version(&self) -> (i32, i32) {
+        // SAFETY: a plain field read of the plugin's table.
+        let v = unsafe { (*self.api).pjrt_api_version };
+        (v.major_version, v.minor_version)
+    }
+
+    /// Memory statistics of a loaded executable (goes through `PJRT_LoadedExecutable_GetExecutable`).
+    pub(crate) fn loaded_memory_stats(&self, loaded: *mut PJRT_LoadedExecutable) -> Result<MemoryStats> {
+        let mut g = PJRT_LoadedExecutable_GetExecutable_Args::new();
+        g.loaded_executable = loaded;
+        call!(self, PJRT_LoadedExecutable_GetExecutable, &mut g)?;
+        let stats = self.memory_stats(g.executable);
+        self.destroy_executable(g.executable);
+        stats
+    }
+
+    pub(crate) fn memory_stats(&self, exe: *mut PJRT_Executable) -> Result<MemoryStats> {
+        let mut a = PJRT_Executable_GetCompiledMemoryStats_Args::new();
+        a.executable = exe;
+        call!(self, PJRT_Executable_GetCompiledMemoryStats, &mut a)?;
+        Ok(MemoryStats {
+            generated_code_bytes: a.generated_code_size_in_bytes,
+            argument_bytes: a.argument_size_in_bytes,
+            output_bytes: a.output_size_in_bytes,
+            alias_bytes: a.alias_size_in_bytes,
+            temp_bytes: a.temp_size_in_bytes,
+            peak_bytes: a.peak_memory_in_bytes,
+        })
+    }
+
+    /// Numeric properties of `PJRT_Executable_GetCostAnalysis` (others skipped; no panic on new kinds).
+    pub(crate) fn cost_analysis(&self, exe: *mut PJRT_Executable) -> Result<BTreeMap<String, f64>> {
+        let mut a = PJRT_Executable_GetCostAnalysis_Args::new();
+        a.executable = exe;
+        call!(self, PJRT_Executable_GetCostAnalysis, &mut a)?;
+        let mut out = BTreeMap::new();
+        if a.properties.is_null() {
+            return Ok(out);
+        }
+        // SAFETY: the plugin owns `num_properties` entries for the executable's lifetime.
+        let props = unsafe { std::slice::from_raw_parts(a.properties, a.num_properties) };
+        for p in props {
+            let name = unsafe { std::slice::from_raw_parts(p.name as *const u8, p.name_size) };
+            let value = if p.type_ == PJRT_NamedValue_Type_PJRT_NamedValue_kFloat {
+                f64::from(unsafe { p.__bindgen_anon_1.float_value })
+            } else if p.type_ == PJRT_NamedValue_Type_PJRT_NamedValue_kInt64 {
+                (unsafe { p.__bindgen_anon_1.int64_value }) as f64
+            } else {
+                continue;
+            };
+            out.insert(String::from_utf8_lossy(name).into_owned(), value);
+        }
+        Ok(out)
+    }
+
+    pub(crate) fn destroy_executable(&self, exe: *mut PJRT_Executable) {
+        let mut d = PJRT_Executable_Destroy_Args::new();
+        d.executable = exe;
+        // Nothing useful to do if destroying fails; the error itself is freed by `check`.
+        let _: Result<()> = (|| call!(self, PJRT_Executable_Destroy, &mut d))();
+    }
+
+    /// Deviceless compile of MLIR text for `topology`; `f` reads the executable before it is freed.
+    pub(crate) fn compile_for_topology<T>(
+        &self,
+        topology: &str,
+        mlir: &str,
+        compile_options: &[u8],
+        f: impl FnOnce(&Self, *mut PJRT_Executable) -> Result<T>,
+    ) -> Result<T> {
+        let mut t = PJRT_TopologyDescription_Create_Args::new();
+        t.topology_name = topology.as_ptr() as *const c_char;
+        t.topology_name_size = topology.len();
+        call!(self, PJRT_TopologyDescription_Create, &mut t).map_err(|e| match e {
+            TpuError::Execute { message } => {
+                TpuError::unsupported(format!("TPU topology `{topology}`"), message)
+            }
+            other => other,
+        })?;
+        let topo = t.topology;
+        let result = (|| {
+            const FORMAT: &[u8] = b"mlir";
+            let mut prog = PJRT_Program::new();
+            prog.code = mlir.as_ptr() as *mut c_char;
+            prog.code_size = mlir.len();
+            prog.format = FORMAT.as_ptr() as *const c_char;
+            prog.format_size = FORMAT.len();
+            let mut c = PJRT_Compile_Args::new();
+            c.topology = topo;
+            c.program = &prog;
+            c.compile_options = compile_options.as_ptr() as *const c_char;
+            c.compile_options_size = compile_options.len();
+            c.client = std::ptr::null_mut();
+            call!(self, PJRT_Compile, &mut c).map_err(|e| match e {
+                TpuError::Execute { message } => TpuError::Compile { message: compiler_message(&message) },
+                other => other,
+            })?;
+            let out = f(self, c.executable);
+            self.destroy_executable(c.executable);
+            out
+        })();
+        let mut d = PJRT_TopologyDescription_Destroy_Args::new();
+        d.topology = topo;
+        let _: Result<()> = (|| call!(self, PJRT_TopologyDescription_Destroy, &mut d))();
+        result
+    }
+}

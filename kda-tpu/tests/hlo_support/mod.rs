@@ -1,0 +1,115 @@
+//! Runs builder programs through kda-tpu's `Runtime` on the setup's CPU plugin.
+
+use std::time::{Duration, Instant};
+
+use half::bf16;
+use kda_tpu::{DeviceBuffer, ElementType, Runtime};
+
+/// Host-side input tensor.
+pub enum In {
+    F32(Vec<f32>, Vec<i64>),
+    I32(Vec<i32>, Vec<i64>),
+    Bf16(Vec<bf16>, Vec<i64>),
+}
+
+/// A downloaded output: its dims and its values (floats as f32, i32 as i32).
+#[derive(Debug)]
+pub struct Out {
+    pub dims: Vec<i64>,
+    floats: Option<Vec<f32>>,
+    ints: Option<Vec<i32>>,
+}
+
+impl Out {
+    /// f32 values of an f32 or bf16 output.
+    pub fn f32s(&self) -> Vec<f32> {
+        self.floats.clone().expect("not a float output")
+    }
+    /// Values of an i32 output.
+    pub fn i32s(&self) -> Vec<i32> {
+        self.ints.clone().expect("not an i32 output")
+    }
+}
+
+fn runtime() -> Runtime {
+    Runtime::new().unwrap_or_else(|e| panic!("no CPU plugin ({e}); run `cargo xtask setup`"))
+}
+
+fn upload(rt: &Runtime, inputs: &[In]) -> Vec<DeviceBuffer> {
+    inputs
+        .iter()
+        .map(|i| match i {
+            In::F32(d, dims) => rt.upload_f32(d, dims),
+            In::I32(d, dims) => rt.upload_i32(d, dims),
+            In::Bf16(d, dims) => rt.upload_bf16(d, dims),
+        })
+        .collect::<Result<_, _>>()
+        .expect("upload")
+}
+
+fn download(rt: &Runtime, b: &DeviceBuffer) -> Out {
+    let dims = b.dims().to_vec();
+    match b.dtype() {
+        ElementType::F32 => Out { dims, floats: Some(rt.download_f32(b).expect("f32")), ints: None },
+        ElementType::Bf16 => {
+            let v = rt.download_bf16(b).expect("bf16").iter().map(|x| x.to_f32()).collect();
+            Out { dims, floats: Some(v), ints: None }
+        }
+        ElementType::I32 => Out { dims, floats: None, ints: Some(rt.download_i32(b).expect("i32")) },
+        other => panic!("no download for {other:?} outputs (convert to i32 in the program)"),
+    }
+}
+
+/// Compiles `text`, runs it once on `inputs` and downloads every output.
+pub fn run(text: &str, inputs: Vec<In>) -> Vec<Out> {
+    run_timed(text, inputs, 1).0
+}
+
+/// Like [`run`], executing `iters` times on the same device inputs; also the median execute time.
+pub fn run_timed(text: &str, inputs: Vec<In>, iters: usize) -> (Vec<Out>, Duration) {
+    let rt = runtime();
+    let exe = rt.compile(text).unwrap_or_else(|e| panic!("compile failed: {e}\n--- program ---\n{text}"));
+    let bufs = upload(&rt, &inputs);
+    let refs: Vec<&DeviceBuffer> = bufs.iter().collect();
+    let mut times = Vec::new();
+    let mut outs = Vec::new();
+    for _ in 0..iters.max(1) {
+        let t0 = Instant::now();
+        outs = rt.execute(&exe, &refs).expect("execute");
+        times.push(t0.elapsed());
+    }
+    times.sort();
+    (outs.iter().map(|b| download(&rt, b)).collect(), times[times.len() / 2])
+}
+
+/// Deterministic pseudo-random values in [lo, hi).
+pub fn rand_vec(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let u = ((s >> 40) as f32) / ((1u64 << 24) as f32);
+            lo + (hi - lo) * u
+        })
+        .collect()
+}
+
+/// Panics with the worst index when max |got - want| / max(1, |want|) exceeds `tol`.
+pub fn assert_close(name: &str, got: &[f32], want: &[f32], tol: f32) {
+    assert_eq!(got.len(), want.len(), "{name}: length");
+    let mut worst = (0.0f32, 0usize);
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let e = (g - w).abs() / w.abs().max(1.0);
+        if e.is_nan() || e > worst.0 {
+            worst = (e, i);
+        }
+    }
+    assert!(
+        worst.0 <= tol,
+        "{name}: error {} at {} (got {}, want {})",
+        worst.0,
+        worst.1,
+        got[worst.1],
+        want[worst.1]
+    );
+}

@@ -1,0 +1,220 @@
+//! The PJRT runtime on the setup's CPU plugin, and deviceless TPU compiles with the setup's libtpu.
+//! Needs `cargo xtask setup` (plugins under `<workspace>/.kda` or `$KDA_HOME`).
+
+use std::rc::Rc;
+
+use half::bf16;
+use kda_core::{ErrorKind, KdaError};
+use kda_tpu::{CompileOptions, ElementType, Runtime, TpuCompiler, TpuError, XlaOption, DEFAULT_TOPOLOGY};
+use rstest::rstest;
+
+const MATMUL: &str = r#"
+func.func public @main(%a: tensor<2x3xf32>, %b: tensor<3x2xf32>) -> tensor<2x2xf32> {
+  %d = stablehlo.dot_general %a, %b, contracting_dims = [1] x [0] : (tensor<2x3xf32>, tensor<3x2xf32>) -> tensor<2x2xf32>
+  return %d : tensor<2x2xf32>
+}
+"#;
+
+const BF16_SCALE: &str = r#"
+func.func public @main(%x: tensor<4x8xbf16>) -> (tensor<4x8xbf16>, tensor<4x8xf32>) {
+  %h = stablehlo.constant dense<5.000000e-01> : tensor<4x8xbf16>
+  %y = stablehlo.multiply %x, %h : tensor<4x8xbf16>
+  %f = stablehlo.convert %x : (tensor<4x8xbf16>) -> tensor<4x8xf32>
+  %two = stablehlo.constant dense<2.000000e+00> : tensor<4x8xf32>
+  %z = stablehlo.multiply %f, %two : tensor<4x8xf32>
+  return %y, %z : tensor<4x8xbf16>, tensor<4x8xf32>
+}
+"#;
+
+const I32_AXPY: &str = r#"
+func.func public @main(%v: tensor<5xi32>, %s: tensor<i32>) -> tensor<5xi32> {
+  %b = stablehlo.broadcast_in_dim %s, dims = [] : (tensor<i32>) -> tensor<5xi32>
+  %m = stablehlo.multiply %v, %b : tensor<5xi32>
+  %r = stablehlo.add %m, %v : tensor<5xi32>
+  return %r : tensor<5xi32>
+}
+"#;
+
+/// s' = s + k^T k (one state step); used to chain device-resident buffers.
+const STATE_STEP: &str = r#"
+func.func public @main(%s: tensor<4x4xf32>, %k: tensor<3x4xf32>) -> tensor<4x4xf32> {
+  %kk = stablehlo.dot_general %k, %k, contracting_dims = [0] x [0] : (tensor<3x4xf32>, tensor<3x4xf32>) -> tensor<4x4xf32>
+  %s2 = stablehlo.add %s, %kk : tensor<4x4xf32>
+  return %s2 : tensor<4x4xf32>
+}
+"#;
+
+fn runtime() -> Runtime {
+    match Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => panic!("no CPU plugin ({e}); run `cargo xtask setup`"),
+    }
+}
+
+fn matmul(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
+    let mut out = vec![0.0; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            out[i * n + j] = (0..k).map(|p| a[i * k + p] * b[p * n + j]).sum();
+        }
+    }
+    out
+}
+
+fn assert_close(got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len());
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "element {i}: got {g}, want {w}");
+    }
+}
+
+#[test]
+fn finds_cpu_plugin_in_setup_folder() {
+    let rt = runtime();
+    assert_eq!(rt.platform(), "cpu");
+    if std::env::var_os("KDA_PJRT_PLUGIN").is_none() {
+        assert!(rt.plugin_path().ends_with("plugins/cpu/lammps_jax_pjrt_cpu/pjrt_c_api_cpu_plugin.so"));
+    }
+    assert!(rt.plugin_version() >= (0, 81));
+}
+
+#[test]
+fn f32_matmul_matches_rust() {
+    let rt = runtime();
+    let a = [1.0, 2.0, 3.0, -4.0, 5.5, 6.0];
+    let b = [0.5, -1.0, 2.0, 0.25, -3.0, 1.5];
+    let exe = rt.compile(MATMUL).unwrap();
+    let (da, db) = (rt.upload_f32(&a, &[2, 3]).unwrap(), rt.upload_f32(&b, &[3, 2]).unwrap());
+    let out = rt.execute(&exe, &[&da, &db]).unwrap();
+    assert_eq!(out.len(), 1);
+    assert_eq!((out[0].dtype(), out[0].dims()), (ElementType::F32, &[2i64, 2][..]));
+    assert_close(&rt.download_f32(&out[0]).unwrap(), &matmul(&a, &b, 2, 3, 2));
+}
+
+#[test]
+fn bf16_round_trip_and_convert() {
+    let rt = runtime();
+    let x: Vec<bf16> = (0..32).map(|i| bf16::from_f32(i as f32 * 0.37 - 5.0)).collect();
+    let dx = rt.upload_bf16(&x, &[4, 8]).unwrap();
+    assert_eq!(dx.dtype(), ElementType::Bf16);
+    assert_eq!(rt.download_bf16(&dx).unwrap(), x);
+    let out = rt.execute(&rt.compile(BF16_SCALE).unwrap(), &[&dx]).unwrap();
+    let half_x: Vec<bf16> = x.iter().map(|v| bf16::from_f32(v.to_f32() * 0.5)).collect();
+    assert_eq!(rt.download_bf16(&out[0]).unwrap(), half_x);
+    let twice: Vec<f32> = x.iter().map(|v| v.to_f32() * 2.0).collect();
+    assert_eq!(rt.download_f32(&out[1]).unwrap(), twice);
+}
+
+#[test]
+fn i32_vector_and_scalar() {
+    let rt = runtime();
+    let v = [1, -2, 3, 40, i32::MAX / 8];
+    let (dv, ds) = (rt.upload_i32(&v, &[5]).unwrap(), rt.upload_i32(&[3], &[]).unwrap());
+    assert!(ds.dims().is_empty());
+    let out = rt.execute(&rt.compile(I32_AXPY).unwrap(), &[&dv, &ds]).unwrap();
+    let want: Vec<i32> = v.iter().map(|x| x * 3 + x).collect();
+    assert_eq!(rt.download_i32(&out[0]).unwrap(), want);
+}
+
+#[test]
+fn inputs_are_borrowed_and_reusable() {
+    let rt = runtime();
+    let step = rt.compile(STATE_STEP).unwrap();
+    let k: Vec<f32> = (0..12).map(|i| (i as f32 - 5.0) * 0.1).collect();
+    let dk = rt.upload_f32(&k, &[3, 4]).unwrap();
+    let mut state = rt.upload_f32(&[0.0; 16], &[4, 4]).unwrap();
+    // dk feeds three executions; each output state is fed back without leaving the device.
+    for _ in 0..3 {
+        state = rt.execute(&step, &[&state, &dk]).unwrap().remove(0);
+    }
+    let mut kk = [0.0f32; 16];
+    for p in 0..3 {
+        for i in 0..4 {
+            for j in 0..4 {
+                kk[i * 4 + j] += k[p * 4 + i] * k[p * 4 + j];
+            }
+        }
+    }
+    let want: Vec<f32> = kk.iter().map(|x| 3.0 * x).collect();
+    assert_close(&rt.download_f32(&state).unwrap(), &want);
+    assert_eq!(rt.download_f32(&dk).unwrap(), k, "borrowed input must survive");
+}
+
+#[test]
+fn compile_cache_hits_on_same_text_and_options() {
+    let rt = runtime();
+    let first = rt.compile(MATMUL).unwrap();
+    let again = rt.compile(MATMUL).unwrap();
+    assert!(Rc::ptr_eq(&first, &again));
+    assert_eq!((rt.cache_hits(), rt.cache_len()), (1, 1));
+    let opts = CompileOptions::default().with_xla_option("xla_cpu_enable_fast_math", XlaOption::Bool(false));
+    let other = rt.compile_with(MATMUL, &opts).unwrap();
+    assert!(!Rc::ptr_eq(&first, &other));
+    assert_eq!((rt.cache_hits(), rt.cache_len()), (1, 2));
+}
+
+#[test]
+fn compile_error_keeps_compiler_message() {
+    let rt = runtime();
+    let bad = "func.func public @main(%a: tensor<2xf32>) -> tensor<2xf32> {\n  %b = stablehlo.frobnicate %a : tensor<2xf32>\n  return %b : tensor<2xf32>\n}\n";
+    let err = rt.compile(bad).unwrap_err();
+    let TpuError::Compile { message } = &err else { panic!("expected a compile error, got {err}") };
+    assert!(message.contains("-:2:") && message.contains("frobnicate"), "{message}");
+    assert!(!message.contains("backtrace"), "{message}");
+    let kda: KdaError = err.into();
+    assert_eq!(kda.kind(), ErrorKind::Backend);
+    assert!(kda.to_string().contains("frobnicate"));
+}
+
+#[test]
+fn wrong_dtype_and_shape_are_rejected() {
+    let rt = runtime();
+    let exe = rt.compile(MATMUL).unwrap();
+    let ints = rt.upload_i32(&[1, 2, 3, 4, 5, 6], &[2, 3]).unwrap();
+    let b = rt.upload_f32(&[0.0; 6], &[3, 2]).unwrap();
+    // The CPU plugin itself would run this (same byte size); the runtime must refuse.
+    let err = KdaError::from(rt.execute(&exe, &[&ints, &b]).unwrap_err());
+    assert_eq!((err.kind(), err.arg()), (ErrorKind::DType, "input 0"));
+    let err = KdaError::from(rt.execute(&exe, &[&b, &b]).unwrap_err());
+    assert_eq!((err.kind(), err.arg()), (ErrorKind::Shape, "input 0"));
+    assert_eq!(KdaError::from(rt.execute(&exe, &[&b]).unwrap_err()).kind(), ErrorKind::Shape);
+    assert_eq!(KdaError::from(rt.download_f32(&ints).unwrap_err()).kind(), ErrorKind::DType);
+    assert_eq!(KdaError::from(rt.upload_f32(&[1.0; 5], &[2, 3]).unwrap_err()).kind(), ErrorKind::Shape);
+}
+
+#[test]
+fn memory_stats_include_peak() {
+    let rt = runtime();
+    let stats = rt.memory_stats(&rt.compile(STATE_STEP).unwrap()).unwrap();
+    eprintln!("cpu: {stats:?}");
+    assert_eq!((stats.argument_bytes, stats.output_bytes), (4 * (16 + 12), 4 * 16));
+    assert!(stats.peak_bytes > 0, "{stats:?}");
+}
+
+#[test]
+fn missing_plugin_says_what_to_do() {
+    let err = Runtime::with_plugin("/nonexistent/plugin.so").unwrap_err();
+    assert!(matches!(err, TpuError::PluginNotFound { .. }), "{err}");
+    assert_eq!(KdaError::from(err).kind(), ErrorKind::Backend);
+}
+
+#[rstest]
+#[case(DEFAULT_TOPOLOGY)]
+#[case("v6e:2x2")]
+fn aot_compile_reports_peak_and_flops(#[case] topology: &str) {
+    let tpu = TpuCompiler::load().unwrap_or_else(|e| panic!("no libtpu ({e}); run `cargo xtask setup`"));
+    let report = tpu.compile(MATMUL, topology).unwrap();
+    eprintln!(
+        "{topology}: {:?}, flops {}, compiled in {:?}",
+        report.memory, report.cost.flops, report.compile_time
+    );
+    assert!(report.memory.peak_bytes > 0, "{report:?}");
+    assert_eq!(report.cost.flops, (2 * 2 * 3 * 2) as f64, "{report:?}");
+}
+
+#[test]
+fn aot_rejects_v7x_spelling() {
+    let err = kda_tpu::aot::check_topology("v7x:2x2x1").unwrap_err();
+    assert!(err.to_string().contains("tpu7x:2x2x1"), "{err}");
+    assert_eq!(KdaError::from(err).kind(), ErrorKind::Unsupported);
+}

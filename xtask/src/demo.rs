@@ -1,0 +1,71 @@
+//! `cargo xtask demo`: KDA forward+VJP at the primary benchmark shape (spec section 8), checked
+//! against the f64 reference, with timings.
+
+use kda_core::{Backend, BackwardStrategy, DType, KdaInputs};
+use kda_ref::RefBackend;
+use kda_testkit::{agreement, benchmark_cases, case_data, widen, Rng};
+use std::time::Instant;
+
+/// A central-difference spot check of a few gradient entries of the f64 reference.
+fn finite_difference_spot_check(inputs: &KdaInputs, cot: &kda_core::Cotangents) -> Result<(), String> {
+    let e = |e: kda_core::KdaError| e.to_string();
+    let (_, grads) = kda_ref::forward_and_vjp(inputs, cot).map_err(e)?;
+    let mut rng = Rng::new(2026);
+    println!("finite-difference spot check of the reference (f64, central, eps 1e-6):");
+    let mut worst: f64 = 0.0;
+    for (name, g) in grads.named() {
+        if !["dq", "dk", "dv", "dg", "dbeta"].contains(&name) {
+            continue;
+        }
+        let i = (rng.next_u64() % g.len() as u64) as usize;
+        let bump = |delta: f64| -> Result<f64, String> {
+            let mut x = inputs.clone();
+            let t = match name {
+                "dq" => &mut x.q,
+                "dk" => &mut x.k,
+                "dv" => &mut x.v,
+                "dg" => &mut x.g,
+                _ => &mut x.beta,
+            };
+            let mut d = t.to_f64_vec();
+            d[i] += delta;
+            *t = kda_core::HostTensor::from_f64(t.shape(), d).map_err(e)?;
+            kda_ref::loss(&x, cot).map_err(e)
+        };
+        let fd = (bump(1e-6)? - bump(-1e-6)?) / 2e-6;
+        let an = g.get_f64(i);
+        let rel = (fd - an).abs() / an.abs().max(1e-3);
+        worst = worst.max(rel);
+        println!("  {name:>5}[{i:>7}]: analytic {an:+.9e}  finite difference {fd:+.9e}  rel. error {rel:.1e}");
+    }
+    if worst > 1e-5 {
+        return Err(format!("finite-difference spot check failed: worst relative error {worst:.1e}"));
+    }
+    Ok(())
+}
+
+/// Runs the reference demo.
+pub fn demo_ref() -> Result<(), String> {
+    let case = benchmark_cases().into_iter().next().ok_or("no benchmark case")?;
+    println!(
+        "KDA forward+VJP, primary benchmark shape: H={} B={} T={} K={} V={} (f32 inputs), reference backend (f64)",
+        case.h, case.b, case.t, case.k, case.v
+    );
+    let data = case_data(&case, DType::F32).map_err(|e| e.to_string())?;
+    let wide = widen(&data);
+    let t = Instant::now();
+    let (out, grads) = RefBackend
+        .forward_and_vjp(&data.inputs, &data.cotangents, BackwardStrategy::SavedState)
+        .map_err(|e| e.to_string())?;
+    let ms = t.elapsed().as_secs_f64() * 1e3;
+    println!("reference forward+VJP: {ms:.0} ms (f64 token recurrence, single thread)");
+    let (wo, wg) = kda_ref::forward_and_vjp(&wide.inputs, &wide.cotangents).map_err(|e| e.to_string())?;
+    println!("f32-rounded results vs f64 (RMS ratio, max abs):");
+    let a = agreement(&out.o, &wo.o.to_f64_vec());
+    println!("  {:>6}: {:.2e}  {:.2e}", "o", a.rms_ratio, a.max_abs);
+    for ((n, g), (_, w)) in grads.named().into_iter().zip(wg.named()) {
+        let a = agreement(g, &w.to_f64_vec());
+        println!("  {n:>6}: {:.2e}  {:.2e}", a.rms_ratio, a.max_abs);
+    }
+    finite_difference_spot_check(&wide.inputs, &wide.cotangents)
+}
