@@ -37,7 +37,7 @@ pub struct PjrtResiduals {
     strategy: BackwardStrategy,
     inputs: Vec<DeviceBuffer>,
     h: Option<DeviceBuffer>,
-    gate_dtype: DType,
+    types: Gradtypes,
 }
 
 impl Residuals for PjrtResiduals {
@@ -217,6 +217,7 @@ impl PjrtBackend {
 }
 
 /// The dtypes gradients come back in (their inputs').
+#[derive(Debug, Clone, Copy)]
 struct Gradtypes {
     g: DType,
     beta: DType,
@@ -252,9 +253,7 @@ impl Backend for PjrtBackend {
         let mut outs = self.rt.execute(&exe, &refs).map_err(e)?;
         let out = self.outputs(&p, &outs)?;
         let h = if keep_h { outs.pop() } else { None };
-        let gate_dtype = gradtypes(inputs).gate;
-        let _ = gate_dtype;
-        Ok((out, PjrtResiduals { problem: p, spec, strategy, inputs: bufs, h, gate_dtype: inputs.g.dtype() }))
+        Ok((out, PjrtResiduals { problem: p, spec, strategy, inputs: bufs, h, types: gradtypes(inputs) }))
     }
 
     fn backward(&self, res: PjrtResiduals, cot: &Cotangents) -> Result<KdaGradients> {
@@ -270,8 +269,7 @@ impl Backend for PjrtBackend {
         refs.push(&d_o);
         refs.extend(dht.iter());
         let outs = self.rt.execute(&exe, &refs).map_err(e)?;
-        let types = Gradtypes { g: res.gate_dtype, beta: p.dtype, gate: DType::F32 };
-        self.gradients(p, &types, &outs)
+        self.gradients(p, &res.types, &outs)
     }
 
     fn forward_and_vjp(
@@ -295,5 +293,84 @@ impl Backend for PjrtBackend {
         let skip = 1 + usize::from(p.output_final_state);
         let grads = self.gradients(&p, &gradtypes(inputs), &outs[skip..])?;
         Ok((out, grads))
+    }
+}
+
+/// A call's inputs (and cotangents) already on the device: what benchmarks time programs on.
+pub struct DeviceCall {
+    problem: Problem,
+    spec: KernelSpec,
+    inputs: Vec<DeviceBuffer>,
+    cotangents: Vec<DeviceBuffer>,
+}
+
+impl DeviceCall {
+    /// The validated problem.
+    pub fn problem(&self) -> &Problem {
+        &self.problem
+    }
+    /// The kernel spec (with `has_dht` set from the cotangents given).
+    pub fn spec(&self) -> &KernelSpec {
+        &self.spec
+    }
+}
+
+impl PjrtBackend {
+    /// Validates and uploads a call once; `cot` is needed for backward and fused programs.
+    pub fn upload_call(&self, inputs: &KdaInputs, cot: Option<&Cotangents>) -> Result<DeviceCall> {
+        let p = self.problem(inputs)?;
+        if let Some(c) = cot {
+            c.validate(&p)?;
+        }
+        let spec = self.spec(&p, cot.is_some_and(|c| c.dht.is_some()))?;
+        let bufs = self.upload_inputs(inputs, &p, &spec)?;
+        let mut cbufs = Vec::new();
+        if let Some(c) = cot {
+            cbufs.push(self.upload(&c.d_o.cast(p.dtype))?);
+            if let Some(dht) = &c.dht {
+                cbufs.push(self.upload_as_f32(dht)?);
+            }
+        }
+        Ok(DeviceCall { problem: p, spec, inputs: bufs, cotangents: cbufs })
+    }
+
+    /// Runs one program of the call on its device-resident buffers. Backward programs with the
+    /// saved-state strategy need `h` (the forward's last output with `Forward(true)`).
+    pub fn run_program(&self, call: &DeviceCall, kind: ProgramKind, h: Option<&DeviceBuffer>) -> Result<Vec<DeviceBuffer>> {
+        let exe = self.executable(&call.spec, kind)?;
+        let mut refs: Vec<&DeviceBuffer> = call.inputs.iter().collect();
+        match kind {
+            ProgramKind::Forward(_) => {}
+            ProgramKind::Backward(s) => {
+                if s == BackwardStrategy::SavedState {
+                    refs.push(h.ok_or_else(|| KdaError::missing("h", "the saved-state backward reads the forward's states"))?);
+                }
+                refs.extend(call.cotangents.iter());
+            }
+            ProgramKind::Fused(_) => refs.extend(call.cotangents.iter()),
+        }
+        self.rt.execute(&exe, &refs).map_err(e)
+    }
+
+    /// The staged baseline (spec section 5): the forward executable, its residuals handed back to
+    /// the caller (downloaded to host memory), then a separate backward executable fed from them.
+    pub fn run_staged(&self, call: &DeviceCall, strategy: BackwardStrategy) -> Result<(Vec<DeviceBuffer>, Vec<DeviceBuffer>)> {
+        let saved = strategy == BackwardStrategy::SavedState;
+        let mut fwd = self.run_program(call, ProgramKind::Forward(saved), None)?;
+        let h = if saved {
+            let dev = fwd.pop().ok_or_else(|| KdaError::backend("forward", "an h output", "none"))?;
+            let host = self.rt.download_f32(&dev).map_err(e)?;
+            Some(self.rt.upload_f32(&host, dev.dims()).map_err(e)?)
+        } else {
+            None
+        };
+        let bwd = self.run_program(call, ProgramKind::Backward(strategy), h.as_ref())?;
+        Ok((fwd, bwd))
+    }
+
+    /// The compiler's memory statistics of one program of a spec on this runtime's device.
+    pub fn memory_stats(&self, spec: &KernelSpec, kind: ProgramKind) -> Result<crate::MemoryStats> {
+        let exe = self.executable(spec, kind)?;
+        self.rt.memory_stats(&exe).map_err(e)
     }
 }

@@ -9,7 +9,8 @@ pub mod hlo;
 pub mod kernels;
 pub mod runtime;
 
-pub use backend::{PjrtBackend, PjrtResiduals, ProgramKind};
+pub use backend::{DeviceCall, PjrtBackend, PjrtResiduals, ProgramKind};
+pub use kernels::KernelSpec;
 pub use aot::{AotReport, CostAnalysis, TpuCompiler, DEFAULT_TOPOLOGY};
 pub use error::{Result, TpuError};
 pub use runtime::{
