@@ -180,8 +180,8 @@ pub struct ChunkTerms {
     pub aqk: Value,
     /// `sum_i k k exp(..)`, strictly causal (L without beta), `[N, C, C]`.
     pub kk: Value,
-    /// `L = beta * kk`.
-    pub l: Value,
+    /// `A = (I + L)^-1`.
+    pub a: Value,
     /// `u = A (beta V)`, `[N, C, V]`.
     pub u: Value,
     /// `w = A (beta K exp(G))`, `[N, C, K]`.
@@ -217,19 +217,11 @@ pub fn chunk_terms(
     let bk = b.mul_bcast(keg, beta)?;
     let vd = v.dims()[2];
     let rhs = b.concatenate(&[bv, bk], 2)?;
-    let a = unit_lower(b, l)?;
-    let x = b.triangular_solve(a, rhs, true, true, true, false)?;
+    let a = super::solve::unit_lower_inverse(b, l)?;
+    let x = b.batch_matmul(a, rhs, false, false)?;
     let u = super::ops::last_axis(b, x, 0, vd)?;
     let w = super::ops::last_axis(b, x, vd, x.dims()[2])?;
-    Ok(ChunkTerms { dc, aqk, kk, l, u, w, qg, keg, kg })
-}
-
-/// `I + L` for strictly lower `L` `[N, C, C]`: the solves read a true unit diagonal.
-pub fn unit_lower(b: &mut FnBuilder, l: Value) -> Result<Value> {
-    let eye = index_mask(b, l.dims(), 1, Cmp::Eq, 2)?;
-    let one = super::ops::splat(b, 1.0, l.dims())?;
-    let eye = keep(b, eye, one)?;
-    Ok(b.add(l, eye)?)
+    Ok(ChunkTerms { dc, aqk, kk, a, u, w, qg, keg, kg })
 }
 
 /// `sum over the last axis` of `x * y`, kept as width 1.

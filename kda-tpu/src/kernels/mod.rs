@@ -5,6 +5,7 @@ mod ops;
 mod prep;
 mod programs;
 mod recurrence;
+mod solve;
 mod spec;
 
 pub use programs::{backward_program, forward_program, fused_program};

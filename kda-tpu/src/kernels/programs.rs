@@ -1,7 +1,7 @@
 //! The programs: forward (optionally keeping `h` for the saved-state backward), backward (saved
 //! state or rematerialized) and the fused forward+VJP, assembled from the pieces in this module.
 
-use super::intra::{chunk_terms, col_side, row_side, rowdot, unit_lower, ChunkTerms};
+use super::intra::{chunk_terms, col_side, row_side, rowdot, ChunkTerms};
 use super::ops::{causal_mask, cumsum_rows, keep, splat};
 use super::prep::{self, GateParams};
 use super::recurrence::{run_grads, run_states, ChunkTables};
@@ -9,6 +9,13 @@ use super::spec::{KernelSpec, CHUNK};
 use crate::hlo::{ElemType, FnBuilder, Module, TensorType, Value};
 use crate::Result;
 use kda_core::BackwardStrategy;
+
+/// Per-token log-decays below this are treated as this value. `exp(-30) ~ 9e-14`: the state
+/// left after such a token is below f32 resolution relative to what follows, exactly as after a
+/// hard reset (`g = -1000`), while the in-chunk cumulative sums stay small enough that their
+/// differences keep f32 precision (a -1000 inside a chunk would cost ~6e-5 relative error in
+/// every later decay factor of that chunk).
+pub const GATE_FLOOR: f32 = -30.0;
 
 /// The program arguments, in order.
 struct Args {
@@ -100,11 +107,13 @@ fn working(b: &mut FnBuilder, s: &KernelSpec, a: &Args) -> Result<Working> {
         None => None,
     };
     let g = prep::activate(b, s, x, gate.as_ref())?;
+    let floor = splat(b, GATE_FLOOR, g.dims())?;
+    let g_used = b.max(g, floor)?;
     let beta = prep::beta_head_first(b, s, a.beta)?;
     let qc = flat_chunks(b, s, q, a.slot_token)?;
     let kc = flat_chunks(b, s, k, a.slot_token)?;
     let vc = flat_chunks(b, s, v, a.slot_token)?;
-    let gc = flat_chunks(b, s, g, a.slot_token)?;
+    let gc = flat_chunks(b, s, g_used, a.slot_token)?;
     let betac = flat_chunks(b, s, beta, a.slot_token)?;
     Ok(Working { q, k, q_rstd, k_rstd, x, g, gate, v, beta, qc, kc, vc, gc, betac })
 }
@@ -207,8 +216,7 @@ fn backward_core(
     let dw = b.batch_matmul(dvn, h, false, true)?;
     let dw = b.neg(dw)?;
     let rhs = b.concatenate(&[dvn, dw], 2)?;
-    let al = unit_lower(b, ct.l)?;
-    let xs = b.triangular_solve(al, rhs, true, true, true, true)?;
+    let xs = b.batch_matmul(ct.a, rhs, true, false)?; // A^T [du | dw]
     let vd = s.v as i64;
     let xu = super::ops::last_axis(b, xs, 0, vd)?;
     let xw = super::ops::last_axis(b, xs, vd, vd + s.k as i64)?;
@@ -268,6 +276,11 @@ fn backward_core(
     let mut dk = tok(b, dk)?;
     let dv = tok(b, dv)?;
     let mut dg = tok(b, dg)?;
+    // Below the floor the kernel used the floor: no gradient flows to g there (spec's reference
+    // gives exactly 0 as well, since exp(g) underflows).
+    let floor = splat(b, GATE_FLOOR, w.g.dims())?;
+    let live = b.compare(crate::hlo::Cmp::Gt, w.g, floor)?;
+    dg = keep(b, live, dg)?;
     let dbeta = tok(b, dbeta)?;
     if let (Some(qr), Some(kr)) = (w.q_rstd, w.k_rstd) {
         dq = prep::l2_backward(b, dq, w.q, qr)?;
@@ -311,6 +324,7 @@ pub fn forward_program(s: &KernelSpec, keep_h: bool) -> Result<String> {
     f.set_dot_precision(crate::hlo::Precision::Highest);
     let a = declare(&mut f, s)?;
     let w = working(&mut f, s, &a)?;
+
     let ct = chunk_terms(&mut f, w.qc, w.kc, w.vc, w.gc, w.betac, s.scale as f32)?;
     let fw = forward_core(&mut f, s, &a, &w, &ct)?;
     let mut outs = vec![fw.o];
