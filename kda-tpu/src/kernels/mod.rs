@@ -8,5 +8,5 @@ mod recurrence;
 mod solve;
 mod spec;
 
-pub use programs::{backward_program, forward_program, fused_program};
+pub use programs::{backward_program, forward_program, fused_program, GATE_FLOOR};
 pub use spec::{KernelSpec, CHUNK, SUB};
