@@ -50,7 +50,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let limit = rms_limit(Quantity::of(name), DType::F32);
         let pass = a.rms_ratio <= limit;
         ok &= pass;
-        println!("  {name:>6}: rms ratio {:.2e} (limit {limit:.0e}) {}", a.rms_ratio, if pass { "ok" } else { "FAIL" });
+        println!(
+            "  {name:>6}: rms ratio {:.2e} (limit {limit:.0e}) {}",
+            a.rms_ratio,
+            if pass { "ok" } else { "FAIL" }
+        );
     }
     if !ok {
         return Err("gradients disagree with the reference".into());

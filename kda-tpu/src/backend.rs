@@ -180,8 +180,11 @@ impl PjrtBackend {
     fn outputs(&self, p: &Problem, outs: &[DeviceBuffer]) -> Result<KdaOutputs> {
         let d = &p.dims;
         let o = self.download(&outs[0], &p.layout.token_shape(d.h, d.b, d.t, d.v), p.dtype)?;
-        let final_state =
-            if p.output_final_state { Some(self.download(&outs[1], &d.state_shape(), DType::F32)?) } else { None };
+        let final_state = if p.output_final_state {
+            Some(self.download(&outs[1], &d.state_shape(), DType::F32)?)
+        } else {
+            None
+        };
         Ok(KdaOutputs { o, final_state })
     }
 
@@ -192,13 +195,21 @@ impl PjrtBackend {
         let tv = lay.token_shape(d.h, d.b, d.t, d.v);
         let cast = |t: HostTensor, to: DType| if t.dtype() == to { t } else { t.cast(to) };
         let mut it = outs.iter();
-        let mut next = || it.next().ok_or_else(|| KdaError::backend("execute", "a program output per gradient", "too few outputs"));
+        let mut next = || {
+            it.next().ok_or_else(|| {
+                KdaError::backend("execute", "a program output per gradient", "too few outputs")
+            })
+        };
         let dq = self.download(next()?, &tk, p.dtype)?;
         let dk = self.download(next()?, &tk, p.dtype)?;
         let dv = self.download(next()?, &tv, p.dtype)?;
         let dg = cast(self.download(next()?, &tk, p.dtype)?, x.g);
         let dbeta = cast(self.download(next()?, &p.beta_shape, p.dtype)?, x.beta);
-        let dh0 = if p.has_initial_state { Some(self.download(next()?, &d.state_shape(), DType::F32)?) } else { None };
+        let dh0 = if p.has_initial_state {
+            Some(self.download(next()?, &d.state_shape(), DType::F32)?)
+        } else {
+            None
+        };
         let (mut da_log, mut ddt_bias) = (None, None);
         if p.gate != kda_core::GateKind::Preactivated {
             da_log = Some(cast(self.download(next()?, &[d.h], DType::F32)?, x.gate));
@@ -336,14 +347,21 @@ impl PjrtBackend {
 
     /// Runs one program of the call on its device-resident buffers. Backward programs with the
     /// saved-state strategy need `h` (the forward's last output with `Forward(true)`).
-    pub fn run_program(&self, call: &DeviceCall, kind: ProgramKind, h: Option<&DeviceBuffer>) -> Result<Vec<DeviceBuffer>> {
+    pub fn run_program(
+        &self,
+        call: &DeviceCall,
+        kind: ProgramKind,
+        h: Option<&DeviceBuffer>,
+    ) -> Result<Vec<DeviceBuffer>> {
         let exe = self.executable(&call.spec, kind)?;
         let mut refs: Vec<&DeviceBuffer> = call.inputs.iter().collect();
         match kind {
             ProgramKind::Forward(_) => {}
             ProgramKind::Backward(s) => {
                 if s == BackwardStrategy::SavedState {
-                    refs.push(h.ok_or_else(|| KdaError::missing("h", "the saved-state backward reads the forward's states"))?);
+                    refs.push(h.ok_or_else(|| {
+                        KdaError::missing("h", "the saved-state backward reads the forward's states")
+                    })?);
                 }
                 refs.extend(call.cotangents.iter());
             }
@@ -354,7 +372,11 @@ impl PjrtBackend {
 
     /// The staged baseline (spec section 5): the forward executable, its residuals handed back to
     /// the caller (downloaded to host memory), then a separate backward executable fed from them.
-    pub fn run_staged(&self, call: &DeviceCall, strategy: BackwardStrategy) -> Result<(Vec<DeviceBuffer>, Vec<DeviceBuffer>)> {
+    pub fn run_staged(
+        &self,
+        call: &DeviceCall,
+        strategy: BackwardStrategy,
+    ) -> Result<(Vec<DeviceBuffer>, Vec<DeviceBuffer>)> {
         let saved = strategy == BackwardStrategy::SavedState;
         let mut fwd = self.run_program(call, ProgramKind::Forward(saved), None)?;
         let h = if saved {

@@ -9,10 +9,10 @@ pub mod hlo;
 pub mod kernels;
 pub mod runtime;
 
-pub use backend::{DeviceCall, PjrtBackend, PjrtResiduals, ProgramKind};
-pub use kernels::KernelSpec;
 pub use aot::{AotReport, CostAnalysis, TpuCompiler, DEFAULT_TOPOLOGY};
+pub use backend::{DeviceCall, PjrtBackend, PjrtResiduals, ProgramKind};
 pub use error::{Result, TpuError};
+pub use kernels::KernelSpec;
 pub use runtime::{
     CompileOptions, DeviceBuffer, ElementType, Executable, MemoryStats, Runtime, Signature, TensorType,
     XlaOption,

@@ -1,19 +1,31 @@
 //! Chunk-local quantities (spec section 4), batched over `N` chunks of `C = 64` rows.
 //!
-//! Exponents: `G` is the inclusive cumsum of the (natural-log) gate inside the chunk. Every
-//! factor `exp(G_t - G_j)` is formed either per element inside a 16-row diagonal block (masked
-//! to `j <= t` *before* `exp`), or as `exp(G_t - G_r) * exp(G_r - G_j)` with `r` the first row
-//! of `t`'s block, both exponents `<= 0` for `g <= 0`. No positive exponent is formed, so
-//! `g = -1000` (a hard reset) and `g = -5` per token stay finite and exact.
+//! Decay factors `exp(G_t - G_j)` (`G` the in-chunk cumulative log-decay) inside a chunk are
+//! handled hierarchically: the causal `C x C` pattern splits into the lower-left quadrants of
+//! diagonal blocks of size 2, 4, ..., 64. For the quadrant of a `2m` block with first lower row
+//! `r`, `exp(G_t - G_j) = exp(sum_{r < s <= t} g_s) * exp(sum_{j < s <= r} g_s)`: both
+//! exponents are sums of `g <= 0` (no positive exponent is ever formed), each computed as a
+//! direct (prefix or suffix) sum of the tokens it spans, never as a difference of two long
+//! cumulative sums, so nothing cancels. Every quadrant is then a batched matmul, and the
+//! diagonal is `exp(0) = 1`. The work is one dense triangular matmul's worth plus two `[C, K]`
+//! exponentials per level.
 
-use super::ops::{causal_mask, index_mask, keep, keep_or_neg_inf, sum_last_keep};
-use super::spec::{CHUNK, SUB};
+use super::ops::{cumsum_rows, index_mask, keep, splat, sum_last_keep};
+use super::spec::CHUNK;
 use crate::hlo::{Cmp, ElemType, FnBuilder, Value};
 use crate::Result;
 
-const NB: i64 = (CHUNK / SUB) as i64;
 const C: i64 = CHUNK as i64;
-const S: i64 = SUB as i64;
+
+/// The factors of one level: quadrants of `2m` blocks, `Q = C / 2m` of them per chunk.
+pub struct Level {
+    /// Half-block size.
+    pub m: i64,
+    /// `exp(sum_{r < s <= t} g_s)` for the lower-half rows `t`, `[N, Q, m, K]`.
+    pub row: Value,
+    /// `exp(sum_{j < s <= r} g_s)` for the upper-half rows `j`, `[N, Q, m, K]`.
+    pub col: Value,
+}
 
 /// The decay factors of a batch of chunks.
 pub struct Decay {
@@ -23,153 +35,166 @@ pub struct Decay {
     pub eg_rest: Value,
     /// `exp(G_last)`, `[N, K]`: the whole-chunk decay.
     pub eg_last: Value,
-    /// `exp(G_t - G_j)` on the diagonal 16-blocks, 0 for `j > t`: `[N, 4, 16, 16, K]`.
-    pub e_diag: Value,
-    /// `exp(G_t - G_first(block of t))`, `[N, 4, 16, K]`.
-    pub row: Value,
-    /// `exp(G_first(I) - G_j)` for `j` in blocks `J < I`, else 0: `[N, 4(I), 4(J), 16, K]`.
-    pub col: Value,
+    /// Levels `m = 1, 2, 4, ..., C/2`.
+    pub levels: Vec<Level>,
+}
+
+/// Exclusive suffix sums along `axis` (1 or 2, of a rank 3 or 4 tensor): `sum_{s > t} x_s`.
+fn suffix_exclusive(b: &mut FnBuilder, x: Value, axis: usize) -> Result<Value> {
+    let n = x.dims()[axis];
+    if n == 1 {
+        return splat(b, 0.0, x.dims());
+    }
+    let incl = cumsum_axis(b, x, axis, true)?;
+    let tail = b.slice_axis(incl, axis, 1, n)?;
+    let zero = b.constant_f32(0.0, super::ops::f32t(&[]))?;
+    let r = x.rank();
+    let low = vec![0; r];
+    let mut high = vec![0; r];
+    high[axis] = 1;
+    b.pad(tail, zero, &low, &high, &vec![0; r])
+}
+
+/// Cumulative sum along `axis` as a batched triangular matmul ([`cumsum_rows`] on a reshape).
+fn cumsum_axis(b: &mut FnBuilder, x: Value, axis: usize, reverse: bool) -> Result<Value> {
+    let dims = x.dims().to_vec();
+    let lead: i64 = dims[..axis].iter().product();
+    let trail: i64 = dims[axis + 1..].iter().product();
+    let x3 = b.reshape(x, &[lead, dims[axis], trail])?;
+    let c = cumsum_rows(b, x3, reverse)?;
+    b.reshape(c, &dims)
+}
+
+/// `[N, C, D]` split into the halves of its `2m` blocks: `(upper, lower)`, each `[N, Q, m, D]`.
+fn halves(b: &mut FnBuilder, x: Value, m: i64) -> Result<(Value, Value)> {
+    let (n, d) = (x.dims()[0], x.dims()[2]);
+    let q = C / (2 * m);
+    let x5 = b.reshape(x, &[n, q, 2, m, d])?;
+    let up = b.slice_axis(x5, 2, 0, 1)?;
+    let lo = b.slice_axis(x5, 2, 1, 2)?;
+    Ok((b.reshape(up, &[n, q, m, d])?, b.reshape(lo, &[n, q, m, d])?))
+}
+
+/// The inverse of [`halves`] with a zero upper (or lower) half: `[N, Q, m, D]` to `[N, C, D]`.
+fn place_half(b: &mut FnBuilder, x: Value, lower: bool) -> Result<Value> {
+    let (n, q, m, d) = (x.dims()[0], x.dims()[1], x.dims()[2], x.dims()[3]);
+    let z = splat(b, 0.0, &[n, q, m, d])?;
+    let parts = if lower { [z, x] } else { [x, z] };
+    let y = b.concatenate(&parts, 2)?;
+    b.reshape(y, &[n, C, d])
 }
 
 /// Builds the decay factors from the activated gate `g` `[N, C, K]` (0 at padding rows).
 pub fn decay(b: &mut FnBuilder, g: Value) -> Result<Decay> {
     let (n, k) = (g.dims()[0], g.dims()[2]);
-    let g4 = b.reshape(g, &[n * NB, S, k])?;
-    let gl = super::ops::cumsum_rows(b, g4, false)?; // local cumsum inside each 16-block
-    let gl = b.reshape(gl, &[n, NB, S, k])?;
-    let block_tot = b.slice_axis(gl, 2, S - 1, S)?;
-    let block_tot = b.reshape(block_tot, &[n, NB, k])?;
-    let first = b.slice_axis(gl, 2, 0, 1)?; // G_r - G_(r-1): the first row of each block
-    let incl = super::ops::cumsum_rows(b, block_tot, false)?;
-    let excl = b.sub(incl, block_tot)?; // prefix of earlier blocks
-    let last = b.slice_axis(incl, 1, NB - 1, NB)?;
-    let last = b.reshape(last, &[n, k])?;
-    // exp(G): G = gl + excl <= 0.
-    let excl_b = b.broadcast_in_dim(excl, &[n, NB, S, k], &[0, 1, 3])?;
-    let gfull = b.add(gl, excl_b)?;
-    let eg = b.exp(gfull)?;
-    let eg = b.reshape(eg, &[n, C, k])?;
-    // exp(G_last - G) = exp((G_last - excl) - gl), the suffix of block totals minus gl.
-    let last_b = b.broadcast_in_dim(last, &[n, NB, k], &[0, 2])?;
-    let suffix = b.sub(last_b, excl)?;
-    let suffix = b.broadcast_in_dim(suffix, &[n, NB, S, k], &[0, 1, 3])?;
-    let rest = b.sub(suffix, gl)?;
+    let gcum = cumsum_axis(b, g, 1, false)?;
+    let eg = b.exp(gcum)?;
+    let rest = suffix_exclusive(b, g, 1)?;
     let eg_rest = b.exp(rest)?;
-    let eg_rest = b.reshape(eg_rest, &[n, C, k])?;
+    let last = b.slice_axis(gcum, 1, C - 1, C)?;
+    let last = b.reshape(last, &[n, k])?;
     let eg_last = b.exp(last)?;
-    // Diagonal blocks, per element: exp(gl_t - gl_j) for j <= t.
-    let d5 = [n, NB, S, S, k];
-    let gt = b.broadcast_in_dim(gl, &d5, &[0, 1, 2, 4])?;
-    let gj = b.broadcast_in_dim(gl, &d5, &[0, 1, 3, 4])?;
-    let diff = b.sub(gt, gj)?;
-    let m = causal_mask(b, &d5, 2, 3, false)?;
-    let diff = keep_or_neg_inf(b, m, diff)?;
-    let e_diag = b.exp(diff)?;
-    // Row factor: exp(gl_t - gl_first) <= 1.
-    let first_b = b.broadcast_in_dim(first, &[n, NB, S, k], &[0, 1, 2, 3])?;
-    let row = b.sub(gl, first_b)?;
-    let row = b.exp(row)?;
-    // Column factor for blocks J < I: exp((first_I + excl_I) - (excl_J + gl_j)) <= 1.
-    let first_r = b.reshape(first, &[n, NB, k])?;
-    let a = b.add(first_r, excl)?;
-    let d5c = [n, NB, NB, S, k];
-    let a = b.broadcast_in_dim(a, &d5c, &[0, 1, 4])?;
-    let bj = b.add(gl, excl_b)?;
-    let bj = b.broadcast_in_dim(bj, &d5c, &[0, 2, 3, 4])?;
-    let e = b.sub(a, bj)?;
-    let m = index_mask(b, &d5c, 2, Cmp::Lt, 1)?;
-    let e = keep_or_neg_inf(b, m, e)?;
-    let col = b.exp(e)?;
-    Ok(Decay { eg, eg_rest, eg_last, e_diag, row, col })
+    let mut levels = Vec::new();
+    let mut m = 1;
+    while m < C {
+        let q = C / (2 * m);
+        let (up, lo) = halves(b, g, m)?;
+        // Row side: prefix sums of the lower half with its first row left out.
+        let iota = b.iota(crate::hlo::TensorType::new(ElemType::I32, &[n, q, m, k]), 2)?;
+        let zero_i = b.constant_i32(0, crate::hlo::TensorType::new(ElemType::I32, &[n, q, m, k]))?;
+        let not_first = b.compare(Cmp::Gt, iota, zero_i)?;
+        let loz = keep(b, not_first, lo)?;
+        let rowe = cumsum_axis(b, loz, 2, false)?;
+        let row = b.exp(rowe)?;
+        // Column side: g at the lower half's first row plus suffix sums of the upper half.
+        let suf = suffix_exclusive(b, up, 2)?;
+        let gr = b.slice_axis(lo, 2, 0, 1)?;
+        let gr = b.reshape(gr, &[n, q, k])?;
+        let gr = b.broadcast_in_dim(gr, &[n, q, m, k], &[0, 1, 3])?;
+        let cole = b.add(suf, gr)?;
+        let col = b.exp(cole)?;
+        levels.push(Level { m, row, col });
+        m *= 2;
+    }
+    Ok(Decay { eg, eg_rest, eg_last, levels })
 }
 
-/// `[N, C, D]` viewed as `[N, 4, 16, D]`.
-fn blocks(b: &mut FnBuilder, x: Value) -> Result<Value> {
-    let (n, d) = (x.dims()[0], x.dims()[2]);
-    Ok(b.reshape(x, &[n, NB, S, d])?)
+/// The `2m` diagonal blocks' lower-left quadrants of `M` `[N, C, C]`: `[N, Q, m, m]`.
+fn quadrants(b: &mut FnBuilder, mat: Value, m: i64) -> Result<Value> {
+    let n = mat.dims()[0];
+    let q = C / (2 * m);
+    let m5 = b.reshape(mat, &[n, q, 2 * m, q, 2 * m])?;
+    let mask = index_mask(b, &[n, q, 2 * m, q, 2 * m], 3, Cmp::Eq, 1)?;
+    let m5 = keep(b, mask, m5)?;
+    let blocks = b.reduce_sum(m5, &[3])?; // [N, Q, 2m, 2m]
+    b.slice(blocks, &[0, 0, m, 0], &[n, q, 2 * m, m], &[1, 1, 1, 1])
 }
 
-/// `M[t, j] = sum_i a_t[i] b_j[i] exp(G_t[i] - G_j[i])` for `j <= t` (`j < t` when `strict`),
+/// The diagonal of `M` `[N, C, C]` as `[N, C, 1]`.
+fn diagonal(b: &mut FnBuilder, mat: Value) -> Result<Value> {
+    let eye = index_mask(b, mat.dims(), 1, Cmp::Eq, 2)?;
+    let d = keep(b, eye, mat)?;
+    sum_last_keep(b, d)
+}
+
+/// `M[t, j] = sum_i x_t[i] y_j[i] exp(G_t[i] - G_j[i])` for `j <= t` (`j < t` when `strict`),
 /// else 0: `[N, C, C]`.
 pub fn decayed_gram(b: &mut FnBuilder, dc: &Decay, x: Value, y: Value, strict: bool) -> Result<Value> {
-    let (n, k) = (x.dims()[0], x.dims()[2]);
-    let x4 = blocks(b, x)?;
-    let y4 = blocks(b, y)?;
-    let d5 = [n, NB, S, S, k];
-    let xt = b.broadcast_in_dim(x4, &d5, &[0, 1, 2, 4])?;
-    let yj = b.broadcast_in_dim(y4, &d5, &[0, 1, 3, 4])?;
-    let p = b.mul(xt, yj)?;
-    let p = b.mul(p, dc.e_diag)?;
-    let diag = b.reduce_sum(p, &[4])?; // [N, 4, t, j]
-    let diag = if strict {
-        let m = causal_mask(b, &[n, NB, S, S], 2, 3, true)?;
-        keep(b, m, diag)?
-    } else {
-        diag
-    };
-    // Off-diagonal blocks through the factored exponent.
-    let xr = b.mul(x4, dc.row)?;
-    let yc = b.broadcast_in_dim(y4, &[n, NB, NB, S, k], &[0, 2, 3, 4])?;
-    let yc = b.mul(yc, dc.col)?;
-    let yc = b.reshape(yc, &[n, NB, C, k])?;
-    let off = b.dot_general(xr, yc, &[0, 1], &[0, 1], &[3], &[3], ElemType::F32)?; // [N, I, 16, 64]
-    let de = b.broadcast_in_dim(diag, &[n, NB, S, NB, S], &[0, 1, 2, 4])?;
-    let m = index_mask(b, &[n, NB, S, NB, S], 3, Cmp::Eq, 1)?;
-    let de = keep(b, m, de)?;
-    let de = b.reshape(de, &[n, NB, S, C])?;
-    let full = b.add(off, de)?;
-    Ok(b.reshape(full, &[n, C, C])?)
-}
-
-/// The diagonal 16-blocks of `M` `[N, C, C]` as `[N, 4, 16, 16]`.
-fn diag_blocks(b: &mut FnBuilder, m: Value) -> Result<Value> {
-    let n = m.dims()[0];
-    let m5 = b.reshape(m, &[n, NB, S, NB, S])?;
-    let mask = index_mask(b, &[n, NB, S, NB, S], 3, Cmp::Eq, 1)?;
-    let m5 = keep(b, mask, m5)?;
-    Ok(b.reduce_sum(m5, &[3])?)
+    let n = x.dims()[0];
+    // Blocks of size 1: the diagonal (decay factor 1).
+    let d = if strict { splat(b, 0.0, &[n, C, 1])? } else { rowdot(b, x, y)? };
+    let mut blocks = b.reshape(d, &[n, C, 1, 1])?;
+    for lv in &dc.levels {
+        let m = lv.m;
+        let q = C / (2 * m);
+        let (_, xl) = halves(b, x, m)?;
+        let (yu, _) = halves(b, y, m)?;
+        let xr = b.mul(xl, lv.row)?;
+        let yc = b.mul(yu, lv.col)?;
+        let off = b.dot_general(xr, yc, &[0, 1], &[0, 1], &[3], &[3], ElemType::F32)?; // [N, Q, m, m]
+        let prev = b.reshape(blocks, &[n, q, 2, m, m])?;
+        let upper = b.slice_axis(prev, 2, 0, 1)?;
+        let upper = b.reshape(upper, &[n, q, m, m])?;
+        let lower = b.slice_axis(prev, 2, 1, 2)?;
+        let lower = b.reshape(lower, &[n, q, m, m])?;
+        let z = splat(b, 0.0, &[n, q, m, m])?;
+        let top = b.concatenate(&[upper, z], 3)?;
+        let bottom = b.concatenate(&[off, lower], 3)?;
+        blocks = b.concatenate(&[top, bottom], 2)?; // [N, Q, 2m, 2m]
+    }
+    b.reshape(blocks, &[n, C, C])
 }
 
 /// Row side: `R_t = sum_{j <= t} M[t, j] x_j * exp(G_t - G_j)`, `[N, C, K]` (M causal).
-pub fn row_side(b: &mut FnBuilder, dc: &Decay, m: Value, x: Value) -> Result<Value> {
-    let (n, k) = (x.dims()[0], x.dims()[2]);
-    let x4 = blocks(b, x)?;
-    let d5 = [n, NB, S, S, k];
-    let md = diag_blocks(b, m)?;
-    let md = b.broadcast_in_dim(md, &d5, &[0, 1, 2, 3])?;
-    let xj = b.broadcast_in_dim(x4, &d5, &[0, 1, 3, 4])?;
-    let p = b.mul(md, xj)?;
-    let p = b.mul(p, dc.e_diag)?;
-    let diag = b.reduce_sum(p, &[3])?; // [N, I, t, K]
-    let xc = b.broadcast_in_dim(x4, &[n, NB, NB, S, k], &[0, 2, 3, 4])?;
-    let xc = b.mul(xc, dc.col)?;
-    let xc = b.reshape(xc, &[n, NB, C, k])?;
-    let rows = b.reshape(m, &[n, NB, S, C])?;
-    let off = b.dot_general(rows, xc, &[0, 1], &[0, 1], &[3], &[2], ElemType::F32)?; // [N, I, 16, K]
-    let off = b.mul(off, dc.row)?;
-    let r = b.add(off, diag)?;
-    Ok(b.reshape(r, &[n, C, k])?)
+pub fn row_side(b: &mut FnBuilder, dc: &Decay, mat: Value, x: Value) -> Result<Value> {
+    let dg = diagonal(b, mat)?;
+    let mut r = b.mul_bcast(x, dg)?;
+    for lv in &dc.levels {
+        let mq = quadrants(b, mat, lv.m)?;
+        let (xu, _) = halves(b, x, lv.m)?;
+        let xc = b.mul(xu, lv.col)?;
+        let t = b.dot_general(mq, xc, &[0, 1], &[0, 1], &[3], &[2], ElemType::F32)?; // [N, Q, m, K]
+        let t = b.mul(t, lv.row)?;
+        let t = place_half(b, t, true)?;
+        r = b.add(r, t)?;
+    }
+    Ok(r)
 }
 
 /// Column side: `C_j = sum_{t >= j} M[t, j] y_t * exp(G_t - G_j)`, `[N, C, K]` (M causal).
-pub fn col_side(b: &mut FnBuilder, dc: &Decay, m: Value, y: Value) -> Result<Value> {
-    let (n, k) = (y.dims()[0], y.dims()[2]);
-    let y4 = blocks(b, y)?;
-    let d5 = [n, NB, S, S, k];
-    let md = diag_blocks(b, m)?;
-    let md = b.broadcast_in_dim(md, &d5, &[0, 1, 2, 3])?;
-    let yt = b.broadcast_in_dim(y4, &d5, &[0, 1, 2, 4])?;
-    let p = b.mul(md, yt)?;
-    let p = b.mul(p, dc.e_diag)?;
-    let diag = b.reduce_sum(p, &[2])?; // [N, J, j, K]
-    let yr = b.mul(y4, dc.row)?;
-    let rows = b.reshape(m, &[n, NB, S, C])?;
-    let z = b.dot_general(rows, yr, &[0, 1], &[0, 1], &[2], &[2], ElemType::F32)?; // [N, I, 64, K]
-    let z = b.reshape(z, &[n, NB, NB, S, k])?;
-    let z = b.mul(z, dc.col)?;
-    let off = b.reduce_sum(z, &[1])?; // [N, J, j, K]
-    let c = b.add(off, diag)?;
-    Ok(b.reshape(c, &[n, C, k])?)
+pub fn col_side(b: &mut FnBuilder, dc: &Decay, mat: Value, y: Value) -> Result<Value> {
+    let dg = diagonal(b, mat)?;
+    let mut c = b.mul_bcast(y, dg)?;
+    for lv in &dc.levels {
+        let mq = quadrants(b, mat, lv.m)?;
+        let (_, yl) = halves(b, y, lv.m)?;
+        let yr = b.mul(yl, lv.row)?;
+        let t = b.dot_general(mq, yr, &[0, 1], &[0, 1], &[2], &[2], ElemType::F32)?; // [N, Q, m(j), K]
+        let t = b.mul(t, lv.col)?;
+        let t = place_half(b, t, false)?;
+        c = b.add(c, t)?;
+    }
+    Ok(c)
 }
 
 /// What the forward computes chunk-parallel (everything but the state recurrence).

@@ -10,7 +10,7 @@ pub fn f32t(dims: &[i64]) -> TensorType {
 
 /// A splat f32 constant of shape `dims`.
 pub fn splat(b: &mut FnBuilder, x: f32, dims: &[i64]) -> Result<Value> {
-    Ok(b.constant_f32(x, f32t(dims))?)
+    b.constant_f32(x, f32t(dims))
 }
 
 /// An i1 mask of shape `dims` that is true where index(col_axis) `<=` (or `<` when `strict`)
@@ -25,7 +25,7 @@ pub fn causal_mask(
     let it = TensorType::new(ElemType::I32, dims);
     let r = b.iota(it.clone(), row_axis)?;
     let c = b.iota(it, col_axis)?;
-    Ok(b.compare(if strict { Cmp::Lt } else { Cmp::Le }, c, r)?)
+    b.compare(if strict { Cmp::Lt } else { Cmp::Le }, c, r)
 }
 
 /// An i1 mask of shape `dims` that is true where index(a) `cmp` index(b).
@@ -33,22 +33,14 @@ pub fn index_mask(b: &mut FnBuilder, dims: &[i64], a: usize, cmp: Cmp, c: usize)
     let it = TensorType::new(ElemType::I32, dims);
     let x = b.iota(it.clone(), a)?;
     let y = b.iota(it, c)?;
-    Ok(b.compare(cmp, x, y)?)
+    b.compare(cmp, x, y)
 }
 
 /// `select(mask, x, 0)`, broadcasting `mask` to `x`'s shape (trailing-aligned).
 pub fn keep(b: &mut FnBuilder, mask: Value, x: Value) -> Result<Value> {
     let m = if mask.dims() == x.dims() { mask } else { b.broadcast_to(mask, x.dims())? };
     let z = splat(b, 0.0, x.dims())?;
-    Ok(b.select(m, x, z)?)
-}
-
-/// `select(mask, x, -inf)`, so that `exp` of the result is 0 where the mask is false: no
-/// anti-causal exponent is ever formed.
-pub fn keep_or_neg_inf(b: &mut FnBuilder, mask: Value, x: Value) -> Result<Value> {
-    let m = if mask.dims() == x.dims() { mask } else { b.broadcast_to(mask, x.dims())? };
-    let z = splat(b, f32::NEG_INFINITY, x.dims())?;
-    Ok(b.select(m, x, z)?)
+    b.select(m, x, z)
 }
 
 /// Inclusive (or, with `reverse`, suffix) cumulative sum along axis 1 of `[N, n, D]`, as a
@@ -64,7 +56,7 @@ pub fn cumsum_rows(b: &mut FnBuilder, x: Value, reverse: bool) -> Result<Value> 
     let zero = splat(b, 0.0, &[n, n])?;
     let tri = b.select(m, one, zero)?;
     let tri = b.broadcast_in_dim(tri, &[nb, n, n], &[1, 2])?;
-    Ok(b.batch_matmul(tri, x, false, false)?)
+    b.batch_matmul(tri, x, false, false)
 }
 
 /// Sum over the last axis, keeping it as size 1.
@@ -73,18 +65,18 @@ pub fn sum_last_keep(b: &mut FnBuilder, x: Value) -> Result<Value> {
     let s = b.reduce_sum(x, &[r as i64 - 1])?;
     let mut dims = x.dims().to_vec();
     dims[r - 1] = 1;
-    Ok(b.reshape(s, &dims)?)
+    b.reshape(s, &dims)
 }
 
 /// `x[..., start:limit]` on the last axis.
 pub fn last_axis(b: &mut FnBuilder, x: Value, start: i64, limit: i64) -> Result<Value> {
-    Ok(b.slice_axis(x, x.rank() - 1, start, limit)?)
+    b.slice_axis(x, x.rank() - 1, start, limit)
 }
 
 /// Element `i` of a 1-D i32 vector as a scalar.
 pub fn element(b: &mut FnBuilder, v: Value, i: Value) -> Result<Value> {
     let s = b.dynamic_slice(v, &[i], &[1])?;
-    Ok(b.reshape(s, &[])?)
+    b.reshape(s, &[])
 }
 
 /// Reads `x[.., i, ..]` along `axis` (size kept 1 then dropped).
@@ -96,7 +88,7 @@ pub fn take(b: &mut FnBuilder, x: Value, axis: usize, i: Value) -> Result<Value>
     let s = b.dynamic_slice(x, &idx, &sizes)?;
     let mut dims = x.dims().to_vec();
     dims.remove(axis);
-    Ok(b.reshape(s, &dims)?)
+    b.reshape(s, &dims)
 }
 
 /// Writes `u` (shaped like `x` without `axis`) into `x[.., i, ..]`.
@@ -106,7 +98,7 @@ pub fn put(b: &mut FnBuilder, x: Value, axis: usize, i: Value, u: Value) -> Resu
     let mut dims = x.dims().to_vec();
     dims[axis] = 1;
     let u = b.reshape(u, &dims)?;
-    Ok(b.dynamic_update_slice(x, u, &idx)?)
+    b.dynamic_update_slice(x, u, &idx)
 }
 
 /// `select(flag != 0, a, b)` for an i32 scalar flag.
@@ -114,5 +106,5 @@ pub fn choose(b: &mut FnBuilder, flag: Value, x: Value, y: Value) -> Result<Valu
     let zero = b.scalar_i32(0)?;
     let p = b.compare(Cmp::Ne, flag, zero)?;
     let p = b.broadcast_in_dim(p, x.dims(), &[])?;
-    Ok(b.select(p, x, y)?)
+    b.select(p, x, y)
 }

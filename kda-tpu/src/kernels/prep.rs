@@ -44,7 +44,7 @@ pub fn to_caller(b: &mut FnBuilder, s: &KernelSpec, x: Value, dtype: ElemType) -
 /// Head-first `[H, B, T, 1]` back to beta's caller shape and `dtype`.
 pub fn beta_to_caller(b: &mut FnBuilder, s: &KernelSpec, x: Value, dtype: ElemType) -> Result<Value> {
     let x = to_caller(b, s, x, dtype)?;
-    Ok(b.reshape(x, &s.beta_dims())?)
+    b.reshape(x, &s.beta_dims())
 }
 
 /// `x * rsqrt(sum(x^2) + eps)` over the last axis; returns the normalised `x` and `rstd`.
@@ -62,7 +62,7 @@ pub fn l2_backward(b: &mut FnBuilder, dy: Value, y: Value, rstd: Value) -> Resul
     let dot = sum_last_keep(b, p)?;
     let t = b.mul_bcast(y, dot)?;
     let d = b.sub(dy, t)?;
-    Ok(b.mul_bcast(d, rstd)?)
+    b.mul_bcast(d, rstd)
 }
 
 /// The gate parameters broadcast to `[H, B, T, K]`: `exp(a_log[h])` and `dt_bias[h, :]` (0 if absent).
@@ -103,12 +103,12 @@ pub fn activate(b: &mut FnBuilder, s: &KernelSpec, x: Value, p: Option<&GatePara
             // softplus(z) = max(z, 0) + log1p(exp(-|z|)), exact and overflow-free.
             let sp = softplus(b, z)?;
             let g = b.mul(p.a, sp)?;
-            Ok(b.neg(g)?)
+            b.neg(g)
         }
         GateKind::LowerBound(lb) => {
             let az = b.mul(p.a, z)?;
             let sg = b.logistic(az)?;
-            Ok(b.mul_const(sg, lb as f32)?)
+            b.mul_const(sg, lb as f32)
         }
     }
 }
@@ -120,7 +120,7 @@ fn softplus(b: &mut FnBuilder, z: Value) -> Result<Value> {
     let na = b.neg(a)?;
     let e = b.exp(na)?;
     let l = b.log1p(e)?;
-    Ok(b.add(pos, l)?)
+    b.add(pos, l)
 }
 
 /// Gradients through the gate: `(dx, da_log [H], ddt_bias [H*K])` from `dg` w.r.t. the activated
@@ -173,13 +173,13 @@ pub fn to_chunks(b: &mut FnBuilder, s: &KernelSpec, x: Value, slot_token: Option
         None => {
             let x = b.reshape(x, &[h * bb, t, d])?;
             let x = b.pad(x, zero, &[0, 0, 0], &[0, nt * c - t, 0], &[0, 0, 0])?;
-            Ok(b.reshape(x, &[l, nt, c, d])?)
+            b.reshape(x, &[l, nt, c, d])
         }
         Some(idx) => {
             let x = b.reshape(x, &[h, bb * t, d])?;
             let x = b.pad(x, zero, &[0, 0, 0], &[0, 1, 0], &[0, 0, 0])?;
             let x = b.gather_axis(x, 1, idx)?;
-            Ok(b.reshape(x, &[l, nt, c, d])?)
+            b.reshape(x, &[l, nt, c, d])
         }
     }
 }
@@ -194,14 +194,14 @@ pub fn from_chunks(b: &mut FnBuilder, s: &KernelSpec, y: Value, token_slot: Opti
         None => {
             let y = b.reshape(y, &[h * bb, nt * c, d])?;
             let y = b.slice_axis(y, 1, 0, t)?;
-            Ok(b.reshape(y, &[h, bb, t, d])?)
+            b.reshape(y, &[h, bb, t, d])
         }
         Some(idx) => {
             let zero = b.constant_f32(0.0, f32t(&[]))?;
             let y = b.reshape(y, &[h, nt * c, d])?;
             let y = b.pad(y, zero, &[0, 0, 0], &[0, 1, 0], &[0, 0, 0])?;
             let y = b.gather_axis(y, 1, idx)?;
-            Ok(b.reshape(y, &[h, bb, t, d])?)
+            b.reshape(y, &[h, bb, t, d])
         }
     }
 }
@@ -209,11 +209,11 @@ pub fn from_chunks(b: &mut FnBuilder, s: &KernelSpec, y: Value, token_slot: Opti
 /// States `[B, N, H, K, V]` to the per-lane table `[L, slots, K, V]`.
 pub fn state_table(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result<Value> {
     let x = b.transpose(x, &[2, 0, 1, 3, 4])?;
-    Ok(b.reshape(x, &[s.lanes() as i64, s.slots() as i64, s.k as i64, s.v as i64])?)
+    b.reshape(x, &[s.lanes() as i64, s.slots() as i64, s.k as i64, s.v as i64])
 }
 
 /// The per-lane table `[L, slots, K, V]` back to `[B, N, H, K, V]`.
 pub fn state_from_table(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result<Value> {
     let x = b.reshape(x, &[s.h as i64, s.b as i64, s.n as i64, s.k as i64, s.v as i64])?;
-    Ok(b.transpose(x, &[1, 2, 0, 3, 4])?)
+    b.transpose(x, &[1, 2, 0, 3, 4])
 }

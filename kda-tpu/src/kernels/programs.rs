@@ -87,7 +87,7 @@ struct Working {
 fn flat_chunks(b: &mut FnBuilder, s: &KernelSpec, x: Value, idx: Option<Value>) -> Result<Value> {
     let c = prep::to_chunks(b, s, x, idx)?;
     let d = c.dims()[3];
-    Ok(b.reshape(c, &[(s.lanes() * s.chunks()) as i64, CHUNK as i64, d])?)
+    b.reshape(c, &[(s.lanes() * s.chunks()) as i64, CHUNK as i64, d])
 }
 
 fn working(b: &mut FnBuilder, s: &KernelSpec, a: &Args) -> Result<Working> {
@@ -129,7 +129,7 @@ fn flat(b: &mut FnBuilder, x: Value) -> Result<Value> {
     let d = x.dims();
     let mut dims = vec![d[0] * d[1]];
     dims.extend_from_slice(&d[2..]);
-    Ok(b.reshape(x, &dims)?)
+    b.reshape(x, &dims)
 }
 
 /// Forward outputs from the chunk terms and the state run: `o` in the caller's layout and dtype.
@@ -167,7 +167,7 @@ fn forward_core(
     ct: &ChunkTerms,
 ) -> Result<Forward> {
     let h0 = state_tab(b, s, a.h0)?;
-    let run = run_states(b, s, a.tables, h0, ct.u, ct.w, ct.kg, ct.dc.eg_last)?;
+    let run = run_states(b, s, a.tables, h0, ct)?;
     let o = output(b, s, a, ct, run.h, run.v_new)?;
     let _ = w;
     let final_state = if s.final_state { Some(prep::state_from_table(b, s, run.final_tab)?) } else { None };
@@ -181,10 +181,8 @@ fn backward_core(
     a: &Args,
     w: &Working,
     ct: &ChunkTerms,
-    h: Value,
-    v_new: Value,
-    d_o: Value,
-    dht: Option<Value>,
+    (h, v_new): (Value, Value),
+    (d_o, dht): (Value, Option<Value>),
 ) -> Result<Vec<Value>> {
     let scale = s.scale as f32;
     let doh = prep::head_first(b, s, d_o)?;
@@ -194,7 +192,7 @@ fn backward_core(
     let p2 = b.batch_matmul(ct.qg, doc, true, false)?;
     let p2 = b.mul_const(p2, scale)?;
     let dht_tab = state_tab(b, s, dht)?;
-    let run = run_grads(b, s, a.tables, dht_tab, p1, p2, ct.w, ct.kg, ct.dc.eg_last)?;
+    let run = run_grads(b, s, a.tables, dht_tab, (p1, p2), ct)?;
     let (h, dh, vn, dvn) = (flat(b, h)?, flat(b, run.dh)?, flat(b, v_new)?, flat(b, run.dv_new)?);
     let (q, k, v, beta) = (w.qc, w.kc, w.vc, w.betac);
     let dc = &ct.dc;
@@ -266,7 +264,7 @@ fn backward_core(
     // Back to tokens, then through the L2 norm and the gate.
     let lanes4 = |b: &mut FnBuilder, x: Value| -> Result<Value> {
         let d = x.dims()[2];
-        Ok(b.reshape(x, &[s.lanes() as i64, s.chunks() as i64, CHUNK as i64, d])?)
+        b.reshape(x, &[s.lanes() as i64, s.chunks() as i64, CHUNK as i64, d])
     };
     let tok = |b: &mut FnBuilder, x: Value| -> Result<Value> {
         let x = lanes4(b, x)?;
@@ -363,11 +361,11 @@ pub fn backward_program(s: &KernelSpec, strategy: BackwardStrategy) -> Result<St
         }
         None => {
             let h0 = state_tab(&mut f, s, a.h0)?;
-            let run = run_states(&mut f, s, a.tables, h0, ct.u, ct.w, ct.kg, ct.dc.eg_last)?;
+            let run = run_states(&mut f, s, a.tables, h0, &ct)?;
             (run.h, run.v_new)
         }
     };
-    let outs = backward_core(&mut f, s, &a, &w, &ct, h, v_new, d_o, dht)?;
+    let outs = backward_core(&mut f, s, &a, &w, &ct, (h, v_new), (d_o, dht))?;
     finish(f, &outs)
 }
 
@@ -387,11 +385,11 @@ pub fn fused_program(s: &KernelSpec, strategy: BackwardStrategy) -> Result<Strin
         BackwardStrategy::SavedState => (fw.h, fw.v_new),
         BackwardStrategy::Rematerialize => {
             let h0 = state_tab(&mut f, s, a.h0)?;
-            let run = run_states(&mut f, s, a.tables, h0, ct.u, ct.w, ct.kg, ct.dc.eg_last)?;
+            let run = run_states(&mut f, s, a.tables, h0, &ct)?;
             (run.h, run.v_new)
         }
     };
-    let grads = backward_core(&mut f, s, &a, &w, &ct, h, v_new, d_o, dht)?;
+    let grads = backward_core(&mut f, s, &a, &w, &ct, (h, v_new), (d_o, dht))?;
     let mut outs = vec![fw.o];
     outs.extend(fw.final_state);
     outs.extend(grads);

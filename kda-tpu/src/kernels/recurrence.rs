@@ -1,6 +1,7 @@
 //! The two sequential parts: the state recurrence over chunks (forward) and the `dh`
 //! recurrence in reverse (backward). Everything else is chunk-parallel.
 
+use super::intra::ChunkTerms;
 use super::ops::{choose, element, put, splat, take};
 use super::spec::{KernelSpec, CHUNK};
 use crate::hlo::{FnBuilder, Value};
@@ -22,7 +23,7 @@ fn lanes4(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result<Value> {
     let d = x.dims();
     let mut dims = vec![l, nt];
     dims.extend_from_slice(&d[1..]);
-    Ok(b.reshape(x, &dims)?)
+    b.reshape(x, &dims)
 }
 
 /// Results of the forward recurrence.
@@ -42,11 +43,9 @@ pub fn run_states(
     s: &KernelSpec,
     t: ChunkTables,
     h0: Value,
-    u: Value,
-    w: Value,
-    kg: Value,
-    eg_last: Value,
+    ct: &ChunkTerms,
 ) -> Result<StateRun> {
+    let (u, w, kg, eg_last) = (ct.u, ct.w, ct.kg, ct.dc.eg_last);
     let (l, nt, k, v, c) = (s.lanes() as i64, s.chunks() as i64, s.k as i64, s.v as i64, CHUNK as i64);
     let (u, w, kg, el) = (lanes4(b, s, u)?, lanes4(b, s, w)?, lanes4(b, s, kg)?, lanes4(b, s, eg_last)?);
     let s0 = splat(b, 0.0, &[l, k, v])?;
@@ -89,18 +88,15 @@ pub struct GradRun {
 
 /// Runs `dh_prev = exp(G_last) dh + p2 - w^T dv_new`, `dv_new = p1 + kg dh` from the last chunk
 /// to the first, seeding `dh` from `dht` at each segment's last chunk (spec section 4, steps 1-2).
-#[allow(clippy::too_many_arguments)]
 pub fn run_grads(
     b: &mut FnBuilder,
     s: &KernelSpec,
     t: ChunkTables,
     dht: Value,
-    p1: Value,
-    p2: Value,
-    w: Value,
-    kg: Value,
-    eg_last: Value,
+    p: (Value, Value),
+    ct: &ChunkTerms,
 ) -> Result<GradRun> {
+    let (p1, p2, w, kg, eg_last) = (p.0, p.1, ct.w, ct.kg, ct.dc.eg_last);
     let (l, nt, k, v, c) = (s.lanes() as i64, s.chunks() as i64, s.k as i64, s.v as i64, CHUNK as i64);
     let (p1, p2, w, kg, el) =
         (lanes4(b, s, p1)?, lanes4(b, s, p2)?, lanes4(b, s, w)?, lanes4(b, s, kg)?, lanes4(b, s, eg_last)?);

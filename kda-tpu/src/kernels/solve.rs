@@ -42,8 +42,9 @@ pub fn unit_lower_inverse(b: &mut FnBuilder, l: Value) -> Result<Value> {
         let f = b.add(id, pow)?;
         inv = b.batch_matmul(inv, f, false, false)?;
     }
-    let dinv: Vec<Value> =
-        (0..NB).map(|i| b.slice(inv, &[i as i64 * n, 0, 0], &[(i as i64 + 1) * n, S, S], &[1, 1, 1])).collect::<Result<_>>()?;
+    let dinv: Vec<Value> = (0..NB)
+        .map(|i| b.slice(inv, &[i as i64 * n, 0, 0], &[(i as i64 + 1) * n, S, S], &[1, 1, 1]))
+        .collect::<Result<_>>()?;
     // Block forward substitution below the diagonal.
     let zero = splat(b, 0.0, &[n, S, S])?;
     let mut a = vec![vec![zero; NB]; NB];
@@ -53,9 +54,9 @@ pub fn unit_lower_inverse(b: &mut FnBuilder, l: Value) -> Result<Value> {
     for i in 1..NB {
         for j in 0..i {
             let mut acc: Option<Value> = None;
-            for m in j..i {
+            for (m, row) in a.iter().enumerate().take(i).skip(j) {
                 let lim = block(b, l, i, m)?;
-                let p = b.batch_matmul(lim, a[m][j], false, false)?;
+                let p = b.batch_matmul(lim, row[j], false, false)?;
                 acc = Some(match acc {
                     Some(x) => b.add(x, p)?,
                     None => p,

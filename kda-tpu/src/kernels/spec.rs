@@ -4,7 +4,7 @@ use kda_core::{DType, GateKind, Layout, Problem};
 
 /// Chunk size of the chunked algorithm (spec section 4).
 pub const CHUNK: usize = 64;
-/// Sub-block size inside a chunk: exponents stay relative to a row of the same 16-row block.
+/// Diagonal block size of the blocked `(I + L)^-1`.
 pub const SUB: usize = 16;
 
 /// Shapes and options baked into a program. Two problems with equal specs share executables.

@@ -1,0 +1,44 @@
+//! Times each kernel building block alone at the primary shape (N = 128 chunks, K = 128), for
+//! profiling the programs piece by piece: `cargo run --release -p kda-tpu --example parts [NAME..]`
+//! (after `eval "$(cargo xtask env)"`).
+fn cpu_ms() -> f64 {
+    let s = std::fs::read_to_string("/proc/self/stat").unwrap();
+    let f: Vec<&str> = s.rsplit(')').next().unwrap().split_whitespace().collect();
+    (f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap()) * 10.0
+}
+fn main() {
+    let rt = kda_tpu::Runtime::new().unwrap();
+    let (n, k) = (128i64, 128i64);
+    let mk = |d: &[i64], lo: f32, hi: f32| {
+        let len: i64 = d.iter().product();
+        let x: Vec<f32> = (0..len).map(|i| lo + (hi - lo) * (((i * 7919) % 1000) as f32 / 1000.0)).collect();
+        rt.upload_f32(&x, d).unwrap()
+    };
+    let bufs = [
+        mk(&[n, 64, k], -0.1, 0.1),
+        mk(&[n, 64, k], -0.1, 0.1),
+        mk(&[n, 64, k], -1.0, 1.0),
+        mk(&[n, 64, k], -1.0, 0.0),
+        mk(&[n, 64, 1], 0.0, 1.0),
+        mk(&[n, 64, 64], -0.01, 0.01),
+    ];
+    let refs: Vec<_> = bufs.iter().collect();
+    let names: Vec<String> = std::env::args().skip(1).collect();
+    for name in kda_tpu::kernels::parts::NAMES {
+        if !names.is_empty() && !names.iter().any(|x| x == name) {
+            continue;
+        }
+        let exe = rt.compile(&kda_tpu::kernels::parts::program(name, n, k).unwrap()).unwrap();
+        let _ = rt.execute(&exe, &refs).unwrap();
+        let c0 = cpu_ms();
+        let t = std::time::Instant::now();
+        for _ in 0..10 {
+            let _ = rt.execute(&exe, &refs).unwrap();
+        }
+        println!(
+            "{name:>10}: wall {:.1} ms  cpu {:.1} ms per run",
+            t.elapsed().as_secs_f64() * 100.0,
+            (cpu_ms() - c0) / 10.0
+        );
+    }
+}
