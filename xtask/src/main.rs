@@ -3,12 +3,27 @@
 //! Commands that need the PJRT backend (whose `pjrt-sys` build needs the header that `setup`
 //! installs) re-run this binary through cargo with the `pjrt` feature and that environment.
 
+// These parse their flags in every build; their measuring and reporting parts are used by
+// `pjrt_cmds` only (built with the `pjrt` feature), while their unit tests run in every build.
+#[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
+mod aot_cmd;
+#[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
+mod bench;
 mod cargo_cmd;
+mod cli;
+#[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
 mod demo;
+#[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
+mod json;
+#[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
+mod machine;
 mod npy;
+#[cfg(feature = "pjrt")]
+mod pjrt_cmds;
 mod run_cmd;
 mod setup;
 mod test_cmd;
+mod tpu_test;
 
 const USAGE: &str = "usage: cargo xtask <command> [args]
 
@@ -17,9 +32,22 @@ commands:
   env                 print `export` lines for plain cargo: eval \"$(cargo xtask env)\"
   test [--shard i/n]  run the whole test suite (or one of n shards; needs cargo-nextest)
   ci                  fmt check, clippy -D warnings, then test
-  run --backend ref --inputs DIR --out DIR [...]
+  tpu-test [--plugin PATH] [--shard i/n]
+                      kda-tpu's conformance suite on a PJRT plugin (default: setup's CPU plugin)
+  run --backend ref|pjrt --inputs DIR --out DIR [...]
                       run a backend on .npy tensors (see `cargo xtask run --help`)
-  demo                forward+VJP at the primary benchmark shape, checked against the reference";
+  demo [--ref-only]   forward+VJP at the primary benchmark shape: the f64 reference, then the
+                      PJRT backend checked against it
+  bench --suite forward|backward|backward-packed|all [--iterations N] [--dtype f32|bf16|both]
+        [--baseline|--no-baseline] [--no-aot] [--json PATH] [--markdown PATH|--no-markdown]
+                      time the programs on the CPU plugin, with CPU and tpu7x:2x2x1 compiler
+                      memory figures (see `cargo xtask bench --help`)
+  aot [--topology T] [--program P|all] [--shape S|all] [--dtype f32|bf16|both]
+                      deviceless TPU compiles: memory statistics and cost analysis
+                      (see `cargo xtask aot --help`)
+
+demo, bench, aot and run --backend pjrt build and run xtask with its `pjrt` feature (through
+cargo, in setup's environment; the first time takes a few minutes).";
 
 fn dispatch(cmd: &str, rest: &[String]) -> Result<(), String> {
     match cmd {
@@ -27,8 +55,11 @@ fn dispatch(cmd: &str, rest: &[String]) -> Result<(), String> {
         "env" => setup::ensure(false).map(|p| print!("{}", setup::env_lines(&p))),
         "test" => test_cmd::test(rest),
         "ci" => test_cmd::ci(rest),
+        "tpu-test" => tpu_test::tpu_test(rest),
         "run" => run_cmd::run(rest),
-        "demo" => demo::demo_ref(),
+        "demo" => demo::demo(rest),
+        "bench" => bench::bench(rest),
+        "aot" => aot_cmd::aot(rest),
         "-h" | "--help" | "help" => {
             println!("{USAGE}");
             Ok(())

@@ -11,11 +11,12 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 /// The backends `--backend` accepts.
-pub const BACKENDS: &[&str] = &["ref"];
+/// `pjrt` runs on `KDA_PJRT_PLUGIN`, else the CPU plugin `cargo xtask setup` installed.
+pub const BACKENDS: &[&str] = &["ref", "pjrt"];
 
 /// The usage text printed for `--help` and with every argument error.
 pub const USAGE: &str = "\
-usage: cargo xtask run --backend ref --inputs DIR --out DIR [options]
+usage: cargo xtask run --backend ref|pjrt --inputs DIR --out DIR [options]
 
 Reads q k v g beta (+ optional h0 do dht cu_seqlens) as .npy from --inputs, runs the backend
 and writes o, ht (with h0, dht or --output-final-state) and, with do: dq dk dv dg dbeta (+ dh0)
@@ -23,7 +24,9 @@ to --out. Tensors: float64 or float32; cu_seqlens: int64 or int32 ([N+1] = one p
 [B, N+1]). States h0/dht/ht/dh0: [B, N, H, K, V] or [B*N, H, K, V] (outputs keep h0's rank).
 
 options:
-  --backend NAME                  backend to run (available: ref)
+  --backend NAME                  backend to run: ref (f64 reference) or pjrt (the PJRT
+                                  backend on $KDA_PJRT_PLUGIN, else setup's CPU plugin;
+                                  f32 and bf16 only)
   --inputs DIR                    directory with the input .npy files
   --out DIR                       directory for the results (created if missing)
   --layout bthk|hbtk              batch-first [B,T,H,K] (default) or head-first [H,B,T,K]
@@ -178,6 +181,14 @@ pub fn run(args: &[String]) -> Result<(), String> {
     };
     let summary = match backend.as_str() {
         "ref" => run_with(&kda_ref::RefBackend, &opts),
+        #[cfg(feature = "pjrt")]
+        "pjrt" => kda_tpu::PjrtBackend::new().and_then(|b| run_with(&b, &opts)),
+        #[cfg(not(feature = "pjrt"))]
+        "pjrt" => {
+            let mut all = vec!["run".to_string()];
+            all.extend(args.iter().cloned());
+            return crate::cargo_cmd::reexec_with_pjrt(&all);
+        }
         other => {
             return Err(format!("xtask run: unknown backend `{other}`; available: {}", BACKENDS.join(", ")))
         }

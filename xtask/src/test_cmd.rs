@@ -67,6 +67,9 @@ pub fn test(args: &[String]) -> Result<(), String> {
 pub fn ci(args: &[String]) -> Result<(), String> {
     let paths = setup::ensure(false)?;
     run(cargo(&paths, &["fmt", "--all", "--", "--check"]), "fmt")?;
-    run(cargo(&paths, &["clippy", "--workspace", "--all-targets", "--all-features", "--", "-D", "warnings"]), "clippy")?;
+    run(
+        cargo(&paths, &["clippy", "--workspace", "--all-targets", "--all-features", "--", "-D", "warnings"]),
+        "clippy",
+    )?;
     test(args)
 }

@@ -1,12 +1,19 @@
 //! End-to-end tests of `cargo xtask run`: `.npy` inputs in a temporary directory, the command's
 //! entry point, and the written results compared with calling `kda_ref` directly.
 
+// run_cmd re-runs xtask through cargo for `--backend pjrt` without the `pjrt` feature.
+#[allow(dead_code)]
+#[path = "../src/cargo_cmd.rs"]
+mod cargo_cmd;
 #[allow(dead_code)]
 #[path = "../src/npy.rs"]
 mod npy;
 #[allow(dead_code)]
 #[path = "../src/run_cmd.rs"]
 mod run_cmd;
+#[allow(dead_code)]
+#[path = "../src/setup.rs"]
+mod setup;
 
 use kda_core::{
     Backend, BackwardStrategy, Cotangents, DType, HostTensor, KdaConfig, KdaInputs, Layout, Segments,
@@ -361,7 +368,7 @@ fn errors_name_the_file(#[case] breaks: Break, #[case] needles: &[&str]) {
 }
 
 #[rstest]
-#[case::unknown_backend(&["--backend", "pjrt", "--inputs", "a", "--out", "b"], "available: ref")]
+#[case::unknown_backend(&["--backend", "cuda", "--inputs", "a", "--out", "b"], "available: ref, pjrt")]
 #[case::no_backend(&["--inputs", "a", "--out", "b"], "`--backend` is required")]
 #[case::no_out(&["--backend", "ref", "--inputs", "a"], "`--out DIR` is required")]
 #[case::unknown_flag(&["--backend", "ref", "--frobnicate"], "unknown argument `--frobnicate`")]
@@ -399,4 +406,37 @@ fn parses_flags_and_help() {
     assert_eq!(opts, want);
     assert_eq!(run_cmd::parse_args(&["--help".to_string()]), Ok(None));
     assert_eq!(run_cmd::run(&["-h".to_string()]), Ok(()));
+}
+
+/// `--backend pjrt` (with the `pjrt` feature): every written result agrees with the reference at
+/// the spec's f32 limits, packed and with states.
+#[cfg(feature = "pjrt")]
+#[test]
+fn pjrt_backend_agrees_with_reference() {
+    use kda_testkit::{agreement, rms_limit, Quantity};
+    let spec = Spec {
+        cu: Some(vec![vec![0, 2, 5], vec![0, 4, 4]]),
+        with_dht: true,
+        ..Spec::fixed(Layout::BatchFirst)
+    };
+    let f = Fixture::new(spec, 11);
+    let inp = f.dir.inputs().display().to_string();
+    let run = |backend: &str, out: &Path| {
+        let out = out.display().to_string();
+        let args = ["--backend", backend, "--inputs", &inp, "--out", &out, "--dtype", "f32"];
+        run_cmd::run(&args.map(String::from)).unwrap_or_else(|e| panic!("{backend}: {e}"));
+    };
+    let (pjrt_out, ref_out) = (f.dir.out(), f.dir.0.join("ref"));
+    run("pjrt", &pjrt_out);
+    run("ref", &ref_out);
+    let names = ["o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"];
+    assert_eq!(std::fs::read_dir(&pjrt_out).expect("out dir").count(), names.len());
+    for name in names {
+        let (got, want) = (read(&pjrt_out, name), read(&ref_out, name));
+        assert_eq!(got.shape, want.shape, "{name}");
+        let got = HostTensor::from_f64(&got.shape, got.data.floats().expect("floats")).expect("tensor");
+        let a = agreement(&got, &want.data.floats().expect("floats"));
+        let limit = rms_limit(Quantity::of(name), DType::F32);
+        assert!(a.finite && a.rms_ratio <= limit, "{name}: {a:?} (limit {limit})");
+    }
 }

@@ -55,14 +55,55 @@ fn suffix_exclusive(b: &mut FnBuilder, x: Value, axis: usize) -> Result<Value> {
     b.pad(tail, zero, &low, &high, &vec![0; r])
 }
 
-/// Cumulative sum along `axis` as a batched triangular matmul ([`cumsum_rows`] on a reshape).
+/// Levels with half-blocks up to this size use elementwise products and reductions instead of
+/// batched matmuls: thousands of tiny matrices cost far more in per-matrix overhead than the
+/// arithmetic.
+const SMALL: i64 = 4;
+
+/// Cumulative sum along `axis`: `reduce_window` for short axes, else a batched triangular
+/// matmul ([`cumsum_rows`] on a reshape).
 fn cumsum_axis(b: &mut FnBuilder, x: Value, axis: usize, reverse: bool) -> Result<Value> {
     let dims = x.dims().to_vec();
+    if dims[axis] <= 2 * SMALL {
+        return b.cumsum(x, axis, reverse);
+    }
     let lead: i64 = dims[..axis].iter().product();
     let trail: i64 = dims[axis + 1..].iter().product();
     let x3 = b.reshape(x, &[lead, dims[axis], trail])?;
     let c = cumsum_rows(b, x3, reverse)?;
     b.reshape(c, &dims)
+}
+
+/// `sum over one axis` of `lhs[..., a, b] * rhs[..., c, K]` for the three quadrant products,
+/// as a batched matmul or, for small `m`, an elementwise product and a reduction.
+#[derive(Clone, Copy)]
+enum Pair {
+    /// `[N,Q,m,K] x [N,Q,m,K] -> [N,Q,m,m]`, contracting K.
+    Gram,
+    /// `[N,Q,t,j] x [N,Q,j,K] -> [N,Q,t,K]`, contracting j.
+    Rows,
+    /// `[N,Q,t,j] x [N,Q,t,K] -> [N,Q,j,K]`, contracting t.
+    Cols,
+}
+
+fn quadrant_product(b: &mut FnBuilder, kind: Pair, lhs: Value, rhs: Value, m: i64) -> Result<Value> {
+    if m > SMALL {
+        return match kind {
+            Pair::Gram => b.dot_general(lhs, rhs, &[0, 1], &[0, 1], &[3], &[3], ElemType::F32),
+            Pair::Rows => b.dot_general(lhs, rhs, &[0, 1], &[0, 1], &[3], &[2], ElemType::F32),
+            Pair::Cols => b.dot_general(lhs, rhs, &[0, 1], &[0, 1], &[2], &[2], ElemType::F32),
+        };
+    }
+    let (n, q, k) = (rhs.dims()[0], rhs.dims()[1], rhs.dims()[3]);
+    let (d5, lmap, rmap, axis): ([i64; 5], [i64; 4], [i64; 4], i64) = match kind {
+        Pair::Gram => ([n, q, m, m, k], [0, 1, 2, 4], [0, 1, 3, 4], 4),
+        Pair::Rows => ([n, q, m, m, k], [0, 1, 2, 3], [0, 1, 3, 4], 3),
+        Pair::Cols => ([n, q, m, m, k], [0, 1, 3, 2], [0, 1, 3, 4], 3),
+    };
+    let l = b.broadcast_in_dim(lhs, &d5, &lmap)?;
+    let r = b.broadcast_in_dim(rhs, &d5, &rmap)?;
+    let p = b.mul(l, r)?;
+    b.reduce_sum(p, &[axis])
 }
 
 /// `[N, C, D]` split into the halves of its `2m` blocks: `(upper, lower)`, each `[N, Q, m, D]`.
@@ -151,7 +192,7 @@ pub fn decayed_gram(b: &mut FnBuilder, dc: &Decay, x: Value, y: Value, strict: b
         let (yu, _) = halves(b, y, m)?;
         let xr = b.mul(xl, lv.row)?;
         let yc = b.mul(yu, lv.col)?;
-        let off = b.dot_general(xr, yc, &[0, 1], &[0, 1], &[3], &[3], ElemType::F32)?; // [N, Q, m, m]
+        let off = quadrant_product(b, Pair::Gram, xr, yc, m)?; // [N, Q, m, m]
         let prev = b.reshape(blocks, &[n, q, 2, m, m])?;
         let upper = b.slice_axis(prev, 2, 0, 1)?;
         let upper = b.reshape(upper, &[n, q, m, m])?;
@@ -173,7 +214,7 @@ pub fn row_side(b: &mut FnBuilder, dc: &Decay, mat: Value, x: Value) -> Result<V
         let mq = quadrants(b, mat, lv.m)?;
         let (xu, _) = halves(b, x, lv.m)?;
         let xc = b.mul(xu, lv.col)?;
-        let t = b.dot_general(mq, xc, &[0, 1], &[0, 1], &[3], &[2], ElemType::F32)?; // [N, Q, m, K]
+        let t = quadrant_product(b, Pair::Rows, mq, xc, lv.m)?; // [N, Q, m, K]
         let t = b.mul(t, lv.row)?;
         let t = place_half(b, t, true)?;
         r = b.add(r, t)?;
@@ -189,7 +230,7 @@ pub fn col_side(b: &mut FnBuilder, dc: &Decay, mat: Value, y: Value) -> Result<V
         let mq = quadrants(b, mat, lv.m)?;
         let (_, yl) = halves(b, y, lv.m)?;
         let yr = b.mul(yl, lv.row)?;
-        let t = b.dot_general(mq, yr, &[0, 1], &[0, 1], &[2], &[2], ElemType::F32)?; // [N, Q, m(j), K]
+        let t = quadrant_product(b, Pair::Cols, mq, yr, lv.m)?; // [N, Q, m(j), K]
         let t = b.mul(t, lv.col)?;
         let t = place_half(b, t, false)?;
         c = b.add(c, t)?;

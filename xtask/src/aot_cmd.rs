@@ -1,0 +1,270 @@
+//! `cargo xtask aot`: deviceless ahead-of-time compiles of the KDA programs for a TPU topology,
+//! printing the compiler's memory statistics and cost analysis. The compiling lives in
+//! `pjrt_cmds::aot` (built with the `pjrt` feature only).
+
+use crate::cli;
+use kda_core::DType;
+
+/// The usage text.
+pub const USAGE: &str = "\
+usage: cargo xtask aot [options]
+
+Compiles KDA programs ahead of time for a TPU topology through libtpu (no TPU needed) and
+prints the compiler's memory statistics (argument, output, alias, temp, code, peak) and cost
+analysis (flops, bytes accessed). Nothing runs.
+
+options:
+  --topology NAME      TPU topology (default tpu7x:2x2x1; also v6e:2x2, v5e:2x2, v5p:2x2x1)
+  --program LIST       forward, forward-saved-state, fused-saved-state, fused-remat,
+                       backward-saved-state, backward-remat, or all (default all);
+                       comma-separated lists work
+  --shape LIST         primary, primary-packed, secondary, secondary-packed, or all
+                       (default primary); spec section 8
+  --dtype f32|bf16|both  input dtype (default bf16)
+  --libtpu PATH        libtpu to load (default $KDA_LIBTPU, else the one setup installed)
+  -h, --help           show this text
+
+programs:
+  forward               forward, no residuals kept (what the forward benchmark runs)
+  forward-saved-state   forward that also returns the per-chunk states h
+  fused-saved-state     forward+VJP in one executable, states kept
+  fused-remat           forward+VJP in one executable, states recomputed
+  backward-saved-state  backward reading h (the staged baseline's second program)
+  backward-remat        backward that re-runs the state recurrence";
+
+/// One program of a spec (maps onto `kda_tpu::ProgramKind`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Program {
+    /// `Forward(false)`.
+    Forward,
+    /// `Forward(true)`.
+    ForwardSavedState,
+    /// `Fused(SavedState)`.
+    FusedSavedState,
+    /// `Fused(Rematerialize)`.
+    FusedRemat,
+    /// `Backward(SavedState)`.
+    BackwardSavedState,
+    /// `Backward(Rematerialize)`.
+    BackwardRemat,
+}
+
+impl Program {
+    /// Every program, in print order.
+    pub const ALL: [Program; 6] = [
+        Program::Forward,
+        Program::ForwardSavedState,
+        Program::FusedSavedState,
+        Program::FusedRemat,
+        Program::BackwardSavedState,
+        Program::BackwardRemat,
+    ];
+    /// The flag value.
+    pub fn name(self) -> &'static str {
+        match self {
+            Program::Forward => "forward",
+            Program::ForwardSavedState => "forward-saved-state",
+            Program::FusedSavedState => "fused-saved-state",
+            Program::FusedRemat => "fused-remat",
+            Program::BackwardSavedState => "backward-saved-state",
+            Program::BackwardRemat => "backward-remat",
+        }
+    }
+    /// Parses a flag value.
+    pub fn parse(s: &str) -> Option<Program> {
+        Program::ALL.into_iter().find(|p| p.name() == s)
+    }
+}
+
+/// A benchmark shape of spec section 8.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shape {
+    /// H=8 B=1 T=1024 K=V=128.
+    Primary,
+    /// The same, four segments 200, 311, 77, 436.
+    PrimaryPacked,
+    /// Kimi-Linear 48B: H=32 B=1 T=8192 K=V=128, L2 norm, lower-bound gate.
+    Secondary,
+    /// The same, 25 balanced segments.
+    SecondaryPacked,
+}
+
+impl Shape {
+    /// Every shape, in print order.
+    pub const ALL: [Shape; 4] =
+        [Shape::Primary, Shape::PrimaryPacked, Shape::Secondary, Shape::SecondaryPacked];
+    /// The flag value.
+    pub fn name(self) -> &'static str {
+        match self {
+            Shape::Primary => "primary",
+            Shape::PrimaryPacked => "primary-packed",
+            Shape::Secondary => "secondary",
+            Shape::SecondaryPacked => "secondary-packed",
+        }
+    }
+    /// Parses a flag value.
+    pub fn parse(s: &str) -> Option<Shape> {
+        Shape::ALL.into_iter().find(|p| p.name() == s)
+    }
+    /// The `kda_testkit::benchmark_cases` case.
+    pub fn case(self) -> kda_testkit::Case {
+        let name = match self {
+            Shape::Primary => "bench_primary",
+            Shape::PrimaryPacked => "bench_primary_packed",
+            Shape::Secondary => "bench_secondary",
+            Shape::SecondaryPacked => "bench_secondary_packed",
+        };
+        kda_testkit::benchmark_cases()
+            .into_iter()
+            .find(|c| c.name == name)
+            .unwrap_or_else(|| panic!("kda_testkit::benchmark_cases has no `{name}`"))
+    }
+}
+
+/// Parsed `aot` flags.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AotOptions {
+    /// The TPU topology.
+    pub topology: String,
+    /// Programs, in print order.
+    pub programs: Vec<Program>,
+    /// Shapes, in print order.
+    pub shapes: Vec<Shape>,
+    /// Input dtypes.
+    pub dtypes: Vec<DType>,
+    /// libtpu to load instead of the default.
+    pub libtpu: Option<String>,
+}
+
+impl Default for AotOptions {
+    fn default() -> Self {
+        Self {
+            topology: "tpu7x:2x2x1".to_string(),
+            programs: Program::ALL.to_vec(),
+            shapes: vec![Shape::Primary],
+            dtypes: vec![DType::BF16],
+            libtpu: None,
+        }
+    }
+}
+
+/// Parses the arguments after `aot`; `Ok(None)` means help was asked for.
+pub fn parse_args(args: &[String]) -> Result<Option<AotOptions>, String> {
+    let mut o = AotOptions::default();
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        let (flag, inline) = cli::split(arg);
+        match flag {
+            "-h" | "--help" => return Ok(None),
+            "--topology" => {
+                let v = cli::value(flag, inline, &mut it)?;
+                if v.is_empty() {
+                    return Err("`--topology` needs a name such as tpu7x:2x2x1".to_string());
+                }
+                o.topology = v.to_string();
+            }
+            "--program" => {
+                let v = cli::value(flag, inline, &mut it)?;
+                o.programs = cli::list(flag, v, &Program::ALL, Program::parse, &program_names())?;
+            }
+            "--shape" => {
+                let v = cli::value(flag, inline, &mut it)?;
+                let names = "primary, primary-packed, secondary or secondary-packed";
+                o.shapes = cli::list(flag, v, &Shape::ALL, Shape::parse, names)?;
+            }
+            "--dtype" => o.dtypes = cli::dtypes(flag, cli::value(flag, inline, &mut it)?)?,
+            "--libtpu" => o.libtpu = Some(cli::value(flag, inline, &mut it)?.to_string()),
+            _ => return Err(format!("unknown argument `{arg}`")),
+        }
+    }
+    Ok(Some(o))
+}
+
+fn program_names() -> String {
+    let names: Vec<&str> = Program::ALL.iter().map(|p| p.name()).collect();
+    names.join(", ")
+}
+
+/// The entry point of `cargo xtask aot`; `args` are the arguments after `aot`.
+pub fn aot(args: &[String]) -> Result<(), String> {
+    let Some(opts) = parse_args(args).map_err(|e| format!("xtask aot: {e}\n\n{USAGE}"))? else {
+        println!("{USAGE}");
+        return Ok(());
+    };
+    #[cfg(feature = "pjrt")]
+    {
+        crate::pjrt_cmds::aot::run(&opts)
+    }
+    #[cfg(not(feature = "pjrt"))]
+    {
+        let _ = opts;
+        let mut all = vec!["aot".to_string()];
+        all.extend(args.iter().cloned());
+        crate::cargo_cmd::reexec_with_pjrt(&all)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rstest::rstest;
+
+    fn args(s: &str) -> Vec<String> {
+        s.split_whitespace().map(String::from).collect()
+    }
+
+    #[test]
+    fn defaults() {
+        let o = parse_args(&[]).unwrap().unwrap();
+        assert_eq!(o, AotOptions::default());
+        assert_eq!(o.topology, "tpu7x:2x2x1");
+        assert_eq!(o.programs.len(), 6);
+        assert_eq!((o.shapes.as_slice(), o.dtypes.as_slice()), (&[Shape::Primary][..], &[DType::BF16][..]));
+    }
+
+    #[rstest]
+    #[case("--program fused-saved-state", &[Program::FusedSavedState])]
+    #[case("--program=forward,backward-remat", &[Program::Forward, Program::BackwardRemat])]
+    #[case("--program all", &Program::ALL)]
+    #[case("--program forward-saved-state", &[Program::ForwardSavedState])]
+    fn parses_programs(#[case] line: &str, #[case] want: &[Program]) {
+        assert_eq!(parse_args(&args(line)).unwrap().unwrap().programs, want);
+    }
+
+    #[rstest]
+    #[case("--shape primary-packed", &[Shape::PrimaryPacked])]
+    #[case("--shape secondary,secondary-packed", &[Shape::Secondary, Shape::SecondaryPacked])]
+    #[case("--shape=all", &Shape::ALL)]
+    fn parses_shapes(#[case] line: &str, #[case] want: &[Shape]) {
+        assert_eq!(parse_args(&args(line)).unwrap().unwrap().shapes, want);
+    }
+
+    #[rstest]
+    #[case("--topology v6e:2x2 --dtype f32", "v6e:2x2", &[DType::F32])]
+    #[case("--topology=v5p:2x2x1 --dtype both", "v5p:2x2x1", &[DType::F32, DType::BF16])]
+    fn parses_topology_and_dtype(#[case] line: &str, #[case] topology: &str, #[case] dtypes: &[DType]) {
+        let o = parse_args(&args(line)).unwrap().unwrap();
+        assert_eq!((o.topology.as_str(), o.dtypes.as_slice()), (topology, dtypes));
+    }
+
+    #[rstest]
+    #[case("--program fused", "got `fused`")]
+    #[case("--shape tertiary", "got `tertiary`")]
+    #[case("--dtype f16", "expected f32, bf16 or both")]
+    #[case("--topology", "`--topology` needs a value")]
+    #[case("--topology=", "needs a name")]
+    #[case("--peak", "unknown argument `--peak`")]
+    fn rejects_bad_flags(#[case] line: &str, #[case] want: &str) {
+        let err = parse_args(&args(line)).unwrap_err();
+        assert!(err.contains(want), "{line}: {err}");
+    }
+
+    #[test]
+    fn every_shape_has_a_case() {
+        for s in Shape::ALL {
+            let c = s.case();
+            assert_eq!(c.is_packed(), s.name().ends_with("-packed"), "{s:?}");
+        }
+        assert_eq!(parse_args(&args("--help")), Ok(None));
+    }
+}

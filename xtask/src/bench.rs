@@ -1,0 +1,799 @@
+//! `cargo xtask bench`: the benchmarks of spec section 8 on the PJRT CPU plugin, with the
+//! compiler's memory figures on CPU and from deviceless `tpu7x:2x2x1` compiles.
+//!
+//! This module parses the flags and renders results (console table, markdown, JSON); the
+//! measuring lives in `pjrt_cmds::bench` (built with the `pjrt` feature only).
+
+use crate::cli;
+use crate::json::Json;
+use crate::machine::Machine;
+use kda_core::DType;
+use std::path::{Path, PathBuf};
+
+/// The usage text.
+pub const USAGE: &str = "\
+usage: cargo xtask bench --suite forward|backward|backward-packed|all [options]
+
+Times KDA programs at the primary shape of spec section 8 (H=8 B=1 T=1024 K=V=128) on the PJRT
+CPU plugin: inputs uploaded once (host preparation and compiles excluded), one warm-up run,
+then N timed runs; median, min and max. Memory: the compiler's statistics of each program on
+CPU and, unless --no-aot, from a deviceless compile of the same program text for tpu7x:2x2x1.
+
+suites:
+  forward          forward only (no residuals kept), fixed and packed (segments 200,311,77,436)
+  backward         forward+VJP, fixed: variants baseline, fused-saved-state, fused-remat
+  backward-packed  the same with the four packed segments
+  all              the three above
+
+variants (backward suites):
+  baseline           staged: forward program, saved states h downloaded to the host and
+                     uploaded again, backward program (runs by default; --no-baseline skips)
+  fused-saved-state  one forward+VJP executable, states kept per chunk
+  fused-remat        one forward+VJP executable, states recomputed in the backward
+
+options:
+  --suite NAME          suite to run (required)
+  --iterations N        timed runs per variant (default 10)
+  --dtype f32|bf16|both input dtype (default both)
+  --baseline            run the staged baseline (the default; accepted for explicitness)
+  --no-baseline         skip the staged baseline
+  --no-aot              skip the tpu7x:2x2x1 compiles (tpu7x fields are null)
+  --json PATH           also write the records as a JSON array
+  --markdown PATH       markdown file whose section for the suite is replaced
+                        (default docs/BENCHMARKS.md in the workspace)
+  --no-markdown         do not write markdown
+  -h, --help            show this text";
+
+/// The TPU topology of the AOT figures (the JSON fields are named after it).
+pub const TOPOLOGY: &str = "tpu7x:2x2x1";
+
+/// A benchmark suite.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Suite {
+    /// Forward only, fixed and packed.
+    Forward,
+    /// Forward+VJP, fixed length.
+    Backward,
+    /// Forward+VJP, packed.
+    BackwardPacked,
+}
+
+impl Suite {
+    /// Every suite, in run order.
+    pub const ALL: [Suite; 3] = [Suite::Forward, Suite::Backward, Suite::BackwardPacked];
+
+    /// The suite's flag value.
+    pub fn name(self) -> &'static str {
+        match self {
+            Suite::Forward => "forward",
+            Suite::Backward => "backward",
+            Suite::BackwardPacked => "backward-packed",
+        }
+    }
+    /// Parses a flag value.
+    pub fn parse(s: &str) -> Option<Suite> {
+        Suite::ALL.into_iter().find(|x| x.name() == s)
+    }
+    /// The heading of the suite's markdown section.
+    pub fn title(self) -> &'static str {
+        match self {
+            Suite::Forward => "Forward, primary shape, fixed and packed",
+            Suite::Backward => "Forward+VJP, primary shape, fixed length",
+            Suite::BackwardPacked => "Forward+VJP, primary shape, packed (segments 200, 311, 77, 436)",
+        }
+    }
+    /// The benchmark cases (`kda_testkit::benchmark_cases` names) the suite runs.
+    pub fn cases(self) -> &'static [&'static str] {
+        match self {
+            Suite::Forward => &["bench_primary", "bench_primary_packed"],
+            Suite::Backward => &["bench_primary"],
+            Suite::BackwardPacked => &["bench_primary_packed"],
+        }
+    }
+    /// The variants the suite times.
+    pub fn variants(self, baseline: bool) -> Vec<Variant> {
+        match self {
+            Suite::Forward => vec![Variant::Forward],
+            Suite::Backward | Suite::BackwardPacked => {
+                let mut v = vec![];
+                if baseline {
+                    v.push(Variant::Baseline);
+                }
+                v.extend([Variant::FusedSavedState, Variant::FusedRemat]);
+                v
+            }
+        }
+    }
+}
+
+/// What one record times.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Variant {
+    /// The forward program without residuals.
+    Forward,
+    /// Staged saved-state: forward program, `h` through host memory, backward program.
+    Baseline,
+    /// Fused forward+VJP, saved state.
+    FusedSavedState,
+    /// Fused forward+VJP, rematerialized.
+    FusedRemat,
+}
+
+impl Variant {
+    /// The name in tables and JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            Variant::Forward => "forward",
+            Variant::Baseline => "baseline",
+            Variant::FusedSavedState => "fused-saved-state",
+            Variant::FusedRemat => "fused-remat",
+        }
+    }
+}
+
+/// Parsed `bench` flags.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BenchOptions {
+    /// Suites, in run order.
+    pub suites: Vec<Suite>,
+    /// Timed runs per variant.
+    pub iterations: usize,
+    /// Input dtypes, in run order.
+    pub dtypes: Vec<DType>,
+    /// Whether the backward suites run the staged baseline.
+    pub baseline: bool,
+    /// Whether to compile for tpu7x:2x2x1.
+    pub aot: bool,
+    /// Where to write the JSON records.
+    pub json: Option<PathBuf>,
+    /// The markdown file; `None` writes none.
+    pub markdown: Option<PathBuf>,
+}
+
+/// The default markdown file: `docs/BENCHMARKS.md` in the workspace.
+pub fn default_markdown() -> PathBuf {
+    let root = crate::cargo_cmd::root();
+    root.canonicalize().unwrap_or(root).join("docs/BENCHMARKS.md")
+}
+
+/// Parses the arguments after `bench`; `Ok(None)` means help was asked for.
+pub fn parse_args(args: &[String]) -> Result<Option<BenchOptions>, String> {
+    let mut suites = None;
+    let mut opts = BenchOptions {
+        suites: vec![],
+        iterations: 10,
+        dtypes: vec![DType::F32, DType::BF16],
+        baseline: true,
+        aot: true,
+        json: None,
+        markdown: Some(default_markdown()),
+    };
+    let mut baseline_flag = None;
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        let (flag, inline) = cli::split(arg);
+        match flag {
+            "-h" | "--help" => return Ok(None),
+            "--suite" => {
+                let v = cli::value(flag, inline, &mut it)?;
+                suites = Some(cli::list(
+                    flag,
+                    v,
+                    &Suite::ALL,
+                    Suite::parse,
+                    "forward, backward or backward-packed",
+                )?);
+            }
+            "--iterations" => {
+                let v = cli::value(flag, inline, &mut it)?;
+                opts.iterations = v
+                    .parse()
+                    .ok()
+                    .filter(|&n| n >= 1)
+                    .ok_or_else(|| format!("`--iterations`: expected a whole number >= 1, got `{v}`"))?;
+            }
+            "--dtype" => opts.dtypes = cli::dtypes(flag, cli::value(flag, inline, &mut it)?)?,
+            "--baseline" | "--no-baseline" => {
+                cli::switch(flag, inline)?;
+                baseline_flag = Some(flag);
+                opts.baseline = flag == "--baseline";
+            }
+            "--no-aot" => {
+                cli::switch(flag, inline)?;
+                opts.aot = false;
+            }
+            "--json" => opts.json = Some(PathBuf::from(cli::value(flag, inline, &mut it)?)),
+            "--markdown" => opts.markdown = Some(PathBuf::from(cli::value(flag, inline, &mut it)?)),
+            "--no-markdown" => {
+                cli::switch(flag, inline)?;
+                opts.markdown = None;
+            }
+            _ => return Err(format!("unknown argument `{arg}`")),
+        }
+    }
+    opts.suites = suites.ok_or("`--suite` is required (forward, backward, backward-packed or all)")?;
+    if let Some(flag) = baseline_flag {
+        if !opts.suites.iter().any(|s| *s != Suite::Forward) {
+            return Err(format!("`{flag}` applies to the backward suites only"));
+        }
+    }
+    Ok(Some(opts))
+}
+
+/// The entry point of `cargo xtask bench`; `args` are the arguments after `bench`.
+pub fn bench(args: &[String]) -> Result<(), String> {
+    let Some(opts) = parse_args(args).map_err(|e| format!("xtask bench: {e}\n\n{USAGE}"))? else {
+        println!("{USAGE}");
+        return Ok(());
+    };
+    #[cfg(feature = "pjrt")]
+    {
+        crate::pjrt_cmds::bench::run(&opts, args)
+    }
+    #[cfg(not(feature = "pjrt"))]
+    {
+        let _ = opts;
+        let mut all = vec!["bench".to_string()];
+        all.extend(args.iter().cloned());
+        crate::cargo_cmd::reexec_with_pjrt(&all)
+    }
+}
+
+/// The compiler's memory statistics of one program, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Memory {
+    /// Arguments.
+    pub argument: i64,
+    /// Outputs.
+    pub output: i64,
+    /// Outputs aliasing arguments.
+    pub alias: i64,
+    /// Scratch.
+    pub temp: i64,
+    /// Generated code.
+    pub code: i64,
+    /// The compiler's peak estimate.
+    pub peak: i64,
+}
+
+impl Memory {
+    fn json(&self) -> Json {
+        Json::obj([
+            ("argument_bytes", Json::Int(self.argument)),
+            ("output_bytes", Json::Int(self.output)),
+            ("alias_bytes", Json::Int(self.alias)),
+            ("temp_bytes", Json::Int(self.temp)),
+            ("generated_code_bytes", Json::Int(self.code)),
+            ("peak_bytes", Json::Int(self.peak)),
+        ])
+    }
+}
+
+/// A deviceless TPU compile's figures for one program.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TpuFigures {
+    /// Memory statistics.
+    pub memory: Memory,
+    /// Cost analysis `flops`.
+    pub flops: f64,
+    /// Cost analysis `bytes accessed`.
+    pub bytes_accessed: f64,
+    /// Compile wall time.
+    pub compile_ms: f64,
+}
+
+/// One compiled program of a variant (the baseline has two).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProgramFigures {
+    /// `forward`, `backward` or `fused`.
+    pub name: &'static str,
+    /// The `ProgramKind`, as Debug text.
+    pub kind: String,
+    /// CPU compile wall time.
+    pub compile_ms: f64,
+    /// CPU memory statistics.
+    pub cpu: Memory,
+    /// The tpu7x compile, unless `--no-aot`.
+    pub tpu: Option<TpuFigures>,
+}
+
+/// One timed variant.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BenchRecord {
+    /// The suite.
+    pub suite: Suite,
+    /// The variant.
+    pub variant: Variant,
+    /// Input dtype.
+    pub dtype: DType,
+    /// The benchmark case name.
+    pub case: String,
+    /// `[H, B, T, K, V]`.
+    pub shape: [usize; 5],
+    /// Segment lengths when packed.
+    pub segments: Option<Vec<usize>>,
+    /// Every timed run, in milliseconds, in run order.
+    pub times_ms: Vec<f64>,
+    /// The programs the variant runs.
+    pub programs: Vec<ProgramFigures>,
+}
+
+impl BenchRecord {
+    /// Whether the case is packed.
+    pub fn packed(&self) -> bool {
+        self.segments.is_some()
+    }
+    fn sorted(&self) -> Vec<f64> {
+        let mut t = self.times_ms.clone();
+        t.sort_by(f64::total_cmp);
+        t
+    }
+    /// Median of the timed runs (mean of the middle two for an even count).
+    pub fn median_ms(&self) -> f64 {
+        let t = self.sorted();
+        match t.len() {
+            0 => f64::NAN,
+            n if n % 2 == 1 => t[n / 2],
+            n => (t[n / 2 - 1] + t[n / 2]) / 2.0,
+        }
+    }
+    /// Fastest run.
+    pub fn min_ms(&self) -> f64 {
+        self.sorted().first().copied().unwrap_or(f64::NAN)
+    }
+    /// Slowest run.
+    pub fn max_ms(&self) -> f64 {
+        self.sorted().last().copied().unwrap_or(f64::NAN)
+    }
+    /// CPU compile time of all programs.
+    pub fn compile_ms(&self) -> f64 {
+        self.programs.iter().map(|p| p.compile_ms).sum()
+    }
+    /// The CPU peak: the largest over the variant's programs (the baseline runs two in turn).
+    pub fn cpu_peak(&self) -> i64 {
+        self.programs.iter().map(|p| p.cpu.peak).max().unwrap_or(0)
+    }
+    /// The CPU scratch bytes, largest over the programs (the CPU plugin's peak leaves them out).
+    pub fn cpu_temp(&self) -> i64 {
+        self.programs.iter().map(|p| p.cpu.temp).max().unwrap_or(0)
+    }
+    /// The tpu7x peak, largest over the programs; `None` without AOT figures.
+    pub fn tpu_peak(&self) -> Option<i64> {
+        let peaks: Option<Vec<i64>> = self.programs.iter().map(|p| p.tpu.map(|t| t.memory.peak)).collect();
+        peaks.and_then(|v| v.into_iter().max())
+    }
+    /// tpu7x flops, summed over the programs; `None` without AOT figures.
+    pub fn tpu_flops(&self) -> Option<f64> {
+        self.programs.iter().map(|p| p.tpu.map(|t| t.flops)).sum()
+    }
+    fn segments_label(&self) -> String {
+        match &self.segments {
+            None => "fixed".to_string(),
+            Some(s) => format!("packed {}", s.iter().map(usize::to_string).collect::<Vec<_>>().join(",")),
+        }
+    }
+}
+
+/// What every record of a run shares.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunInfo {
+    /// Machine, date, commit.
+    pub machine: Machine,
+    /// The command line, as typed.
+    pub command: String,
+    /// The backend and plugin, e.g. `pjrt-cpu (PJRT API 0.115, /path/plugin.so)`.
+    pub plugin: String,
+    /// libtpu's description when AOT figures were taken.
+    pub libtpu: Option<String>,
+}
+
+fn mb(bytes: i64) -> String {
+    format!("{:.1}", bytes as f64 / 1e6)
+}
+
+fn opt_mb(bytes: Option<i64>) -> String {
+    bytes.map_or("-".to_string(), mb)
+}
+
+fn opt_gflop(flops: Option<f64>) -> String {
+    flops.map_or("-".to_string(), |f| format!("{:.2}", f / 1e9))
+}
+
+const COLUMNS: [&str; 11] = [
+    "variant",
+    "dtype",
+    "segments",
+    "median ms",
+    "min ms",
+    "max ms",
+    "compile s",
+    "CPU peak MB",
+    "CPU temp MB",
+    "tpu7x peak MB",
+    "tpu7x GFLOP",
+];
+
+fn row(r: &BenchRecord) -> [String; 11] {
+    [
+        r.variant.name().to_string(),
+        r.dtype.to_string(),
+        r.segments_label(),
+        format!("{:.2}", r.median_ms()),
+        format!("{:.2}", r.min_ms()),
+        format!("{:.2}", r.max_ms()),
+        format!("{:.2}", r.compile_ms() / 1e3),
+        mb(r.cpu_peak()),
+        mb(r.cpu_temp()),
+        opt_mb(r.tpu_peak()),
+        opt_gflop(r.tpu_flops()),
+    ]
+}
+
+/// A plain-text table of records for the console.
+pub fn console_table(records: &[BenchRecord]) -> String {
+    let rows: Vec<[String; 11]> = records.iter().map(row).collect();
+    let width = |i: usize| rows.iter().map(|r| r[i].len()).chain([COLUMNS[i].len()]).max().unwrap_or(0);
+    let widths: Vec<usize> = (0..COLUMNS.len()).map(width).collect();
+    let line = |cells: &[&str]| -> String {
+        let parts: Vec<String> =
+            cells
+                .iter()
+                .enumerate()
+                .map(|(i, c)| {
+                    if i < 3 {
+                        format!("{c:<w$}", w = widths[i])
+                    } else {
+                        format!("{c:>w$}", w = widths[i])
+                    }
+                })
+                .collect();
+        parts.join("  ").trim_end().to_string() + "\n"
+    };
+    let mut out = line(&COLUMNS);
+    for r in &rows {
+        out += &line(&r.iter().map(String::as_str).collect::<Vec<_>>());
+    }
+    out
+}
+
+/// The markdown table of records.
+pub fn markdown_table(records: &[BenchRecord]) -> String {
+    let mut out = format!("| {} |\n", COLUMNS.join(" | "));
+    out += &format!("|{}\n", ["---|", "---|", "---|"].concat() + &"---:|".repeat(COLUMNS.len() - 3));
+    for r in records {
+        out += &format!("| {} |\n", row(r).join(" | "));
+    }
+    out
+}
+
+fn markers(suite: Suite) -> (String, String) {
+    (format!("<!-- bench:{}:start -->", suite.name()), format!("<!-- bench:{}:end -->", suite.name()))
+}
+
+/// The markdown section of one suite's latest run, between its markers.
+pub fn markdown_section(suite: Suite, records: &[BenchRecord], info: &RunInfo) -> String {
+    let (start, end) = markers(suite);
+    let iterations = records.first().map_or(0, |r| r.times_ms.len());
+    let aot = match &info.libtpu {
+        Some(t) => format!("deviceless compile of the same program text for `{TOPOLOGY}` ({t})"),
+        None => "not taken (`--no-aot`)".to_string(),
+    };
+    let mut out = format!("{start}\n## {} (`--suite {}`)\n\n", suite.title(), suite.name());
+    out += &format!("- Run: {}, commit `{}`: `{}`\n", info.machine.date, info.machine.commit, info.command);
+    out += &format!("- Machine: {}; backend {}\n", info.machine.summary(), info.plugin);
+    out += &format!("- Times: {iterations} timed runs after one warm-up; TPU figures: {aot}\n\n");
+    out += &markdown_table(records);
+    if records.iter().any(|r| r.variant == Variant::Baseline) {
+        out += "\nbaseline: memory columns are the larger of its forward and backward programs'; \
+                GFLOP is their sum.\n";
+    }
+    out + &end + "\n"
+}
+
+/// The text a new markdown file starts with.
+pub const MARKDOWN_HEADER: &str = "\
+# Benchmarks
+
+Written by `cargo xtask bench` (see `cargo xtask bench --help`); each suite's section holds its
+latest run and is replaced by the next one. Shapes and variants: spec section 8 (primary shape
+H=8, B=1, T=1024, K=V=128; packed = four segments 200, 311, 77, 436 in one row).
+
+- Variants: `forward` (forward program, no residuals kept); `baseline` (staged saved-state: the
+  forward program, its per-chunk states downloaded to the host and uploaded again, then the
+  backward program; run by default, `--no-baseline` skips it); `fused-saved-state` and
+  `fused-remat` (one forward+VJP executable per strategy).
+- Times: PJRT CPU plugin; inputs uploaded once (host input preparation and compiles excluded),
+  one warm-up run, then N timed runs of the program(s) on the device-resident inputs. Each run
+  returns after PJRT's execution-complete event, so the time covers the whole execution; outputs
+  stay on the device. The staged baseline also includes its host round trip of the saved states.
+- compile s: CPU compile of the variant's program(s).
+- CPU peak MB: the CPU compiler's `peak_memory_in_bytes` for the program (MB = 10^6 bytes). The
+  CPU plugin counts arguments and outputs in it, not scratch: CPU temp MB is its `temp_size`.
+- tpu7x: the same StableHLO text compiled ahead of time (deviceless) for `tpu7x:2x2x1` through
+  libtpu: the compiler's peak memory and its cost-analysis flops. Nothing runs on a TPU.
+";
+
+/// Replaces (or appends) `section` of `suite` in the markdown text `old` (`None`: a new file).
+pub fn splice_section(old: Option<&str>, suite: Suite, section: &str) -> String {
+    let (start, end) = markers(suite);
+    let Some(old) = old else {
+        return format!("{MARKDOWN_HEADER}\n{section}");
+    };
+    if let (Some(a), Some(b)) = (old.find(&start), old.find(&end)) {
+        if a < b {
+            let after = &old[b + end.len()..];
+            let after = after.strip_prefix('\n').unwrap_or(after);
+            return format!("{}{section}{after}", &old[..a]);
+        }
+    }
+    let sep = if old.is_empty() || old.ends_with("\n\n") {
+        ""
+    } else if old.ends_with('\n') {
+        "\n"
+    } else {
+        "\n\n"
+    };
+    format!("{old}{sep}{section}")
+}
+
+/// Writes `section` of `suite` into the markdown file at `path`, keeping everything else.
+pub fn write_markdown(path: &Path, suite: Suite, section: &str) -> Result<(), String> {
+    let old = match std::fs::read_to_string(path) {
+        Ok(s) => Some(s),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(format!("read {}: {e}", path.display())),
+    };
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
+    }
+    let text = splice_section(old.as_deref(), suite, section);
+    std::fs::write(path, text).map_err(|e| format!("write {}: {e}", path.display()))
+}
+
+/// Milliseconds to 0.1 microsecond.
+fn msec(x: f64) -> Json {
+    Json::Num((x * 1e4).round() / 1e4)
+}
+
+/// The JSON record of one variant.
+pub fn record_json(r: &BenchRecord, info: &RunInfo) -> Json {
+    let [h, b, t, k, v] = r.shape;
+    let n = |x: usize| Json::Int(x as i64);
+    let programs = r
+        .programs
+        .iter()
+        .map(|p| {
+            Json::obj([
+                ("name", Json::str(p.name)),
+                ("kind", Json::str(&p.kind)),
+                ("compile_ms", msec(p.compile_ms)),
+                ("cpu_memory", p.cpu.json()),
+                (
+                    "tpu7x",
+                    Json::opt(p.tpu, |t| {
+                        Json::obj([
+                            ("memory", t.memory.json()),
+                            ("flops", Json::Num(t.flops)),
+                            ("bytes_accessed", Json::Num(t.bytes_accessed)),
+                            ("compile_ms", msec(t.compile_ms)),
+                        ])
+                    }),
+                ),
+            ])
+        })
+        .collect();
+    Json::obj([
+        ("suite", Json::str(r.suite.name())),
+        ("variant", Json::str(r.variant.name())),
+        ("dtype", Json::str(r.dtype.to_string())),
+        ("packed", Json::Bool(r.packed())),
+        ("median_ms", msec(r.median_ms())),
+        ("min_ms", msec(r.min_ms())),
+        ("max_ms", msec(r.max_ms())),
+        ("iterations", n(r.times_ms.len())),
+        ("cpu_memory_bytes", Json::Int(r.cpu_peak())),
+        ("cpu_temp_bytes", Json::Int(r.cpu_temp())),
+        ("tpu7x_memory_bytes", Json::opt(r.tpu_peak(), Json::Int)),
+        ("tpu7x_flops", Json::opt(r.tpu_flops(), Json::Num)),
+        ("case", Json::str(&r.case)),
+        ("shape", Json::obj([("h", n(h)), ("b", n(b)), ("t", n(t)), ("k", n(k)), ("v", n(v))])),
+        ("segments", Json::opt(r.segments.as_ref(), |s| Json::Arr(s.iter().map(|&x| n(x)).collect()))),
+        ("compile_ms", msec(r.compile_ms())),
+        ("times_ms", Json::Arr(r.times_ms.iter().map(|&x| msec(x)).collect())),
+        ("programs", Json::Arr(programs)),
+        ("date", Json::str(&info.machine.date)),
+        ("commit", Json::str(&info.machine.commit)),
+        ("cpus", n(info.machine.cpus)),
+        ("cpu_model", Json::str(&info.machine.cpu_model)),
+        ("backend", Json::str(&info.plugin)),
+    ])
+}
+
+/// Writes all records as a JSON array.
+pub fn write_json(path: &Path, records: &[BenchRecord], info: &RunInfo) -> Result<(), String> {
+    let text = Json::Arr(records.iter().map(|r| record_json(r, info)).collect()).pretty();
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
+    }
+    std::fs::write(path, text).map_err(|e| format!("write {}: {e}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rstest::rstest;
+
+    fn args(s: &str) -> Vec<String> {
+        s.split_whitespace().map(String::from).collect()
+    }
+
+    #[rstest]
+    #[case("--suite forward", &[Suite::Forward], 10, &[DType::F32, DType::BF16], true, true)]
+    #[case("--suite=backward --iterations 3 --dtype f32", &[Suite::Backward], 3, &[DType::F32], true, true)]
+    #[case("--suite backward-packed --no-baseline --no-aot --dtype=bf16", &[Suite::BackwardPacked], 10, &[DType::BF16], false, false)]
+    #[case("--suite backward --baseline", &[Suite::Backward], 10, &[DType::F32, DType::BF16], true, true)]
+    #[case("--suite all --iterations=1", &Suite::ALL, 1, &[DType::F32, DType::BF16], true, true)]
+    #[case("--suite backward,forward", &[Suite::Backward, Suite::Forward], 10, &[DType::F32, DType::BF16], true, true)]
+    fn parses_flags(
+        #[case] line: &str,
+        #[case] suites: &[Suite],
+        #[case] iterations: usize,
+        #[case] dtypes: &[DType],
+        #[case] baseline: bool,
+        #[case] aot: bool,
+    ) {
+        let o = parse_args(&args(line)).unwrap().unwrap();
+        assert_eq!(o.suites, suites);
+        assert_eq!(o.iterations, iterations);
+        assert_eq!(o.dtypes, dtypes);
+        assert_eq!((o.baseline, o.aot), (baseline, aot));
+        assert_eq!(o.json, None);
+        assert_eq!(o.markdown, Some(default_markdown()));
+    }
+
+    #[test]
+    fn parses_output_paths() {
+        let o = parse_args(&args("--suite forward --json out/b.json --markdown=x.md")).unwrap().unwrap();
+        assert_eq!(o.json, Some(PathBuf::from("out/b.json")));
+        assert_eq!(o.markdown, Some(PathBuf::from("x.md")));
+        let o = parse_args(&args("--suite forward --no-markdown")).unwrap().unwrap();
+        assert_eq!(o.markdown, None);
+        assert!(default_markdown().ends_with("docs/BENCHMARKS.md"));
+    }
+
+    #[rstest]
+    #[case("", "`--suite` is required")]
+    #[case("--suite sideways", "got `sideways`")]
+    #[case("--suite forward --iterations 0", "expected a whole number >= 1")]
+    #[case("--suite forward --iterations", "`--iterations` needs a value")]
+    #[case("--suite forward --dtype f64", "expected f32, bf16 or both")]
+    #[case("--suite forward --baseline", "backward suites only")]
+    #[case("--suite forward --no-aot=1", "takes no value")]
+    #[case("--suite forward --fast", "unknown argument `--fast`")]
+    fn rejects_bad_flags(#[case] line: &str, #[case] want: &str) {
+        let err = parse_args(&args(line)).unwrap_err();
+        assert!(err.contains(want), "{line}: {err}");
+    }
+
+    #[test]
+    fn help_is_not_an_error() {
+        assert_eq!(parse_args(&args("--suite forward -h")), Ok(None));
+    }
+
+    #[test]
+    fn suites_pick_cases_and_variants() {
+        assert_eq!(Suite::Forward.variants(true), [Variant::Forward]);
+        assert_eq!(
+            Suite::Backward.variants(true),
+            [Variant::Baseline, Variant::FusedSavedState, Variant::FusedRemat]
+        );
+        assert_eq!(Suite::BackwardPacked.variants(false), [Variant::FusedSavedState, Variant::FusedRemat]);
+        let names: Vec<&str> = kda_testkit::benchmark_cases().iter().map(|c| c.name).collect();
+        for s in Suite::ALL {
+            assert!(s.cases().iter().all(|c| names.contains(c)), "{s:?}");
+        }
+    }
+
+    fn record(variant: Variant, times: &[f64], peaks: &[(i64, Option<i64>)]) -> BenchRecord {
+        BenchRecord {
+            suite: Suite::Backward,
+            variant,
+            dtype: DType::F32,
+            case: "bench_primary".into(),
+            shape: [8, 1, 1024, 128, 128],
+            segments: None,
+            times_ms: times.to_vec(),
+            programs: peaks
+                .iter()
+                .map(|&(cpu, tpu)| ProgramFigures {
+                    name: "fused",
+                    kind: "Fused(SavedState)".into(),
+                    compile_ms: 500.0,
+                    cpu: Memory { peak: cpu, ..Memory::default() },
+                    tpu: tpu.map(|p| TpuFigures {
+                        memory: Memory { peak: p, ..Memory::default() },
+                        flops: 2e9,
+                        bytes_accessed: 1e8,
+                        compile_ms: 900.0,
+                    }),
+                })
+                .collect(),
+        }
+    }
+
+    fn info() -> RunInfo {
+        RunInfo {
+            machine: Machine {
+                cpus: 2,
+                cpu_model: "Test CPU".into(),
+                date: "2026-11-29 10:00 UTC".into(),
+                commit: "abc1234".into(),
+            },
+            command: "cargo xtask bench --suite backward".into(),
+            plugin: "pjrt-cpu".into(),
+            libtpu: Some("libtpu, PJRT API 0.117".into()),
+        }
+    }
+
+    #[test]
+    fn records_summarise_times_and_memory() {
+        let r = record(Variant::Baseline, &[5.0, 1.0, 3.0, 4.0], &[(10, Some(30)), (20, Some(25))]);
+        assert_eq!((r.median_ms(), r.min_ms(), r.max_ms()), (3.5, 1.0, 5.0));
+        assert_eq!((r.cpu_peak(), r.tpu_peak(), r.tpu_flops()), (20, Some(30), Some(4e9)));
+        assert_eq!(r.compile_ms(), 1000.0);
+        let r = record(Variant::FusedRemat, &[2.0, 1.0, 3.0], &[(10, None)]);
+        assert_eq!((r.median_ms(), r.tpu_peak(), r.tpu_flops()), (2.0, None, None));
+    }
+
+    #[test]
+    fn json_has_the_issue_fields() {
+        let r = record(Variant::FusedSavedState, &[2.0], &[(64_000_000, None)]);
+        let text = record_json(&r, &info()).pretty();
+        for key in [
+            "\"suite\": \"backward\"",
+            "\"variant\": \"fused-saved-state\"",
+            "\"dtype\": \"f32\"",
+            "\"packed\": false",
+            "\"median_ms\": 2",
+            "\"min_ms\": 2",
+            "\"max_ms\": 2",
+            "\"iterations\": 1",
+            "\"cpu_memory_bytes\": 64000000",
+            "\"tpu7x_memory_bytes\": null",
+            "\"tpu7x_flops\": null",
+        ] {
+            assert!(text.contains(key), "missing {key} in {text}");
+        }
+    }
+
+    #[test]
+    fn markdown_sections_are_replaced_in_place() {
+        let recs = [record(Variant::FusedSavedState, &[2.0, 3.0], &[(64_000_000, Some(70_000_000))])];
+        let sec = markdown_section(Suite::Backward, &recs, &info());
+        assert!(
+            sec.contains(
+                "| fused-saved-state | f32 | fixed | 2.50 | 2.00 | 3.00 | 0.50 | 64.0 | 0.0 | 70.0 | 2.00 |"
+            ),
+            "{sec}"
+        );
+        let fresh = splice_section(None, Suite::Backward, &sec);
+        assert!(fresh.starts_with("# Benchmarks"));
+        let other = markdown_section(Suite::Forward, &recs, &info());
+        let both = splice_section(Some(&fresh), Suite::Forward, &other);
+        assert!(both.contains(&sec) && both.ends_with(&other), "{both}");
+        let newer = markdown_section(Suite::Backward, &recs, &RunInfo { command: "again".into(), ..info() });
+        let replaced = splice_section(Some(&both), Suite::Backward, &newer);
+        assert!(replaced.contains("`again`") && !replaced.contains(&sec) && replaced.ends_with(&other));
+        assert_eq!(replaced.matches("bench:backward:start").count(), 1);
+    }
+
+    #[test]
+    fn console_table_aligns_columns() {
+        let recs = [record(Variant::FusedSavedState, &[12.345], &[(64_000_000, None)])];
+        let t = console_table(&recs);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines.len(), 2);
+        assert!(lines[0].starts_with("variant"));
+        assert!(lines[1].contains("12.35") && lines[1].ends_with('-'), "{t}");
+    }
+}

@@ -1,0 +1,129 @@
+//! The compiling side of `cargo xtask aot`.
+
+use super::{compile_aot, err, kind, zero_inputs};
+use crate::aot_cmd::AotOptions;
+use crate::bench::Memory;
+use kda_testkit::CaseSegments;
+use kda_tpu::{PjrtBackend, TpuCompiler};
+
+fn mb(bytes: i64) -> String {
+    format!("{:.2} MB", bytes as f64 / 1e6)
+}
+
+/// One compiled program, for the closing table.
+struct Row {
+    program: &'static str,
+    shape: &'static str,
+    dtype: String,
+    memory: Memory,
+    flops: f64,
+}
+
+/// Compiles every (shape, dtype, program) of `o` for its topology and prints the figures.
+pub fn run(o: &AotOptions) -> Result<(), String> {
+    kda_tpu::aot::check_topology(&o.topology).map_err(err)?;
+    eprintln!("aot: loading libtpu...");
+    let tpu = match &o.libtpu {
+        Some(path) => TpuCompiler::with_libtpu(path),
+        None => TpuCompiler::load(),
+    }
+    .map_err(err)?;
+    // The CPU plugin only serves `spec()` (the packed capacity plan); nothing runs on it.
+    let be = PjrtBackend::new().map_err(err)?;
+    let (major, minor) = tpu.plugin_version();
+    println!("topology {} | libtpu PJRT API {major}.{minor} | MB = 10^6 bytes", o.topology);
+    let mut rows = Vec::new();
+    for &shape in &o.shapes {
+        let case = shape.case();
+        let segments = match &case.segments {
+            CaseSegments::Fixed => "fixed".to_string(),
+            CaseSegments::Lengths(r) | CaseSegments::SegmentIds(r) => {
+                format!("packed, {} segments", r.iter().map(Vec::len).sum::<usize>())
+            }
+        };
+        let mut options = Vec::new();
+        if case.l2norm {
+            options.push("q/k L2 norm".to_string());
+        }
+        if let kda_testkit::CaseGate::LowerBound(lb) = case.gate {
+            options.push(format!("lower-bound gate {lb}"));
+        }
+        let about = format!(
+            "H={} B={} T={} K={} V={}, {segments}{}",
+            case.h,
+            case.b,
+            case.t,
+            case.k,
+            case.v,
+            options.iter().map(|x| format!(", {x}")).collect::<String>()
+        );
+        for &dtype in &o.dtypes {
+            let inputs = zero_inputs(&case, dtype)?;
+            let problem = inputs.validate().map_err(err)?;
+            drop(inputs);
+            let spec = be.spec(&problem, case.final_state).map_err(err)?;
+            for &program in &o.programs {
+                let text = PjrtBackend::program_text(&spec, kind(program)).map_err(err)?;
+                eprintln!(
+                    "aot: compiling {} ({} {dtype}, {} kB of StableHLO) for {}...",
+                    program.name(),
+                    shape.name(),
+                    text.len() / 1000,
+                    o.topology
+                );
+                let r = compile_aot(&tpu, &text, &o.topology)
+                    .map_err(|e| format!("{} {} {dtype}: {e}", program.name(), shape.name()))?;
+                let m = r.memory;
+                let when = if r.cached { " (cached: target/xtask-aot-cache)" } else { "" };
+                println!(
+                    "\n{} | {} ({about}) | {dtype} | compiled in {:.1} s{when}",
+                    program.name(),
+                    shape.name(),
+                    r.compile_ms / 1e3
+                );
+                println!(
+                    "  memory: argument {}, output {}, alias {}, temp {}, code {}, peak {} ({} bytes)",
+                    mb(m.argument),
+                    mb(m.output),
+                    mb(m.alias),
+                    mb(m.temp),
+                    mb(m.code),
+                    mb(m.peak),
+                    m.peak
+                );
+                println!(
+                    "  cost:   {:.3} GFLOP, {:.3} GB accessed (optimal_seconds {:.3e}: not \
+                     meaningful for programs with while loops)",
+                    r.flops / 1e9,
+                    r.bytes_accessed / 1e9,
+                    r.optimal_seconds
+                );
+                rows.push(Row {
+                    program: program.name(),
+                    shape: shape.name(),
+                    dtype: dtype.to_string(),
+                    memory: m,
+                    flops: r.flops,
+                });
+            }
+        }
+    }
+    if rows.len() > 1 {
+        println!(
+            "\n{:<21} {:<17} {:<5} {:>12} {:>12} {:>9}",
+            "program", "shape", "dtype", "peak MB", "temp MB", "GFLOP"
+        );
+        for r in &rows {
+            println!(
+                "{:<21} {:<17} {:<5} {:>12.2} {:>12.2} {:>9.3}",
+                r.program,
+                r.shape,
+                r.dtype,
+                r.memory.peak as f64 / 1e6,
+                r.memory.temp as f64 / 1e6,
+                r.flops / 1e9
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,86 @@
+//! The PJRT part of `cargo xtask demo`: the fused saved-state forward+VJP at the primary shape on
+//! the CPU plugin, timed and checked against the f64 reference at the spec's limits.
+
+use super::{backend_label, err, ms};
+use kda_core::{Backend, BackwardStrategy, DType, HostTensor};
+use kda_testkit::{agreement, rms_limit, Quantity};
+use kda_tpu::{PjrtBackend, ProgramKind};
+use std::time::Instant;
+
+const RUNS: usize = 5;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Runs the reference part, then the PJRT part; fails when a quantity misses its limit.
+pub fn run() -> Result<(), String> {
+    let reference = crate::demo::reference()?;
+    let (data, strategy) = (&reference.data, BackwardStrategy::SavedState);
+
+    println!("\nPJRT backend: fused forward+VJP, saved state, f32");
+    let be = PjrtBackend::new().map_err(err)?;
+    println!("  backend {}", backend_label(&be));
+    let problem = data.inputs.validate().map_err(err)?;
+    let spec = be.spec(&problem, data.cotangents.dht.is_some()).map_err(err)?;
+    let t = Instant::now();
+    be.executable(&spec, ProgramKind::Fused(strategy)).map_err(err)?;
+    println!("  compile: {:.0} ms (program built and compiled once)", ms(t.elapsed()));
+
+    let mut times = Vec::with_capacity(RUNS);
+    let mut result = None;
+    for _ in 0..RUNS {
+        let t = Instant::now();
+        result = Some(be.forward_and_vjp(&data.inputs, &data.cotangents, strategy).map_err(err)?);
+        times.push(ms(t.elapsed()));
+    }
+    let (outputs, grads) = result.ok_or("no run")?;
+    let api = median(times);
+    println!("  forward_and_vjp (Backend API, host transfers included): median {api:.1} ms of {RUNS} runs");
+    let call = be.upload_call(&data.inputs, Some(&data.cotangents)).map_err(err)?;
+    let mut device = Vec::with_capacity(RUNS);
+    for _ in 0..RUNS {
+        let t = Instant::now();
+        let out = be.run_program(&call, ProgramKind::Fused(strategy), None).map_err(err)?;
+        device.push(ms(t.elapsed()));
+        drop(out);
+    }
+    let device = median(device);
+    println!("  the program alone (inputs already on the device): median {device:.1} ms of {RUNS} runs");
+    println!(
+        "  reference (f64, single thread): {:.0} ms, {:.0}x the Backend API time",
+        reference.ms,
+        reference.ms / api
+    );
+
+    println!("\nagreement with the f64 reference (spec section 7, f32 limits):");
+    println!("  {:>6}  {:>9}  {:>9}  {:>9}  result", "", "RMS ratio", "limit", "max abs");
+    let mut failed = Vec::new();
+    let mut check = |name: &str, got: &HostTensor, want: &HostTensor| {
+        let a = agreement(got, &want.to_f64_vec());
+        let limit = rms_limit(Quantity::of(name), DType::F32);
+        let pass = a.finite && a.rms_ratio <= limit;
+        let verdict = if pass { "PASS" } else { "FAIL" };
+        println!("  {name:>6}  {:>9.2e}  {limit:>9.0e}  {:>9.2e}  {verdict}", a.rms_ratio, a.max_abs);
+        if !pass {
+            failed.push(name.to_string());
+        }
+    };
+    check("o", &outputs.o, &reference.outputs.o);
+    if let (Some(got), Some(want)) = (&outputs.final_state, &reference.outputs.final_state) {
+        check("ht", got, want);
+    }
+    let want = reference.grads.named();
+    for (name, got) in grads.named() {
+        let w =
+            want.iter().find(|(n, _)| *n == name).ok_or_else(|| format!("the reference has no {name}"))?;
+        check(name, got, w.1);
+    }
+    if failed.is_empty() {
+        println!("demo: PASS ({} quantities within the spec's limits)", 1 + grads.named().len());
+        Ok(())
+    } else {
+        Err(format!("demo: FAIL: {} outside the spec's limits", failed.join(", ")))
+    }
+}

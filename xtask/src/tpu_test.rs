@@ -1,0 +1,157 @@
+//! `cargo xtask tpu-test [--plugin PATH] [--shard i/n]`: kda-tpu's conformance suite on a chosen
+//! PJRT plugin (the setup's CPU plugin by default; libtpu on a TPU host).
+
+use crate::cargo_cmd::{cargo, has_nextest, run};
+use crate::cli;
+use crate::setup;
+use crate::test_cmd::Shard;
+use std::path::PathBuf;
+
+/// The usage text.
+pub const USAGE: &str = "\
+usage: cargo xtask tpu-test [--plugin PATH] [--shard i/n] [-- TEST-RUNNER ARGS]
+
+Runs kda-tpu's conformance suite (every case of the testkit's table through the PJRT backend,
+forward and backward, f32 and bf16) with KDA_PJRT_PLUGIN set to the plugin: with cargo-nextest
+(`--partition count:i/n` for a shard), else with cargo test (no shards).
+
+options:
+  --plugin PATH   PJRT plugin to test (default: the CPU plugin `cargo xtask setup` installed;
+                  on a TPU host pass libtpu.so, with a GPU the CUDA plugin)
+  --shard i/n     run shard i of n (1-based; needs cargo-nextest)
+  -- ARGS         passed on to the test runner (e.g. a test-name filter)
+  -h, --help      show this text";
+
+/// Parsed `tpu-test` flags.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TpuTestOptions {
+    /// The plugin; `None` means the setup's CPU plugin.
+    pub plugin: Option<PathBuf>,
+    /// One shard of the suite.
+    pub shard: Option<Shard>,
+    /// Arguments after `--`, for the test runner.
+    pub extra: Vec<String>,
+}
+
+/// Parses the arguments after `tpu-test`; `Ok(None)` means help was asked for.
+pub fn parse_args(args: &[String]) -> Result<Option<TpuTestOptions>, String> {
+    let mut o = TpuTestOptions::default();
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        let (flag, inline) = cli::split(arg);
+        match flag {
+            "-h" | "--help" => return Ok(None),
+            "--plugin" => o.plugin = Some(PathBuf::from(cli::value(flag, inline, &mut it)?)),
+            "--shard" => o.shard = Some(Shard::parse(cli::value(flag, inline, &mut it)?)?),
+            "--" => {
+                o.extra = it.by_ref().cloned().collect();
+            }
+            _ => return Err(format!("unknown argument `{arg}`")),
+        }
+    }
+    Ok(Some(o))
+}
+
+/// The test-runner command line (after `cargo`) for `opts`.
+pub fn runner_args(opts: &TpuTestOptions, nextest: bool) -> Result<Vec<String>, String> {
+    let mut a: Vec<String> = if nextest {
+        ["nextest", "run", "-p", "kda-tpu", "--test", "conformance", "--no-fail-fast"]
+            .map(String::from)
+            .to_vec()
+    } else {
+        if opts.shard.is_some() {
+            return Err("--shard needs cargo-nextest (cargo install cargo-nextest)".to_string());
+        }
+        ["test", "-p", "kda-tpu", "--test", "conformance", "--no-fail-fast"].map(String::from).to_vec()
+    };
+    if let Some(s) = opts.shard {
+        a.extend(["--partition".to_string(), format!("count:{}/{}", s.index, s.count)]);
+    }
+    if !opts.extra.is_empty() {
+        if !nextest {
+            a.push("--".to_string());
+        }
+        a.extend(opts.extra.iter().cloned());
+    }
+    Ok(a)
+}
+
+/// The entry point of `cargo xtask tpu-test`; `args` are the arguments after `tpu-test`.
+pub fn tpu_test(args: &[String]) -> Result<(), String> {
+    let Some(opts) = parse_args(args).map_err(|e| format!("xtask tpu-test: {e}\n\n{USAGE}"))? else {
+        println!("{USAGE}");
+        return Ok(());
+    };
+    let paths = setup::ensure(false)?;
+    let plugin = match &opts.plugin {
+        Some(p) => std::path::absolute(p).map_err(|e| format!("--plugin {}: {e}", p.display()))?,
+        None => paths.cpu_plugin.clone(),
+    };
+    if !plugin.is_file() {
+        return Err(format!("xtask tpu-test: no PJRT plugin at {}", plugin.display()));
+    }
+    let a = runner_args(&opts, has_nextest())?;
+    let mut cmd = cargo(&paths, &a.iter().map(String::as_str).collect::<Vec<_>>());
+    cmd.env("KDA_PJRT_PLUGIN", &plugin);
+    // On a TPU host libtpu may need its metadata server; skip it only for setup's own plugins,
+    // unless the caller set the switch.
+    if opts.plugin.is_some() && std::env::var_os("TPU_SKIP_MDS_QUERY").is_none() {
+        cmd.env_remove("TPU_SKIP_MDS_QUERY");
+    }
+    eprintln!("xtask tpu-test: plugin {}", plugin.display());
+    run(cmd, "conformance suite")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rstest::rstest;
+
+    fn args(s: &str) -> Vec<String> {
+        s.split_whitespace().map(String::from).collect()
+    }
+
+    #[rstest]
+    #[case("", None, None, &[])]
+    #[case("--plugin /opt/libtpu.so", Some("/opt/libtpu.so"), None, &[])]
+    #[case("--plugin=p.so --shard 2/3", Some("p.so"), Some((2, 3)), &[])]
+    #[case("--shard=1/4 -- forward_f32 --nocapture", None, Some((1, 4)), &["forward_f32", "--nocapture"])]
+    fn parses_flags(
+        #[case] line: &str,
+        #[case] plugin: Option<&str>,
+        #[case] shard: Option<(usize, usize)>,
+        #[case] extra: &[&str],
+    ) {
+        let o = parse_args(&args(line)).unwrap().unwrap();
+        assert_eq!(o.plugin, plugin.map(PathBuf::from));
+        assert_eq!(o.shard, shard.map(|(index, count)| Shard { index, count }));
+        assert_eq!(o.extra, extra);
+    }
+
+    #[rstest]
+    #[case("--shard 0/2", "1 <= i <= n")]
+    #[case("--shard 3/2", "1 <= i <= n")]
+    #[case("--shard", "`--shard` needs a value")]
+    #[case("--plugin", "`--plugin` needs a value")]
+    #[case("--release", "unknown argument `--release`")]
+    fn rejects_bad_flags(#[case] line: &str, #[case] want: &str) {
+        let err = parse_args(&args(line)).unwrap_err();
+        assert!(err.contains(want), "{line}: {err}");
+    }
+
+    #[test]
+    fn builds_runner_lines() {
+        let o = parse_args(&args("--shard 2/3 -- primary")).unwrap().unwrap();
+        assert_eq!(
+            runner_args(&o, true).unwrap().join(" "),
+            "nextest run -p kda-tpu --test conformance --no-fail-fast --partition count:2/3 primary"
+        );
+        assert!(runner_args(&o, false).unwrap_err().contains("needs cargo-nextest"));
+        let o = parse_args(&args("-- primary")).unwrap().unwrap();
+        assert_eq!(
+            runner_args(&o, false).unwrap().join(" "),
+            "test -p kda-tpu --test conformance --no-fail-fast -- primary"
+        );
+        assert_eq!(parse_args(&args("-h")), Ok(None));
+    }
+}
