@@ -2,7 +2,7 @@
 //! section 7), the tolerance table, seeded input profiles, the named case table (spec section 6
 //! and the benchmark shapes) and a conformance suite a backend instantiates with one macro:
 //!
-//! ```ignore
+//! ```text
 //! kda_testkit::conformance_suite!(my_backend::MyBackend::new());
 //! ```
 

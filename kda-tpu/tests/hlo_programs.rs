@@ -3,7 +3,7 @@
 
 mod hlo_support;
 
-use hlo_support::{assert_close, rand_vec, run, run_timed, In};
+use hlo_support::{assert_close, rand_vec, run, In};
 use kda_tpu::hlo::{Cmp, ElemType, FnBuilder, Module, Precision, TensorType};
 use kda_tpu::Result;
 
@@ -499,32 +499,5 @@ fn call_and_alias() -> Result<()> {
         run(&m.to_text(), vec![In::F32(vec![1.0, 2.0, 3.0, 4.0], vec![4]), In::F32(vec![1.0; 4], vec![4])]);
     assert_eq!(got[0].f32s(), vec![3.0, 4.0, 5.0, 6.0]);
     assert_eq!(got[1].f32s(), vec![1.0; 4]);
-    Ok(())
-}
-
-/// Times cumsum along the chunk axis of [64, 64, 128] (reduce_window vs a triangular matmul).
-#[test]
-#[ignore]
-fn bench_cumsum() -> Result<()> {
-    for via_matmul in [false, true] {
-        let mut b = FnBuilder::new("main", true);
-        let x = b.arg(f32t(&[64, 64, 128]))?;
-        let y = if via_matmul {
-            let it = TensorType::new(ElemType::I32, &[64, 64]);
-            let (r, c) = (b.iota(it.clone(), 0)?, b.iota(it, 1)?);
-            let m = b.compare(Cmp::Le, c, r)?;
-            let (one, zero) = (b.constant_f32(1.0, f32t(&[64, 64]))?, b.constant_f32(0.0, f32t(&[64, 64]))?);
-            let tri = b.select(m, one, zero)?;
-            let tri3 = b.broadcast_to(tri, &[64, 64, 64])?;
-            b.batch_matmul(tri3, x, false, false)?
-        } else {
-            b.cumsum(x, 1, false)?
-        };
-        b.ret(&[y])?;
-        let text = module(b)?;
-        let xs = rand_vec(64 * 64 * 128, 1, -1.0, 1.0);
-        let (_, t) = run_timed(&text, vec![In::F32(xs, vec![64, 64, 128])], 15);
-        println!("cumsum via_matmul={via_matmul}: median execute {t:?}");
-    }
     Ok(())
 }
