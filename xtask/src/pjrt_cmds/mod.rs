@@ -199,12 +199,7 @@ pub fn zero_inputs(case: &Case, dtype: DType) -> Result<KdaInputs, String> {
             use_qk_l2norm: case.l2norm,
             output_final_state: case.final_state,
         });
-    let slots = match &case.segments {
-        CaseSegments::Fixed => 1,
-        CaseSegments::Lengths(rows) | CaseSegments::SegmentIds(rows) => {
-            rows.iter().map(Vec::len).max().unwrap_or(1)
-        }
-    };
+    let slots = kda_testkit::inputs::slots(case);
     if case.initial_state {
         x = x.with_initial_state(HostTensor::zeros(&[b, slots, h, k, v], DType::F32));
     }
