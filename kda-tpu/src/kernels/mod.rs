@@ -7,6 +7,7 @@ mod programs;
 mod recurrence;
 mod solve;
 mod spec;
+mod tiles;
 
 pub use programs::{backward_program, forward_program, fused_program, GATE_FLOOR};
 pub use spec::{KernelSpec, CHUNK, SUB};
@@ -15,12 +16,12 @@ pub use spec::{KernelSpec, CHUNK, SUB};
 /// piece by piece (`examples/parts.rs`). Not part of the stable API.
 #[doc(hidden)]
 pub mod parts {
-    use super::intra;
+    use super::{intra, tiles};
     use crate::hlo::{ElemType, FnBuilder, Module, TensorType};
     use crate::Result;
 
     /// The names [`program`] knows.
-    pub const NAMES: &[&str] = &["decay", "gram", "row_side", "col_side", "inverse", "terms"];
+    pub const NAMES: &[&str] = &["decay", "grams", "row_sides", "col_sides", "inverse", "terms"];
 
     /// A program with inputs `q, k, v, g [N, 64, K]`, `beta [N, 64, 1]`, `m [N, 64, 64]`.
     pub fn program(name: &str, n: i64, k: i64) -> Result<String> {
@@ -32,19 +33,12 @@ pub mod parts {
         let g = b.arg(f(&[n, 64, k]))?;
         let beta = b.arg(f(&[n, 64, 1]))?;
         let m = b.arg(f(&[n, 64, 64]))?;
-        let dc = intra::decay(&mut b, g)?;
+        let dc = tiles::decay(&mut b, g)?;
         let outs = match name {
-            "decay" => {
-                let mut o = vec![dc.eg, dc.eg_rest, dc.eg_last];
-                for l in &dc.levels {
-                    o.push(l.row);
-                    o.push(l.col);
-                }
-                o
-            }
-            "gram" => vec![intra::decayed_gram(&mut b, &dc, q, kk, false)?],
-            "row_side" => vec![intra::row_side(&mut b, &dc, m, kk)?],
-            "col_side" => vec![intra::col_side(&mut b, &dc, m, q)?],
+            "decay" => dc.all(),
+            "grams" => tiles::grams(&mut b, &dc, [q, kk], kk)?.to_vec(),
+            "row_sides" => tiles::row_sides(&mut b, &dc, &[m, m], kk)?,
+            "col_sides" => vec![tiles::col_side_sum(&mut b, &dc, &[(m, q), (m, kk)])?],
             "inverse" => vec![super::solve::unit_lower_inverse(&mut b, m)?],
             _ => {
                 let t = intra::chunk_terms(&mut b, q, kk, v, g, beta, 0.1)?;

@@ -1,11 +1,12 @@
 //! The programs: forward (optionally keeping `h` for the saved-state backward), backward (saved
 //! state or rematerialized) and the fused forward+VJP, assembled from the pieces in this module.
 
-use super::intra::{chunk_terms, col_side, row_side, rowdot, ChunkTerms};
+use super::intra::{chunk_terms, rowdot, ChunkTerms};
 use super::ops::{causal_mask, cumsum_rows, keep, splat};
 use super::prep::{self, GateParams};
 use super::recurrence::{run_grads, run_states, ChunkTables};
 use super::spec::{KernelSpec, CHUNK};
+use super::tiles::{col_side_sum, row_sides};
 use crate::hlo::{ElemType, FnBuilder, Module, TensorType, Value};
 use crate::Result;
 use kda_core::BackwardStrategy;
@@ -241,13 +242,11 @@ fn backward_core(
     let m1 = keep(b, causal, da)?;
     let m1 = b.mul_const(m1, scale)?;
     let m2 = b.mul_bcast(dl, beta)?;
-    let r1 = row_side(b, dc, m1, k)?;
-    let r2 = row_side(b, dc, m2, k)?;
-    let c1 = col_side(b, dc, m1, q)?;
-    let c2 = col_side(b, dc, m2, k)?;
+    let rs = row_sides(b, dc, &[m1, m2], k)?;
+    let (r1, r2) = (rs[0], rs[1]);
+    let cc = col_side_sum(b, dc, &[(m1, q), (m2, k)])?;
     dq = b.add(dq, r1)?;
     dk = b.add(dk, r2)?;
-    let cc = b.add(c1, c2)?;
     dk = b.add(dk, cc)?;
     let t = b.mul(q, r1)?;
     dgg = b.add(dgg, t)?;

@@ -10,6 +10,7 @@ mod buffer;
 mod compile;
 mod execute;
 pub(crate) mod guard;
+pub mod host_memory;
 pub mod plugin;
 pub(crate) mod raw;
 mod signature;
@@ -87,6 +88,10 @@ impl Runtime {
                     message: "the plugin has no addressable device".to_string(),
                 })?;
             let platform = client.platform_name().into_owned();
+            if platform == "cpu" && host_memory::enabled_by_env() {
+                let kept = host_memory::retain();
+                tracing::debug!(kept, "host memory retention for the CPU plugin");
+            }
             tracing::debug!(platform = %platform, plugin = %loc.path.display(), "PJRT runtime ready");
             Ok(Self {
                 api: api.clone(),
