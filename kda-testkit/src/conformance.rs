@@ -180,7 +180,15 @@ fn gradient_checks(
 }
 
 fn setup<B: Backend>(backend: &B, name: &str, dtype: DType) -> Result<(Case, CaseData, Problem), String> {
-    let case = find(name)?;
+    setup_case(backend, find(name)?, dtype)
+}
+
+fn setup_case<B: Backend>(
+    backend: &B,
+    case: Case,
+    dtype: DType,
+) -> Result<(Case, CaseData, Problem), String> {
+    let name = case.name;
     let data = case_data(&case, dtype).map_err(|e| e.to_string())?;
     let p = data.inputs.validate().map_err(|e| e.to_string())?;
     backend.supports(&p).map_err(|e| format!("{}: case {name} must be supported: {e}", backend.name()))?;
@@ -210,7 +218,19 @@ pub fn backward<B: Backend>(
     strategy: BackwardStrategy,
     path: Path,
 ) -> Result<Report, String> {
-    let (_, data, p) = setup(backend, name, dtype)?;
+    backward_case(backend, &find(name)?, dtype, strategy, path)
+}
+
+/// [`backward`] on a case that need not be in the table (the regression sweep's).
+pub fn backward_case<B: Backend>(
+    backend: &B,
+    case: &Case,
+    dtype: DType,
+    strategy: BackwardStrategy,
+    path: Path,
+) -> Result<Report, String> {
+    let name = case.name;
+    let (_, data, p) = setup_case(backend, case.clone(), dtype)?;
     let wide = widen(&data);
     let (want_out, want) =
         kda_ref::forward_and_vjp(&wide.inputs, &wide.cotangents).map_err(|e| e.to_string())?;

@@ -13,6 +13,7 @@ pub mod conformance;
 pub mod inputs;
 pub mod metrics;
 pub mod rng;
+pub mod sweep;
 pub mod tolerance;
 
 pub use cases::{all_cases, benchmark_cases, case, Case, CaseGate, CaseSegments, Profile, CASE_NAMES};

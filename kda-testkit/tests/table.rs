@@ -75,3 +75,41 @@ fn inputs_are_reproducible_from_the_name() {
         case_data(&case("strong_decay").unwrap(), kda_core::DType::BF16).unwrap().inputs.q
     );
 }
+
+/// The sweep: 320 distinct points whose inputs validate, covering every gate mode with and
+/// without states and each input profile, fixed and packed.
+#[test]
+fn sweep_points_are_distinct_and_valid() {
+    use kda_testkit::sweep::{sweep_case, GATES, SHAPES};
+    use kda_testkit::Profile;
+    let mut names = std::collections::BTreeSet::new();
+    let mut seen = std::collections::BTreeSet::new();
+    for &shape in &SHAPES {
+        for &gate in &GATES {
+            for dtype in [kda_core::DType::F32, kda_core::DType::BF16] {
+                let c = sweep_case(shape, gate, dtype);
+                assert!(names.insert(c.name), "duplicate sweep name {}", c.name);
+                let data = case_data(&c, dtype).unwrap();
+                let p = data.inputs.validate().unwrap_or_else(|e| panic!("{}: {e}", c.name));
+                data.cotangents.validate(&p).unwrap();
+                seen.insert((format!("{gate:?}"), c.initial_state, c.final_state, c.is_packed()));
+                seen.insert((format!("{:?}", c.profile), true, true, true));
+            }
+        }
+    }
+    // 40 points per dtype, 4 variants each: 320 tests.
+    assert_eq!(names.len() * 4, 320);
+    for gate in &GATES {
+        for packed in [false, true] {
+            for (h0, fin) in [(true, true), (false, true), (true, false)] {
+                assert!(
+                    seen.contains(&(format!("{gate:?}"), h0, fin, packed)),
+                    "{gate:?} {h0} {fin} {packed}"
+                );
+            }
+        }
+    }
+    for profile in [Profile::StrongDecay, Profile::HardReset, Profile::BetaEdges] {
+        assert!(seen.contains(&(format!("{profile:?}"), true, true, true)));
+    }
+}

@@ -153,6 +153,50 @@ fn compile_cache_hits_on_same_text_and_options() {
     assert_eq!((rt.cache_hits(), rt.cache_len()), (1, 2));
 }
 
+/// The on-disk cache: a second runtime loads what the first compiled (and computes the same),
+/// other options miss, and a damaged entry is a miss that recompiles, never an error.
+#[test]
+fn disk_compile_cache_is_shared_between_runtimes() {
+    let dir = std::env::temp_dir().join(format!("kda-disk-cache-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let a = [1.0, 2.0, 3.0, -4.0, 5.5, 6.0];
+    let b = [0.5, -1.0, 2.0, 0.25, -3.0, 1.5];
+    let run = |rt: &Runtime, opts: &CompileOptions| {
+        let exe = rt.compile_with(MATMUL, opts).unwrap();
+        let (da, db) = (rt.upload_f32(&a, &[2, 3]).unwrap(), rt.upload_f32(&b, &[3, 2]).unwrap());
+        rt.download_f32(&rt.execute(&exe, &[&da, &db]).unwrap()[0]).unwrap()
+    };
+    let plain = CompileOptions::default();
+    let mut first = runtime();
+    first.set_compile_cache(Some(dir.clone()));
+    let want = run(&first, &plain);
+    assert_eq!(first.disk_cache_hits(), 0);
+    let entries: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(entries.len(), 1, "one entry per program: {entries:?}");
+
+    let mut second = runtime();
+    second.set_compile_cache(Some(dir.clone()));
+    assert_eq!(run(&second, &plain), want);
+    assert_eq!(second.disk_cache_hits(), 1);
+    let fast = CompileOptions::default().with_xla_option("xla_cpu_enable_fast_math", XlaOption::Bool(false));
+    assert_eq!(run(&second, &fast), want);
+    assert_eq!(second.disk_cache_hits(), 1, "other options must not hit");
+
+    // Damage every entry: the next runtime recompiles.
+    for e in std::fs::read_dir(&dir).unwrap() {
+        let p = e.unwrap().path();
+        let mut bytes = std::fs::read(&p).unwrap();
+        let n = bytes.len();
+        bytes.truncate(n / 2);
+        std::fs::write(&p, bytes).unwrap();
+    }
+    let mut third = runtime();
+    third.set_compile_cache(Some(dir.clone()));
+    assert_eq!(run(&third, &plain), want);
+    assert_eq!(third.disk_cache_hits(), 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn compile_error_keeps_compiler_message() {
     let rt = runtime();

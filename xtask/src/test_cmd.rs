@@ -1,7 +1,8 @@
 //! `cargo xtask test [--shard i/n]` and `cargo xtask ci`.
 
-use crate::cargo_cmd::{cargo, has_nextest, run};
+use crate::cargo_cmd::{cargo, has_nextest, root, run};
 use crate::setup;
+use std::process::Command;
 
 /// A CI shard `i/n` (1-based).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,6 +39,18 @@ fn shard_arg(args: &[String]) -> Result<Option<Shard>, String> {
     Ok(shard)
 }
 
+/// Points the test processes at a shared on-disk compile cache (`KDA_COMPILE_CACHE`, see
+/// `kda_tpu::runtime::disk_cache`), emptied at the start of each run, unless the caller set
+/// one: the many test processes that need one program then compile it once.
+pub fn with_compile_cache(mut cmd: Command) -> Command {
+    if std::env::var_os("KDA_COMPILE_CACHE").is_none() {
+        let dir = root().join("target").join("kda-compile-cache");
+        let _ = std::fs::remove_dir_all(&dir);
+        cmd.env("KDA_COMPILE_CACHE", &dir);
+    }
+    cmd
+}
+
 /// Runs the whole test suite (every crate, the PJRT conformance suite included), or one shard.
 pub fn test(args: &[String]) -> Result<(), String> {
     let shard = shard_arg(args)?;
@@ -49,7 +62,7 @@ pub fn test(args: &[String]) -> Result<(), String> {
         if let Some(p) = &part {
             a.extend(["--partition", p]);
         }
-        run(cargo(&paths, &a), "tests")?;
+        run(with_compile_cache(cargo(&paths, &a)), "tests")?;
         // nextest does not run doctests.
         if shard.is_none_or(|s| s.index == 1) {
             run(cargo(&paths, &["test", "--workspace", features, "--doc"]), "doctests")?;
@@ -59,7 +72,7 @@ pub fn test(args: &[String]) -> Result<(), String> {
         if shard.is_some() {
             return Err("--shard needs cargo-nextest (cargo install cargo-nextest)".into());
         }
-        run(cargo(&paths, &["test", "--workspace", features]), "tests")
+        run(with_compile_cache(cargo(&paths, &["test", "--workspace", features])), "tests")
     }
 }
 

@@ -1,5 +1,5 @@
-//! `cargo xtask tpu-test [--plugin PATH] [--shard i/n]`: kda-tpu's conformance suite on a chosen
-//! PJRT plugin (the setup's CPU plugin by default; libtpu on a TPU host).
+//! `cargo xtask tpu-test [--plugin PATH] [--shard i/n]`: kda-tpu's conformance suite and the
+//! regression sweep on a chosen PJRT plugin (the setup's CPU plugin by default; libtpu on a TPU host).
 
 use crate::cargo_cmd::{cargo, has_nextest, run};
 use crate::cli;
@@ -12,8 +12,9 @@ pub const USAGE: &str = "\
 usage: cargo xtask tpu-test [--plugin PATH] [--shard i/n] [-- TEST-RUNNER ARGS]
 
 Runs kda-tpu's conformance suite (every case of the testkit's table through the PJRT backend,
-forward and backward, f32 and bf16) with KDA_PJRT_PLUGIN set to the plugin: with cargo-nextest
-(`--partition count:i/n` for a shard), else with cargo test (no shards).
+forward and backward, f32 and bf16) and the 320-point regression sweep with KDA_PJRT_PLUGIN set
+to the plugin: with cargo-nextest (`--partition count:i/n` for a shard), else with cargo test
+(no shards). Compiled programs are shared through target/kda-compile-cache.
 
 options:
   --plugin PATH   PJRT plugin to test (default: the CPU plugin `cargo xtask setup` installed;
@@ -55,14 +56,16 @@ pub fn parse_args(args: &[String]) -> Result<Option<TpuTestOptions>, String> {
 /// The test-runner command line (after `cargo`) for `opts`.
 pub fn runner_args(opts: &TpuTestOptions, nextest: bool) -> Result<Vec<String>, String> {
     let mut a: Vec<String> = if nextest {
-        ["nextest", "run", "-p", "kda-tpu", "--test", "conformance", "--no-fail-fast"]
+        ["nextest", "run", "-p", "kda-tpu", "--test", "conformance", "--test", "sweep", "--no-fail-fast"]
             .map(String::from)
             .to_vec()
     } else {
         if opts.shard.is_some() {
             return Err("--shard needs cargo-nextest (cargo install cargo-nextest)".to_string());
         }
-        ["test", "-p", "kda-tpu", "--test", "conformance", "--no-fail-fast"].map(String::from).to_vec()
+        ["test", "-p", "kda-tpu", "--test", "conformance", "--test", "sweep", "--no-fail-fast"]
+            .map(String::from)
+            .to_vec()
     };
     if let Some(s) = opts.shard {
         a.extend(["--partition".to_string(), format!("count:{}/{}", s.index, s.count)]);
@@ -91,7 +94,8 @@ pub fn tpu_test(args: &[String]) -> Result<(), String> {
         return Err(format!("xtask tpu-test: no PJRT plugin at {}", plugin.display()));
     }
     let a = runner_args(&opts, has_nextest())?;
-    let mut cmd = cargo(&paths, &a.iter().map(String::as_str).collect::<Vec<_>>());
+    let mut cmd =
+        crate::test_cmd::with_compile_cache(cargo(&paths, &a.iter().map(String::as_str).collect::<Vec<_>>()));
     cmd.env("KDA_PJRT_PLUGIN", &plugin);
     // On a TPU host libtpu may need its metadata server; skip it only for setup's own plugins,
     // unless the caller set the switch.
@@ -144,13 +148,13 @@ mod tests {
         let o = parse_args(&args("--shard 2/3 -- primary")).unwrap().unwrap();
         assert_eq!(
             runner_args(&o, true).unwrap().join(" "),
-            "nextest run -p kda-tpu --test conformance --no-fail-fast --partition count:2/3 primary"
+            "nextest run -p kda-tpu --test conformance --test sweep --no-fail-fast --partition count:2/3 primary"
         );
         assert!(runner_args(&o, false).unwrap_err().contains("needs cargo-nextest"));
         let o = parse_args(&args("-- primary")).unwrap().unwrap();
         assert_eq!(
             runner_args(&o, false).unwrap().join(" "),
-            "test -p kda-tpu --test conformance --no-fail-fast -- primary"
+            "test -p kda-tpu --test conformance --test sweep --no-fail-fast -- primary"
         );
         assert_eq!(parse_args(&args("-h")), Ok(None));
     }

@@ -95,7 +95,7 @@ impl Executable {
     pub fn num_outputs(&self) -> Option<usize> {
         self.signature.as_ref().map(|s| s.results.len())
     }
-    /// How long the plugin took to compile it.
+    /// How long the plugin took to compile it (or to load it from `KDA_COMPILE_CACHE`).
     pub fn compile_time(&self) -> Duration {
         self.compile_time
     }

@@ -8,6 +8,7 @@
 
 mod buffer;
 mod compile;
+pub mod disk_cache;
 mod execute;
 pub(crate) mod guard;
 pub mod host_memory;
@@ -48,6 +49,8 @@ pub struct Runtime {
     platform: String,
     cache: RefCell<HashMap<CacheKey, Rc<Executable>>>,
     cache_hits: Cell<u64>,
+    disk: Option<disk_cache::DiskCache>,
+    disk_hits: Cell<u64>,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -102,6 +105,8 @@ impl Runtime {
                 platform,
                 cache: RefCell::new(HashMap::new()),
                 cache_hits: Cell::new(0),
+                disk: disk_cache::DiskCache::from_env(&loc.path, plugin::plugin_version(&api)),
+                disk_hits: Cell::new(0),
             })
         })
     }
@@ -133,12 +138,35 @@ impl Runtime {
         }
         let _span = tracing::info_span!("compile", bytes = program.len(), hash = key.text_hash).entered();
         let started = Instant::now();
-        let loaded: LoadedExecutable = guarded("compile", || {
-            let program = Program::new(ProgramFormat::MLIR, program);
-            self.client
-                .compile(&program, options.to_pjrt())
-                .map_err(|e| explain(&self.api, &e, |message| TpuError::Compile { message }))
-        })?;
+        let described = format!("{:?}", options.xla_options());
+        let from_disk = self.disk.as_ref().and_then(|d| d.load(program, &described)).and_then(|bytes| {
+            guarded("load cached executable", || {
+                self.client.load_executable(&bytes).map_err(|e| TpuError::Compile { message: e.to_string() })
+            })
+            .map_err(|e| tracing::debug!(error = %e, "compile cache entry not loadable; compiling"))
+            .ok()
+        });
+        let loaded: LoadedExecutable = match from_disk {
+            Some(loaded) => {
+                self.disk_hits.set(self.disk_hits.get() + 1);
+                loaded
+            }
+            None => {
+                let loaded = guarded("compile", || {
+                    let program = Program::new(ProgramFormat::MLIR, program);
+                    self.client
+                        .compile(&program, options.to_pjrt())
+                        .map_err(|e| explain(&self.api, &e, |message| TpuError::Compile { message }))
+                })?;
+                if let Some(disk) = &self.disk {
+                    match guarded("serialize", || Ok(loaded.executable().serialize().bytes().to_vec())) {
+                        Ok(bytes) => disk.store(program, &described, &bytes),
+                        Err(e) => tracing::debug!(error = %e, "executable not serializable; not cached"),
+                    }
+                }
+                loaded
+            }
+        };
         let raw = paired_ptr::<LoadedExecutable, PJRT_LoadedExecutable>(&self.client, &loaded)?;
         let exe = Rc::new(Executable {
             loaded,
@@ -156,6 +184,16 @@ impl Runtime {
     pub fn cache_hits(&self) -> u64 {
         self.cache_hits.get()
     }
+    /// How many compiles were answered from the on-disk compile cache.
+    pub fn disk_cache_hits(&self) -> u64 {
+        self.disk_hits.get()
+    }
+    /// Uses `dir` as the on-disk compile cache (`None`: none), overriding `KDA_COMPILE_CACHE`.
+    /// See [`disk_cache`] for what is stored and when an entry is used.
+    pub fn set_compile_cache(&mut self, dir: Option<PathBuf>) {
+        self.disk = dir.map(|d| disk_cache::DiskCache::new(d, &self.plugin_path, self.plugin_version()));
+    }
+
     /// How many programs the cache holds.
     pub fn cache_len(&self) -> usize {
         self.cache.borrow().len()

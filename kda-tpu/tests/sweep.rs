@@ -1,0 +1,33 @@
+//! The testkit's regression sweep on the PJRT backend: 10 shapes x 4 gate modes x 2 dtypes x
+//! 4 backward variants = 320 points, each its own test (so `cargo xtask test --shard i/n`
+//! spreads them), each a forward+VJP checked against `kda-ref` at the spec's targets.
+
+use kda_core::DType;
+use kda_testkit::sweep::{self, SweepGate as G, SweepShape as S, SweepVariant as V};
+use rstest::rstest;
+
+#[rstest]
+fn point(
+    #[values(
+        S::H1B1T1,
+        S::H1B2T65,
+        S::K96V160,
+        S::K129V127,
+        S::K256V32,
+        S::B2T130,
+        S::PackedEdges,
+        S::PackedIds,
+        S::PackedOnes,
+        S::PackedRows
+    )]
+    shape: S,
+    #[values(G::Preactivated, G::PreactivatedL2, G::Softplus, G::LowerBoundL2)] gate: G,
+    #[values(DType::F32, DType::BF16)] dtype: DType,
+    #[values(V::SavedStateSplit, V::SavedStateFused, V::RematSplit, V::RematFused)] variant: V,
+) {
+    let backend = kda_tpu::PjrtBackend::new().expect("PJRT plugin (run `cargo xtask setup`)");
+    match sweep::run(&backend, shape, gate, dtype, variant) {
+        Ok(report) => eprint!("{report}"),
+        Err(failure) => panic!("sweep failure:\n{failure}"),
+    }
+}
