@@ -30,15 +30,16 @@ fn main() {
         }
         let exe = rt.compile(&kda_tpu::kernels::parts::program(name, n, k).unwrap()).unwrap();
         let _ = rt.execute(&exe, &refs).unwrap();
+        let iters: usize = std::env::var("KDA_PARTS_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(10);
         let c0 = cpu_ms();
         let t = std::time::Instant::now();
-        for _ in 0..10 {
+        for _ in 0..iters {
             let _ = rt.execute(&exe, &refs).unwrap();
         }
         println!(
             "{name:>10}: wall {:.1} ms  cpu {:.1} ms per run",
-            t.elapsed().as_secs_f64() * 100.0,
-            (cpu_ms() - c0) / 10.0
+            t.elapsed().as_secs_f64() * 1000.0 / iters as f64,
+            (cpu_ms() - c0) / iters as f64
         );
     }
 }

@@ -272,21 +272,8 @@ pub fn grams(b: &mut FnBuilder, dc: &Decay, xs: [Value; 2], y: Value) -> Result<
     let yj = b.broadcast_in_dim(y4, &d5, &[0, 1, 3, 4])?;
     let yd = b.mul(yj, dc.diag)?;
     let mut out = Vec::new();
-    let skip = std::env::var("KDA_EXP_SKIP").unwrap_or_default();
     for (i, &x) in xs.iter().enumerate() {
         let i = i as i64;
-        if skip == "asm" {
-            out.push(b.slice_axis(off1, 2, 16 * i, 16 * i + 16)?);
-            continue;
-        }
-        if skip == "l3" {
-            let o2 = b.slice_axis(off2, 3, 4 * i, 4 * i + 4)?; // [N, 4, 3, 4, 16]
-            let o2 = with_zero_first(b, o2, 2)?; // [N, 4, 16, 16]
-            let o1 = b.slice_axis(off1, 2, 16 * i, 16 * i + 16)?; // [N, 3, 16, 64]
-            let o1 = with_zero_first(b, o1, 1)?; // [N, 64, 64]
-            out.push(add_block_diag(b, o2, o1)?);
-            continue;
-        }
         let x4 = b.reshape(x, &[n, NB * NB, B4, k])?;
         let xt = b.broadcast_in_dim(x4, &d5, &[0, 1, 2, 4])?;
         let p = b.mul(xt, yd)?;
