@@ -5,9 +5,11 @@
 //! before block `I`: `exp(sum_{16I <= s <= t} g_s) * exp(sum_{j < s < 16I} g_s)`. Both exponents
 //! are sums of `g <= 0`, each formed directly from the tokens it spans (never as a difference of
 //! two long cumulative sums), so no positive exponent appears and nothing cancels. Every
-//! off-diagonal tile is then one batched matmul over all earlier columns; the 16-row diagonal
-//! blocks repeat the split with 4-row sub-blocks, and the 4x4 diagonal tiles use the pairwise
-//! factors, masked before the exponential.
+//! off-diagonal tile is then one batched matmul over the earlier columns only (no zero padding is
+//! materialised); the 16-row diagonal blocks repeat the split with 4-row sub-blocks, and inside
+//! the 4x4 diagonal tiles the six strictly causal pairs use pairwise factors (direct sums of at
+//! most three gates) and the diagonal has factor 1. Only causal entries are ever stored: every
+//! factor tensor is at most 1.5 times the size of `g`.
 
 use super::ops::{f32t, index_mask, splat};
 use crate::hlo::{Cmp, ElemType, FnBuilder, Value};
@@ -30,22 +32,27 @@ pub struct Decay {
     pub eg_last: Value,
     /// Row factors of blocks 1..3: `exp(sum_{16I <= s <= t} g_s)`, `[N, 3, 16, K]`.
     row1: Value,
-    /// Column factors per block `I = 1..3`: `exp(sum_{j < s < 16I} g_s)` for `j < 16I`, else 0,
-    /// `[N, 3, 64, K]`.
-    col1: Value,
+    /// Column factors of block `I = i + 1`: `exp(sum_{j < s < 16I} g_s)` for `j < 16I`,
+    /// `[N, 16I, K]`.
+    col1: Vec<Value>,
     /// Row factors of sub-blocks 1..3 of every block, `[N, 4, 3, 4, K]`.
     row2: Value,
-    /// Column factors per sub-block inside a block, `[N, 4, 3, 16, K]`.
-    col2: Value,
-    /// Pairwise factors of the 4x4 diagonal tiles: `exp(sum_{j < s <= t} g_s)` for `j <= t`,
-    /// else 0, `[N, 16, 4, 4, K]`.
-    diag: Value,
+    /// Column factors of sub-block `I' = i + 1` inside every block, `[N, 4, 4I', K]`.
+    col2: Vec<Value>,
+    /// Factors `exp(sum_{j < s <= t} g_s)` of the strictly causal pairs [`PAIRS`] of every 4x4
+    /// diagonal tile, `[N, 16, 6, K]`.
+    pair: Value,
 }
+
+/// The strictly causal `(t, j)` pairs of a 4x4 tile.
+const PAIRS: [(usize, usize); 6] = [(1, 0), (2, 0), (2, 1), (3, 0), (3, 1), (3, 2)];
 
 impl Decay {
     /// Every factor, for profiling.
     pub fn all(&self) -> Vec<Value> {
-        vec![self.eg, self.eg_rest, self.eg_last, self.row1, self.col1, self.row2, self.col2, self.diag]
+        let mut all = vec![self.eg, self.eg_rest, self.eg_last, self.row1, self.row2, self.pair];
+        all.extend(self.col1.iter().chain(&self.col2));
+        all
     }
 }
 
@@ -76,48 +83,26 @@ fn scan(b: &mut FnBuilder, x: Value, axis: usize, reverse: bool, exclusive: bool
     b.concatenate(&out, axis)
 }
 
-/// Sums of the totals strictly between two blocks: `[.., 3 (I = 1..3), 4 (J), K]` from
-/// `tot` `[.., 4, K]` (block axis `axis`), `sum_{J < L < I} tot_L` (0 when `J >= I - 1`).
-fn between(b: &mut FnBuilder, tot: Value, axis: usize) -> Result<Value> {
-    let blk: Vec<Value> = (0..NB).map(|i| b.slice_axis(tot, axis, i, i + 1)).collect::<Result<_>>()?;
-    let zero = splat(b, 0.0, blk[0].dims())?;
-    let t12 = b.add(blk[1], blk[2])?;
-    let rows = [
-        [zero, zero, zero, zero],   // I = 1
-        [blk[1], zero, zero, zero], // I = 2
-        [t12, blk[2], zero, zero],  // I = 3
-    ];
-    let mut rs = Vec::new();
-    for r in rows {
-        let row = b.concatenate(&r, axis)?; // [.., 4 (J), K]
-        let mut d = row.dims().to_vec();
-        d.insert(axis, 1);
-        rs.push(b.reshape(row, &d)?);
+/// Column factors of every tiling block `I = 1..3` along `axis` (the block axis of `within`,
+/// `[.., 4, r, K]`, the exclusive in-block suffix sums; `tot` `[.., 4, K]` the block totals):
+/// `exp(within_j + sum_{J < L < I} tot_L)` for the `r I` rows before block `I`, `[.., rI, K]`.
+fn causal_columns(b: &mut FnBuilder, within: Value, tot: Value, axis: usize) -> Result<Vec<Value>> {
+    let mut out = Vec::new();
+    for i in 1..NB {
+        let w = b.slice_axis(within, axis, 0, i)?; // [.., I, r, K]
+        let t = b.slice_axis(tot, axis, 0, i)?; // [.., I, K]
+        let btw = scan(b, t, axis, true, true)?; // sum over the blocks between J and I
+        let mut map: Vec<i64> = (0..w.rank() as i64).collect();
+        map.remove(axis + 1);
+        let btw = b.broadcast_in_dim(btw, w.dims(), &map)?;
+        let e = b.add(w, btw)?;
+        let e = b.exp(e)?;
+        let mut d = e.dims().to_vec();
+        d[axis] *= d[axis + 1];
+        d.remove(axis + 1);
+        out.push(b.reshape(e, &d)?);
     }
-    b.concatenate(&rs, axis)
-}
-
-/// `exp(within + between)` masked to `J < I`: the column factors of one tiling level.
-/// `within` `[.., 4 (J), r, K]` (exclusive in-tile suffix sums), `btw` `[.., 3, 4, K]`.
-fn column_factors(b: &mut FnBuilder, within: Value, btw: Value, axis: usize) -> Result<Value> {
-    let d = within.dims().to_vec();
-    let r = d.len();
-    let mut full = d;
-    full.insert(axis, NB - 1); // [.., 3 (I), 4 (J), r, K]
-    let wmap: Vec<i64> = (0..r as i64).map(|a| if a < axis as i64 { a } else { a + 1 }).collect();
-    let w = b.broadcast_in_dim(within, &full, &wmap)?;
-    let bmap: Vec<i64> = (0..r as i64).map(|a| if a <= axis as i64 + 1 { a } else { a + 1 }).collect();
-    let bt = b.broadcast_in_dim(btw, &full, &bmap)?;
-    let e = b.add(w, bt)?;
-    let e = b.exp(e)?;
-    // Block index I = i + 1; keep J <= i.
-    let keep = index_mask(b, &full, axis + 1, Cmp::Le, axis)?;
-    let z = splat(b, 0.0, &full)?;
-    let e = b.select(keep, e, z)?;
-    let mut shape = full.clone();
-    shape.remove(axis + 1);
-    shape[axis + 1] = NB * full[axis + 2];
-    b.reshape(e, &shape)
+    Ok(out)
 }
 
 /// Builds the decay factors from the activated gate `g` `[N, C, K]` (0 at padding rows).
@@ -153,38 +138,21 @@ pub fn decay(b: &mut FnBuilder, g: Value) -> Result<Decay> {
     let r1 = b.slice_axis(cin16, 1, 1, NB)?;
     let row1 = b.exp(r1)?;
     let suf16r = b.reshape(suf16r, &[n, NB, B16, k])?;
-    let btw1 = between(b, tot16, 1)?; // [N, 3, 4, K]
-    let col1 = column_factors(b, suf16r, btw1, 1)?; // [N, 3, 64, K]
-                                                    // Level 2: sub-blocks of 4 inside every block.
+    let col1 = causal_columns(b, suf16r, tot16, 1)?;
+    // Level 2: sub-blocks of 4 inside every block.
     let r2 = b.slice_axis(cin, 2, 1, NB)?;
     let row2 = b.exp(r2)?; // [N, 4, 3, 4, K]
-    let btw2 = between(b, tot, 2)?; // [N, 4, 3, 4, K]
-    let col2 = column_factors(b, suf, btw2, 2)?; // [N, 4, 3, 16, K]
-                                                 // Level 3: 4x4 diagonal tiles, pairwise; the exponent is masked to j <= t before exp.
-    let c4 = b.reshape(cin, &[n, NB * NB, B4, k])?;
-    let d6 = [n, NB * NB, B4, B4, k];
-    let ct = b.broadcast_in_dim(c4, &d6, &[0, 1, 2, 4])?;
-    let cj = b.broadcast_in_dim(c4, &d6, &[0, 1, 3, 4])?;
-    let diff = b.sub(ct, cj)?;
-    let causal = index_mask(b, &d6, 3, Cmp::Le, 2)?;
-    let far = splat(b, -1.0e4, &d6)?;
-    let expo = b.select(causal, diff, far)?;
-    let diag = b.exp(expo)?;
-    Ok(Decay { eg, eg_rest, eg_last, row1, col1, row2, col2, diag })
-}
-
-/// `[N, C, W]` viewed as blocks `[N, 4, 16, W]`, blocks 1..3 only.
-fn later_blocks(b: &mut FnBuilder, x: Value) -> Result<Value> {
-    let (n, w) = (x.dims()[0], x.dims()[2]);
-    let x4 = b.reshape(x, &[n, NB, B16, w])?;
-    b.slice_axis(x4, 1, 1, NB)
-}
-
-/// `[N, C, W]` viewed as sub-blocks `[N, 4, 4, 4, W]`, sub-blocks 1..3 of every block.
-fn later_sub_blocks(b: &mut FnBuilder, x: Value) -> Result<Value> {
-    let (n, w) = (x.dims()[0], x.dims()[2]);
-    let x5 = b.reshape(x, &[n, NB, NB, B4, w])?;
-    b.slice_axis(x5, 2, 1, NB)
+    let col2 = causal_columns(b, suf, tot, 2)?;
+    // Level 3: the strictly causal pairs of the 4x4 tiles, as direct sums of 1 to 3 gates.
+    let g4 = b.reshape(g, &[n, NB * NB, B4, k])?;
+    let gs: Vec<Value> = (1..B4).map(|s| b.slice_axis(g4, 2, s, s + 1)).collect::<Result<_>>()?;
+    let g12 = b.add(gs[0], gs[1])?;
+    let g23 = b.add(gs[1], gs[2])?;
+    let g123 = b.add(g12, gs[2])?;
+    // PAIRS order: (1,0) (2,0) (2,1) (3,0) (3,1) (3,2).
+    let sums = b.concatenate(&[gs[0], g12, gs[1], g123, g23, gs[2]], 2)?;
+    let pair = b.exp(sums)?;
+    Ok(Decay { eg, eg_rest, eg_last, row1, col1, row2, col2, pair })
 }
 
 /// Puts `[.., 3, r, W]` (blocks 1..3) back as `[.., 4r, W]` with a zero block 0 (`axis` is
@@ -240,49 +208,175 @@ fn add_block_diag(b: &mut FnBuilder, tiles: Value, off: Value) -> Result<Value> 
     b.reshape(placed, off.dims())
 }
 
+/// Rows `lo..hi` of `[.., R, W]` along `axis`.
+fn rows(b: &mut FnBuilder, x: Value, axis: usize, lo: i64, hi: i64) -> Result<Value> {
+    b.slice_axis(x, axis, lo, hi)
+}
+
+/// Pads the last axis of `x` with zeros up to `width`.
+fn pad_last(b: &mut FnBuilder, x: Value, width: i64) -> Result<Value> {
+    let r = x.rank();
+    let extra = width - x.dims()[r - 1];
+    if extra == 0 {
+        return Ok(x);
+    }
+    let zero = b.constant_f32(0.0, f32t(&[]))?;
+    let mut high = vec![0; r];
+    high[r - 1] = extra;
+    b.pad(x, zero, &vec![0; r], &high, &vec![0; r])
+}
+
+/// Pads axis `axis` of `x` with zeros up to `len`.
+fn pad_axis(b: &mut FnBuilder, x: Value, axis: usize, len: i64) -> Result<Value> {
+    let r = x.rank();
+    let extra = len - x.dims()[axis];
+    if extra == 0 {
+        return Ok(x);
+    }
+    let zero = b.constant_f32(0.0, f32t(&[]))?;
+    let mut high = vec![0; r];
+    high[axis] = extra;
+    b.pad(x, zero, &vec![0; r], &high, &vec![0; r])
+}
+
+/// Inserts a unit axis at `axis`.
+fn unit_axis(b: &mut FnBuilder, x: Value, axis: usize) -> Result<Value> {
+    let mut d = x.dims().to_vec();
+    d.insert(axis, 1);
+    b.reshape(x, &d)
+}
+
+/// `x` `[N, 16, 4, W]` at the rows `idx` of every tile: `[N, 16, idx.len(), W]`.
+fn tile_rows(b: &mut FnBuilder, x: Value, idx: &[usize]) -> Result<Value> {
+    let parts: Vec<Value> =
+        idx.iter().map(|&i| b.slice_axis(x, 2, i as i64, i as i64 + 1)).collect::<Result<_>>()?;
+    b.concatenate(&parts, 2)
+}
+
+/// The 4x4 tiles `[N, 16, 4, 4]` from their pair entries `[N, 16, 6]` and diagonal `[N, 16, 4]`
+/// (zero when `None`); entries above the diagonal are 0.
+fn tile_matrix(b: &mut FnBuilder, pairs: Value, diag: Option<Value>) -> Result<Value> {
+    let (n, nt) = (pairs.dims()[0], pairs.dims()[1]);
+    let zero = splat(b, 0.0, &[n, nt, 1])?;
+    let mut parts = Vec::new();
+    for t in 0..B4 as usize {
+        for j in 0..B4 as usize {
+            parts.push(if j == t {
+                match diag {
+                    Some(d) => b.slice_axis(d, 2, t as i64, t as i64 + 1)?,
+                    None => zero,
+                }
+            } else if let Some(p) = PAIRS.iter().position(|&x| x == (t, j)) {
+                b.slice_axis(pairs, 2, p as i64, p as i64 + 1)?
+            } else {
+                zero
+            });
+        }
+    }
+    let m = b.concatenate(&parts, 2)?;
+    b.reshape(m, &[n, nt, B4, B4])
+}
+
+/// The pair entries `[N, 16, 6]` and diagonal `[N, 16, 4]` of tiles `[N, 16, 4, 4]`.
+fn tile_entries(b: &mut FnBuilder, tiles: Value) -> Result<(Value, Value)> {
+    let (n, nt) = (tiles.dims()[0], tiles.dims()[1]);
+    let flat = b.reshape(tiles, &[n, nt, B4 * B4])?;
+    let at = |b: &mut FnBuilder, t: usize, j: usize| {
+        b.slice_axis(flat, 2, (4 * t + j) as i64, (4 * t + j) as i64 + 1)
+    };
+    let p: Vec<Value> = PAIRS.iter().map(|&(t, j)| at(b, t, j)).collect::<Result<_>>()?;
+    let d: Vec<Value> = (0..B4 as usize).map(|t| at(b, t, t)).collect::<Result<_>>()?;
+    Ok((b.concatenate(&p, 2)?, b.concatenate(&d, 2)?))
+}
+
+/// Sums pair terms `[N, 16, 6, K]` into tile rows (`by_row`: into `t`, else into `j`) and adds
+/// the diagonal terms `[N, 16, 4, K]`: `[N, 16, 4, K]`.
+fn fold_pairs(b: &mut FnBuilder, terms: Value, diag: Value, by_row: bool) -> Result<Value> {
+    let mut out = Vec::new();
+    for r in 0..B4 as usize {
+        let mut acc = b.slice_axis(diag, 2, r as i64, r as i64 + 1)?;
+        for (p, &(t, j)) in PAIRS.iter().enumerate() {
+            if (if by_row { t } else { j }) == r {
+                let x = b.slice_axis(terms, 2, p as i64, p as i64 + 1)?;
+                acc = b.add(acc, x)?;
+            }
+        }
+        out.push(acc);
+    }
+    b.concatenate(&out, 2)
+}
+
+fn pair_t() -> Vec<usize> {
+    PAIRS.iter().map(|p| p.0).collect()
+}
+fn pair_j() -> Vec<usize> {
+    PAIRS.iter().map(|p| p.1).collect()
+}
+
 /// `M[t, j] = sum_i x_t[i] y_j[i] exp(G_t[i] - G_j[i])` for `j <= t` (`j < t` for the second
 /// result) for `x = xs[0]` and `x = xs[1]` with a shared `y`: `[N, C, C]` each. The causal
 /// `q k` matrix and the strictly causal `k k` matrix of one chunk share their column factors.
 pub fn grams(b: &mut FnBuilder, dc: &Decay, xs: [Value; 2], y: Value) -> Result<[Value; 2]> {
     let (n, k) = (y.dims()[0], y.dims()[2]);
-    // Level 1: rows of blocks 1..3 against every earlier column.
-    let mut lhs = Vec::new();
-    for &x in &xs {
-        let xl = later_blocks(b, x)?;
-        lhs.push(b.mul(xl, dc.row1)?);
+    let x16: Vec<Value> = xs.iter().map(|&x| b.reshape(x, &[n, NB, B16, k])).collect::<Result<_>>()?;
+    let x5: Vec<Value> = xs.iter().map(|&x| b.reshape(x, &[n, NB, NB, B4, k])).collect::<Result<_>>()?;
+    // Level 1: the rows of block I against the 16 I columns before it.
+    let mut off1 = Vec::new();
+    for i in 1..NB {
+        let rf = rows(b, dc.row1, 1, i - 1, i)?;
+        let rf = b.reshape(rf, &[n, B16, k])?;
+        let mut lhs = Vec::new();
+        for &x in &x16 {
+            let xi = rows(b, x, 1, i, i + 1)?;
+            let xi = b.reshape(xi, &[n, B16, k])?;
+            lhs.push(b.mul(xi, rf)?);
+        }
+        let lhs = b.concatenate(&lhs, 1)?; // [N, 32, K]
+        let yc = rows(b, y, 1, 0, B16 * i)?;
+        let yc = b.mul(yc, dc.col1[i as usize - 1])?;
+        let d = b.dot_general(lhs, yc, &[0], &[0], &[2], &[2], ElemType::F32)?; // [N, 32, 16I]
+        let d = pad_last(b, d, C)?;
+        off1.push(unit_axis(b, d, 1)?);
     }
-    let lhs = b.concatenate(&lhs, 2)?; // [N, 3, 32, K]
-    let yb = b.broadcast_in_dim(y, &[n, NB - 1, C, k], &[0, 2, 3])?;
-    let yc = b.mul(yb, dc.col1)?;
-    let off1 = b.dot_general(lhs, yc, &[0, 1], &[0, 1], &[3], &[3], ElemType::F32)?; // [N,3,32,64]
-                                                                                     // Level 2: sub-block rows against earlier columns of the same block.
-    let mut lhs2 = Vec::new();
-    for &x in &xs {
-        let xl = later_sub_blocks(b, x)?;
-        lhs2.push(b.mul(xl, dc.row2)?);
-    }
-    let lhs2 = b.concatenate(&lhs2, 3)?; // [N, 4, 3, 8, K]
+    let off1 = b.concatenate(&off1, 1)?; // [N, 3, 32, 64]
+                                         // Level 2: sub-block rows against the earlier columns of their block.
     let y16 = b.reshape(y, &[n, NB, B16, k])?;
-    let y16 = b.broadcast_in_dim(y16, &[n, NB, NB - 1, B16, k], &[0, 1, 3, 4])?;
-    let yc2 = b.mul(y16, dc.col2)?;
-    let off2 = b.dot_general(lhs2, yc2, &[0, 1, 2], &[0, 1, 2], &[4], &[4], ElemType::F32)?; // [N,4,3,8,16]
-                                                                                             // Level 3: 4x4 tiles, elementwise.
+    let mut off2 = Vec::new();
+    for i in 1..NB {
+        let rf = rows(b, dc.row2, 2, i - 1, i)?;
+        let rf = b.reshape(rf, &[n, NB, B4, k])?;
+        let mut lhs = Vec::new();
+        for &x in &x5 {
+            let xi = rows(b, x, 2, i, i + 1)?;
+            let xi = b.reshape(xi, &[n, NB, B4, k])?;
+            lhs.push(b.mul(xi, rf)?);
+        }
+        let lhs = b.concatenate(&lhs, 2)?; // [N, 4, 8, K]
+        let yc = rows(b, y16, 2, 0, B4 * i)?;
+        let yc = b.mul(yc, dc.col2[i as usize - 1])?;
+        let d = b.dot_general(lhs, yc, &[0, 1], &[0, 1], &[3], &[3], ElemType::F32)?; // [N, 4, 8, 4I]
+        let d = pad_last(b, d, B16)?;
+        off2.push(unit_axis(b, d, 2)?);
+    }
+    let off2 = b.concatenate(&off2, 2)?; // [N, 4, 3, 8, 16]
+                                         // Level 3: the pairs of the 4x4 tiles, elementwise, and the diagonal.
     let y4 = b.reshape(y, &[n, NB * NB, B4, k])?;
-    let d5 = [n, NB * NB, B4, B4, k];
-    let yj = b.broadcast_in_dim(y4, &d5, &[0, 1, 3, 4])?;
-    let yd = b.mul(yj, dc.diag)?;
+    let yj = tile_rows(b, y4, &pair_j())?;
+    let yd = b.mul(yj, dc.pair)?; // [N, 16, 6, K]
     let mut out = Vec::new();
     for (i, &x) in xs.iter().enumerate() {
         let i = i as i64;
         let x4 = b.reshape(x, &[n, NB * NB, B4, k])?;
-        let xt = b.broadcast_in_dim(x4, &d5, &[0, 1, 2, 4])?;
+        let xt = tile_rows(b, x4, &pair_t())?;
         let p = b.mul(xt, yd)?;
-        let mut t4 = b.reduce_sum(p, &[4])?; // [N, 16, 4, 4]
-        if i == 1 {
-            let strict = index_mask(b, t4.dims(), 3, Cmp::Lt, 2)?;
-            let z = splat(b, 0.0, t4.dims())?;
-            t4 = b.select(strict, t4, z)?;
-        }
+        let pv = b.reduce_sum(p, &[3])?; // [N, 16, 6]
+        let diag = if i == 0 {
+            let d = b.mul(x4, y4)?;
+            Some(b.reduce_sum(d, &[3])?) // [N, 16, 4]
+        } else {
+            None
+        };
+        let t4 = tile_matrix(b, pv, diag)?;
         let t4 = b.reshape(t4, &[n, NB, NB, B4, B4])?;
         let o2 = b.slice_axis(off2, 3, 4 * i, 4 * i + 4)?; // [N, 4, 3, 4, 16]
         let o2 = with_zero_first(b, o2, 2)?; // [N, 4, 16, 16]
@@ -300,33 +394,41 @@ pub fn grams(b: &mut FnBuilder, dc: &Decay, xs: [Value; 2], y: Value) -> Result<
 pub fn row_sides(b: &mut FnBuilder, dc: &Decay, mats: &[Value], x: Value) -> Result<Vec<Value>> {
     let (n, k) = (x.dims()[0], x.dims()[2]);
     // Level 1.
-    let mut lhs = Vec::new();
-    for &mat in mats {
-        lhs.push(later_blocks(b, mat)?); // [N, 3, 16, 64]
+    let mut r1 = Vec::new();
+    for i in 1..NB {
+        let mut lhs = Vec::new();
+        for &mat in mats {
+            let mr = rows(b, mat, 1, B16 * i, B16 * (i + 1))?;
+            lhs.push(rows(b, mr, 2, 0, B16 * i)?); // [N, 16, 16I]
+        }
+        let lhs = b.concatenate(&lhs, 1)?;
+        let xc = rows(b, x, 1, 0, B16 * i)?;
+        let xc = b.mul(xc, dc.col1[i as usize - 1])?;
+        let r = b.dot_general(lhs, xc, &[0], &[0], &[2], &[1], ElemType::F32)?; // [N, 16m, K]
+        r1.push(unit_axis(b, r, 1)?);
     }
-    let lhs = b.concatenate(&lhs, 2)?;
-    let xb = b.broadcast_in_dim(x, &[n, NB - 1, C, k], &[0, 2, 3])?;
-    let xc = b.mul(xb, dc.col1)?;
-    let r1 = b.dot_general(lhs, xc, &[0, 1], &[0, 1], &[3], &[2], ElemType::F32)?; // [N,3,16m,K]
-                                                                                   // Level 2.
-    let mut d16s = Vec::new();
-    let mut lhs2 = Vec::new();
-    for &mat in mats {
-        let d16 = diag_blocks16(b, mat)?; // [N, 4, 16, 16]
-        let d5 = b.reshape(d16, &[n, NB, NB, B4, B16])?;
-        lhs2.push(b.slice_axis(d5, 2, 1, NB)?); // [N, 4, 3, 4, 16]
-        d16s.push(d16);
-    }
-    let lhs2 = b.concatenate(&lhs2, 3)?;
+    let r1 = b.concatenate(&r1, 1)?; // [N, 3, 16m, K]
+                                     // Level 2.
+    let d16s: Vec<Value> = mats.iter().map(|&mat| diag_blocks16(b, mat)).collect::<Result<_>>()?;
     let x16 = b.reshape(x, &[n, NB, B16, k])?;
-    let x16 = b.broadcast_in_dim(x16, &[n, NB, NB - 1, B16, k], &[0, 1, 3, 4])?;
-    let xc2 = b.mul(x16, dc.col2)?;
-    let r2 = b.dot_general(lhs2, xc2, &[0, 1, 2], &[0, 1, 2], &[4], &[3], ElemType::F32)?; // [N,4,3,4m,K]
-                                                                                           // Level 3.
+    let mut r2 = Vec::new();
+    for i in 1..NB {
+        let mut lhs = Vec::new();
+        for &d16 in &d16s {
+            let mr = rows(b, d16, 2, B4 * i, B4 * (i + 1))?;
+            lhs.push(rows(b, mr, 3, 0, B4 * i)?); // [N, 4, 4, 4I]
+        }
+        let lhs = b.concatenate(&lhs, 2)?;
+        let xc = rows(b, x16, 2, 0, B4 * i)?;
+        let xc = b.mul(xc, dc.col2[i as usize - 1])?;
+        let r = b.dot_general(lhs, xc, &[0, 1], &[0, 1], &[3], &[2], ElemType::F32)?; // [N, 4, 4m, K]
+        r2.push(unit_axis(b, r, 2)?);
+    }
+    let r2 = b.concatenate(&r2, 2)?; // [N, 4, 3, 4m, K]
+                                     // Level 3.
     let x4 = b.reshape(x, &[n, NB * NB, B4, k])?;
-    let d5 = [n, NB * NB, B4, B4, k];
-    let xj = b.broadcast_in_dim(x4, &d5, &[0, 1, 3, 4])?;
-    let xd = b.mul(xj, dc.diag)?;
+    let xj = tile_rows(b, x4, &pair_j())?;
+    let xe = b.mul(xj, dc.pair)?; // [N, 16, 6, K]
     let mut out = Vec::new();
     for (i, d16) in d16s.into_iter().enumerate() {
         let i = i as i64;
@@ -337,10 +439,13 @@ pub fn row_sides(b: &mut FnBuilder, dc: &Decay, mats: &[Value], x: Value) -> Res
         let t = b.mul(t, dc.row2)?;
         let t2 = with_zero_first(b, t, 2)?; // [N, 4, 16, K]
         let t2 = b.reshape(t2, &[n, C, k])?;
-        let d4 = diag_tiles4(b, d16)?; // [N, 16, 4, 4]
-        let d4 = b.broadcast_in_dim(d4, &d5, &[0, 1, 2, 3])?;
-        let p = b.mul(d4, xd)?;
-        let t3 = b.reduce_sum(p, &[3])?; // [N, 16, 4, K]
+        let d4 = diag_tiles4(b, d16)?;
+        let (dp, dd) = tile_entries(b, d4)?;
+        let dp = b.broadcast_in_dim(dp, xe.dims(), &[0, 1, 2])?;
+        let terms = b.mul(dp, xe)?;
+        let dd = b.broadcast_in_dim(dd, x4.dims(), &[0, 1, 2])?;
+        let dterm = b.mul(dd, x4)?;
+        let t3 = fold_pairs(b, terms, dterm, true)?;
         let t3 = b.reshape(t3, &[n, C, k])?;
         let s = b.add(t1, t2)?;
         out.push(b.add(s, t3)?);
@@ -352,49 +457,79 @@ pub fn row_sides(b: &mut FnBuilder, dc: &Decay, mats: &[Value], x: Value) -> Res
 /// `[N, C, K]`, for causal `M_p` `[N, C, C]` and `y_p` `[N, C, K]`.
 pub fn col_side_sum(b: &mut FnBuilder, dc: &Decay, pairs: &[(Value, Value)]) -> Result<Value> {
     let (n, k) = (pairs[0].1.dims()[0], pairs[0].1.dims()[2]);
-    // Level 1: contract the rows of blocks 1..3 (all pairs at once).
-    let mut lhs = Vec::new();
-    let mut rhs = Vec::new();
-    let mut lhs2 = Vec::new();
-    let mut rhs2 = Vec::new();
-    let d5 = [n, NB * NB, B4, B4, k];
+    let d16s: Vec<Value> = pairs.iter().map(|&(mat, _)| diag_blocks16(b, mat)).collect::<Result<_>>()?;
+    // Level 1: contract the rows of block I (all pairs at once) into the columns before it.
+    let mut c1: Option<Value> = None;
+    for i in 1..NB {
+        let rf = rows(b, dc.row1, 1, i - 1, i)?;
+        let rf = b.reshape(rf, &[n, B16, k])?;
+        let mut lhs = Vec::new();
+        let mut rhs = Vec::new();
+        for &(mat, y) in pairs {
+            let mr = rows(b, mat, 1, B16 * i, B16 * (i + 1))?;
+            lhs.push(rows(b, mr, 2, 0, B16 * i)?); // [N, 16, 16I]
+            let yi = rows(b, y, 1, B16 * i, B16 * (i + 1))?;
+            rhs.push(b.mul(yi, rf)?); // [N, 16, K]
+        }
+        let lhs = b.concatenate(&lhs, 1)?;
+        let rhs = b.concatenate(&rhs, 1)?;
+        let c = b.dot_general(lhs, rhs, &[0], &[0], &[1], &[1], ElemType::F32)?; // [N, 16I, K]
+        let c = b.mul(c, dc.col1[i as usize - 1])?;
+        let c = pad_axis(b, c, 1, C)?;
+        c1 = Some(match c1 {
+            Some(a) => b.add(a, c)?,
+            None => c,
+        });
+    }
+    // Level 2.
+    let mut c2: Option<Value> = None;
+    for i in 1..NB {
+        let rf = rows(b, dc.row2, 2, i - 1, i)?;
+        let rf = b.reshape(rf, &[n, NB, B4, k])?;
+        let mut lhs = Vec::new();
+        let mut rhs = Vec::new();
+        for (&d16, &(_, y)) in d16s.iter().zip(pairs) {
+            let mr = rows(b, d16, 2, B4 * i, B4 * (i + 1))?;
+            lhs.push(rows(b, mr, 3, 0, B4 * i)?); // [N, 4, 4, 4I]
+            let y5 = b.reshape(y, &[n, NB, NB, B4, k])?;
+            let yi = rows(b, y5, 2, i, i + 1)?;
+            let yi = b.reshape(yi, &[n, NB, B4, k])?;
+            rhs.push(b.mul(yi, rf)?); // [N, 4, 4, K]
+        }
+        let lhs = b.concatenate(&lhs, 2)?;
+        let rhs = b.concatenate(&rhs, 2)?;
+        let c = b.dot_general(lhs, rhs, &[0, 1], &[0, 1], &[2], &[2], ElemType::F32)?; // [N, 4, 4I, K]
+        let c = b.mul(c, dc.col2[i as usize - 1])?;
+        let c = pad_axis(b, c, 2, B16)?;
+        c2 = Some(match c2 {
+            Some(a) => b.add(a, c)?,
+            None => c,
+        });
+    }
+    // Level 3.
     let mut t3: Option<Value> = None;
-    for &(mat, y) in pairs {
-        lhs.push(later_blocks(b, mat)?); // [N, 3, 16, 64]
-        let yl = later_blocks(b, y)?;
-        rhs.push(b.mul(yl, dc.row1)?); // [N, 3, 16, K]
-        let d16 = diag_blocks16(b, mat)?;
-        let d5m = b.reshape(d16, &[n, NB, NB, B4, B16])?;
-        lhs2.push(b.slice_axis(d5m, 2, 1, NB)?); // [N, 4, 3, 4, 16]
-        let yl2 = later_sub_blocks(b, y)?;
-        rhs2.push(b.mul(yl2, dc.row2)?); // [N, 4, 3, 4, K]
-        let d4 = diag_tiles4(b, d16)?; // [N, 16, 4(t), 4(j)]
-        let d4 = b.broadcast_in_dim(d4, &d5, &[0, 1, 2, 3])?;
+    for (&d16, &(_, y)) in d16s.iter().zip(pairs) {
         let y4 = b.reshape(y, &[n, NB * NB, B4, k])?;
-        let yt = b.broadcast_in_dim(y4, &d5, &[0, 1, 2, 4])?;
-        let p = b.mul(d4, yt)?;
-        let p = b.mul(p, dc.diag)?;
-        let s = b.reduce_sum(p, &[2])?; // [N, 16, 4 (j), K]
+        let yt = tile_rows(b, y4, &pair_t())?;
+        let d4 = diag_tiles4(b, d16)?;
+        let (dp, dd) = tile_entries(b, d4)?;
+        let dp = b.broadcast_in_dim(dp, yt.dims(), &[0, 1, 2])?;
+        let terms = b.mul(dp, yt)?;
+        let terms = b.mul(terms, dc.pair)?;
+        let dd = b.broadcast_in_dim(dd, y4.dims(), &[0, 1, 2])?;
+        let dterm = b.mul(dd, y4)?;
+        let s = fold_pairs(b, terms, dterm, false)?;
         t3 = Some(match t3 {
             Some(a) => b.add(a, s)?,
             None => s,
         });
     }
-    let lhs = b.concatenate(&lhs, 2)?;
-    let rhs = b.concatenate(&rhs, 2)?;
-    let c1 = b.dot_general(lhs, rhs, &[0, 1], &[0, 1], &[2], &[2], ElemType::F32)?; // [N, 3, 64, K]
-    let c1 = b.mul(c1, dc.col1)?;
-    let c1 = b.reduce_sum(c1, &[1])?; // [N, 64, K]
-    let lhs2 = b.concatenate(&lhs2, 3)?;
-    let rhs2 = b.concatenate(&rhs2, 3)?;
-    let c2 = b.dot_general(lhs2, rhs2, &[0, 1, 2], &[0, 1, 2], &[3], &[3], ElemType::F32)?; // [N,4,3,16,K]
-    let c2 = b.mul(c2, dc.col2)?;
-    let c2 = b.reduce_sum(c2, &[2])?; // [N, 4, 16, K]
-    let c2 = b.reshape(c2, &[n, C, k])?;
-    let t3 = match t3 {
-        Some(t) => b.reshape(t, &[n, C, k])?,
-        None => splat(b, 0.0, &[n, C, k])?,
+    let (c1, c2, t3) = match (c1, c2, t3) {
+        (Some(a), Some(c), Some(t)) => (a, c, t),
+        _ => return splat(b, 0.0, &[n, C, k]),
     };
+    let c2 = b.reshape(c2, &[n, C, k])?;
+    let t3 = b.reshape(t3, &[n, C, k])?;
     let s = b.add(c1, c2)?;
     b.add(s, t3)
 }
