@@ -1,6 +1,6 @@
 //! [`PjrtBackend`]: `kda_core::Backend` over the chunked programs, on any PJRT plugin.
 
-use crate::kernels::{backward_program, forward_program, fused_program, KernelSpec, CHUNK};
+use crate::kernels::{backward_program, forward_program, fused_program, KernelSpec, CHUNK, TPU_SLAB};
 use crate::runtime::{DeviceBuffer, Executable, Runtime};
 use crate::TpuError;
 use kda_core::{
@@ -27,6 +27,7 @@ pub enum ProgramKind {
 pub struct PjrtBackend {
     rt: Runtime,
     programs: RefCell<HashMap<(String, ProgramKind), Rc<Executable>>>,
+    slab: usize,
 }
 
 /// Device-resident residuals: the forward's input buffers (reused by the backward without a host
@@ -69,9 +70,24 @@ impl PjrtBackend {
     pub fn new() -> Result<Self> {
         Ok(Self::with_runtime(Runtime::new().map_err(e)?))
     }
-    /// A backend on an existing runtime.
+    /// A backend on an existing runtime. Fused programs run without slabs on the CPU plugin and
+    /// in slabs of [`TPU_SLAB`] chunk positions elsewhere (see [`PjrtBackend::with_slab`]).
     pub fn with_runtime(rt: Runtime) -> Self {
-        Self { rt, programs: RefCell::new(HashMap::new()) }
+        let slab = if rt.platform() == "cpu" { 0 } else { TPU_SLAB };
+        Self { rt, programs: RefCell::new(HashMap::new()), slab }
+    }
+    /// Runs the fused forward+VJP programs in slabs of `chunks` chunk positions (0: all chunks at
+    /// once). Slabs bound the live intermediates to one slab's (the memory figure that matters on
+    /// TPU) at the cost of recomputing the chunk terms in the backward loop; results agree to f32
+    /// rounding either way.
+    pub fn with_slab(mut self, chunks: usize) -> Self {
+        self.slab = chunks;
+        self.programs.borrow_mut().clear();
+        self
+    }
+    /// The slab size of the fused programs (0: no slabs).
+    pub fn slab(&self) -> usize {
+        self.slab
     }
     /// The runtime (plugin, client, compile cache).
     pub fn runtime(&self) -> &Runtime {
@@ -85,7 +101,7 @@ impl PjrtBackend {
         } else {
             None
         };
-        Ok(KernelSpec::new(p, packed, has_dht))
+        Ok(KernelSpec::new(p, packed, has_dht).with_slab(self.slab))
     }
 
     /// The StableHLO text of a program.

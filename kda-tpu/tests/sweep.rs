@@ -1,6 +1,7 @@
 //! The testkit's regression sweep on the PJRT backend: 10 shapes x 4 gate modes x 2 dtypes x
 //! 4 backward variants = 320 points, each its own test (so `cargo xtask test --shard i/n`
-//! spreads them), each a forward+VJP checked against `kda-ref` at the spec's targets.
+//! spreads them), each a forward+VJP checked against `kda-ref` at the spec's targets. The fused
+//! programs run in slabs of `TPU_SLAB` chunk positions, as on a TPU.
 
 use kda_core::DType;
 use kda_testkit::sweep::{self, SweepGate as G, SweepShape as S, SweepVariant as V};
@@ -25,7 +26,11 @@ fn point(
     #[values(DType::F32, DType::BF16)] dtype: DType,
     #[values(V::SavedStateSplit, V::SavedStateFused, V::RematSplit, V::RematFused)] variant: V,
 ) {
-    let backend = kda_tpu::PjrtBackend::new().expect("PJRT plugin (run `cargo xtask setup`)");
+    // The fused programs in the TPU configuration (slabs of 2 chunk positions): the conformance
+    // suite covers the CPU one, so both configurations are checked against the reference.
+    let backend = kda_tpu::PjrtBackend::new()
+        .expect("PJRT plugin (run `cargo xtask setup`)")
+        .with_slab(kda_tpu::kernels::TPU_SLAB);
     match sweep::run(&backend, shape, gate, dtype, variant) {
         Ok(report) => eprint!("{report}"),
         Err(failure) => panic!("sweep failure:\n{failure}"),

@@ -4,7 +4,7 @@
 use super::intra::{chunk_terms, rowdot, ChunkTerms};
 use super::ops::{causal_mask, cumsum_rows, keep, splat};
 use super::prep::{self, GateParams};
-use super::recurrence::{run_grads, run_states, ChunkTables};
+use super::recurrence::{run_grads, run_grads_window, run_states, run_states_window, ChunkTables};
 use super::spec::{KernelSpec, CHUNK};
 use super::tiles::{col_side_sum, row_sides};
 use crate::hlo::{ElemType, FnBuilder, Module, TensorType, Value};
@@ -188,14 +188,41 @@ fn backward_core(
     let scale = s.scale as f32;
     let doh = prep::head_first(b, s, d_o)?;
     let doc = flat_chunks(b, s, doh, a.slot_token)?;
-    // Chunk-parallel parts of the dh recurrence.
-    let p1 = b.batch_matmul(ct.aqk, doc, true, false)?;
-    let p2 = b.batch_matmul(ct.qg, doc, true, false)?;
-    let p2 = b.mul_const(p2, scale)?;
+    let (p1, p2) = dh_terms(b, ct, doc, scale)?;
     let dht_tab = state_tab(b, s, dht)?;
     let run = run_grads(b, s, a.tables, dht_tab, (p1, p2), ct)?;
     let (h, dh, vn, dvn) = (flat(b, h)?, flat(b, run.dh)?, flat(b, v_new)?, flat(b, run.dv_new)?);
-    let (q, k, v, beta) = (w.qc, w.kc, w.vc, w.betac);
+    let g = chunk_grads(b, s, [w.qc, w.kc, w.vc, w.betac], ct, [h, vn, dh, dvn], doc)?;
+    finish_grads(b, s, a, w, g, run.dh0_tab)
+}
+
+/// The chunk-parallel terms of the `dh` recurrence: `Aqk^T dO` and `scale qg^T dO`.
+fn dh_terms(b: &mut FnBuilder, ct: &ChunkTerms, doc: Value, scale: f32) -> Result<(Value, Value)> {
+    let p1 = b.batch_matmul(ct.aqk, doc, true, false)?;
+    let p2 = b.batch_matmul(ct.qg, doc, true, false)?;
+    Ok((p1, b.mul_const(p2, scale)?))
+}
+
+/// Gradients of a batch of chunks in chunk layout `[N, C, D]` (`dg` already summed in-chunk).
+struct ChunkGrads {
+    dq: Value,
+    dk: Value,
+    dv: Value,
+    dg: Value,
+    dbeta: Value,
+}
+
+/// The chunk-parallel backward (spec section 4, steps 1-4) from the chunk inputs
+/// `[q, k, v, beta]`, the chunk terms, `[h, v_new, dh, dv_new]` (flat `[N, ..]`) and `dO`.
+fn chunk_grads(
+    b: &mut FnBuilder,
+    s: &KernelSpec,
+    [q, k, v, beta]: [Value; 4],
+    ct: &ChunkTerms,
+    [h, vn, dh, dvn]: [Value; 4],
+    doc: Value,
+) -> Result<ChunkGrads> {
+    let scale = s.scale as f32;
     let dc = &ct.dc;
     // Through O = scale qg S0 + Aqk v_new and S1 = exp(G_last) S0 + kg^T v_new.
     let dqg = b.batch_matmul(doc, h, false, true)?;
@@ -260,6 +287,20 @@ fn backward_core(
     let dlast = b.pad(dlast, zero, &[0, CHUNK as i64 - 1, 0], &[0, 0, 0], &[0, 0, 0])?;
     dgg = b.add(dgg, dlast)?;
     let dg = cumsum_rows(b, dgg, true)?;
+    Ok(ChunkGrads { dq, dk, dv, dg, dbeta })
+}
+
+/// Chunk gradients (`[L*NT, C, D]`) back to tokens, through the gate floor, the L2 norm and the
+/// gate activation, into the caller's layout and dtypes, in `KdaGradients` order.
+fn finish_grads(
+    b: &mut FnBuilder,
+    s: &KernelSpec,
+    a: &Args,
+    w: &Working,
+    g: ChunkGrads,
+    dh0_tab: Value,
+) -> Result<Vec<Value>> {
+    let ChunkGrads { dq, dk, dv, dg, dbeta } = g;
     // Back to tokens, then through the L2 norm and the gate.
     let lanes4 = |b: &mut FnBuilder, x: Value| -> Result<Value> {
         let d = x.dims()[2];
@@ -301,7 +342,7 @@ fn backward_core(
         prep::beta_to_caller(b, s, dbeta, e)?,
     ];
     if s.has_h0 {
-        out.push(prep::state_from_table(b, s, run.dh0_tab)?);
+        out.push(prep::state_from_table(b, s, dh0_tab)?);
     }
     out.extend(gate_grads);
     let _ = (w.v, w.beta);
@@ -378,6 +419,10 @@ pub fn fused_program(s: &KernelSpec, strategy: BackwardStrategy) -> Result<Strin
     let d_o = f.arg(TensorType::new(prep::elem(s.dtype), &s.token_dims(s.v)))?;
     let dht = if s.has_dht { Some(f.arg(TensorType::new(ElemType::F32, &s.state_dims()))?) } else { None };
     let w = working(&mut f, s, &a)?;
+    if s.slab > 0 && s.slab < s.chunks() {
+        let outs = fused_slabs(&mut f, s, &a, &w, strategy, (d_o, dht))?;
+        return finish(f, &outs);
+    }
     let ct = chunk_terms(&mut f, w.qc, w.kc, w.vc, w.gc, w.betac, s.scale as f32)?;
     let fw = forward_core(&mut f, s, &a, &w, &ct)?;
     let (h, v_new) = match strategy {
@@ -393,4 +438,182 @@ pub fn fused_program(s: &KernelSpec, strategy: BackwardStrategy) -> Result<Strin
     outs.extend(fw.final_state);
     outs.extend(grads);
     finish(f, &outs)
+}
+
+/// `[L*NT, C, D]` chunk tensor as `[L, NTP, C, D]`, zero chunks appended up to `ntp`.
+fn lanes_padded(b: &mut FnBuilder, s: &KernelSpec, x: Value, ntp: i64) -> Result<Value> {
+    let (l, nt, d) = (s.lanes() as i64, s.chunks() as i64, x.dims()[2]);
+    let x = b.reshape(x, &[l, nt, CHUNK as i64, d])?;
+    let zero = b.constant_f32(0.0, TensorType::new(ElemType::F32, &[]))?;
+    b.pad(x, zero, &[0, 0, 0, 0], &[0, ntp - nt, 0, 0], &[0, 0, 0, 0])
+}
+
+/// Chunk positions `off..off+p` of `[L, NTP, ..]` as `[L*p, ..]` (`flat`) or `[L, p, ..]`.
+fn slab_of(b: &mut FnBuilder, x: Value, off: Value, p: i64, flat_out: bool) -> Result<Value> {
+    let zero = b.scalar_i32(0)?;
+    let mut idx = vec![zero; x.rank()];
+    idx[1] = off;
+    let mut sizes = x.dims().to_vec();
+    sizes[1] = p;
+    let y = b.dynamic_slice(x, &idx, &sizes)?;
+    if flat_out {
+        flat(b, y)
+    } else {
+        Ok(y)
+    }
+}
+
+/// Writes `[L, p, ..]` (or flat `[L*p, ..]`) into chunk positions `off..` of `[L, NTP, ..]`.
+fn put_slab(b: &mut FnBuilder, all: Value, off: Value, x: Value) -> Result<Value> {
+    let mut d = all.dims().to_vec();
+    d[1] = if x.rank() + 1 == all.rank() { x.dims()[0] / d[0] } else { x.dims()[1] };
+    let x = b.reshape(x, &d)?;
+    let zero = b.scalar_i32(0)?;
+    let mut idx = vec![zero; all.rank()];
+    idx[1] = off;
+    b.dynamic_update_slice(all, x, &idx)
+}
+
+/// The fused forward+VJP in slabs of `s.slab` chunk positions: the forward loop computes each
+/// slab's chunk terms, runs the state recurrence through it and writes its outputs; the reverse
+/// loop recomputes the slab's chunk terms, runs the `dh` recurrence through it and writes its
+/// chunk gradients. Only one slab's intermediates are live at a time; saved-state keeps `h` and
+/// `v_new` per chunk, remat only the state at each slab boundary and re-runs the slab.
+fn fused_slabs(
+    b: &mut FnBuilder,
+    s: &KernelSpec,
+    a: &Args,
+    w: &Working,
+    strategy: BackwardStrategy,
+    (d_o, dht): (Value, Option<Value>),
+) -> Result<Vec<Value>> {
+    let (l, nt, k, v, c) = (s.lanes() as i64, s.chunks() as i64, s.k as i64, s.v as i64, CHUNK as i64);
+    let p = s.slab as i64;
+    let ns = (nt + p - 1) / p;
+    let ntp = ns * p;
+    let scale = s.scale as f32;
+    let chunks: Vec<Value> = [w.qc, w.kc, w.vc, w.gc, w.betac]
+        .iter()
+        .map(|&x| lanes_padded(b, s, x, ntp))
+        .collect::<Result<_>>()?;
+    let doh = prep::head_first(b, s, d_o)?;
+    let doc = flat_chunks(b, s, doh, a.slot_token)?;
+    let doc = lanes_padded(b, s, doc, ntp)?;
+    let pad_tab = |b: &mut FnBuilder, x: Value| -> Result<Value> {
+        let z = b.constant_i32(0, TensorType::new(ElemType::I32, &[]))?;
+        b.pad(x, z, &[0], &[ntp - nt], &[0])
+    };
+    let tabs = ChunkTables {
+        first: pad_tab(b, a.tables.first)?,
+        last: pad_tab(b, a.tables.last)?,
+        slot: pad_tab(b, a.tables.slot)?,
+    };
+    let slab_tabs = |b: &mut FnBuilder, off: Value| -> Result<ChunkTables> {
+        Ok(ChunkTables {
+            first: b.dynamic_slice(tabs.first, &[off], &[p])?,
+            last: b.dynamic_slice(tabs.last, &[off], &[p])?,
+            slot: b.dynamic_slice(tabs.slot, &[off], &[p])?,
+        })
+    };
+    let terms = |b: &mut FnBuilder, off: Value| -> Result<(ChunkTerms, [Value; 5])> {
+        let x: Vec<Value> = chunks.iter().map(|&x| slab_of(b, x, off, p, true)).collect::<Result<_>>()?;
+        let ct = chunk_terms(b, x[0], x[1], x[2], x[3], x[4], scale)?;
+        Ok((ct, [x[0], x[1], x[2], x[3], x[4]]))
+    };
+    let h0_tab = state_tab(b, s, a.h0)?;
+    let dht_tab = state_tab(b, s, dht)?;
+    let saved = strategy == BackwardStrategy::SavedState;
+    // Forward, slab by slab.
+    let s0 = splat(b, 0.0, &[l, k, v])?;
+    let o_all = splat(b, 0.0, &[l, ntp, c, v])?;
+    let keep = if saved {
+        vec![splat(b, 0.0, &[l, ntp, k, v])?, splat(b, 0.0, &[l, ntp, c, v])?]
+    } else {
+        vec![splat(b, 0.0, &[l, ns, k, v])?]
+    };
+    let mut init = vec![s0, h0_tab, o_all];
+    init.extend(keep.iter().copied());
+    let fwd = b.for_loop(ns as i32, &init, |b, i, st| {
+        let pc = b.scalar_i32(p as i32)?;
+        let off = b.mul(i, pc)?;
+        let (ct, _) = terms(b, off)?;
+        let t = slab_tabs(b, off)?;
+        let run = run_states_window(b, s, p, t, h0_tab, (st[0], st[1]), &ct)?;
+        let hf = flat(b, run.h)?;
+        let vf = flat(b, run.v_new)?;
+        let inter = b.batch_matmul(ct.qg, hf, false, false)?;
+        let inter = b.mul_const(inter, scale)?;
+        let intra = b.batch_matmul(ct.aqk, vf, false, false)?;
+        let o = b.add(inter, intra)?;
+        let o_all = put_slab(b, st[2], off, o)?;
+        let mut next = vec![run.last, run.final_tab, o_all];
+        if saved {
+            next.push(put_slab(b, st[3], off, run.h)?);
+            next.push(put_slab(b, st[4], off, run.v_new)?);
+        } else {
+            let one = unit1(b, st[0])?;
+            next.push(put_slab(b, st[3], i, one)?);
+        }
+        Ok(next)
+    })?;
+    let o = b.slice_axis(fwd[2], 1, 0, nt)?;
+    let o = prep::from_chunks(b, s, o, a.token_slot)?;
+    let mut outs = vec![prep::to_caller(b, s, o, prep::elem(s.dtype))?];
+    if s.final_state {
+        outs.push(prep::state_from_table(b, s, fwd[1])?);
+    }
+    // Backward, slab by slab in reverse.
+    let d0 = splat(b, 0.0, &[l, k, v])?;
+    let acc = |b: &mut FnBuilder, d: i64| splat(b, 0.0, &[l, ntp, c, d]);
+    let init = vec![d0, dht_tab, acc(b, k)?, acc(b, k)?, acc(b, v)?, acc(b, k)?, acc(b, 1)?];
+    let bwd = b.for_loop(ns as i32, &init, |b, j, st| {
+        let last = b.scalar_i32(ns as i32 - 1)?;
+        let i = b.sub(last, j)?;
+        let pc = b.scalar_i32(p as i32)?;
+        let off = b.mul(i, pc)?;
+        let (ct, x) = terms(b, off)?;
+        let t = slab_tabs(b, off)?;
+        let (h_s, vn_s) = if saved {
+            (slab_of(b, fwd[3], off, p, false)?, slab_of(b, fwd[4], off, p, false)?)
+        } else {
+            let start = slab_of(b, fwd[3], i, 1, false)?;
+            let start = b.reshape(start, &[l, k, v])?;
+            let run = run_states_window(b, s, p, t, h0_tab, (start, h0_tab), &ct)?;
+            (run.h, run.v_new)
+        };
+        let do_s = slab_of(b, doc, off, p, true)?;
+        let (p1, p2) = dh_terms(b, &ct, do_s, scale)?;
+        let run = run_grads_window(b, s, p, t, dht_tab, (st[0], st[1]), (p1, p2), &ct)?;
+        let fl = [flat(b, h_s)?, flat(b, vn_s)?, flat(b, run.dh)?, flat(b, run.dv_new)?];
+        let g = chunk_grads(b, s, [x[0], x[1], x[2], x[4]], &ct, fl, do_s)?;
+        Ok(vec![
+            run.first,
+            run.dh0_tab,
+            put_slab(b, st[2], off, g.dq)?,
+            put_slab(b, st[3], off, g.dk)?,
+            put_slab(b, st[4], off, g.dv)?,
+            put_slab(b, st[5], off, g.dg)?,
+            put_slab(b, st[6], off, g.dbeta)?,
+        ])
+    })?;
+    let back = |b: &mut FnBuilder, x: Value| -> Result<Value> {
+        let x = b.slice_axis(x, 1, 0, nt)?;
+        flat(b, x)
+    };
+    let g = ChunkGrads {
+        dq: back(b, bwd[2])?,
+        dk: back(b, bwd[3])?,
+        dv: back(b, bwd[4])?,
+        dg: back(b, bwd[5])?,
+        dbeta: back(b, bwd[6])?,
+    };
+    outs.extend(finish_grads(b, s, a, w, g, bwd[1])?);
+    Ok(outs)
+}
+
+/// `[L, K, V]` as `[L, 1, K, V]`.
+fn unit1(b: &mut FnBuilder, x: Value) -> Result<Value> {
+    let mut d = x.dims().to_vec();
+    d.insert(1, 1);
+    b.reshape(x, &d)
 }

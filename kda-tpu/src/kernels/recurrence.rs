@@ -18,8 +18,8 @@ pub struct ChunkTables {
     pub slot: Value,
 }
 
-fn lanes4(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result<Value> {
-    let (l, nt) = (s.lanes() as i64, s.chunks() as i64);
+fn lanes4(b: &mut FnBuilder, s: &KernelSpec, nt: i64, x: Value) -> Result<Value> {
+    let l = s.lanes() as i64;
     let d = x.dims();
     let mut dims = vec![l, nt];
     dims.extend_from_slice(&d[1..]);
@@ -34,6 +34,8 @@ pub struct StateRun {
     pub v_new: Value,
     /// Final state per slot, `[L, slots, K, V]` (the initial state for empty segments).
     pub final_tab: Value,
+    /// The state after the last chunk, `[L, K, V]`.
+    pub last: Value,
 }
 
 /// Runs `S <- exp(G_last) S + kg^T (u - w S)` over the chunks of every lane, resetting to the
@@ -45,13 +47,29 @@ pub fn run_states(
     h0: Value,
     ct: &ChunkTerms,
 ) -> Result<StateRun> {
-    let (u, w, kg, eg_last) = (ct.u, ct.w, ct.kg, ct.dc.eg_last);
-    let (l, nt, k, v, c) = (s.lanes() as i64, s.chunks() as i64, s.k as i64, s.v as i64, CHUNK as i64);
-    let (u, w, kg, el) = (lanes4(b, s, u)?, lanes4(b, s, w)?, lanes4(b, s, kg)?, lanes4(b, s, eg_last)?);
+    let (l, k, v) = (s.lanes() as i64, s.k as i64, s.v as i64);
     let s0 = splat(b, 0.0, &[l, k, v])?;
+    run_states_window(b, s, s.chunks() as i64, t, h0, (s0, h0), ct)
+}
+
+/// [`run_states`] over a window of `nt` chunks per lane (`t` and `ct` cover just the window),
+/// starting from the carried state and final-state table `(state, fin)`.
+pub fn run_states_window(
+    b: &mut FnBuilder,
+    s: &KernelSpec,
+    nt: i64,
+    t: ChunkTables,
+    h0: Value,
+    (s0, fin0): (Value, Value),
+    ct: &ChunkTerms,
+) -> Result<StateRun> {
+    let (u, w, kg, eg_last) = (ct.u, ct.w, ct.kg, ct.dc.eg_last);
+    let (l, k, v, c) = (s.lanes() as i64, s.k as i64, s.v as i64, CHUNK as i64);
+    let (u, w, kg, el) =
+        (lanes4(b, s, nt, u)?, lanes4(b, s, nt, w)?, lanes4(b, s, nt, kg)?, lanes4(b, s, nt, eg_last)?);
     let h_all = splat(b, 0.0, &[l, nt, k, v])?;
     let vn_all = splat(b, 0.0, &[l, nt, c, v])?;
-    let out = b.for_loop(nt as i32, &[s0, h_all, vn_all, h0], |b, i, a| {
+    let out = b.for_loop(nt as i32, &[s0, h_all, vn_all, fin0], |b, i, a| {
         let (st, h_all, vn_all, fin) = (a[0], a[1], a[2], a[3]);
         let first = element(b, t.first, i)?;
         let last = element(b, t.last, i)?;
@@ -73,7 +91,7 @@ pub fn run_states(
         let fin = put(b, fin, 1, slot, upd)?;
         Ok(vec![s1, h_all, vn_all, fin])
     })?;
-    Ok(StateRun { h: out[1], v_new: out[2], final_tab: out[3] })
+    Ok(StateRun { h: out[1], v_new: out[2], final_tab: out[3], last: out[0] })
 }
 
 /// Results of the reverse recurrence.
@@ -84,6 +102,8 @@ pub struct GradRun {
     pub dv_new: Value,
     /// dL/d(initial state) per slot, `[L, slots, K, V]` (`dht` for empty segments).
     pub dh0_tab: Value,
+    /// dL/d(state entering the first chunk), `[L, K, V]`.
+    pub first: Value,
 }
 
 /// Runs `dh_prev = exp(G_last) dh + p2 - w^T dv_new`, `dv_new = p1 + kg dh` from the last chunk
@@ -96,14 +116,36 @@ pub fn run_grads(
     p: (Value, Value),
     ct: &ChunkTerms,
 ) -> Result<GradRun> {
-    let (p1, p2, w, kg, eg_last) = (p.0, p.1, ct.w, ct.kg, ct.dc.eg_last);
-    let (l, nt, k, v, c) = (s.lanes() as i64, s.chunks() as i64, s.k as i64, s.v as i64, CHUNK as i64);
-    let (p1, p2, w, kg, el) =
-        (lanes4(b, s, p1)?, lanes4(b, s, p2)?, lanes4(b, s, w)?, lanes4(b, s, kg)?, lanes4(b, s, eg_last)?);
+    let (l, k, v) = (s.lanes() as i64, s.k as i64, s.v as i64);
     let d0 = splat(b, 0.0, &[l, k, v])?;
+    run_grads_window(b, s, s.chunks() as i64, t, dht, (d0, dht), p, ct)
+}
+
+/// [`run_grads`] over a window of `nt` chunks per lane, starting from the carried gradient and
+/// `dh0` table `(dh, dh0)`.
+#[allow(clippy::too_many_arguments)]
+pub fn run_grads_window(
+    b: &mut FnBuilder,
+    s: &KernelSpec,
+    nt: i64,
+    t: ChunkTables,
+    dht: Value,
+    (d0, dh0_init): (Value, Value),
+    p: (Value, Value),
+    ct: &ChunkTerms,
+) -> Result<GradRun> {
+    let (p1, p2, w, kg, eg_last) = (p.0, p.1, ct.w, ct.kg, ct.dc.eg_last);
+    let (l, k, v, c) = (s.lanes() as i64, s.k as i64, s.v as i64, CHUNK as i64);
+    let (p1, p2, w, kg, el) = (
+        lanes4(b, s, nt, p1)?,
+        lanes4(b, s, nt, p2)?,
+        lanes4(b, s, nt, w)?,
+        lanes4(b, s, nt, kg)?,
+        lanes4(b, s, nt, eg_last)?,
+    );
     let dh_all = splat(b, 0.0, &[l, nt, k, v])?;
     let dvn_all = splat(b, 0.0, &[l, nt, c, v])?;
-    let out = b.for_loop(nt as i32, &[d0, dh_all, dvn_all, dht], |b, i, a| {
+    let out = b.for_loop(nt as i32, &[d0, dh_all, dvn_all, dh0_init], |b, i, a| {
         let (ds, dh_all, dvn_all, dh0) = (a[0], a[1], a[2], a[3]);
         let top = b.scalar_i32(nt as i32 - 1)?;
         let ci = b.sub(top, i)?;
@@ -133,5 +175,5 @@ pub fn run_grads(
         let dh0 = put(b, dh0, 1, slot, upd)?;
         Ok(vec![prev, dh_all, dvn_all, dh0])
     })?;
-    Ok(GradRun { dh: out[1], dv_new: out[2], dh0_tab: out[3] })
+    Ok(GradRun { dh: out[1], dv_new: out[2], dh0_tab: out[3], first: out[0] })
 }

@@ -7,6 +7,12 @@ pub const CHUNK: usize = 64;
 /// Diagonal block size of the blocked `(I + L)^-1`.
 pub const SUB: usize = 16;
 
+/// Chunk positions per slab of the fused programs on devices whose memory is the constraint
+/// (TPU, GPU): with 2, the fused forward+VJP at the primary shape peaks at about 63 MB on tpu7x
+/// (bf16) instead of 170 MB. The CPU plugin runs without slabs (faster there: nothing is
+/// recomputed, and host memory is plentiful).
+pub const TPU_SLAB: usize = 2;
+
 /// Shapes and options baked into a program. Two problems with equal specs share executables.
 #[derive(Debug, Clone, PartialEq)]
 pub struct KernelSpec {
@@ -44,6 +50,10 @@ pub struct KernelSpec {
     pub has_dht: bool,
     /// Packed: the static chunk capacity; `None` for fixed length.
     pub packed_chunks: Option<usize>,
+    /// Fused programs: chunk positions per slab (0: all chunks at once). With slabs the fused
+    /// forward+VJP runs its chunk-parallel work slab by slab inside the recurrence loops, so
+    /// only one slab's intermediates are live at a time (see `programs::fused_program`).
+    pub slab: usize,
 }
 
 impl KernelSpec {
@@ -68,7 +78,13 @@ impl KernelSpec {
             final_state: p.output_final_state,
             has_dht,
             packed_chunks,
+            slab: 0,
         }
+    }
+    /// The same spec with fused programs in slabs of `chunks` chunk positions (0: no slabs).
+    pub fn with_slab(mut self, chunks: usize) -> Self {
+        self.slab = chunks;
+        self
     }
     /// Independent recurrences run side by side: `H*B` fixed, `H` packed (rows run in sequence).
     pub fn lanes(&self) -> usize {

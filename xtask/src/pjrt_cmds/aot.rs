@@ -61,7 +61,9 @@ pub fn run(o: &AotOptions) -> Result<(), String> {
             let inputs = zero_inputs(&case, dtype)?;
             let problem = inputs.validate().map_err(err)?;
             drop(inputs);
-            let spec = be.spec(&problem, case.final_state).map_err(err)?;
+            // The programs a TPU runs: fused ones in slabs (`PjrtBackend` off the CPU plugin).
+            let spec =
+                be.spec(&problem, case.final_state).map_err(err)?.with_slab(kda_tpu::kernels::TPU_SLAB);
             for &program in &o.programs {
                 let text = PjrtBackend::program_text(&spec, kind(program)).map_err(err)?;
                 eprintln!(

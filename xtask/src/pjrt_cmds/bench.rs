@@ -48,7 +48,9 @@ impl Measure<'_> {
                 None => None,
                 Some(c) => {
                     eprintln!("bench: {label}: compiling the {name} program for {TOPOLOGY}...");
-                    let text = PjrtBackend::program_text(spec, kind).map_err(err)?;
+                    // What a TPU runs: fused programs in slabs (`PjrtBackend` off the CPU plugin).
+                    let tpu_spec = spec.clone().with_slab(kda_tpu::kernels::TPU_SLAB);
+                    let text = PjrtBackend::program_text(&tpu_spec, kind).map_err(err)?;
                     let f = compile_aot(c, &text, TOPOLOGY)
                         .map_err(|e| format!("{label}: {TOPOLOGY} compile: {e}"))?;
                     if f.cached {

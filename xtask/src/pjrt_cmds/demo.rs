@@ -1,5 +1,6 @@
 //! The PJRT part of `cargo xtask demo`: the fused saved-state forward+VJP at the primary shape on
-//! the CPU plugin, timed and checked against the f64 reference at the spec's limits.
+//! the CPU plugin, timed and checked against the f64 reference at the spec's limits, then the
+//! same in the TPU configuration (the fused program in slabs).
 
 use super::{backend_label, err, ms};
 use kda_core::{Backend, BackwardStrategy, DType, HostTensor};
@@ -77,8 +78,25 @@ pub fn run() -> Result<(), String> {
             want.iter().find(|(n, _)| *n == name).ok_or_else(|| format!("the reference has no {name}"))?;
         check(name, got, w.1);
     }
+    // The TPU configuration (fused program in slabs) on the same inputs: the program that
+    // `cargo xtask aot` compiles for tpu7x, run here and held to the same limits.
+    let slab = kda_tpu::kernels::TPU_SLAB;
+    println!("\nthe TPU configuration (fused program in slabs of {slab} chunk positions), same check:");
+    let tpu_be = PjrtBackend::new().map_err(err)?.with_slab(slab);
+    let t = Instant::now();
+    let (t_out, t_grads) = tpu_be.forward_and_vjp(&data.inputs, &data.cotangents, strategy).map_err(err)?;
+    println!("  compiled and ran in {:.0} ms", ms(t.elapsed()));
+    check("o", &t_out.o, &reference.outputs.o);
+    for (name, got) in t_grads.named() {
+        let w =
+            want.iter().find(|(n, _)| *n == name).ok_or_else(|| format!("the reference has no {name}"))?;
+        check(name, got, w.1);
+    }
     if failed.is_empty() {
-        println!("demo: PASS ({} quantities within the spec's limits)", 1 + grads.named().len());
+        println!(
+            "demo: PASS ({} quantities within the spec's limits, both configurations)",
+            1 + grads.named().len()
+        );
         Ok(())
     } else {
         Err(format!("demo: FAIL: {} outside the spec's limits", failed.join(", ")))
