@@ -1,0 +1,51 @@
+//! The primary-shape programs (spec section 8, bf16, fixed and packed) compile ahead of time for
+//! `tpu7x:2x2x1` through the setup's libtpu, in the configuration a TPU runs (fused programs in
+//! slabs of `TPU_SLAB` chunk positions); each test prints the compiler's memory figures, peak
+//! included. The fused programs must stay within the backend issue's memory targets (80 MB
+//! fixed, 110 MB packed): the compiler's figures are deterministic for one libtpu, so this is a
+//! regression check, not a timing.
+
+use kda_core::{BackwardStrategy as S, DType};
+use kda_testkit::{benchmark_cases, case_data};
+use kda_tpu::kernels::TPU_SLAB;
+use kda_tpu::{PjrtBackend, ProgramKind, TpuCompiler, DEFAULT_TOPOLOGY};
+use rstest::rstest;
+
+const MB: f64 = 1e6;
+
+#[rstest]
+#[case::forward_fixed("bench_primary", ProgramKind::Forward(false), None)]
+#[case::forward_packed("bench_primary_packed", ProgramKind::Forward(false), None)]
+#[case::fused_saved_state_fixed("bench_primary", ProgramKind::Fused(S::SavedState), Some(80.0))]
+#[case::fused_saved_state_packed("bench_primary_packed", ProgramKind::Fused(S::SavedState), Some(110.0))]
+#[case::fused_remat_fixed("bench_primary", ProgramKind::Fused(S::Rematerialize), Some(80.0))]
+fn primary_program_compiles_for_tpu7x(
+    #[case] name: &str,
+    #[case] kind: ProgramKind,
+    #[case] limit_mb: Option<f64>,
+) {
+    let case = benchmark_cases().into_iter().find(|c| c.name == name).expect("benchmark case");
+    let data = case_data(&case, DType::BF16).expect("inputs");
+    let problem = data.inputs.validate().expect("valid inputs");
+    // The CPU plugin only plans the packed capacity here; nothing runs on it.
+    let cpu = PjrtBackend::new().expect("PJRT CPU plugin (run `cargo xtask setup`)");
+    let spec = cpu.spec(&problem, data.cotangents.dht.is_some()).expect("spec").with_slab(TPU_SLAB);
+    let text = PjrtBackend::program_text(&spec, kind).expect("program");
+    let tpu = TpuCompiler::load().unwrap_or_else(|e| panic!("no libtpu ({e}); run `cargo xtask setup`"));
+    let report = tpu.compile(&text, DEFAULT_TOPOLOGY).expect("tpu7x compile");
+    let m = &report.memory;
+    eprintln!(
+        "{name} {kind:?} bf16 on {DEFAULT_TOPOLOGY}: peak {:.2} MB, temp {:.2} MB, arguments {:.2} MB, \
+         outputs {:.2} MB (compiled in {:.1} s)",
+        m.peak_bytes as f64 / MB,
+        m.temp_bytes as f64 / MB,
+        m.argument_bytes as f64 / MB,
+        m.output_bytes as f64 / MB,
+        report.compile_time.as_secs_f64()
+    );
+    assert!(m.peak_bytes > 0, "{report:?}");
+    if let Some(limit) = limit_mb {
+        let peak = m.peak_bytes as f64 / MB;
+        assert!(peak <= limit, "{name} {kind:?}: tpu7x peak {peak:.2} MB above the {limit} MB target");
+    }
+}
