@@ -4,7 +4,9 @@
 use super::intra::{chunk_terms, rowdot, ChunkTerms};
 use super::ops::{causal_mask, cumsum_rows, keep, splat};
 use super::prep::{self, GateParams};
-use super::recurrence::{run_grads, run_grads_window, run_states, run_states_window, ChunkTables};
+use super::recurrence::{
+    run_grads, run_grads_window, run_output, run_states, run_states_window, ChunkTables,
+};
 use super::spec::{KernelSpec, CHUNK};
 use super::tiles::{col_side_sum, row_sides};
 use crate::hlo::{ElemType, FnBuilder, Module, TensorType, Value};
@@ -364,12 +366,21 @@ pub fn forward_program(s: &KernelSpec, keep_h: bool) -> Result<String> {
     let w = working(&mut f, s, &a)?;
 
     let ct = chunk_terms(&mut f, w.qc, w.kc, w.vc, w.gc, w.betac, s.scale as f32)?;
+    if !keep_h {
+        // The forward alone: outputs formed inside the recurrence, no per-chunk states kept.
+        let h0 = state_tab(&mut f, s, a.h0)?;
+        let run = run_output(&mut f, s, a.tables, h0, &ct, s.scale as f32)?;
+        let o = prep::from_chunks(&mut f, s, run.o, a.token_slot)?;
+        let mut outs = vec![prep::to_caller(&mut f, s, o, prep::elem(s.dtype))?];
+        if s.final_state {
+            outs.push(prep::state_from_table(&mut f, s, run.final_tab)?);
+        }
+        return finish(f, &outs);
+    }
     let fw = forward_core(&mut f, s, &a, &w, &ct)?;
     let mut outs = vec![fw.o];
     outs.extend(fw.final_state);
-    if keep_h {
-        outs.push(fw.h);
-    }
+    outs.push(fw.h);
     finish(f, &outs)
 }
 

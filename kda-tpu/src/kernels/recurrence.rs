@@ -71,27 +71,93 @@ pub fn run_states_window(
     let vn_all = splat(b, 0.0, &[l, nt, c, v])?;
     let out = b.for_loop(nt as i32, &[s0, h_all, vn_all, fin0], |b, i, a| {
         let (st, h_all, vn_all, fin) = (a[0], a[1], a[2], a[3]);
-        let first = element(b, t.first, i)?;
-        let last = element(b, t.last, i)?;
-        let slot = element(b, t.slot, i)?;
-        let init = take(b, h0, 1, slot)?;
-        let st = choose(b, first, init, st)?;
+        let st = entering_state(b, t, h0, i, st)?;
         let h_all = put(b, h_all, 1, i, st)?;
-        let (uc, wc, kgc, elc) =
-            (take(b, u, 1, i)?, take(b, w, 1, i)?, take(b, kg, 1, i)?, take(b, el, 1, i)?);
+        let (uc, wc) = (take(b, u, 1, i)?, take(b, w, 1, i)?);
         let ws = b.batch_matmul(wc, st, false, false)?;
         let vn = b.sub(uc, ws)?;
         let vn_all = put(b, vn_all, 1, i, vn)?;
-        let elb = b.broadcast_in_dim(elc, &[l, k, v], &[0, 1])?;
-        let decayed = b.mul(elb, st)?;
-        let write = b.batch_matmul(kgc, vn, true, false)?;
-        let s1 = b.add(decayed, write)?;
-        let cur = take(b, fin, 1, slot)?;
-        let upd = choose(b, last, s1, cur)?;
-        let fin = put(b, fin, 1, slot, upd)?;
+        let s1 = next_state(b, (kg, el), i, st, vn)?;
+        let fin = record_final(b, t, i, fin, s1)?;
         Ok(vec![s1, h_all, vn_all, fin])
     })?;
     Ok(StateRun { h: out[1], v_new: out[2], final_tab: out[3], last: out[0] })
+}
+
+/// The state entering chunk `i`: the carried one, or the slot's initial state at a segment's
+/// first chunk.
+fn entering_state(b: &mut FnBuilder, t: ChunkTables, h0: Value, i: Value, st: Value) -> Result<Value> {
+    let first = element(b, t.first, i)?;
+    let slot = element(b, t.slot, i)?;
+    let init = take(b, h0, 1, slot)?;
+    choose(b, first, init, st)
+}
+
+/// `S1 = exp(G_last) S0 + kg^T v_new` for chunk `i` of the `[L, NT, ..]` tensors `(kg, el)`.
+fn next_state(b: &mut FnBuilder, (kg, el): (Value, Value), i: Value, st: Value, vn: Value) -> Result<Value> {
+    let (kgc, elc) = (take(b, kg, 1, i)?, take(b, el, 1, i)?);
+    let elb = b.broadcast_in_dim(elc, st.dims(), &[0, 1])?;
+    let decayed = b.mul(elb, st)?;
+    let write = b.batch_matmul(kgc, vn, true, false)?;
+    b.add(decayed, write)
+}
+
+/// Writes `s1` as its slot's final state when chunk `i` ends a segment.
+fn record_final(b: &mut FnBuilder, t: ChunkTables, i: Value, fin: Value, s1: Value) -> Result<Value> {
+    let last = element(b, t.last, i)?;
+    let slot = element(b, t.slot, i)?;
+    let cur = take(b, fin, 1, slot)?;
+    let upd = choose(b, last, s1, cur)?;
+    put(b, fin, 1, slot, upd)
+}
+
+/// Results of the forward recurrence with the output formed inside the loop.
+pub struct OutputRun {
+    /// `O = scale qg S0 + Aqk v_new` per chunk, `[L, NT, C, V]`.
+    pub o: Value,
+    /// Final state per slot, `[L, slots, K, V]`.
+    pub final_tab: Value,
+}
+
+/// [`run_states`] for the forward alone: each chunk's output is formed where its entering state
+/// and `v_new` are at hand, so neither the per-chunk states (`[L, NT, K, V]`) nor `v_new` are
+/// written out, only `o`. `ct.aqk` must already carry `scale`.
+pub fn run_output(
+    b: &mut FnBuilder,
+    s: &KernelSpec,
+    t: ChunkTables,
+    h0: Value,
+    ct: &ChunkTerms,
+    scale: f32,
+) -> Result<OutputRun> {
+    let (l, k, v, c) = (s.lanes() as i64, s.k as i64, s.v as i64, CHUNK as i64);
+    let nt = s.chunks() as i64;
+    let (u, w, kg, el) = (
+        lanes4(b, s, nt, ct.u)?,
+        lanes4(b, s, nt, ct.w)?,
+        lanes4(b, s, nt, ct.kg)?,
+        lanes4(b, s, nt, ct.dc.eg_last)?,
+    );
+    let (qg, aqk) = (lanes4(b, s, nt, ct.qg)?, lanes4(b, s, nt, ct.aqk)?);
+    let s0 = splat(b, 0.0, &[l, k, v])?;
+    let o_all = splat(b, 0.0, &[l, nt, c, v])?;
+    let out = b.for_loop(nt as i32, &[s0, o_all, h0], |b, i, a| {
+        let (st, o_all, fin) = (a[0], a[1], a[2]);
+        let st = entering_state(b, t, h0, i, st)?;
+        let (uc, wc, qgc, ac) =
+            (take(b, u, 1, i)?, take(b, w, 1, i)?, take(b, qg, 1, i)?, take(b, aqk, 1, i)?);
+        let ws = b.batch_matmul(wc, st, false, false)?;
+        let vn = b.sub(uc, ws)?;
+        let inter = b.batch_matmul(qgc, st, false, false)?;
+        let inter = b.mul_const(inter, scale)?;
+        let intra = b.batch_matmul(ac, vn, false, false)?;
+        let oc = b.add(inter, intra)?;
+        let o_all = put(b, o_all, 1, i, oc)?;
+        let s1 = next_state(b, (kg, el), i, st, vn)?;
+        let fin = record_final(b, t, i, fin, s1)?;
+        Ok(vec![s1, o_all, fin])
+    })?;
+    Ok(OutputRun { o: out[1], final_tab: out[2] })
 }
 
 /// Results of the reverse recurrence.

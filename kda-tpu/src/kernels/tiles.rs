@@ -7,9 +7,11 @@
 //! two long cumulative sums), so no positive exponent appears and nothing cancels. Every
 //! off-diagonal tile is then one batched matmul over the earlier columns only (no zero padding is
 //! materialised); the 16-row diagonal blocks repeat the split with 4-row sub-blocks, and inside
-//! the 4x4 diagonal tiles the six strictly causal pairs use pairwise factors (direct sums of at
-//! most three gates) and the diagonal has factor 1. Only causal entries are ever stored: every
-//! factor tensor is at most 1.5 times the size of `g`.
+//! the 4x4 diagonal tiles each strictly causal sub-diagonal `d = t - j` (1 to 3) uses the factor
+//! `exp(g_{j+1} + .. + g_{j+d})`, a direct sum of `d` gates formed inline from contiguous slices
+//! of the gate (XLA fuses it into the product that uses it; nothing of that level is stored), and
+//! the diagonal has factor 1. Only causal entries are ever stored: every factor tensor is at most
+//! 1.5 times the size of `g`.
 
 use super::ops::{f32t, index_mask, splat};
 use crate::hlo::{Cmp, ElemType, FnBuilder, Value};
@@ -39,18 +41,15 @@ pub struct Decay {
     row2: Value,
     /// Column factors of sub-block `I' = i + 1` inside every block, `[N, 4, 4I', K]`.
     col2: Vec<Value>,
-    /// Factors `exp(sum_{j < s <= t} g_s)` of the strictly causal pairs [`PAIRS`] of every 4x4
-    /// diagonal tile, `[N, 16, 6, K]`.
-    pair: Value,
+    /// The gate by 4-row tile, `[N, 16, 4, K]`: the sub-diagonal factors of the 4x4 diagonal
+    /// tiles are formed from it where they are used ([`sub_factor`]).
+    g4: Value,
 }
-
-/// The strictly causal `(t, j)` pairs of a 4x4 tile.
-const PAIRS: [(usize, usize); 6] = [(1, 0), (2, 0), (2, 1), (3, 0), (3, 1), (3, 2)];
 
 impl Decay {
     /// Every factor, for profiling.
     pub fn all(&self) -> Vec<Value> {
-        let mut all = vec![self.eg, self.eg_rest, self.eg_last, self.row1, self.row2, self.pair];
+        let mut all = vec![self.eg, self.eg_rest, self.eg_last, self.row1, self.row2, self.g4];
         all.extend(self.col1.iter().chain(&self.col2));
         all
     }
@@ -143,16 +142,26 @@ pub fn decay(b: &mut FnBuilder, g: Value) -> Result<Decay> {
     let r2 = b.slice_axis(cin, 2, 1, NB)?;
     let row2 = b.exp(r2)?; // [N, 4, 3, 4, K]
     let col2 = causal_columns(b, suf, tot, 2)?;
-    // Level 3: the strictly causal pairs of the 4x4 tiles, as direct sums of 1 to 3 gates.
+    // Level 3: the sub-diagonals of the 4x4 tiles, formed where they are used.
     let g4 = b.reshape(g, &[n, NB * NB, B4, k])?;
-    let gs: Vec<Value> = (1..B4).map(|s| b.slice_axis(g4, 2, s, s + 1)).collect::<Result<_>>()?;
-    let g12 = b.add(gs[0], gs[1])?;
-    let g23 = b.add(gs[1], gs[2])?;
-    let g123 = b.add(g12, gs[2])?;
-    // PAIRS order: (1,0) (2,0) (2,1) (3,0) (3,1) (3,2).
-    let sums = b.concatenate(&[gs[0], g12, gs[1], g123, g23, gs[2]], 2)?;
-    let pair = b.exp(sums)?;
-    Ok(Decay { eg, eg_rest, eg_last, row1, col1, row2, col2, pair })
+    Ok(Decay { eg, eg_rest, eg_last, row1, col1, row2, col2, g4 })
+}
+
+/// The factors of sub-diagonal `d` (1 to 3) of every 4x4 diagonal tile, indexed by column:
+/// `exp(g_{j+1} + .. + g_{j+d})` for `j < 4 - d`, `[N, 16, 4 - d, K]`. A direct sum of `d`
+/// contiguous gate slices (no cumulative-sum difference), elementwise so XLA fuses it.
+fn sub_factor(b: &mut FnBuilder, dc: &Decay, d: i64) -> Result<Value> {
+    let mut acc = b.slice_axis(dc.g4, 2, 1, B4 - d + 1)?;
+    for s in 2..=d {
+        let x = b.slice_axis(dc.g4, 2, s, s + B4 - d)?;
+        acc = b.add(acc, x)?;
+    }
+    b.exp(acc)
+}
+
+/// Broadcasts per-entry scalars `[N, 16, r]` over the last axis of `like` `[N, 16, r, K]`.
+fn over_k(b: &mut FnBuilder, x: Value, like: &[i64]) -> Result<Value> {
+    b.broadcast_in_dim(x, like, &[0, 1, 2])
 }
 
 /// Puts `[.., 3, r, W]` (blocks 1..3) back as `[.., 4r, W]` with a zero block 0 (`axis` is
@@ -246,28 +255,21 @@ fn unit_axis(b: &mut FnBuilder, x: Value, axis: usize) -> Result<Value> {
     b.reshape(x, &d)
 }
 
-/// `x` `[N, 16, 4, W]` at the rows `idx` of every tile: `[N, 16, idx.len(), W]`.
-fn tile_rows(b: &mut FnBuilder, x: Value, idx: &[usize]) -> Result<Value> {
-    let parts: Vec<Value> =
-        idx.iter().map(|&i| b.slice_axis(x, 2, i as i64, i as i64 + 1)).collect::<Result<_>>()?;
-    b.concatenate(&parts, 2)
-}
-
-/// The 4x4 tiles `[N, 16, 4, 4]` from their pair entries `[N, 16, 6]` and diagonal `[N, 16, 4]`
-/// (zero when `None`); entries above the diagonal are 0.
-fn tile_matrix(b: &mut FnBuilder, pairs: Value, diag: Option<Value>) -> Result<Value> {
-    let (n, nt) = (pairs.dims()[0], pairs.dims()[1]);
+/// The 4x4 tiles `[N, 16, 4, 4]` from their diagonal `[N, 16, 4]` (zero when `None`) and
+/// strictly causal sub-diagonals `subs[d - 1]` `[N, 16, 4 - d]` (entry `j` at `(j + d, j)`).
+fn tiles_from_diagonals(b: &mut FnBuilder, diag: Option<Value>, subs: &[Value; 3]) -> Result<Value> {
+    let (n, nt) = (subs[0].dims()[0], subs[0].dims()[1]);
     let zero = splat(b, 0.0, &[n, nt, 1])?;
     let mut parts = Vec::new();
-    for t in 0..B4 as usize {
-        for j in 0..B4 as usize {
+    for t in 0..B4 {
+        for j in 0..B4 {
             parts.push(if j == t {
                 match diag {
-                    Some(d) => b.slice_axis(d, 2, t as i64, t as i64 + 1)?,
+                    Some(d) => b.slice_axis(d, 2, t, t + 1)?,
                     None => zero,
                 }
-            } else if let Some(p) = PAIRS.iter().position(|&x| x == (t, j)) {
-                b.slice_axis(pairs, 2, p as i64, p as i64 + 1)?
+            } else if t > j {
+                b.slice_axis(subs[(t - j - 1) as usize], 2, j, j + 1)?
             } else {
                 zero
             });
@@ -277,40 +279,26 @@ fn tile_matrix(b: &mut FnBuilder, pairs: Value, diag: Option<Value>) -> Result<V
     b.reshape(m, &[n, nt, B4, B4])
 }
 
-/// The pair entries `[N, 16, 6]` and diagonal `[N, 16, 4]` of tiles `[N, 16, 4, 4]`.
-fn tile_entries(b: &mut FnBuilder, tiles: Value) -> Result<(Value, Value)> {
+/// The diagonal `[N, 16, 4]` and sub-diagonals `[N, 16, 4 - d]` (d = 1..3) of tiles
+/// `[N, 16, 4, 4]`.
+fn tile_diagonals(b: &mut FnBuilder, tiles: Value) -> Result<(Value, [Value; 3])> {
     let (n, nt) = (tiles.dims()[0], tiles.dims()[1]);
     let flat = b.reshape(tiles, &[n, nt, B4 * B4])?;
-    let at = |b: &mut FnBuilder, t: usize, j: usize| {
-        b.slice_axis(flat, 2, (4 * t + j) as i64, (4 * t + j) as i64 + 1)
+    let line = |b: &mut FnBuilder, d: i64| -> Result<Value> {
+        let at: Vec<Value> = (0..B4 - d)
+            .map(|j| b.slice_axis(flat, 2, 4 * (j + d) + j, 4 * (j + d) + j + 1))
+            .collect::<Result<_>>()?;
+        b.concatenate(&at, 2)
     };
-    let p: Vec<Value> = PAIRS.iter().map(|&(t, j)| at(b, t, j)).collect::<Result<_>>()?;
-    let d: Vec<Value> = (0..B4 as usize).map(|t| at(b, t, t)).collect::<Result<_>>()?;
-    Ok((b.concatenate(&p, 2)?, b.concatenate(&d, 2)?))
+    let diag = line(b, 0)?;
+    Ok((diag, [line(b, 1)?, line(b, 2)?, line(b, 3)?]))
 }
 
-/// Sums pair terms `[N, 16, 6, K]` into tile rows (`by_row`: into `t`, else into `j`) and adds
-/// the diagonal terms `[N, 16, 4, K]`: `[N, 16, 4, K]`.
-fn fold_pairs(b: &mut FnBuilder, terms: Value, diag: Value, by_row: bool) -> Result<Value> {
-    let mut out = Vec::new();
-    for r in 0..B4 as usize {
-        let mut acc = b.slice_axis(diag, 2, r as i64, r as i64 + 1)?;
-        for (p, &(t, j)) in PAIRS.iter().enumerate() {
-            if (if by_row { t } else { j }) == r {
-                let x = b.slice_axis(terms, 2, p as i64, p as i64 + 1)?;
-                acc = b.add(acc, x)?;
-            }
-        }
-        out.push(acc);
-    }
-    b.concatenate(&out, 2)
-}
-
-fn pair_t() -> Vec<usize> {
-    PAIRS.iter().map(|p| p.0).collect()
-}
-fn pair_j() -> Vec<usize> {
-    PAIRS.iter().map(|p| p.1).collect()
+/// Pads axis 2 of `[N, 16, 4 - d, K]` back to 4 rows: `low` zero rows before, the rest after.
+fn pad_rows(b: &mut FnBuilder, x: Value, low: i64) -> Result<Value> {
+    let zero = b.constant_f32(0.0, f32t(&[]))?;
+    let high = B4 - x.dims()[2] - low;
+    b.pad(x, zero, &[0, 0, low, 0], &[0, 0, high, 0], &[0, 0, 0, 0])
 }
 
 /// `M[t, j] = sum_i x_t[i] y_j[i] exp(G_t[i] - G_j[i])` for `j <= t` (`j < t` for the second
@@ -361,22 +349,27 @@ pub fn grams(b: &mut FnBuilder, dc: &Decay, xs: [Value; 2], y: Value) -> Result<
     let off2 = b.concatenate(&off2, 2)?; // [N, 4, 3, 8, 16]
                                          // Level 3: the pairs of the 4x4 tiles, elementwise, and the diagonal.
     let y4 = b.reshape(y, &[n, NB * NB, B4, k])?;
-    let yj = tile_rows(b, y4, &pair_j())?;
-    let yd = b.mul(yj, dc.pair)?; // [N, 16, 6, K]
     let mut out = Vec::new();
     for (i, &x) in xs.iter().enumerate() {
         let i = i as i64;
         let x4 = b.reshape(x, &[n, NB * NB, B4, k])?;
-        let xt = tile_rows(b, x4, &pair_t())?;
-        let p = b.mul(xt, yd)?;
-        let pv = b.reduce_sum(p, &[3])?; // [N, 16, 6]
+        let mut subs = Vec::new();
+        for d in 1..B4 {
+            // Entry (j + d, j): x_{j+d} y_j exp(g_{j+1} + .. + g_{j+d}), summed over K.
+            let xd = b.slice_axis(x4, 2, d, B4)?;
+            let yd = b.slice_axis(y4, 2, 0, B4 - d)?;
+            let f = sub_factor(b, dc, d)?;
+            let p = b.mul(xd, yd)?;
+            let p = b.mul(p, f)?;
+            subs.push(b.reduce_sum(p, &[3])?); // [N, 16, 4 - d]
+        }
         let diag = if i == 0 {
             let d = b.mul(x4, y4)?;
             Some(b.reduce_sum(d, &[3])?) // [N, 16, 4]
         } else {
             None
         };
-        let t4 = tile_matrix(b, pv, diag)?;
+        let t4 = tiles_from_diagonals(b, diag, &[subs[0], subs[1], subs[2]])?;
         let t4 = b.reshape(t4, &[n, NB, NB, B4, B4])?;
         let o2 = b.slice_axis(off2, 3, 4 * i, 4 * i + 4)?; // [N, 4, 3, 4, 16]
         let o2 = with_zero_first(b, o2, 2)?; // [N, 4, 16, 16]
@@ -427,8 +420,13 @@ pub fn row_sides(b: &mut FnBuilder, dc: &Decay, mats: &[Value], x: Value) -> Res
     let r2 = b.concatenate(&r2, 2)?; // [N, 4, 3, 4m, K]
                                      // Level 3.
     let x4 = b.reshape(x, &[n, NB * NB, B4, k])?;
-    let xj = tile_rows(b, x4, &pair_j())?;
-    let xe = b.mul(xj, dc.pair)?; // [N, 16, 6, K]
+    // x_j exp(g_{j+1} + .. + g_{j+d}) for every sub-diagonal d.
+    let mut xe = Vec::new();
+    for d in 1..B4 {
+        let xj = b.slice_axis(x4, 2, 0, B4 - d)?;
+        let f = sub_factor(b, dc, d)?;
+        xe.push(b.mul(xj, f)?); // [N, 16, 4 - d, K]
+    }
     let mut out = Vec::new();
     for (i, d16) in d16s.into_iter().enumerate() {
         let i = i as i64;
@@ -440,12 +438,15 @@ pub fn row_sides(b: &mut FnBuilder, dc: &Decay, mats: &[Value], x: Value) -> Res
         let t2 = with_zero_first(b, t, 2)?; // [N, 4, 16, K]
         let t2 = b.reshape(t2, &[n, C, k])?;
         let d4 = diag_tiles4(b, d16)?;
-        let (dp, dd) = tile_entries(b, d4)?;
-        let dp = b.broadcast_in_dim(dp, xe.dims(), &[0, 1, 2])?;
-        let terms = b.mul(dp, xe)?;
-        let dd = b.broadcast_in_dim(dd, x4.dims(), &[0, 1, 2])?;
-        let dterm = b.mul(dd, x4)?;
-        let t3 = fold_pairs(b, terms, dterm, true)?;
+        let (dd, subs) = tile_diagonals(b, d4)?;
+        let dd = over_k(b, dd, x4.dims())?;
+        let mut t3 = b.mul(dd, x4)?;
+        for (d, (&m, &xd)) in subs.iter().zip(&xe).enumerate() {
+            let m = over_k(b, m, xd.dims())?;
+            let term = b.mul(m, xd)?; // lands on row j + d
+            let term = pad_rows(b, term, d as i64 + 1)?;
+            t3 = b.add(t3, term)?;
+        }
         let t3 = b.reshape(t3, &[n, C, k])?;
         let s = b.add(t1, t2)?;
         out.push(b.add(s, t3)?);
@@ -510,15 +511,20 @@ pub fn col_side_sum(b: &mut FnBuilder, dc: &Decay, pairs: &[(Value, Value)]) -> 
     let mut t3: Option<Value> = None;
     for (&d16, &(_, y)) in d16s.iter().zip(pairs) {
         let y4 = b.reshape(y, &[n, NB * NB, B4, k])?;
-        let yt = tile_rows(b, y4, &pair_t())?;
         let d4 = diag_tiles4(b, d16)?;
-        let (dp, dd) = tile_entries(b, d4)?;
-        let dp = b.broadcast_in_dim(dp, yt.dims(), &[0, 1, 2])?;
-        let terms = b.mul(dp, yt)?;
-        let terms = b.mul(terms, dc.pair)?;
-        let dd = b.broadcast_in_dim(dd, y4.dims(), &[0, 1, 2])?;
-        let dterm = b.mul(dd, y4)?;
-        let s = fold_pairs(b, terms, dterm, false)?;
+        let (dd, subs) = tile_diagonals(b, d4)?;
+        let dd = over_k(b, dd, y4.dims())?;
+        let mut s = b.mul(dd, y4)?;
+        for (d, &m) in subs.iter().enumerate() {
+            let d = d as i64 + 1;
+            let yt = b.slice_axis(y4, 2, d, B4)?; // row j + d
+            let f = sub_factor(b, dc, d)?;
+            let m = over_k(b, m, yt.dims())?;
+            let term = b.mul(m, yt)?;
+            let term = b.mul(term, f)?; // lands on column j
+            let term = pad_rows(b, term, 0)?;
+            s = b.add(s, term)?;
+        }
         t3 = Some(match t3 {
             Some(a) => b.add(a, s)?,
             None => s,
