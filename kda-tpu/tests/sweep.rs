@@ -1,7 +1,8 @@
 //! The testkit's regression sweep on the PJRT backend: 10 shapes x 4 gate modes x 2 dtypes x
 //! 4 backward variants = 320 points, each its own test (so `cargo xtask test --shard i/n`
 //! spreads them), each a forward+VJP checked against `kda-ref` at the spec's targets. The fused
-//! programs run in slabs of `TPU_SLAB` chunk positions, as on a TPU.
+//! programs run in slabs of `TPU_SLAB` chunk positions, as on a TPU; so does the forward alone
+//! on a few cases of the shared table (`forward_tpu_configuration`).
 
 use kda_core::DType;
 use kda_testkit::sweep::{self, SweepGate as G, SweepShape as S, SweepVariant as V};
@@ -34,5 +35,29 @@ fn point(
     match sweep::run(&backend, shape, gate, dtype, variant) {
         Ok(report) => eprint!("{report}"),
         Err(failure) => panic!("sweep failure:\n{failure}"),
+    }
+}
+
+/// The forward program alone in the TPU configuration (the CPU configuration forms the outputs
+/// inside the recurrence; this one keeps them chunk-parallel), against the reference.
+#[rstest]
+fn forward_tpu_configuration(
+    #[values(
+        "fixed_batch_first_b2",
+        "k129_v127",
+        "hard_reset",
+        "gate_lower_bound_l2norm",
+        "packed_lengths_1_63_64_65_0",
+        "packed_segment_ids"
+    )]
+    case: &str,
+    #[values(DType::F32, DType::BF16)] dtype: DType,
+) {
+    let backend = kda_tpu::PjrtBackend::new()
+        .expect("PJRT plugin (run `cargo xtask setup`)")
+        .with_slab(kda_tpu::kernels::TPU_SLAB);
+    match kda_testkit::conformance::forward(&backend, case, dtype) {
+        Ok(report) => eprint!("{report}"),
+        Err(failure) => panic!("forward failure:\n{failure}"),
     }
 }

@@ -53,6 +53,7 @@ pub struct KernelSpec {
     /// Fused programs: chunk positions per slab (0: all chunks at once). With slabs the fused
     /// forward+VJP runs its chunk-parallel work slab by slab inside the recurrence loops, so
     /// only one slab's intermediates are live at a time (see `programs::fused_program`).
+    /// 0 also selects the CPU form of the forward alone (outputs formed inside the recurrence).
     pub slab: usize,
 }
 
