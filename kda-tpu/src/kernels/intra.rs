@@ -50,12 +50,11 @@ pub fn chunk_terms(
     let kg = b.mul(k, dc.eg_rest)?;
     let bv = b.mul_bcast(v, beta)?;
     let bk = b.mul_bcast(keg, beta)?;
-    let vd = v.dims()[2];
-    let rhs = b.concatenate(&[bv, bk], 2)?;
     let a = super::solve::unit_lower_inverse(b, l)?;
-    let x = b.batch_matmul(a, rhs, false, false)?;
-    let u = super::ops::last_axis(b, x, 0, vd)?;
-    let w = super::ops::last_axis(b, x, vd, x.dims()[2])?;
+    // Two products rather than one over [bv | bk]: the concatenation and the slices after it
+    // would each write another copy.
+    let u = b.batch_matmul(a, bv, false, false)?;
+    let w = b.batch_matmul(a, bk, false, false)?;
     Ok(ChunkTerms { dc, aqk, kk, a, u, w, qg, keg, kg })
 }
 

@@ -68,11 +68,6 @@ pub fn sum_last_keep(b: &mut FnBuilder, x: Value) -> Result<Value> {
     b.reshape(s, &dims)
 }
 
-/// `x[..., start:limit]` on the last axis.
-pub fn last_axis(b: &mut FnBuilder, x: Value, start: i64, limit: i64) -> Result<Value> {
-    b.slice_axis(x, x.rank() - 1, start, limit)
-}
-
 /// Element `i` of a 1-D i32 vector as a scalar.
 pub fn element(b: &mut FnBuilder, v: Value, i: Value) -> Result<Value> {
     let s = b.dynamic_slice(v, &[i], &[1])?;

@@ -243,11 +243,10 @@ fn chunk_grads(
     // Through the WY solve: u = A (beta v), w = A (beta k exp(G)), v_new = u - w S0.
     let dw = b.batch_matmul(dvn, h, false, true)?;
     let dw = b.neg(dw)?;
-    let rhs = b.concatenate(&[dvn, dw], 2)?;
-    let xs = b.batch_matmul(ct.a, rhs, true, false)?; // A^T [du | dw]
-    let vd = s.v as i64;
-    let xu = super::ops::last_axis(b, xs, 0, vd)?;
-    let xw = super::ops::last_axis(b, xs, vd, vd + s.k as i64)?;
+    // A^T du and A^T dw as two products: one over the concatenation would write both operands
+    // and the result once more, only to slice them apart.
+    let xu = b.batch_matmul(ct.a, dvn, true, false)?;
+    let xw = b.batch_matmul(ct.a, dw, true, false)?;
     let dv = b.mul_bcast(xu, beta)?;
     let db1 = rowdot(b, xu, v)?;
     let db2 = rowdot(b, xw, ct.keg)?;
