@@ -358,18 +358,30 @@ fn finish(mut f: FnBuilder, outs: &[Value]) -> Result<String> {
 }
 
 /// The forward program. Outputs: `o`, `[final_state]`, and `h` `[L, NT, K, V]` when `keep_h`.
+/// With slabs (`s.slab`, the TPU configuration) it runs as [`forward_slabs`]; otherwise the
+/// chunk terms are computed for all chunks at once.
 pub fn forward_program(s: &KernelSpec, keep_h: bool) -> Result<String> {
     let mut f = FnBuilder::new("main", true);
     f.set_dot_precision(crate::hlo::Precision::Highest);
     let a = declare(&mut f, s)?;
     let w = working(&mut f, s, &a)?;
-
+    if s.slab > 0 && s.slab < s.chunks() {
+        // The TPU configuration: slab by slab, one slab's intermediates live at a time.
+        let sl = Slabs::new(&mut f, s, &a, &w)?;
+        let keep = if keep_h { SlabKeep::States } else { SlabKeep::Nothing };
+        let fwd = forward_slabs(&mut f, s, &a, &sl, keep)?;
+        let mut outs = vec![fwd.o];
+        outs.extend(fwd.final_state);
+        if let Some(&h) = fwd.kept.first() {
+            outs.push(f.slice_axis(h, 1, 0, s.chunks() as i64)?);
+        }
+        return finish(f, &outs);
+    }
     let ct = chunk_terms(&mut f, w.qc, w.kc, w.vc, w.gc, w.betac, s.scale as f32)?;
-    if !keep_h && s.slab == 0 {
+    if !keep_h {
         // The forward alone on the CPU configuration: outputs formed inside the recurrence, no
-        // per-chunk states kept (about 1 ms and 9 MB of scratch less on the CPU plugin). The
-        // TPU configuration (slabs) keeps the chunk-parallel output: on tpu7x the in-loop form
-        // raises the fixed-length peak from 49 to 57 MB.
+        // per-chunk states kept (about 1 ms and 9 MB of scratch less on the CPU plugin; on
+        // tpu7x this form raised the peak, and the TPU configuration runs in slabs instead).
         let h0 = state_tab(&mut f, s, a.h0)?;
         let run = run_output(&mut f, s, a.tables, h0, &ct, s.scale as f32)?;
         let o = prep::from_chunks(&mut f, s, run.o, a.token_slot)?;
@@ -489,70 +501,115 @@ fn put_slab(b: &mut FnBuilder, all: Value, off: Value, x: Value) -> Result<Value
     b.dynamic_update_slice(all, x, &idx)
 }
 
-/// The fused forward+VJP in slabs of `s.slab` chunk positions: the forward loop computes each
-/// slab's chunk terms, runs the state recurrence through it and writes its outputs; the reverse
-/// loop recomputes the slab's chunk terms, runs the `dh` recurrence through it and writes its
-/// chunk gradients. Only one slab's intermediates are live at a time; saved-state keeps `h` and
-/// `v_new` per chunk, remat only the state at each slab boundary and re-runs the slab.
-fn fused_slabs(
+/// The chunk inputs and tables of a program run in slabs of `p` chunk positions, padded with
+/// zero chunks (and zero table entries) up to `ntp = ns * p`.
+struct Slabs {
+    p: i64,
+    ns: i64,
+    ntp: i64,
+    /// `q k v g beta` chunks, `[L, NTP, C, D]`.
+    chunks: Vec<Value>,
+    tabs: ChunkTables,
+}
+
+impl Slabs {
+    fn new(b: &mut FnBuilder, s: &KernelSpec, a: &Args, w: &Working) -> Result<Slabs> {
+        let nt = s.chunks() as i64;
+        let p = s.slab as i64;
+        let ns = (nt + p - 1) / p;
+        let ntp = ns * p;
+        let chunks: Vec<Value> = [w.qc, w.kc, w.vc, w.gc, w.betac]
+            .iter()
+            .map(|&x| lanes_padded(b, s, x, ntp))
+            .collect::<Result<_>>()?;
+        let pad_tab = |b: &mut FnBuilder, x: Value| -> Result<Value> {
+            let z = b.constant_i32(0, TensorType::new(ElemType::I32, &[]))?;
+            b.pad(x, z, &[0], &[ntp - nt], &[0])
+        };
+        let tabs = ChunkTables {
+            first: pad_tab(b, a.tables.first)?,
+            last: pad_tab(b, a.tables.last)?,
+            slot: pad_tab(b, a.tables.slot)?,
+        };
+        Ok(Slabs { p, ns, ntp, chunks, tabs })
+    }
+
+    /// The tables of the slab starting at chunk position `off`.
+    fn tabs_at(&self, b: &mut FnBuilder, off: Value) -> Result<ChunkTables> {
+        let p = self.p;
+        Ok(ChunkTables {
+            first: b.dynamic_slice(self.tabs.first, &[off], &[p])?,
+            last: b.dynamic_slice(self.tabs.last, &[off], &[p])?,
+            slot: b.dynamic_slice(self.tabs.slot, &[off], &[p])?,
+        })
+    }
+
+    /// The chunk terms of the slab at `off`, with its flat `q k v g beta` chunks.
+    fn terms_at(&self, b: &mut FnBuilder, off: Value, scale: f32) -> Result<(ChunkTerms, [Value; 5])> {
+        let x: Vec<Value> =
+            self.chunks.iter().map(|&x| slab_of(b, x, off, self.p, true)).collect::<Result<_>>()?;
+        let ct = chunk_terms(b, x[0], x[1], x[2], x[3], x[4], scale)?;
+        Ok((ct, [x[0], x[1], x[2], x[3], x[4]]))
+    }
+
+    /// The first chunk position of slab `i`.
+    fn offset(&self, b: &mut FnBuilder, i: Value) -> Result<Value> {
+        let pc = b.scalar_i32(self.p as i32)?;
+        b.mul(i, pc)
+    }
+}
+
+/// What the slab forward keeps for a backward.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum SlabKeep {
+    /// Nothing (the forward alone).
+    Nothing,
+    /// The state entering every chunk (the saved-state residual of the forward program).
+    States,
+    /// The state entering every chunk and `v_new` (the fused saved-state backward).
+    StatesAndVNew,
+    /// The state entering every slab (the fused remat backward re-runs each slab from it).
+    SlabStarts,
+}
+
+/// Results of the slab forward; kept tensors are `[L, NTP, ..]` (`[L, NS, K, V]` for starts).
+struct SlabForward {
+    /// `o` in the caller's layout and dtype.
+    o: Value,
+    final_state: Option<Value>,
+    kept: Vec<Value>,
+}
+
+/// The forward in slabs of `s.slab` chunk positions: each loop step computes one slab's chunk
+/// terms, runs the state recurrence through it and writes its outputs, so only one slab's
+/// intermediates are live at a time.
+fn forward_slabs(
     b: &mut FnBuilder,
     s: &KernelSpec,
     a: &Args,
-    w: &Working,
-    strategy: BackwardStrategy,
-    (d_o, dht): (Value, Option<Value>),
-) -> Result<Vec<Value>> {
+    sl: &Slabs,
+    keep: SlabKeep,
+) -> Result<SlabForward> {
     let (l, nt, k, v, c) = (s.lanes() as i64, s.chunks() as i64, s.k as i64, s.v as i64, CHUNK as i64);
-    let p = s.slab as i64;
-    let ns = (nt + p - 1) / p;
-    let ntp = ns * p;
+    let (p, ntp) = (sl.p, sl.ntp);
     let scale = s.scale as f32;
-    let chunks: Vec<Value> = [w.qc, w.kc, w.vc, w.gc, w.betac]
-        .iter()
-        .map(|&x| lanes_padded(b, s, x, ntp))
-        .collect::<Result<_>>()?;
-    let doh = prep::head_first(b, s, d_o)?;
-    let doc = flat_chunks(b, s, doh, a.slot_token)?;
-    let doc = lanes_padded(b, s, doc, ntp)?;
-    let pad_tab = |b: &mut FnBuilder, x: Value| -> Result<Value> {
-        let z = b.constant_i32(0, TensorType::new(ElemType::I32, &[]))?;
-        b.pad(x, z, &[0], &[ntp - nt], &[0])
-    };
-    let tabs = ChunkTables {
-        first: pad_tab(b, a.tables.first)?,
-        last: pad_tab(b, a.tables.last)?,
-        slot: pad_tab(b, a.tables.slot)?,
-    };
-    let slab_tabs = |b: &mut FnBuilder, off: Value| -> Result<ChunkTables> {
-        Ok(ChunkTables {
-            first: b.dynamic_slice(tabs.first, &[off], &[p])?,
-            last: b.dynamic_slice(tabs.last, &[off], &[p])?,
-            slot: b.dynamic_slice(tabs.slot, &[off], &[p])?,
-        })
-    };
-    let terms = |b: &mut FnBuilder, off: Value| -> Result<(ChunkTerms, [Value; 5])> {
-        let x: Vec<Value> = chunks.iter().map(|&x| slab_of(b, x, off, p, true)).collect::<Result<_>>()?;
-        let ct = chunk_terms(b, x[0], x[1], x[2], x[3], x[4], scale)?;
-        Ok((ct, [x[0], x[1], x[2], x[3], x[4]]))
-    };
     let h0_tab = state_tab(b, s, a.h0)?;
-    let dht_tab = state_tab(b, s, dht)?;
-    let saved = strategy == BackwardStrategy::SavedState;
-    // Forward, slab by slab.
     let s0 = splat(b, 0.0, &[l, k, v])?;
     let o_all = splat(b, 0.0, &[l, ntp, c, v])?;
-    let keep = if saved {
-        vec![splat(b, 0.0, &[l, ntp, k, v])?, splat(b, 0.0, &[l, ntp, c, v])?]
-    } else {
-        vec![splat(b, 0.0, &[l, ns, k, v])?]
-    };
     let mut init = vec![s0, h0_tab, o_all];
-    init.extend(keep.iter().copied());
-    let fwd = b.for_loop(ns as i32, &init, |b, i, st| {
-        let pc = b.scalar_i32(p as i32)?;
-        let off = b.mul(i, pc)?;
-        let (ct, _) = terms(b, off)?;
-        let t = slab_tabs(b, off)?;
+    match keep {
+        SlabKeep::Nothing => {}
+        SlabKeep::States => init.push(splat(b, 0.0, &[l, ntp, k, v])?),
+        SlabKeep::StatesAndVNew => {
+            init.push(splat(b, 0.0, &[l, ntp, k, v])?);
+            init.push(splat(b, 0.0, &[l, ntp, c, v])?);
+        }
+        SlabKeep::SlabStarts => init.push(splat(b, 0.0, &[l, sl.ns, k, v])?),
+    }
+    let fwd = b.for_loop(sl.ns as i32, &init, |b, i, st| {
+        let off = sl.offset(b, i)?;
+        let (ct, _) = sl.terms_at(b, off, scale)?;
+        let t = sl.tabs_at(b, off)?;
         let run = run_states_window(b, s, p, t, h0_tab, (st[0], st[1]), &ct)?;
         let hf = flat(b, run.h)?;
         let vf = flat(b, run.v_new)?;
@@ -562,21 +619,54 @@ fn fused_slabs(
         let o = b.add(inter, intra)?;
         let o_all = put_slab(b, st[2], off, o)?;
         let mut next = vec![run.last, run.final_tab, o_all];
-        if saved {
-            next.push(put_slab(b, st[3], off, run.h)?);
-            next.push(put_slab(b, st[4], off, run.v_new)?);
-        } else {
-            let one = unit1(b, st[0])?;
-            next.push(put_slab(b, st[3], i, one)?);
+        match keep {
+            SlabKeep::Nothing => {}
+            SlabKeep::States => next.push(put_slab(b, st[3], off, run.h)?),
+            SlabKeep::StatesAndVNew => {
+                next.push(put_slab(b, st[3], off, run.h)?);
+                next.push(put_slab(b, st[4], off, run.v_new)?);
+            }
+            SlabKeep::SlabStarts => {
+                let one = unit1(b, st[0])?;
+                next.push(put_slab(b, st[3], i, one)?);
+            }
         }
         Ok(next)
     })?;
     let o = b.slice_axis(fwd[2], 1, 0, nt)?;
     let o = prep::from_chunks(b, s, o, a.token_slot)?;
-    let mut outs = vec![prep::to_caller(b, s, o, prep::elem(s.dtype))?];
-    if s.final_state {
-        outs.push(prep::state_from_table(b, s, fwd[1])?);
-    }
+    let o = prep::to_caller(b, s, o, prep::elem(s.dtype))?;
+    let final_state = if s.final_state { Some(prep::state_from_table(b, s, fwd[1])?) } else { None };
+    Ok(SlabForward { o, final_state, kept: fwd[3..].to_vec() })
+}
+
+/// The fused forward+VJP in slabs of `s.slab` chunk positions: [`forward_slabs`], then the
+/// reverse loop recomputes each slab's chunk terms, runs the `dh` recurrence through it and
+/// writes its chunk gradients. Saved-state keeps `h` and `v_new` per chunk, remat only the state
+/// at each slab boundary and re-runs the slab.
+fn fused_slabs(
+    b: &mut FnBuilder,
+    s: &KernelSpec,
+    a: &Args,
+    w: &Working,
+    strategy: BackwardStrategy,
+    (d_o, dht): (Value, Option<Value>),
+) -> Result<Vec<Value>> {
+    let (l, nt, k, v, c) = (s.lanes() as i64, s.chunks() as i64, s.k as i64, s.v as i64, CHUNK as i64);
+    let sl = Slabs::new(b, s, a, w)?;
+    let (p, ns, ntp) = (sl.p, sl.ns, sl.ntp);
+    let scale = s.scale as f32;
+    let doh = prep::head_first(b, s, d_o)?;
+    let doc = flat_chunks(b, s, doh, a.slot_token)?;
+    let doc = lanes_padded(b, s, doc, ntp)?;
+    let h0_tab = state_tab(b, s, a.h0)?;
+    let dht_tab = state_tab(b, s, dht)?;
+    let saved = strategy == BackwardStrategy::SavedState;
+    let keep = if saved { SlabKeep::StatesAndVNew } else { SlabKeep::SlabStarts };
+    let fwd = forward_slabs(b, s, a, &sl, keep)?;
+    let mut outs = vec![fwd.o];
+    outs.extend(fwd.final_state);
+    let kept = fwd.kept;
     // Backward, slab by slab in reverse.
     let d0 = splat(b, 0.0, &[l, k, v])?;
     let acc = |b: &mut FnBuilder, d: i64| splat(b, 0.0, &[l, ntp, c, d]);
@@ -584,14 +674,13 @@ fn fused_slabs(
     let bwd = b.for_loop(ns as i32, &init, |b, j, st| {
         let last = b.scalar_i32(ns as i32 - 1)?;
         let i = b.sub(last, j)?;
-        let pc = b.scalar_i32(p as i32)?;
-        let off = b.mul(i, pc)?;
-        let (ct, x) = terms(b, off)?;
-        let t = slab_tabs(b, off)?;
+        let off = sl.offset(b, i)?;
+        let (ct, x) = sl.terms_at(b, off, scale)?;
+        let t = sl.tabs_at(b, off)?;
         let (h_s, vn_s) = if saved {
-            (slab_of(b, fwd[3], off, p, false)?, slab_of(b, fwd[4], off, p, false)?)
+            (slab_of(b, kept[0], off, p, false)?, slab_of(b, kept[1], off, p, false)?)
         } else {
-            let start = slab_of(b, fwd[3], i, 1, false)?;
+            let start = slab_of(b, kept[0], i, 1, false)?;
             let start = b.reshape(start, &[l, k, v])?;
             let run = run_states_window(b, s, p, t, h0_tab, (start, h0_tab), &ct)?;
             (run.h, run.v_new)
