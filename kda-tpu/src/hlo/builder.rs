@@ -36,6 +36,8 @@ pub struct FnBuilder {
     pub(crate) results: Option<Vec<TensorType>>,
     precision: Precision,
     pub(crate) calls: Vec<CallRecord>,
+    /// Scratch buffers made so far ([`FnBuilder::scratch_f32`]).
+    scratch: u32,
 }
 
 impl FnBuilder {
@@ -54,6 +56,7 @@ impl FnBuilder {
             results: None,
             precision: Precision::Default,
             calls: Vec::new(),
+            scratch: 0,
         }
     }
 
@@ -65,6 +68,15 @@ impl FnBuilder {
     /// Precision emitted on every later `dot_general` (use `Highest` for f32 accuracy on TPU).
     pub fn set_dot_precision(&mut self, precision: Precision) {
         self.precision = precision;
+    }
+
+    /// An f32 tensor the caller overwrites entirely before reading it (a loop-carried output).
+    /// Each one is filled with its own value (1, 2, ..), so XLA's CSE cannot merge two of them
+    /// into one buffer that every loop updating it in place would then have to copy first.
+    pub fn scratch_f32(&mut self, dims: &[i64]) -> Result<Value> {
+        self.scratch += 1;
+        let fill = self.scratch as f32;
+        self.constant_f32(fill, TensorType::new(super::types::ElemType::F32, dims))
     }
 
     /// The precision `dot_general` currently emits.

@@ -42,6 +42,18 @@ impl FnBuilder {
         self.push_op(op, "stablehlo.while", init, &[cond_text, body_text], "", &types)
     }
 
+    /// `stablehlo.optimization_barrier`: returns `values` unchanged, but the compiler may not move
+    /// computation across it. Used to make XLA materialise a sum once instead of keeping (and
+    /// storing) each of its terms for several consumers.
+    pub fn barrier(&mut self, values: &[Value]) -> Result<Vec<Value>> {
+        let op = "barrier";
+        if values.is_empty() {
+            return Err(err(op, "no values"));
+        }
+        let types: Vec<TensorType> = values.iter().map(Value::ty).collect();
+        self.push_op(op, "stablehlo.optimization_barrier", values, &[], "", &types)
+    }
+
     /// Counted loop `for i in 0..trips`: `body(b, i, values)` gets the i32 scalar counter and
     /// returns the next values (same types as `init`). Returns the final values.
     pub fn for_loop<B>(&mut self, trips: i32, init: &[Value], body: B) -> Result<Vec<Value>>

@@ -197,3 +197,38 @@ fn scoping_and_function_errors() -> Result<()> {
     assert_err(b.ret(&[x, x]).and_then(|_| b.ret(&[x])), "ret", "already returned");
     Ok(())
 }
+
+#[test]
+fn barrier_text_returns_every_value() -> Result<()> {
+    let mut b = FnBuilder::new("main", true);
+    let x = b.arg(f32t(&[2]))?;
+    let y = b.arg(f32t(&[3]))?;
+    let out = b.barrier(&[x, y])?;
+    assert_eq!(out.iter().map(|v| v.dims().to_vec()).collect::<Vec<_>>(), vec![vec![2], vec![3]]);
+    b.ret(&out)?;
+    let t = text_of(b);
+    assert!(
+        t.contains("%2:2 = \"stablehlo.optimization_barrier\"(%0, %1) : (tensor<2xf32>, tensor<3xf32>) -> (tensor<2xf32>, tensor<3xf32>)"),
+        "{t}"
+    );
+    assert!(t.contains("\"func.return\"(%2#0, %2#1)"), "{t}");
+    Ok(())
+}
+
+#[test]
+fn barrier_of_nothing_is_an_error() {
+    let mut b = FnBuilder::new("main", true);
+    assert_err(b.barrier(&[]), "barrier", "no values");
+}
+
+#[test]
+fn scratch_buffers_get_distinct_fills() -> Result<()> {
+    let mut b = FnBuilder::new("main", true);
+    let s1 = b.scratch_f32(&[4, 2])?;
+    let s2 = b.scratch_f32(&[4, 2])?;
+    b.ret(&[s1, s2])?;
+    let t = text_of(b);
+    assert!(t.contains("dense<1.0e0> : tensor<4x2xf32>"), "{t}");
+    assert!(t.contains("dense<2.0e0> : tensor<4x2xf32>"), "{t}");
+    Ok(())
+}

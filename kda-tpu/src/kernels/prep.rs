@@ -178,7 +178,7 @@ pub fn to_chunks(b: &mut FnBuilder, s: &KernelSpec, x: Value, slot_token: Option
         Some(idx) => {
             let x = b.reshape(x, &[h, bb * t, d])?;
             let x = b.pad(x, zero, &[0, 0, 0], &[0, 1, 0], &[0, 0, 0])?;
-            let x = b.gather_axis(x, 1, idx)?;
+            let x = head_rows(b, x, idx)?;
             b.reshape(x, &[l, nt, c, d])
         }
     }
@@ -200,10 +200,29 @@ pub fn from_chunks(b: &mut FnBuilder, s: &KernelSpec, y: Value, token_slot: Opti
             let zero = b.constant_f32(0.0, f32t(&[]))?;
             let y = b.reshape(y, &[h, nt * c, d])?;
             let y = b.pad(y, zero, &[0, 0, 0], &[0, 1, 0], &[0, 0, 0])?;
-            let y = b.gather_axis(y, 1, idx)?;
+            let y = head_rows(b, y, idx)?;
             b.reshape(y, &[h, bb, t, d])
         }
     }
+}
+
+/// Rows `idx[m]` of every head of `x` `[H, R, D]`: `[H * M, D]`. Gathered as rows of the
+/// flattened `[H * R, D]` with indices `h * R + idx[m]`, so the result comes out head-major
+/// as the kernels want it (gathering along axis 1 of `[H, R, D]` makes XLA's canonical gather
+/// write `[M, H, D]` and transpose it afterwards, once per consumer).
+fn head_rows(b: &mut FnBuilder, x: Value, idx: Value) -> Result<Value> {
+    let (h, r, d) = (x.dims()[0], x.dims()[1], x.dims()[2]);
+    let m = idx.dims()[0];
+    let i32t = |dims: &[i64]| crate::hlo::TensorType::new(ElemType::I32, dims);
+    let head = b.iota(i32t(&[h, m]), 0)?;
+    let rows = b.constant_i32(r as i32, i32t(&[]))?;
+    let rows = b.broadcast_in_dim(rows, &[h, m], &[])?;
+    let base = b.mul(head, rows)?;
+    let at = b.broadcast_in_dim(idx, &[h, m], &[1])?;
+    let at = b.add(base, at)?;
+    let at = b.reshape(at, &[h * m])?;
+    let flat = b.reshape(x, &[h * r, d])?;
+    b.gather_axis(flat, 0, at)
 }
 
 /// States `[B, N, H, K, V]` to the per-lane table `[L, slots, K, V]`.

@@ -271,8 +271,11 @@ fn chunk_grads(
     let m1 = b.mul_const(m1, scale)?;
     let m2 = b.mul_bcast(dl, beta)?;
     let rs = row_sides(b, dc, &[m1, m2], k)?;
-    let (r1, r2) = (rs[0], rs[1]);
     let cc = col_side_sum(b, dc, &[(m1, q), (m2, k)])?;
+    // Each side is a sum of a dozen padded tile terms and has two consumers (dq or dk, and the
+    // gate gradient): without the barrier XLA stores every term for both instead of the sums.
+    let sides = b.barrier(&[rs[0], rs[1], cc])?;
+    let (r1, r2, cc) = (sides[0], sides[1], sides[2]);
     dq = b.add(dq, r1)?;
     dk = b.add(dk, r2)?;
     dk = b.add(dk, cc)?;
@@ -595,16 +598,16 @@ fn forward_slabs(
     let scale = s.scale as f32;
     let h0_tab = state_tab(b, s, a.h0)?;
     let s0 = splat(b, 0.0, &[l, k, v])?;
-    let o_all = splat(b, 0.0, &[l, ntp, c, v])?;
+    let o_all = b.scratch_f32(&[l, ntp, c, v])?;
     let mut init = vec![s0, h0_tab, o_all];
     match keep {
         SlabKeep::Nothing => {}
-        SlabKeep::States => init.push(splat(b, 0.0, &[l, ntp, k, v])?),
+        SlabKeep::States => init.push(b.scratch_f32(&[l, ntp, k, v])?),
         SlabKeep::StatesAndVNew => {
-            init.push(splat(b, 0.0, &[l, ntp, k, v])?);
-            init.push(splat(b, 0.0, &[l, ntp, c, v])?);
+            init.push(b.scratch_f32(&[l, ntp, k, v])?);
+            init.push(b.scratch_f32(&[l, ntp, c, v])?);
         }
-        SlabKeep::SlabStarts => init.push(splat(b, 0.0, &[l, sl.ns, k, v])?),
+        SlabKeep::SlabStarts => init.push(b.scratch_f32(&[l, sl.ns, k, v])?),
     }
     let fwd = b.for_loop(sl.ns as i32, &init, |b, i, st| {
         let off = sl.offset(b, i)?;
@@ -669,7 +672,7 @@ fn fused_slabs(
     let kept = fwd.kept;
     // Backward, slab by slab in reverse.
     let d0 = splat(b, 0.0, &[l, k, v])?;
-    let acc = |b: &mut FnBuilder, d: i64| splat(b, 0.0, &[l, ntp, c, d]);
+    let acc = |b: &mut FnBuilder, d: i64| b.scratch_f32(&[l, ntp, c, d]);
     let init = vec![d0, dht_tab, acc(b, k)?, acc(b, k)?, acc(b, v)?, acc(b, k)?, acc(b, 1)?];
     let bwd = b.for_loop(ns as i32, &init, |b, j, st| {
         let last = b.scalar_i32(ns as i32 - 1)?;

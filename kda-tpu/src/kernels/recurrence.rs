@@ -67,8 +67,8 @@ pub fn run_states_window(
     let (l, k, v, c) = (s.lanes() as i64, s.k as i64, s.v as i64, CHUNK as i64);
     let (u, w, kg, el) =
         (lanes4(b, s, nt, u)?, lanes4(b, s, nt, w)?, lanes4(b, s, nt, kg)?, lanes4(b, s, nt, eg_last)?);
-    let h_all = splat(b, 0.0, &[l, nt, k, v])?;
-    let vn_all = splat(b, 0.0, &[l, nt, c, v])?;
+    let h_all = b.scratch_f32(&[l, nt, k, v])?;
+    let vn_all = b.scratch_f32(&[l, nt, c, v])?;
     let out = b.for_loop(nt as i32, &[s0, h_all, vn_all, fin0], |b, i, a| {
         let (st, h_all, vn_all, fin) = (a[0], a[1], a[2], a[3]);
         let st = entering_state(b, t, h0, i, st)?;
@@ -140,7 +140,7 @@ pub fn run_output(
     );
     let (qg, aqk) = (lanes4(b, s, nt, ct.qg)?, lanes4(b, s, nt, ct.aqk)?);
     let s0 = splat(b, 0.0, &[l, k, v])?;
-    let o_all = splat(b, 0.0, &[l, nt, c, v])?;
+    let o_all = b.scratch_f32(&[l, nt, c, v])?;
     let out = b.for_loop(nt as i32, &[s0, o_all, h0], |b, i, a| {
         let (st, o_all, fin) = (a[0], a[1], a[2]);
         let st = entering_state(b, t, h0, i, st)?;
@@ -209,8 +209,8 @@ pub fn run_grads_window(
         lanes4(b, s, nt, kg)?,
         lanes4(b, s, nt, eg_last)?,
     );
-    let dh_all = splat(b, 0.0, &[l, nt, k, v])?;
-    let dvn_all = splat(b, 0.0, &[l, nt, c, v])?;
+    let dh_all = b.scratch_f32(&[l, nt, k, v])?;
+    let dvn_all = b.scratch_f32(&[l, nt, c, v])?;
     let out = b.for_loop(nt as i32, &[d0, dh_all, dvn_all, dh0_init], |b, i, a| {
         let (ds, dh_all, dvn_all, dh0) = (a[0], a[1], a[2], a[3]);
         let top = b.scalar_i32(nt as i32 - 1)?;
