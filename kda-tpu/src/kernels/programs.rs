@@ -187,22 +187,22 @@ fn backward_core(
     (h, v_new): (Value, Value),
     (d_o, dht): (Value, Option<Value>),
 ) -> Result<Vec<Value>> {
-    let scale = s.scale as f32;
     let doh = prep::head_first(b, s, d_o)?;
     let doc = flat_chunks(b, s, doh, a.slot_token)?;
-    let (p1, p2) = dh_terms(b, ct, doc, scale)?;
+    let (p1, q2) = dh_terms(b, ct, doc)?;
     let dht_tab = state_tab(b, s, dht)?;
-    let run = run_grads(b, s, a.tables, dht_tab, (p1, p2), ct)?;
+    let run = run_grads(b, s, a.tables, dht_tab, (p1, q2), ct)?;
     let (h, dh, vn, dvn) = (flat(b, h)?, flat(b, run.dh)?, flat(b, v_new)?, flat(b, run.dv_new)?);
     let g = chunk_grads(b, s, [w.qc, w.kc, w.vc, w.betac], ct, [h, vn, dh, dvn], doc)?;
     finish_grads(b, s, a, w, g, run.dh0_tab)
 }
 
-/// The chunk-parallel terms of the `dh` recurrence: `Aqk^T dO` and `scale qg^T dO`.
-fn dh_terms(b: &mut FnBuilder, ct: &ChunkTerms, doc: Value, scale: f32) -> Result<(Value, Value)> {
+/// The chunk-parallel terms of the `dh` recurrence: `Aqk^T dO` and `qg^T dO` (the recurrence
+/// applies `scale` to the second where it reads it, so no scaled copy is stored).
+fn dh_terms(b: &mut FnBuilder, ct: &ChunkTerms, doc: Value) -> Result<(Value, Value)> {
     let p1 = b.batch_matmul(ct.aqk, doc, true, false)?;
-    let p2 = b.batch_matmul(ct.qg, doc, true, false)?;
-    Ok((p1, b.mul_const(p2, scale)?))
+    let q2 = b.batch_matmul(ct.qg, doc, true, false)?;
+    Ok((p1, q2))
 }
 
 /// Gradients of a batch of chunks in chunk layout `[N, C, D]` (`dg` already summed in-chunk).
@@ -689,8 +689,8 @@ fn fused_slabs(
             (run.h, run.v_new)
         };
         let do_s = slab_of(b, doc, off, p, true)?;
-        let (p1, p2) = dh_terms(b, &ct, do_s, scale)?;
-        let run = run_grads_window(b, s, p, t, dht_tab, (st[0], st[1]), (p1, p2), &ct)?;
+        let (p1, q2) = dh_terms(b, &ct, do_s)?;
+        let run = run_grads_window(b, s, p, t, dht_tab, (st[0], st[1]), (p1, q2), &ct)?;
         let fl = [flat(b, h_s)?, flat(b, vn_s)?, flat(b, run.dh)?, flat(b, run.dv_new)?];
         let g = chunk_grads(b, s, [x[0], x[1], x[2], x[4]], &ct, fl, do_s)?;
         Ok(vec![

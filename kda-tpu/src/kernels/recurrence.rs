@@ -172,8 +172,9 @@ pub struct GradRun {
     pub first: Value,
 }
 
-/// Runs `dh_prev = exp(G_last) dh + p2 - w^T dv_new`, `dv_new = p1 + kg dh` from the last chunk
-/// to the first, seeding `dh` from `dht` at each segment's last chunk (spec section 4, steps 1-2).
+/// Runs `dh_prev = exp(G_last) dh + scale q2 - w^T dv_new`, `dv_new = p1 + kg dh` from the last
+/// chunk to the first, seeding `dh` from `dht` at each segment's last chunk (spec section 4,
+/// steps 1-2), with `p = (p1, q2) = (Aqk^T dO, qg^T dO)` per chunk.
 pub fn run_grads(
     b: &mut FnBuilder,
     s: &KernelSpec,
@@ -188,7 +189,8 @@ pub fn run_grads(
 }
 
 /// [`run_grads`] over a window of `nt` chunks per lane, starting from the carried gradient and
-/// `dh0` table `(dh, dh0)`.
+/// `dh0` table `(dh, dh0)`. `p1` and `q2` are consumed: each chunk's entry is read just before
+/// `dv_new` and `dh` are written over it, so the two outputs need no buffers of their own.
 #[allow(clippy::too_many_arguments)]
 pub fn run_grads_window(
     b: &mut FnBuilder,
@@ -200,18 +202,18 @@ pub fn run_grads_window(
     p: (Value, Value),
     ct: &ChunkTerms,
 ) -> Result<GradRun> {
-    let (p1, p2, w, kg, eg_last) = (p.0, p.1, ct.w, ct.kg, ct.dc.eg_last);
-    let (l, k, v, c) = (s.lanes() as i64, s.k as i64, s.v as i64, CHUNK as i64);
-    let (p1, p2, w, kg, el) = (
+    let (p1, q2, w, kg, eg_last) = (p.0, p.1, ct.w, ct.kg, ct.dc.eg_last);
+    let (l, k, v) = (s.lanes() as i64, s.k as i64, s.v as i64);
+    let scale = s.scale as f32;
+    let (p1, q2, w, kg, el) = (
         lanes4(b, s, nt, p1)?,
-        lanes4(b, s, nt, p2)?,
+        lanes4(b, s, nt, q2)?,
         lanes4(b, s, nt, w)?,
         lanes4(b, s, nt, kg)?,
         lanes4(b, s, nt, eg_last)?,
     );
-    let dh_all = b.scratch_f32(&[l, nt, k, v])?;
-    let dvn_all = b.scratch_f32(&[l, nt, c, v])?;
-    let out = b.for_loop(nt as i32, &[d0, dh_all, dvn_all, dh0_init], |b, i, a| {
+    // dh is written over q2 ([L, NT, K, V]) and dv_new over p1 ([L, NT, C, V]).
+    let out = b.for_loop(nt as i32, &[d0, q2, p1, dh0_init], |b, i, a| {
         let (ds, dh_all, dvn_all, dh0) = (a[0], a[1], a[2], a[3]);
         let top = b.scalar_i32(nt as i32 - 1)?;
         let ci = b.sub(top, i)?;
@@ -220,20 +222,21 @@ pub fn run_grads_window(
         let slot = element(b, t.slot, ci)?;
         let seed = take(b, dht, 1, slot)?;
         let ds1 = choose(b, last, seed, ds)?;
-        let dh_all = put(b, dh_all, 1, ci, ds1)?;
-        let (p1c, p2c, wc, kgc, elc) = (
-            take(b, p1, 1, ci)?,
-            take(b, p2, 1, ci)?,
+        let (p1c, q2c, wc, kgc, elc) = (
+            take(b, dvn_all, 1, ci)?,
+            take(b, dh_all, 1, ci)?,
             take(b, w, 1, ci)?,
             take(b, kg, 1, ci)?,
             take(b, el, 1, ci)?,
         );
+        let dh_all = put(b, dh_all, 1, ci, ds1)?;
         let kd = b.batch_matmul(kgc, ds1, false, false)?;
         let dvn = b.add(p1c, kd)?;
         let dvn_all = put(b, dvn_all, 1, ci, dvn)?;
         let elb = b.broadcast_in_dim(elc, &[l, k, v], &[0, 1])?;
         let decayed = b.mul(elb, ds1)?;
         let wd = b.batch_matmul(wc, dvn, true, false)?;
+        let p2c = b.mul_const(q2c, scale)?;
         let prev = b.add(decayed, p2c)?;
         let prev = b.sub(prev, wd)?;
         let cur = take(b, dh0, 1, slot)?;
