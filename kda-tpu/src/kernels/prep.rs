@@ -32,19 +32,25 @@ pub fn beta_head_first(b: &mut FnBuilder, s: &KernelSpec, beta: Value) -> Result
     head_first(b, s, x)
 }
 
-/// Head-first `[H, B, T, D]` f32 back to the caller's layout and `dtype`.
+/// Head-first `[H, B, T, D]` f32 back to the caller's layout and `dtype`, as a program result:
+/// flat `[tokens, D]`, the same row-major bytes as the caller's 4-D shape (the backend downloads
+/// results with the API shape). A 4-D result with a unit axis (B = 1) made XLA give the last
+/// fusion a layout with that axis elsewhere and then copy the whole result into the standard one.
 pub fn to_caller(b: &mut FnBuilder, s: &KernelSpec, x: Value, dtype: ElemType) -> Result<Value> {
     let x = match s.layout {
         Layout::HeadFirst => x,
         Layout::BatchFirst => b.transpose(x, &[1, 2, 0, 3])?,
     };
-    Ok(if dtype == ElemType::F32 { x } else { b.convert(x, dtype)? })
+    let x = if dtype == ElemType::F32 { x } else { b.convert(x, dtype)? };
+    let d = x.dims().to_vec();
+    b.reshape(x, &[d[0] * d[1] * d[2], d[3]])
 }
 
-/// Head-first `[H, B, T, 1]` back to beta's caller shape and `dtype`.
+/// Head-first `[H, B, T, 1]` back to beta's caller layout and `dtype`, as a flat result.
 pub fn beta_to_caller(b: &mut FnBuilder, s: &KernelSpec, x: Value, dtype: ElemType) -> Result<Value> {
     let x = to_caller(b, s, x, dtype)?;
-    b.reshape(x, &s.beta_dims())
+    let n: i64 = s.beta_dims().iter().product();
+    b.reshape(x, &[n])
 }
 
 /// `x * rsqrt(sum(x^2) + eps)` over the last axis; returns the normalised `x` and `rstd`.

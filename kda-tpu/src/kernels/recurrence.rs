@@ -189,8 +189,8 @@ pub fn run_grads(
 }
 
 /// [`run_grads`] over a window of `nt` chunks per lane, starting from the carried gradient and
-/// `dh0` table `(dh, dh0)`. `p1` and `q2` are consumed: each chunk's entry is read just before
-/// `dv_new` and `dh` are written over it, so the two outputs need no buffers of their own.
+/// `dh0` table `(dh, dh0)`. `p1` is consumed: each chunk's entry is read just before `dv_new`
+/// is written over it, so `dv_new` needs no buffer of its own.
 #[allow(clippy::too_many_arguments)]
 pub fn run_grads_window(
     b: &mut FnBuilder,
@@ -212,8 +212,11 @@ pub fn run_grads_window(
         lanes4(b, s, nt, kg)?,
         lanes4(b, s, nt, eg_last)?,
     );
-    // dh is written over q2 ([L, NT, K, V]) and dv_new over p1 ([L, NT, C, V]).
-    let out = b.for_loop(nt as i32, &[d0, q2, p1, dh0_init], |b, i, a| {
+    // dv_new is written over p1 ([L, NT, C, V]): each chunk's p1 is read by the sum that forms
+    // its dv_new, so the write comes after the read. (dh over q2 would not work the same way:
+    // the read of q2 feeds only `prev`, which XLA may schedule after the write, so it copies.)
+    let dh_all = b.scratch_f32(&[l, nt, k, v])?;
+    let out = b.for_loop(nt as i32, &[d0, dh_all, p1, dh0_init], |b, i, a| {
         let (ds, dh_all, dvn_all, dh0) = (a[0], a[1], a[2], a[3]);
         let top = b.scalar_i32(nt as i32 - 1)?;
         let ci = b.sub(top, i)?;
@@ -224,7 +227,7 @@ pub fn run_grads_window(
         let ds1 = choose(b, last, seed, ds)?;
         let (p1c, q2c, wc, kgc, elc) = (
             take(b, dvn_all, 1, ci)?,
-            take(b, dh_all, 1, ci)?,
+            take(b, q2, 1, ci)?,
             take(b, w, 1, ci)?,
             take(b, kg, 1, ci)?,
             take(b, el, 1, ci)?,
