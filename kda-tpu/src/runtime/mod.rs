@@ -74,10 +74,21 @@ impl Runtime {
     fn from_location(loc: &PluginLocation) -> Result<Self> {
         let (api, raw) = plugin::load(loc)?;
         guarded("client create", || {
-            // The CPU plugin makes 4 devices by default; ask for 1. Other plugins may reject the option.
+            // The CPU plugin makes 4 devices by default; ask for 1. It also runs each execution
+            // on the calling thread (`asynchronous = false`): every call here waits for its
+            // results anyway, and the scratch is then allocated from the caller's malloc arena
+            // (kept warm, see `host_memory`) instead of a pool thread's, where blocks over 64 MB
+            // (the fused programs' scratch) came from fresh mmap pages on every run. Other
+            // plugins may reject these options; they get none.
             let client = Client::builder(&api)
-                .options(vec![NamedValue::i64("cpu_device_count", 1)])
+                .options(vec![
+                    NamedValue::i64("cpu_device_count", 1),
+                    NamedValue::bool("asynchronous", false),
+                ])
                 .build()
+                .or_else(|_| {
+                    Client::builder(&api).options(vec![NamedValue::i64("cpu_device_count", 1)]).build()
+                })
                 .or_else(|_| Client::builder(&api).build())
                 .map_err(|e| {
                     explain(&api, &e, |m| TpuError::PluginLoad {
