@@ -241,25 +241,26 @@ fn chunk_grads(
     let hd = b.mul(hd, dc.eg_last)?;
     dlast = b.add(dlast, hd)?;
     // Through the WY solve: u = A (beta v), w = A (beta k exp(G)), v_new = u - w S0.
-    let dw = b.batch_matmul(dvn, h, false, true)?;
-    let dw = b.neg(dw)?;
+    // dw = -dv_new S0^T; the sign is carried into the uses of A^T dw below (nw = -A^T dw), so
+    // no negated copy is stored.
+    let ndw = b.batch_matmul(dvn, h, false, true)?;
     // A^T du and A^T dw as two products: one over the concatenation would write both operands
     // and the result once more, only to slice them apart.
     let xu = b.batch_matmul(ct.a, dvn, true, false)?;
-    let xw = b.batch_matmul(ct.a, dw, true, false)?;
+    let nw = b.batch_matmul(ct.a, ndw, true, false)?;
     let dv = b.mul_bcast(xu, beta)?;
     let db1 = rowdot(b, xu, v)?;
-    let db2 = rowdot(b, xw, ct.keg)?;
-    let mut dbeta = b.add(db1, db2)?;
-    let bxw = b.mul_bcast(xw, beta)?;
-    let t = b.mul(bxw, dc.eg)?;
-    dk = b.add(dk, t)?;
-    let t = b.mul(bxw, ct.keg)?;
-    dgg = b.add(dgg, t)?;
+    let db2 = rowdot(b, nw, ct.keg)?;
+    let mut dbeta = b.sub(db1, db2)?;
+    let bnw = b.mul_bcast(nw, beta)?;
+    let t = b.mul(bnw, dc.eg)?;
+    dk = b.sub(dk, t)?;
+    let t = b.mul(bnw, ct.keg)?;
+    dgg = b.sub(dgg, t)?;
+    // dL = -(A^T du u^T + A^T dw w^T) = nw w^T - xu u^T.
     let a1 = b.batch_matmul(xu, ct.u, false, true)?;
-    let a2 = b.batch_matmul(xw, ct.w, false, true)?;
-    let dl = b.add(a1, a2)?;
-    let dl = b.neg(dl)?;
+    let a2 = b.batch_matmul(nw, ct.w, false, true)?;
+    let dl = b.sub(a2, a1)?;
     let strict = causal_mask(b, dl.dims(), 1, 2, true)?;
     let dl = keep(b, strict, dl)?;
     let t = rowdot(b, dl, ct.kk)?;
