@@ -441,8 +441,9 @@ pub fn backward_program(s: &KernelSpec, strategy: BackwardStrategy) -> Result<St
 }
 
 /// The fused forward+VJP program: inputs of the forward then `do`, `[dht]`; outputs `o`,
-/// `[final_state]`, then the gradients. With `Rematerialize` the backward half re-runs the
-/// recurrence instead of reading the forward's states.
+/// `[final_state]`, then the gradients. In slabs, `Rematerialize` keeps only each slab's entering
+/// state and the backward re-runs the slab's recurrence; without slabs both strategies read the
+/// forward's states, which the one executable holds anyway.
 pub fn fused_program(s: &KernelSpec, strategy: BackwardStrategy) -> Result<String> {
     let mut f = FnBuilder::new("main", true);
     f.set_dot_precision(crate::hlo::Precision::Highest);
@@ -455,16 +456,12 @@ pub fn fused_program(s: &KernelSpec, strategy: BackwardStrategy) -> Result<Strin
         return finish(f, &outs);
     }
     let ct = chunk_terms(&mut f, w.qc, w.kc, w.vc, w.gc, w.betac, s.scale as f32)?;
+    // Without slabs the forward's per-chunk states are live in this executable whichever the
+    // strategy, so the backward half reads them: re-running the identical recurrence would only
+    // cost time. The strategies differ in slabs (`fused_slabs`) and in the split path.
     let fw = forward_core(&mut f, s, &a, &w, &ct)?;
-    let (h, v_new) = match strategy {
-        BackwardStrategy::SavedState => (fw.h, fw.v_new),
-        BackwardStrategy::Rematerialize => {
-            let h0 = state_tab(&mut f, s, a.h0)?;
-            let run = run_states(&mut f, s, a.tables, h0, &ct)?;
-            (run.h, run.v_new)
-        }
-    };
-    let grads = backward_core(&mut f, s, &a, &w, &ct, (h, v_new), (d_o, dht))?;
+    let _ = strategy;
+    let grads = backward_core(&mut f, s, &a, &w, &ct, (fw.h, fw.v_new), (d_o, dht))?;
     let mut outs = vec![fw.o];
     outs.extend(fw.final_state);
     outs.extend(grads);
