@@ -459,6 +459,12 @@ pub fn row_sides(b: &mut FnBuilder, dc: &Decay, mats: &[Value], x: Value) -> Res
 pub fn col_side_sum(b: &mut FnBuilder, dc: &Decay, pairs: &[(Value, Value)]) -> Result<Value> {
     let (n, k) = (pairs[0].1.dims()[0], pairs[0].1.dims()[2]);
     let d16s: Vec<Value> = pairs.iter().map(|&(mat, _)| diag_blocks16(b, mat)).collect::<Result<_>>()?;
+    // M^T, stored once behind a barrier (XLA would fold a plain transpose back into the
+    // products): the column sides contract over M's rows, which with M^T are ordinary products
+    // rather than transposed-operand ones (those take a slower library path on the CPU plugin).
+    let t: Vec<Value> = pairs.iter().map(|&(mat, _)| b.transpose(mat, &[0, 2, 1])).collect::<Result<_>>()?;
+    let mts = b.barrier(&t)?;
+    let d16ts: Vec<Value> = mts.iter().map(|&mt| diag_blocks16(b, mt)).collect::<Result<_>>()?;
     // Level 1: contract the rows of block I (all pairs at once) into the columns before it.
     let mut c1: Option<Value> = None;
     for i in 1..NB {
@@ -466,15 +472,15 @@ pub fn col_side_sum(b: &mut FnBuilder, dc: &Decay, pairs: &[(Value, Value)]) -> 
         let rf = b.reshape(rf, &[n, B16, k])?;
         let mut lhs = Vec::new();
         let mut rhs = Vec::new();
-        for &(mat, y) in pairs {
-            let mr = rows(b, mat, 1, B16 * i, B16 * (i + 1))?;
-            lhs.push(rows(b, mr, 2, 0, B16 * i)?); // [N, 16, 16I]
+        for (&mt, &(_, y)) in mts.iter().zip(pairs) {
+            let mr = rows(b, mt, 1, 0, B16 * i)?;
+            lhs.push(rows(b, mr, 2, B16 * i, B16 * (i + 1))?); // [N, 16I, 16]: M[I rows, :16I]^T
             let yi = rows(b, y, 1, B16 * i, B16 * (i + 1))?;
             rhs.push(b.mul(yi, rf)?); // [N, 16, K]
         }
-        let lhs = b.concatenate(&lhs, 1)?;
+        let lhs = b.concatenate(&lhs, 2)?;
         let rhs = b.concatenate(&rhs, 1)?;
-        let c = b.dot_general(lhs, rhs, &[0], &[0], &[1], &[1], ElemType::F32)?; // [N, 16I, K]
+        let c = b.dot_general(lhs, rhs, &[0], &[0], &[2], &[1], ElemType::F32)?; // [N, 16I, K]
         let c = b.mul(c, dc.col1[i as usize - 1])?;
         let c = pad_axis(b, c, 1, C)?;
         c1 = Some(match c1 {
@@ -489,17 +495,17 @@ pub fn col_side_sum(b: &mut FnBuilder, dc: &Decay, pairs: &[(Value, Value)]) -> 
         let rf = b.reshape(rf, &[n, NB, B4, k])?;
         let mut lhs = Vec::new();
         let mut rhs = Vec::new();
-        for (&d16, &(_, y)) in d16s.iter().zip(pairs) {
-            let mr = rows(b, d16, 2, B4 * i, B4 * (i + 1))?;
-            lhs.push(rows(b, mr, 3, 0, B4 * i)?); // [N, 4, 4, 4I]
+        for (&d16t, &(_, y)) in d16ts.iter().zip(pairs) {
+            let mr = rows(b, d16t, 2, 0, B4 * i)?;
+            lhs.push(rows(b, mr, 3, B4 * i, B4 * (i + 1))?); // [N, 4, 4I, 4]
             let y5 = b.reshape(y, &[n, NB, NB, B4, k])?;
             let yi = rows(b, y5, 2, i, i + 1)?;
             let yi = b.reshape(yi, &[n, NB, B4, k])?;
             rhs.push(b.mul(yi, rf)?); // [N, 4, 4, K]
         }
-        let lhs = b.concatenate(&lhs, 2)?;
+        let lhs = b.concatenate(&lhs, 3)?;
         let rhs = b.concatenate(&rhs, 2)?;
-        let c = b.dot_general(lhs, rhs, &[0, 1], &[0, 1], &[2], &[2], ElemType::F32)?; // [N, 4, 4I, K]
+        let c = b.dot_general(lhs, rhs, &[0, 1], &[0, 1], &[3], &[2], ElemType::F32)?; // [N, 4, 4I, K]
         let c = b.mul(c, dc.col2[i as usize - 1])?;
         let c = pad_axis(b, c, 2, B16)?;
         c2 = Some(match c2 {
