@@ -38,7 +38,7 @@ pub mod parts {
             "decay" => dc.all(),
             "grams" => tiles::grams(&mut b, &dc, [q, kk], kk)?.to_vec(),
             "row_sides" => tiles::row_sides(&mut b, &dc, &[m, m], kk)?,
-            "col_sides" => vec![tiles::col_side_sum(&mut b, &dc, &[(m, q), (m, kk)])?],
+            "col_sides" => vec![tiles::col_side_sum(&mut b, &dc, &[(m, q), (m, kk)], true)?],
             "inverse" => vec![super::solve::unit_lower_inverse(&mut b, m)?],
             _ => {
                 let t = intra::chunk_terms(&mut b, q, kk, v, g, beta, 0.1)?;

@@ -189,7 +189,7 @@ fn backward_core(
 ) -> Result<Vec<Value>> {
     let doh = prep::head_first(b, s, d_o)?;
     let doc = flat_chunks(b, s, doh, a.slot_token)?;
-    let (p1, q2) = dh_terms(b, ct, doc)?;
+    let (p1, q2) = dh_terms(b, ct, doc, !s.in_slabs())?;
     let dht_tab = state_tab(b, s, dht)?;
     let run = run_grads(b, s, a.tables, dht_tab, (p1, q2), ct)?;
     let (h, dh, vn, dvn) = (flat(b, h)?, flat(b, run.dh)?, flat(b, v_new)?, flat(b, run.dv_new)?);
@@ -199,24 +199,29 @@ fn backward_core(
 
 /// The chunk-parallel terms of the `dh` recurrence: `Aqk^T dO` and `qg^T dO` (the recurrence
 /// applies `scale` to the second where it reads it, so no scaled copy is stored).
-fn dh_terms(b: &mut FnBuilder, ct: &ChunkTerms, doc: Value) -> Result<(Value, Value)> {
-    let aqk_t = transposed(b, ct.aqk)?;
-    let p1 = b.batch_matmul(aqk_t, doc, false, false)?;
+fn dh_terms(b: &mut FnBuilder, ct: &ChunkTerms, doc: Value, store: bool) -> Result<(Value, Value)> {
+    let p1 = t_matmul(b, ct.aqk, doc, store)?;
     // qg^T dO stays a transposed-operand product: storing qg^T ([N, K, C]) measured no faster.
     let q2 = b.batch_matmul(ct.qg, doc, true, false)?;
     Ok((p1, q2))
 }
 
-/// `x^T` over the last two axes, stored behind a barrier so that XLA does not fold it back into
-/// the product that uses it: an ordinary product on the stored transpose runs faster on the CPU
-/// plugin than the transposed-operand form (about 2 ms of the fused program for `A^T` and
-/// `Aqk^T`, for the price of storing two [N, 64, 64] matrices).
-fn transposed(b: &mut FnBuilder, x: Value) -> Result<Value> {
+/// `x^T y` over the last two axes. In the CPU configuration (`stored`) `x^T` is stored behind a
+/// barrier, so that XLA cannot fold it back into the product, and the product is an ordinary
+/// one: on the CPU plugin that runs faster than the transposed-operand form (about 2 ms of the
+/// fused program for `A^T` and `Aqk^T`, for two stored [N, 64, 64] matrices). In slabs (the TPU
+/// configuration) it stays a transposed-operand product: TPUs take those natively, and the
+/// stored transposes raised the tpu7x peak by up to 9 MB.
+fn t_matmul(b: &mut FnBuilder, x: Value, y: Value, stored: bool) -> Result<Value> {
+    if !stored {
+        return b.batch_matmul(x, y, true, false);
+    }
     let mut perm: Vec<i64> = (0..x.rank() as i64).collect();
     let r = perm.len();
     perm.swap(r - 1, r - 2);
     let t = b.transpose(x, &perm)?;
-    Ok(b.barrier(&[t])?[0])
+    let t = b.barrier(&[t])?[0];
+    b.batch_matmul(t, y, false, false)
 }
 
 /// Gradients of a batch of chunks in chunk layout `[N, C, D]` (`dg` already summed in-chunk).
@@ -260,9 +265,8 @@ fn chunk_grads(
     let ndw = b.batch_matmul(dvn, h, false, true)?;
     // A^T du and A^T dw as two products: one over the concatenation would write both operands
     // and the result once more, only to slice them apart.
-    let at = transposed(b, ct.a)?;
-    let xu = b.batch_matmul(at, dvn, false, false)?;
-    let nw = b.batch_matmul(at, ndw, false, false)?;
+    let xu = t_matmul(b, ct.a, dvn, !s.in_slabs())?;
+    let nw = t_matmul(b, ct.a, ndw, !s.in_slabs())?;
     let dv = b.mul_bcast(xu, beta)?;
     let db1 = rowdot(b, xu, v)?;
     let db2 = rowdot(b, nw, ct.keg)?;
@@ -287,7 +291,7 @@ fn chunk_grads(
     let m1 = b.mul_const(m1, scale)?;
     let m2 = b.mul_bcast(dl, beta)?;
     let rs = row_sides(b, dc, &[m1, m2], k)?;
-    let cc = col_side_sum(b, dc, &[(m1, q), (m2, k)])?;
+    let cc = col_side_sum(b, dc, &[(m1, q), (m2, k)], !s.in_slabs())?;
     // Each side is a sum of a dozen padded tile terms and has two consumers (dq or dk, and the
     // gate gradient): without the barrier XLA stores every term for both instead of the sums.
     let sides = b.barrier(&[rs[0], rs[1], cc])?;
@@ -384,7 +388,7 @@ pub fn forward_program(s: &KernelSpec, keep_h: bool) -> Result<String> {
     f.set_dot_precision(crate::hlo::Precision::Highest);
     let a = declare(&mut f, s)?;
     let w = working(&mut f, s, &a)?;
-    if s.slab > 0 && s.slab < s.chunks() {
+    if s.in_slabs() {
         // The TPU configuration: slab by slab, one slab's intermediates live at a time.
         let sl = Slabs::new(&mut f, s, &a, &w)?;
         let keep = if keep_h { SlabKeep::States } else { SlabKeep::Nothing };
@@ -466,7 +470,7 @@ pub fn fused_program(s: &KernelSpec, strategy: BackwardStrategy) -> Result<Strin
     let d_o = f.arg(TensorType::new(prep::elem(s.dtype), &s.token_dims(s.v)))?;
     let dht = if s.has_dht { Some(f.arg(TensorType::new(ElemType::F32, &s.state_dims()))?) } else { None };
     let w = working(&mut f, s, &a)?;
-    if s.slab > 0 && s.slab < s.chunks() {
+    if s.in_slabs() {
         let outs = fused_slabs(&mut f, s, &a, &w, strategy, (d_o, dht))?;
         return finish(f, &outs);
     }
@@ -702,7 +706,7 @@ fn fused_slabs(
             (run.h, run.v_new)
         };
         let do_s = slab_of(b, doc, off, p, true)?;
-        let (p1, q2) = dh_terms(b, &ct, do_s)?;
+        let (p1, q2) = dh_terms(b, &ct, do_s, false)?;
         let run = run_grads_window(b, s, p, t, dht_tab, (st[0], st[1]), (p1, q2), &ct)?;
         let fl = [flat(b, h_s)?, flat(b, vn_s)?, flat(b, run.dh)?, flat(b, run.dv_new)?];
         let g = chunk_grads(b, s, [x[0], x[1], x[2], x[4]], &ct, fl, do_s)?;

@@ -87,6 +87,11 @@ impl KernelSpec {
         self.slab = chunks;
         self
     }
+    /// Whether the programs run in slabs (the TPU configuration): `slab` set and below the
+    /// chunk count.
+    pub fn in_slabs(&self) -> bool {
+        self.slab > 0 && self.slab < self.chunks()
+    }
     /// Independent recurrences run side by side: `H*B` fixed, `H` packed (rows run in sequence).
     pub fn lanes(&self) -> usize {
         if self.packed_chunks.is_some() {

@@ -455,15 +455,26 @@ pub fn row_sides(b: &mut FnBuilder, dc: &Decay, mats: &[Value], x: Value) -> Res
 }
 
 /// Column side summed over pairs: `sum_p sum_{t >= j} M_p[t, j] y_p,t exp(G_t - G_j)`,
-/// `[N, C, K]`, for causal `M_p` `[N, C, C]` and `y_p` `[N, C, K]`.
-pub fn col_side_sum(b: &mut FnBuilder, dc: &Decay, pairs: &[(Value, Value)]) -> Result<Value> {
+/// `[N, C, K]`, for causal `M_p` `[N, C, C]` and `y_p` `[N, C, K]`. The products run on `M^T`;
+/// with `store_transposes` it is stored behind a barrier (XLA would fold a plain transpose back
+/// into the products): on the CPU plugin the ordinary products are faster than the
+/// transposed-operand ones; without it (TPU) XLA folds the transpose into the products.
+pub fn col_side_sum(
+    b: &mut FnBuilder,
+    dc: &Decay,
+    pairs: &[(Value, Value)],
+    store_transposes: bool,
+) -> Result<Value> {
     let (n, k) = (pairs[0].1.dims()[0], pairs[0].1.dims()[2]);
     let d16s: Vec<Value> = pairs.iter().map(|&(mat, _)| diag_blocks16(b, mat)).collect::<Result<_>>()?;
-    // M^T, stored once behind a barrier (XLA would fold a plain transpose back into the
-    // products): the column sides contract over M's rows, which with M^T are ordinary products
-    // rather than transposed-operand ones (those take a slower library path on the CPU plugin).
-    let t: Vec<Value> = pairs.iter().map(|&(mat, _)| b.transpose(mat, &[0, 2, 1])).collect::<Result<_>>()?;
-    let mts = b.barrier(&t)?;
+    let stored = store_transposes;
+    let mts = if stored {
+        let t: Vec<Value> =
+            pairs.iter().map(|&(mat, _)| b.transpose(mat, &[0, 2, 1])).collect::<Result<_>>()?;
+        b.barrier(&t)?
+    } else {
+        pairs.iter().map(|&(mat, _)| mat).collect()
+    };
     let d16ts: Vec<Value> = mts.iter().map(|&mt| diag_blocks16(b, mt)).collect::<Result<_>>()?;
     // Level 1: contract the rows of block I (all pairs at once) into the columns before it.
     let mut c1: Option<Value> = None;
@@ -473,14 +484,20 @@ pub fn col_side_sum(b: &mut FnBuilder, dc: &Decay, pairs: &[(Value, Value)]) -> 
         let mut lhs = Vec::new();
         let mut rhs = Vec::new();
         for (&mt, &(_, y)) in mts.iter().zip(pairs) {
-            let mr = rows(b, mt, 1, 0, B16 * i)?;
-            lhs.push(rows(b, mr, 2, B16 * i, B16 * (i + 1))?); // [N, 16I, 16]: M[I rows, :16I]^T
+            if stored {
+                let mr = rows(b, mt, 1, 0, B16 * i)?;
+                lhs.push(rows(b, mr, 2, B16 * i, B16 * (i + 1))?); // [N, 16I, 16]: M[I rows, :16I]^T
+            } else {
+                let mr = rows(b, mt, 1, B16 * i, B16 * (i + 1))?;
+                lhs.push(rows(b, mr, 2, 0, B16 * i)?); // [N, 16, 16I]: M[I rows, :16I]
+            }
             let yi = rows(b, y, 1, B16 * i, B16 * (i + 1))?;
             rhs.push(b.mul(yi, rf)?); // [N, 16, K]
         }
-        let lhs = b.concatenate(&lhs, 2)?;
+        let lc = if stored { 2 } else { 1 };
+        let lhs = b.concatenate(&lhs, lc)?;
         let rhs = b.concatenate(&rhs, 1)?;
-        let c = b.dot_general(lhs, rhs, &[0], &[0], &[2], &[1], ElemType::F32)?; // [N, 16I, K]
+        let c = b.dot_general(lhs, rhs, &[0], &[0], &[lc as i64], &[1], ElemType::F32)?; // [N, 16I, K]
         let c = b.mul(c, dc.col1[i as usize - 1])?;
         let c = pad_axis(b, c, 1, C)?;
         c1 = Some(match c1 {
@@ -496,16 +513,22 @@ pub fn col_side_sum(b: &mut FnBuilder, dc: &Decay, pairs: &[(Value, Value)]) -> 
         let mut lhs = Vec::new();
         let mut rhs = Vec::new();
         for (&d16t, &(_, y)) in d16ts.iter().zip(pairs) {
-            let mr = rows(b, d16t, 2, 0, B4 * i)?;
-            lhs.push(rows(b, mr, 3, B4 * i, B4 * (i + 1))?); // [N, 4, 4I, 4]
+            if stored {
+                let mr = rows(b, d16t, 2, 0, B4 * i)?;
+                lhs.push(rows(b, mr, 3, B4 * i, B4 * (i + 1))?); // [N, 4, 4I, 4]
+            } else {
+                let mr = rows(b, d16t, 2, B4 * i, B4 * (i + 1))?;
+                lhs.push(rows(b, mr, 3, 0, B4 * i)?); // [N, 4, 4, 4I]
+            }
             let y5 = b.reshape(y, &[n, NB, NB, B4, k])?;
             let yi = rows(b, y5, 2, i, i + 1)?;
             let yi = b.reshape(yi, &[n, NB, B4, k])?;
             rhs.push(b.mul(yi, rf)?); // [N, 4, 4, K]
         }
-        let lhs = b.concatenate(&lhs, 3)?;
+        let lc = if stored { 3 } else { 2 };
+        let lhs = b.concatenate(&lhs, lc)?;
         let rhs = b.concatenate(&rhs, 2)?;
-        let c = b.dot_general(lhs, rhs, &[0, 1], &[0, 1], &[3], &[2], ElemType::F32)?; // [N, 4, 4I, K]
+        let c = b.dot_general(lhs, rhs, &[0, 1], &[0, 1], &[lc as i64], &[2], ElemType::F32)?; // [N, 4, 4I, K]
         let c = b.mul(c, dc.col2[i as usize - 1])?;
         let c = pad_axis(b, c, 2, B16)?;
         c2 = Some(match c2 {
