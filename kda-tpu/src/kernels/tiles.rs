@@ -455,10 +455,11 @@ pub fn row_sides(b: &mut FnBuilder, dc: &Decay, mats: &[Value], x: Value) -> Res
 }
 
 /// Column side summed over pairs: `sum_p sum_{t >= j} M_p[t, j] y_p,t exp(G_t - G_j)`,
-/// `[N, C, K]`, for causal `M_p` `[N, C, C]` and `y_p` `[N, C, K]`. The products run on `M^T`;
-/// with `store_transposes` it is stored behind a barrier (XLA would fold a plain transpose back
-/// into the products): on the CPU plugin the ordinary products are faster than the
-/// transposed-operand ones; without it (TPU) XLA folds the transpose into the products.
+/// `[N, C, K]`, for causal `M_p` `[N, C, C]` and `y_p` `[N, C, K]`. The products contract over
+/// `M`'s rows. With `store_transposes` (the CPU configuration) they run as ordinary products on
+/// `M^T`, stored once behind a barrier (XLA would fold a plain transpose back into them): the
+/// CPU plugin's transposed-operand products are slower. Without it (slabs, for TPU) they stay
+/// transposed-operand products, which TPUs take natively and which keep the tpu7x peak lower.
 pub fn col_side_sum(
     b: &mut FnBuilder,
     dc: &Decay,
