@@ -479,7 +479,6 @@ pub fn fused_program(s: &KernelSpec, strategy: BackwardStrategy) -> Result<Strin
     // strategy, so the backward half reads them: re-running the identical recurrence would only
     // cost time. The strategies differ in slabs (`fused_slabs`) and in the split path.
     let fw = forward_core(&mut f, s, &a, &w, &ct)?;
-    let _ = strategy;
     let grads = backward_core(&mut f, s, &a, &w, &ct, (fw.h, fw.v_new), (d_o, dht))?;
     let mut outs = vec![fw.o];
     outs.extend(fw.final_state);
