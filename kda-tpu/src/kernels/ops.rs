@@ -103,3 +103,20 @@ pub fn choose(b: &mut FnBuilder, flag: Value, x: Value, y: Value) -> Result<Valu
     let p = b.broadcast_in_dim(p, x.dims(), &[])?;
     b.select(p, x, y)
 }
+
+/// The transposes (last two axes) of `xs`, stored behind one optimization barrier so that XLA
+/// cannot fold them back into the products that use them. The CPU configuration runs products
+/// over a matrix's rows this way: the CPU plugin's ordinary products are faster than its
+/// transposed-operand ones. TPU programs (slabs) keep the transposed-operand form instead.
+pub fn stored_transposes(b: &mut FnBuilder, xs: &[Value]) -> Result<Vec<Value>> {
+    let t: Vec<Value> = xs
+        .iter()
+        .map(|&x| {
+            let mut perm: Vec<i64> = (0..x.rank() as i64).collect();
+            let r = perm.len();
+            perm.swap(r - 1, r - 2);
+            b.transpose(x, &perm)
+        })
+        .collect::<Result<_>>()?;
+    b.barrier(&t)
+}

@@ -2,7 +2,7 @@
 //! state or rematerialized) and the fused forward+VJP, assembled from the pieces in this module.
 
 use super::intra::{chunk_terms, rowdot, ChunkTerms};
-use super::ops::{causal_mask, cumsum_rows, keep, splat};
+use super::ops::{causal_mask, cumsum_rows, keep, splat, stored_transposes};
 use super::prep::{self, GateParams};
 use super::recurrence::{
     run_grads, run_grads_window, run_output, run_states, run_states_window, ChunkTables,
@@ -206,21 +206,14 @@ fn dh_terms(b: &mut FnBuilder, ct: &ChunkTerms, doc: Value, store: bool) -> Resu
     Ok((p1, q2))
 }
 
-/// `x^T y` over the last two axes. In the CPU configuration (`stored`) `x^T` is stored behind a
-/// barrier, so that XLA cannot fold it back into the product, and the product is an ordinary
-/// one: on the CPU plugin that runs faster than the transposed-operand form (about 2 ms of the
-/// fused program for `A^T` and `Aqk^T`, for two stored [N, 64, 64] matrices). In slabs (the TPU
-/// configuration) it stays a transposed-operand product: TPUs take those natively, and the
-/// stored transposes raised the tpu7x peak by up to 9 MB.
+/// `x^T y` over the last two axes: on a stored transpose in the CPU configuration (`stored`,
+/// see [`stored_transposes`]; about 2 ms of the fused program for `A^T` and `Aqk^T`), as a
+/// transposed-operand product in slabs (TPU), where stored transposes raised the tpu7x peak.
 fn t_matmul(b: &mut FnBuilder, x: Value, y: Value, stored: bool) -> Result<Value> {
     if !stored {
         return b.batch_matmul(x, y, true, false);
     }
-    let mut perm: Vec<i64> = (0..x.rank() as i64).collect();
-    let r = perm.len();
-    perm.swap(r - 1, r - 2);
-    let t = b.transpose(x, &perm)?;
-    let t = b.barrier(&[t])?[0];
+    let t = stored_transposes(b, &[x])?[0];
     b.batch_matmul(t, y, false, false)
 }
 

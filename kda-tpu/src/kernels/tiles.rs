@@ -13,7 +13,7 @@
 //! the diagonal has factor 1. Only causal entries are ever stored: every factor tensor is at most
 //! 1.5 times the size of `g`.
 
-use super::ops::{f32t, index_mask, splat};
+use super::ops::{f32t, index_mask, splat, stored_transposes};
 use crate::hlo::{Cmp, ElemType, FnBuilder, Value};
 use crate::Result;
 
@@ -456,27 +456,22 @@ pub fn row_sides(b: &mut FnBuilder, dc: &Decay, mats: &[Value], x: Value) -> Res
 
 /// Column side summed over pairs: `sum_p sum_{t >= j} M_p[t, j] y_p,t exp(G_t - G_j)`,
 /// `[N, C, K]`, for causal `M_p` `[N, C, C]` and `y_p` `[N, C, K]`. The products contract over
-/// `M`'s rows. With `store_transposes` (the CPU configuration) they run as ordinary products on
-/// `M^T`, stored once behind a barrier (XLA would fold a plain transpose back into them): the
-/// CPU plugin's transposed-operand products are slower. Without it (slabs, for TPU) they stay
-/// transposed-operand products, which TPUs take natively and which keep the tpu7x peak lower.
-pub fn col_side_sum(
-    b: &mut FnBuilder,
-    dc: &Decay,
-    pairs: &[(Value, Value)],
-    store_transposes: bool,
-) -> Result<Value> {
+/// `M`'s rows. With `stored` (the CPU configuration) they run as ordinary products on `M^T`
+/// ([`stored_transposes`]): the CPU plugin's transposed-operand products are slower. Without it
+/// (slabs, for TPU) they stay transposed-operand products, which TPUs take natively and which
+/// keep the tpu7x peak lower.
+pub fn col_side_sum(b: &mut FnBuilder, dc: &Decay, pairs: &[(Value, Value)], stored: bool) -> Result<Value> {
     let (n, k) = (pairs[0].1.dims()[0], pairs[0].1.dims()[2]);
-    let d16s: Vec<Value> = pairs.iter().map(|&(mat, _)| diag_blocks16(b, mat)).collect::<Result<_>>()?;
-    let stored = store_transposes;
-    let mts = if stored {
-        let t: Vec<Value> =
-            pairs.iter().map(|&(mat, _)| b.transpose(mat, &[0, 2, 1])).collect::<Result<_>>()?;
-        b.barrier(&t)?
+    let mats: Vec<Value> = pairs.iter().map(|&(mat, _)| mat).collect();
+    let d16s: Vec<Value> = mats.iter().map(|&mat| diag_blocks16(b, mat)).collect::<Result<_>>()?;
+    // The matrices the level-1 and level-2 products read: M^T stored, or M itself.
+    let (mts, d16ts) = if stored {
+        let mts = stored_transposes(b, &mats)?;
+        let d16ts = mts.iter().map(|&mt| diag_blocks16(b, mt)).collect::<Result<_>>()?;
+        (mts, d16ts)
     } else {
-        pairs.iter().map(|&(mat, _)| mat).collect()
+        (mats, d16s.clone())
     };
-    let d16ts: Vec<Value> = mts.iter().map(|&mt| diag_blocks16(b, mt)).collect::<Result<_>>()?;
     // Level 1: contract the rows of block I (all pairs at once) into the columns before it.
     let mut c1: Option<Value> = None;
     for i in 1..NB {
