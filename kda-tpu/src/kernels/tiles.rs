@@ -362,20 +362,33 @@ pub fn grams(b: &mut FnBuilder, dc: &Decay, xs: [Value; 2], y: Value) -> Result<
     let off2 = b.concatenate(&off2, 2)?; // [N, 4, 3, 8, 16]
                                          // Level 3: the pairs of the 4x4 tiles, elementwise, and the diagonal.
     let y4 = b.reshape(y, &[n, NB * NB, B4, k])?;
-    let mut out = Vec::new();
-    for (i, &x) in xs.iter().enumerate() {
-        let i = i as i64;
-        let x4 = b.reshape(x, &[n, NB * NB, B4, k])?;
-        let mut subs = Vec::new();
+    let x4: Vec<Value> = xs.iter().map(|&x| b.reshape(x, &[n, NB * NB, B4, k])).collect::<Result<_>>()?;
+    // Entry (j + d, j): x_{j+d} y_j exp(g_{j+1} + .. + g_{j+d}) for d = 1..3 and both grams
+    // side by side ([N, 16, 12, K]), summed over K in one reduction. The products are stored
+    // behind a barrier as one tensor: the CPU compiler's reduction library otherwise takes
+    // the factor and both shifted operands, each stored on its own (twice the bytes).
+    let mut parts = Vec::new();
+    for &x in &x4 {
         for d in 1..B4 {
-            // Entry (j + d, j): x_{j+d} y_j exp(g_{j+1} + .. + g_{j+d}), summed over K.
-            let xd = b.slice_axis(x4, 2, d, B4)?;
+            let xd = b.slice_axis(x, 2, d, B4)?;
             let yd = b.slice_axis(y4, 2, 0, B4 - d)?;
             let f = sub_factor(b, dc, d)?;
             let p = b.mul(xd, yd)?;
-            let p = b.mul(p, f)?;
-            subs.push(b.reduce_sum(p, &[3])?); // [N, 16, 4 - d]
+            parts.push(b.mul(p, f)?);
         }
+    }
+    let prods = b.concatenate(&parts, 2)?;
+    let prods = b.barrier(&[prods])?[0];
+    let sums = b.reduce_sum(prods, &[3])?; // [N, 16, 12]
+    let mut out = Vec::new();
+    for (i, &x4) in x4.iter().enumerate() {
+        let i = i as i64;
+        let o = 6 * i;
+        let subs = [
+            b.slice_axis(sums, 2, o, o + 3)?,
+            b.slice_axis(sums, 2, o + 3, o + 5)?,
+            b.slice_axis(sums, 2, o + 5, o + 6)?,
+        ];
         let diag = if i == 0 {
             let d = b.mul(x4, y4)?;
             Some(b.reduce_sum(d, &[3])?) // [N, 16, 4]
