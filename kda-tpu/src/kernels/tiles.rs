@@ -43,15 +43,15 @@ pub struct Decay {
     row2: Value,
     /// Column factors of sub-block `I' = i + 1` inside every block, `[N, 4, 4I', K]`.
     col2: Vec<Value>,
-    /// `exp(g)` by 4-row tile, `[N, 16, 4, K]`: the sub-diagonal factors of the 4x4 diagonal
+    /// The gate by 4-row tile, `[N, 16, 4, K]`: the sub-diagonal factors of the 4x4 diagonal
     /// tiles are formed from it where they are used ([`sub_factor`]).
-    e4: Value,
+    g4: Value,
 }
 
 impl Decay {
     /// Every factor, for profiling.
     pub fn all(&self) -> Vec<Value> {
-        let mut all = vec![self.eg, self.eg_rest, self.eg_last, self.row1, self.row2, self.e4];
+        let mut all = vec![self.eg, self.eg_rest, self.eg_last, self.row1, self.row2, self.g4];
         all.extend(self.col1.iter().chain(&self.col2));
         all
     }
@@ -60,18 +60,6 @@ impl Decay {
 /// Prefix (or, with `reverse`, suffix) sums along a short `axis`, inclusive or exclusive,
 /// unrolled into slices and adds (XLA fuses them into one pass).
 fn scan(b: &mut FnBuilder, x: Value, axis: usize, reverse: bool, exclusive: bool) -> Result<Value> {
-    scan_with(b, x, axis, reverse, exclusive, false)
-}
-
-/// [`scan`] with products instead of sums (`mul`; an exclusive product starts from 1).
-fn scan_with(
-    b: &mut FnBuilder,
-    x: Value,
-    axis: usize,
-    reverse: bool,
-    exclusive: bool,
-    mul: bool,
-) -> Result<Value> {
     let n = x.dims()[axis];
     let parts: Vec<Value> = (0..n).map(|i| b.slice_axis(x, axis, i, i + 1)).collect::<Result<_>>()?;
     let order: Vec<usize> = if reverse { (0..n as usize).rev().collect() } else { (0..n as usize).collect() };
@@ -79,14 +67,13 @@ fn scan_with(
     let mut acc: Option<Value> = None;
     for &i in &order {
         let incl = match acc {
-            Some(a) if mul => b.mul(a, parts[i])?,
             Some(a) => b.add(a, parts[i])?,
             None => parts[i],
         };
         out[i] = Some(if exclusive {
             match acc {
                 Some(a) => a,
-                None => splat(b, if mul { 1.0 } else { 0.0 }, parts[i].dims())?,
+                None => splat(b, 0.0, parts[i].dims())?,
             }
         } else {
             incl
@@ -126,6 +113,7 @@ pub fn decay(b: &mut FnBuilder, g: Value) -> Result<Decay> {
     // Sub-block scans: [N, 4 (block), 4 (sub-block), 4 (row), K].
     let g5 = b.reshape(g, &[n, NB, NB, B4, k])?;
     let cin = scan(b, g5, 3, false, false)?;
+    let suf = scan(b, g5, 3, true, true)?;
     // Sub-block totals [N, 4, 4, K]: the inclusive scan's last row (a reduction would make the
     // CPU compiler store the gate again for its reduction library).
     let tot = b.slice_axis(cin, 3, B4 - 1, B4)?;
@@ -135,14 +123,13 @@ pub fn decay(b: &mut FnBuilder, g: Value) -> Result<Decay> {
     let tot16 = b.reduce_sum(tot, &[2])?; // [N, 4, K] block totals
     let pre16 = scan(b, tot16, 1, false, true)?;
     let suf16 = scan(b, tot16, 1, true, true)?;
-    // One exponential per gate element: the factors inside a 4-row sub-block are products of
-    // up to 4 of them, every longer factor one of those times exponentials of the small
-    // per-sub-block or per-block sums (1.3 exponentials per gate element instead of 8; about
-    // 2 ms of a forward at the benchmark shape). Each factor is <= 1 and each exponent a sum
-    // of gates, so nothing overflows; the products cost a few ulps (RMS ratios stay ~1e-7).
-    let e1 = b.exp(g5)?;
-    let e_cin = scan_with(b, e1, 3, false, false, true)?; // exp(sum over the sub-block up to t)
-    let e_suf = scan_with(b, e1, 3, true, true, true)?; // exp(sum over the sub-block after j)
+    // Two exponentials of token-sized sums, both within 4-row sub-blocks: every other factor
+    // is one of them times exponentials of the small per-sub-block or per-block sums (4.5
+    // exponentials per gate element instead of 8, about 1 ms of a forward at the benchmark
+    // shape). Each factor is <= 1 and each exponent a sum of gates, so nothing overflows;
+    // products lose at most a few ulps.
+    let e_cin = b.exp(cin)?; // exp(sum over the sub-block up to t)
+    let e_suf = b.exp(suf)?; // exp(sum over the sub-block after j)
     let d5 = [n, NB, NB, B4, k];
     let small = |b: &mut FnBuilder, x: Value, map: &[i64]| -> Result<Value> {
         let e = b.exp(x)?;
@@ -169,20 +156,20 @@ pub fn decay(b: &mut FnBuilder, g: Value) -> Result<Decay> {
     let row2 = b.slice_axis(e_cin, 2, 1, NB)?; // [N, 4, 3, 4, K]
     let col2 = causal_columns(b, e_suf, tot, 2)?;
     // Level 3: the sub-diagonals of the 4x4 tiles, formed where they are used.
-    let e4 = b.reshape(e1, &[n, NB * NB, B4, k])?;
-    Ok(Decay { eg, eg_rest, eg_last, row1, col1, row2, col2, e4 })
+    let g4 = b.reshape(g, &[n, NB * NB, B4, k])?;
+    Ok(Decay { eg, eg_rest, eg_last, row1, col1, row2, col2, g4 })
 }
 
 /// The factors of sub-diagonal `d` (1 to 3) of every 4x4 diagonal tile, indexed by column:
-/// `exp(g_{j+1} + .. + g_{j+d}) = exp(g_{j+1}) .. exp(g_{j+d})` for `j < 4 - d`,
-/// `[N, 16, 4 - d, K]`: products of contiguous slices of `exp(g)`, elementwise so XLA fuses it.
+/// `exp(g_{j+1} + .. + g_{j+d})` for `j < 4 - d`, `[N, 16, 4 - d, K]`. A direct sum of `d`
+/// contiguous gate slices (no cumulative-sum difference), elementwise so XLA fuses it.
 fn sub_factor(b: &mut FnBuilder, dc: &Decay, d: i64) -> Result<Value> {
-    let mut acc = b.slice_axis(dc.e4, 2, 1, B4 - d + 1)?;
+    let mut acc = b.slice_axis(dc.g4, 2, 1, B4 - d + 1)?;
     for s in 2..=d {
-        let x = b.slice_axis(dc.e4, 2, s, s + B4 - d)?;
-        acc = b.mul(acc, x)?;
+        let x = b.slice_axis(dc.g4, 2, s, s + B4 - d)?;
+        acc = b.add(acc, x)?;
     }
-    Ok(acc)
+    b.exp(acc)
 }
 
 /// Broadcasts per-entry scalars `[N, 16, r]` over the last axis of `like` `[N, 16, r, K]`.
