@@ -380,15 +380,19 @@ pub fn grams(b: &mut FnBuilder, dc: &Decay, xs: [Value; 2], y: Value) -> Result<
     let prods = b.concatenate(&parts, 2)?;
     let prods = b.barrier(&[prods])?[0];
     let sums = b.reduce_sum(prods, &[3])?; // [N, 16, 12]
+
+    // Sub-diagonal d of gram i: its 4 - d entries follow gram i's shorter d's, and each gram
+    // spans `per_gram` entries.
+    let per_gram: i64 = (1..B4).map(|d| B4 - d).sum();
     let mut out = Vec::new();
     for (i, &x4) in x4.iter().enumerate() {
         let i = i as i64;
-        let o = 6 * i;
-        let subs = [
-            b.slice_axis(sums, 2, o, o + 3)?,
-            b.slice_axis(sums, 2, o + 3, o + 5)?,
-            b.slice_axis(sums, 2, o + 5, o + 6)?,
-        ];
+        let mut at = per_gram * i;
+        let mut subs = Vec::new();
+        for d in 1..B4 {
+            subs.push(b.slice_axis(sums, 2, at, at + B4 - d)?);
+            at += B4 - d;
+        }
         let diag = if i == 0 {
             let d = b.mul(x4, y4)?;
             Some(b.reduce_sum(d, &[3])?) // [N, 16, 4]
