@@ -138,6 +138,7 @@ macro_rules! for_each_case {
             packed_one_token_segments,
             packed_single_segment,
             packed_hard_reset_l2norm,
+            packed_all_empty,
             primary_fixed,
             primary_packed,
             kimi_linear_scaled
@@ -227,6 +228,11 @@ pub fn case(name: &str) -> Option<Case> {
             segments: lengths(&[&[50, 79]]),
             ..c("packed_hard_reset_l2norm", 2, 1, 140, 16, 16)
         },
+        // Every segment empty: no chunk position is used (the packed loops make no trip); the
+        // final states are the initial ones, `dh0` is `dht`, everything else is 0.
+        "packed_all_empty" => {
+            Case { segments: lengths(&[&[0, 0]]), ..c("packed_all_empty", 2, 1, 70, 16, 16) }
+        }
         "primary_fixed" => Case { heavy: true, ..c("primary_fixed", 8, 1, 1024, 128, 128) },
         "primary_packed" => Case {
             heavy: true,

@@ -287,6 +287,76 @@ fn while_loop_with_dynamic_slices() -> Result<()> {
     Ok(())
 }
 
+#[rstest::rstest]
+#[case::no_trips(0)]
+#[case::some_trips(3)]
+#[case::every_row(6)]
+fn loop_with_run_time_trip_count(#[case] trips: i32) -> Result<()> {
+    // Running sum of the first `trips` rows of x, written row by row into a buffer of ones:
+    // rows at or after `trips` keep their initial value.
+    let mut b = FnBuilder::new("main", true);
+    let x = b.arg(f32t(&[6, 3]))?;
+    let n = b.arg(TensorType::new(ElemType::I32, &[]))?;
+    let acc0 = b.constant_f32(0.0, f32t(&[1, 3]))?;
+    let out0 = b.constant_f32(1.0, f32t(&[6, 3]))?;
+    let fin = b.for_loop_until(n, &[acc0, out0], |b, i, st| {
+        let zero = b.scalar_i32(0)?;
+        let row = b.dynamic_slice(x, &[i, zero], &[1, 3])?;
+        let acc = b.add(st[0], row)?;
+        let out = b.dynamic_update_slice(st[1], acc, &[i, zero])?;
+        Ok(vec![acc, out])
+    })?;
+    b.ret(&[fin[1]])?;
+    let xs = rand_vec(18, 11, -1.0, 1.0);
+    let got = run(&module(b)?, vec![In::F32(xs.clone(), vec![6, 3]), In::I32(vec![trips], vec![])]);
+    let mut want = vec![1.0f32; 18];
+    let mut acc = [0.0f32; 3];
+    for i in 0..trips as usize {
+        for j in 0..3 {
+            acc[j] += xs[i * 3 + j];
+            want[i * 3 + j] = acc[j];
+        }
+    }
+    assert_close("bounded running sum", &got[0].f32s(), &want, 1e-6);
+    Ok(())
+}
+
+#[test]
+fn wy_inverse_inverts_unit_lower_chunks() -> Result<()> {
+    // The chunk solve `(I + L)^-1` (16-row blocks by repeated squaring, then two doublings)
+    // against the definition: (I + L) A = I for random strictly lower L.
+    let (n, c, k) = (3usize, 64usize, 8usize);
+    let text = kda_tpu::kernels::parts::program("inverse", n as i64, k as i64)?;
+    let tok = |seed| In::F32(rand_vec(n * c * k, seed, -1.0, 1.0), vec![n as i64, c as i64, k as i64]);
+    let raw = rand_vec(n * c * c, 21, -0.3, 0.3);
+    let l: Vec<f32> =
+        raw.iter().enumerate().map(|(i, &x)| if (i / c) % c > i % c { x } else { 0.0 }).collect();
+    let inputs = vec![
+        tok(1),
+        tok(2),
+        tok(3),
+        tok(4),
+        In::F32(vec![0.5; n * c], vec![n as i64, c as i64, 1]),
+        In::F32(l.clone(), vec![n as i64, c as i64, c as i64]),
+    ];
+    let a = run(&text, inputs)[0].f32s();
+    let mut prod = vec![0.0f32; n * c * c];
+    for m in 0..n {
+        for i in 0..c {
+            for j in 0..c {
+                let mut acc = a[(m * c + i) * c + j] as f64;
+                for p in 0..i {
+                    acc += l[(m * c + i) * c + p] as f64 * a[(m * c + p) * c + j] as f64;
+                }
+                prod[(m * c + i) * c + j] = acc as f32;
+            }
+        }
+    }
+    let eye: Vec<f32> = (0..n * c * c).map(|i| if (i / c) % c == i % c { 1.0 } else { 0.0 }).collect();
+    assert_close("(I + L) A", &prod, &eye, 1e-4);
+    Ok(())
+}
+
 /// Naive op(A) for the last two dims of a [bs, m, m] tensor, honouring lower/unit flags.
 fn tri(a: &[f32], bs: usize, m: usize, lower: bool, unit: bool, transpose: bool) -> Vec<f32> {
     let mut t = vec![0.0; a.len()];

@@ -81,6 +81,35 @@ impl FnBuilder {
         Ok(outs)
     }
 
+    /// Counted loop `for i in 0..trips` with a run-time trip count (an i32 scalar from an
+    /// enclosing scope); otherwise as [`FnBuilder::for_loop`].
+    pub fn for_loop_until<B>(&mut self, trips: Value, init: &[Value], body: B) -> Result<Vec<Value>>
+    where
+        B: FnOnce(&mut FnBuilder, Value, &[Value]) -> Result<Vec<Value>>,
+    {
+        let op = "for_loop_until";
+        self.check_operand(op, &trips)?;
+        if trips.rank() != 0 || trips.elem() != ElemType::I32 {
+            return Err(err(op, format!("trip count is {}, want tensor<i32>", trips.ty())));
+        }
+        let zero = self.scalar_i32(0)?;
+        let mut all = vec![zero];
+        all.extend_from_slice(init);
+        let mut outs = self.while_loop(
+            &all,
+            |b, a| b.compare(Cmp::Lt, a[0], trips),
+            |b, a| {
+                let mut next = body(b, a[0], &a[1..])?;
+                let one = b.scalar_i32(1)?;
+                let i1 = b.add(a[0], one)?;
+                next.insert(0, i1);
+                Ok(next)
+            },
+        )?;
+        outs.remove(0);
+        Ok(outs)
+    }
+
     /// `func.call @func_name(args)` with the given result types; `Module::add` checks them
     /// against the callee, which must be added to the module first.
     pub fn call(

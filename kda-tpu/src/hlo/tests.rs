@@ -173,6 +173,21 @@ fn while_body_type_mismatch_is_an_error() -> Result<()> {
 }
 
 #[test]
+fn run_time_trip_count_must_be_an_i32_scalar() -> Result<()> {
+    let mut b = FnBuilder::new("main", true);
+    let x = b.arg(f32t(&[3]))?;
+    let n = b.arg(TensorType::new(ElemType::I32, &[2]))?;
+    let f = b.arg(f32t(&[]))?;
+    let body = |b: &mut FnBuilder, _: Value, v: &[Value]| Ok(vec![b.add(v[0], v[0])?]);
+    assert_err(b.for_loop_until(n, &[x], body), "for_loop_until", "want tensor<i32>");
+    assert_err(b.for_loop_until(f, &[x], body), "for_loop_until", "want tensor<i32>");
+    let m = b.arg(TensorType::new(ElemType::I32, &[]))?;
+    let out = b.for_loop_until(m, &[x], body)?;
+    assert_eq!(out[0].ty(), x.ty());
+    Ok(())
+}
+
+#[test]
 fn scoping_and_function_errors() -> Result<()> {
     let mut b = FnBuilder::new("main", true);
     let x = b.arg(f32t(&[3]))?;

@@ -58,8 +58,12 @@ fn declare(b: &mut FnBuilder, s: &KernelSpec) -> Result<Args> {
         (None, None)
     };
     let nt = s.chunks() as i64;
-    let tables =
-        ChunkTables { first: b.arg(i32t(&[nt]))?, last: b.arg(i32t(&[nt]))?, slot: b.arg(i32t(&[nt]))? };
+    let tables = ChunkTables {
+        first: b.arg(i32t(&[nt]))?,
+        last: b.arg(i32t(&[nt]))?,
+        slot: b.arg(i32t(&[nt]))?,
+        used: None,
+    };
     let (slot_token, token_slot) = if s.packed_chunks.is_some() {
         (Some(b.arg(i32t(&[nt * CHUNK as i64]))?), Some(b.arg(i32t(&[(s.b * s.t) as i64]))?))
     } else {
@@ -121,6 +125,23 @@ fn working(b: &mut FnBuilder, s: &KernelSpec, a: &Args) -> Result<Working> {
     Ok(Working { q, k, q_rstd, k_rstd, x, g, gate, v, beta, qc, kc, vc, gc, betac })
 }
 
+/// The tables the sequential loops read. A packed program's capacity covers the worst
+/// segmentation; the loops stop after the last chunk position that ends a segment (one past
+/// the largest `i` with `last[i] = 1`; 0 when every segment is empty), since only padding
+/// follows it. Fixed-length programs visit every position.
+fn loop_tables(b: &mut FnBuilder, s: &KernelSpec, t: ChunkTables) -> Result<ChunkTables> {
+    if s.packed_chunks.is_none() {
+        return Ok(t);
+    }
+    let nt = t.last.dims()[0];
+    let pos = b.iota(i32t(&[nt]), 0)?;
+    let one = b.constant_i32(1, i32t(&[nt]))?;
+    let after = b.add(pos, one)?;
+    let ends = b.mul(after, t.last)?;
+    let used = b.reduce_max(ends, &[0])?;
+    Ok(ChunkTables { used: Some(used), ..t })
+}
+
 fn state_tab(b: &mut FnBuilder, s: &KernelSpec, x: Option<Value>) -> Result<Value> {
     match x {
         Some(x) => prep::state_table(b, s, x),
@@ -170,7 +191,8 @@ fn forward_core(
     ct: &ChunkTerms,
 ) -> Result<Forward> {
     let h0 = state_tab(b, s, a.h0)?;
-    let run = run_states(b, s, a.tables, h0, ct)?;
+    let tables = loop_tables(b, s, a.tables)?;
+    let run = run_states(b, s, tables, h0, ct)?;
     let o = output(b, s, a, ct, run.h, run.v_new)?;
     let _ = w;
     let final_state = if s.final_state { Some(prep::state_from_table(b, s, run.final_tab)?) } else { None };
@@ -191,7 +213,8 @@ fn backward_core(
     let doc = flat_chunks(b, s, doh, a.slot_token)?;
     let (p1, q2) = dh_terms(b, ct, doc, !s.in_slabs())?;
     let dht_tab = state_tab(b, s, dht)?;
-    let run = run_grads(b, s, a.tables, dht_tab, (p1, q2), ct)?;
+    let tables = loop_tables(b, s, a.tables)?;
+    let run = run_grads(b, s, tables, dht_tab, (p1, q2), ct)?;
     let (h, dh, vn, dvn) = (flat(b, h)?, flat(b, run.dh)?, flat(b, v_new)?, flat(b, run.dv_new)?);
     let g = chunk_grads(b, s, [w.qc, w.kc, w.vc, w.betac], ct, [h, vn, dh, dvn], doc)?;
     finish_grads(b, s, a, w, g, run.dh0_tab)
@@ -399,7 +422,8 @@ pub fn forward_program(s: &KernelSpec, keep_h: bool) -> Result<String> {
         // per-chunk states kept (about 1 ms and 9 MB of scratch less on the CPU plugin; on
         // tpu7x this form raised the peak, and the TPU configuration runs in slabs instead).
         let h0 = state_tab(&mut f, s, a.h0)?;
-        let run = run_output(&mut f, s, a.tables, h0, &ct, s.scale as f32)?;
+        let tables = loop_tables(&mut f, s, a.tables)?;
+        let run = run_output(&mut f, s, tables, h0, &ct, s.scale as f32)?;
         let o = prep::from_chunks(&mut f, s, run.o, a.token_slot)?;
         let mut outs = vec![prep::to_caller(&mut f, s, o, prep::elem(s.dtype))?];
         if s.final_state {
@@ -444,7 +468,8 @@ pub fn backward_program(s: &KernelSpec, strategy: BackwardStrategy) -> Result<St
         }
         None => {
             let h0 = state_tab(&mut f, s, a.h0)?;
-            let run = run_states(&mut f, s, a.tables, h0, &ct)?;
+            let tables = loop_tables(&mut f, s, a.tables)?;
+            let run = run_states(&mut f, s, tables, h0, &ct)?;
             (run.h, run.v_new)
         }
     };
@@ -542,6 +567,7 @@ impl Slabs {
             first: pad_tab(b, a.tables.first)?,
             last: pad_tab(b, a.tables.last)?,
             slot: pad_tab(b, a.tables.slot)?,
+            used: None,
         };
         Ok(Slabs { p, ns, ntp, chunks, tabs })
     }
@@ -553,6 +579,7 @@ impl Slabs {
             first: b.dynamic_slice(self.tabs.first, &[off], &[p])?,
             last: b.dynamic_slice(self.tabs.last, &[off], &[p])?,
             slot: b.dynamic_slice(self.tabs.slot, &[off], &[p])?,
+            used: None,
         })
     }
 

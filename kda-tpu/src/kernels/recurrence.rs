@@ -16,6 +16,27 @@ pub struct ChunkTables {
     pub last: Value,
     /// The state slot of the chunk's segment.
     pub slot: Value,
+    /// Packed programs: the chunk positions to visit, an i32 scalar (one past the last chunk
+    /// that ends a segment). The unused positions after it hold only padding, so the sequential
+    /// loops stop there; `None` visits every position.
+    pub used: Option<Value>,
+}
+
+/// `for i in 0..nt`, or `0..used` when the tables bound the loop at run time.
+fn chunk_loop<F>(
+    b: &mut FnBuilder,
+    nt: i64,
+    used: Option<Value>,
+    init: &[Value],
+    body: F,
+) -> Result<Vec<Value>>
+where
+    F: FnOnce(&mut FnBuilder, Value, &[Value]) -> Result<Vec<Value>>,
+{
+    match used {
+        Some(n) => b.for_loop_until(n, init, body),
+        None => b.for_loop(nt as i32, init, body),
+    }
 }
 
 fn lanes4(b: &mut FnBuilder, s: &KernelSpec, nt: i64, x: Value) -> Result<Value> {
@@ -69,7 +90,7 @@ pub fn run_states_window(
         (lanes4(b, s, nt, u)?, lanes4(b, s, nt, w)?, lanes4(b, s, nt, kg)?, lanes4(b, s, nt, eg_last)?);
     let h_all = b.scratch_f32(&[l, nt, k, v])?;
     let vn_all = b.scratch_f32(&[l, nt, c, v])?;
-    let out = b.for_loop(nt as i32, &[s0, h_all, vn_all, fin0], |b, i, a| {
+    let out = chunk_loop(b, nt, t.used, &[s0, h_all, vn_all, fin0], |b, i, a| {
         let (st, h_all, vn_all, fin) = (a[0], a[1], a[2], a[3]);
         let st = entering_state(b, t, h0, i, st)?;
         let h_all = put(b, h_all, 1, i, st)?;
@@ -145,12 +166,13 @@ pub fn run_output(
         lanes4(b, s, nt, ct.dc.eg_last)?,
     );
     let s0 = splat(b, 0.0, &[l, k, v])?;
-    let o_all = b.scratch_f32(&[l, nt, c, v])?;
-    let out = b.for_loop(nt as i32, &[s0, o_all, h0], |b, i, a| {
+    // `o` is written over `u` ([L, NT, C, V] both): each chunk's `u` is read by the products
+    // that form its `o`, so the write comes after the read and no buffer is filled for `o`.
+    let out = chunk_loop(b, nt, t.used, &[s0, u, h0], |b, i, a| {
         let (st, o_all, fin) = (a[0], a[1], a[2]);
         let st = entering_state(b, t, h0, i, st)?;
-        let (uc, wqc, akc, elc) =
-            (take(b, u, 1, i)?, take(b, wq, 1, i)?, take(b, ak, 1, i)?, take(b, el, 1, i)?);
+        let uc = take(b, o_all, 1, i)?;
+        let (wqc, akc, elc) = (take(b, wq, 1, i)?, take(b, ak, 1, i)?, take(b, el, 1, i)?);
         let m1 = b.batch_matmul(wqc, st, false, false)?; // [L, 2C, V]
         let ws = b.slice_axis(m1, 1, 0, c)?;
         let inter = b.slice_axis(m1, 1, c, 2 * c)?;
@@ -226,9 +248,20 @@ pub fn run_grads_window(
     // its dv_new, so the write comes after the read. (dh over q2 would not work the same way:
     // the read of q2 feeds only `prev`, which XLA may schedule after the write, so it copies.)
     let dh_all = b.scratch_f32(&[l, nt, k, v])?;
-    let out = b.for_loop(nt as i32, &[d0, dh_all, p1, dh0_init], |b, i, a| {
+    // The last visited chunk: fixed at `nt - 1`, or one before the run-time bound.
+    let top_used = match t.used {
+        Some(n) => {
+            let one = b.scalar_i32(1)?;
+            Some(b.sub(n, one)?)
+        }
+        None => None,
+    };
+    let out = chunk_loop(b, nt, t.used, &[d0, dh_all, p1, dh0_init], |b, i, a| {
         let (ds, dh_all, dvn_all, dh0) = (a[0], a[1], a[2], a[3]);
-        let top = b.scalar_i32(nt as i32 - 1)?;
+        let top = match top_used {
+            Some(top) => top,
+            None => b.scalar_i32(nt as i32 - 1)?,
+        };
         let ci = b.sub(top, i)?;
         let first = element(b, t.first, ci)?;
         let last = element(b, t.last, ci)?;
