@@ -221,8 +221,9 @@ pub fn run_grads(
 }
 
 /// [`run_grads`] over a window of `nt` chunks per lane, starting from the carried gradient and
-/// `dh0` table `(dh, dh0)`. `p1` and `q2` are consumed: each chunk's entries are read just
-/// before `dv_new` and `dh` are written over them, so neither needs a buffer of its own.
+/// `dh0` table `(dh, dh0)`. `p1` is consumed: each chunk's entry is read just before `dv_new`
+/// is written over it, so `dv_new` needs no buffer of its own; in the CPU configuration `q2`
+/// is consumed the same way by `dh`.
 #[allow(clippy::too_many_arguments)]
 pub fn run_grads_window(
     b: &mut FnBuilder,
