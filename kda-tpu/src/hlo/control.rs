@@ -60,25 +60,7 @@ impl FnBuilder {
     where
         B: FnOnce(&mut FnBuilder, Value, &[Value]) -> Result<Vec<Value>>,
     {
-        let zero = self.scalar_i32(0)?;
-        let mut all = vec![zero];
-        all.extend_from_slice(init);
-        let mut outs = self.while_loop(
-            &all,
-            |b, a| {
-                let n = b.scalar_i32(trips)?;
-                b.compare(Cmp::Lt, a[0], n)
-            },
-            |b, a| {
-                let mut next = body(b, a[0], &a[1..])?;
-                let one = b.scalar_i32(1)?;
-                let i1 = b.add(a[0], one)?;
-                next.insert(0, i1);
-                Ok(next)
-            },
-        )?;
-        outs.remove(0);
-        Ok(outs)
+        self.counted_loop(|b| b.scalar_i32(trips), init, body)
     }
 
     /// Counted loop `for i in 0..trips` with a run-time trip count (an i32 scalar from an
@@ -92,12 +74,24 @@ impl FnBuilder {
         if trips.rank() != 0 || trips.elem() != ElemType::I32 {
             return Err(err(op, format!("trip count is {}, want tensor<i32>", trips.ty())));
         }
+        self.counted_loop(|_| Ok(trips), init, body)
+    }
+
+    /// The `while` of a counted loop: `bound` gives the trip count inside the condition region.
+    fn counted_loop<N, B>(&mut self, bound: N, init: &[Value], body: B) -> Result<Vec<Value>>
+    where
+        N: FnOnce(&mut FnBuilder) -> Result<Value>,
+        B: FnOnce(&mut FnBuilder, Value, &[Value]) -> Result<Vec<Value>>,
+    {
         let zero = self.scalar_i32(0)?;
         let mut all = vec![zero];
         all.extend_from_slice(init);
         let mut outs = self.while_loop(
             &all,
-            |b, a| b.compare(Cmp::Lt, a[0], trips),
+            |b, a| {
+                let n = bound(b)?;
+                b.compare(Cmp::Lt, a[0], n)
+            },
             |b, a| {
                 let mut next = body(b, a[0], &a[1..])?;
                 let one = b.scalar_i32(1)?;
