@@ -14,6 +14,8 @@ use crate::Result;
 
 const NB: usize = CHUNK / SUB;
 const S: i64 = SUB as i64;
+// Two doublings take the 16-row diagonal inverses to a whole chunk.
+const _: () = assert!(NB == 4, "unit_lower_inverse doubles 16-row blocks twice: C = 4 * SUB");
 
 fn eye(b: &mut FnBuilder, dims: &[i64]) -> Result<Value> {
     let r = dims.len();
@@ -52,7 +54,8 @@ pub fn unit_lower_inverse(b: &mut FnBuilder, l: Value) -> Result<Value> {
     let lo = [block(b, l, 1, 0)?, block(b, l, 3, 2)?];
     let lo = b.concatenate(&lo, 0)?;
     let e32 = halves_inverse(b, du, dl, lo)?; // [2N, 32, 32]
-                                              // The whole chunk from its two 32-row halves.
+
+    // The whole chunk from its two 32-row halves.
     let eu = b.slice(e32, &[0, 0, 0], &[n, 2 * S, 2 * S], &[1, 1, 1])?;
     let el = b.slice(e32, &[n, 0, 0], &[h, 2 * S, 2 * S], &[1, 1, 1])?;
     let m = b.slice(l, &[0, 2 * S, 0], &[n, 4 * S, 2 * S], &[1, 1, 1])?;
