@@ -69,11 +69,15 @@ fn assert_close(got: &[f32], want: &[f32]) {
 }
 
 #[test]
-fn finds_cpu_plugin_in_setup_folder() {
+fn finds_plugin_named_by_env_else_cpu_plugin_in_setup_folder() {
     let rt = runtime();
-    assert_eq!(rt.platform(), "cpu");
-    if std::env::var_os("KDA_PJRT_PLUGIN").is_none() {
-        assert!(rt.plugin_path().ends_with("plugins/cpu/lammps_jax_pjrt_cpu/pjrt_c_api_cpu_plugin.so"));
+    match std::env::var_os("KDA_PJRT_PLUGIN") {
+        // `cargo xtask tpu-test --plugin PATH` (libtpu, the CUDA plugin, or the CPU plugin).
+        Some(path) => assert_eq!(rt.plugin_path(), std::path::Path::new(&path)),
+        None => {
+            assert_eq!(rt.platform(), "cpu");
+            assert!(rt.plugin_path().ends_with("plugins/cpu/lammps_jax_pjrt_cpu/pjrt_c_api_cpu_plugin.so"));
+        }
     }
     assert!(rt.plugin_version() >= (0, 81));
 }

@@ -79,7 +79,10 @@ impl Runtime {
             // results anyway, and the scratch is then allocated from the caller's malloc arena
             // (kept warm, see `host_memory`) instead of a pool thread's, where blocks over 64 MB
             // (the fused programs' scratch) came from fresh mmap pages on every run. Other
-            // plugins may reject these options; they get none.
+            // plugins reject these options (they check the names). The CUDA plugin would
+            // reserve 75% of the GPU's memory per client, which a second client in the same
+            // process (the test harness makes one per test) could not get: it is asked to
+            // allocate on demand. Any other plugin gets no options.
             let client = Client::builder(&api)
                 .options(vec![
                     NamedValue::i64("cpu_device_count", 1),
@@ -88,6 +91,9 @@ impl Runtime {
                 .build()
                 .or_else(|_| {
                     Client::builder(&api).options(vec![NamedValue::i64("cpu_device_count", 1)]).build()
+                })
+                .or_else(|_| {
+                    Client::builder(&api).options(vec![NamedValue::bool("preallocate", false)]).build()
                 })
                 .or_else(|_| Client::builder(&api).build())
                 .map_err(|e| {

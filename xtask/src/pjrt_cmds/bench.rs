@@ -39,7 +39,7 @@ impl Measure<'_> {
         let spec = self.call.spec();
         let mut figures = Vec::new();
         for (name, kind) in programs(variant) {
-            eprintln!("bench: {label}: compiling the {name} program on CPU...");
+            eprintln!("bench: {label}: compiling the {name} program for {}...", self.be.runtime().platform());
             let t = Instant::now();
             self.be.executable(spec, kind).map_err(err)?;
             let compile_ms = ms(t.elapsed());
