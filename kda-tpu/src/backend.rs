@@ -1,7 +1,7 @@
 //! [`PjrtBackend`]: `kda_core::Backend` over the chunked programs, on any PJRT plugin.
 
 use crate::kernels::{backward_program, forward_program, fused_program, KernelSpec, CHUNK, TPU_SLAB};
-use crate::runtime::{DeviceBuffer, Executable, Runtime};
+use crate::runtime::{CompileOptions, DeviceBuffer, Executable, Runtime, XlaOption};
 use crate::TpuError;
 use kda_core::{
     Backend, BackwardStrategy, Cotangents, DType, HostTensor, KdaError, KdaGradients, KdaInputs, KdaOutputs,
@@ -114,6 +114,24 @@ impl PjrtBackend {
         text.map_err(e)
     }
 
+    /// The XLA options a kernel program is compiled with. On the CPU plugin the forward
+    /// programs use XLA's memory-optimized scheduler instead of its default
+    /// concurrency-optimized one: at the primary shape that measured the forward 5-9% faster
+    /// (medians of five alternating runs' medians, f32 19.4 -> 17.7 and 20.1 -> 19.1 ms) and its
+    /// scratch smaller (f32 34.5 -> 26.3 MB); the fused programs measured 1-3% slower with it, so
+    /// they keep the default. Other plugins get XLA's defaults.
+    pub fn compile_options(&self, kind: ProgramKind) -> CompileOptions {
+        let options = CompileOptions::default();
+        if self.rt.platform() == "cpu" && matches!(kind, ProgramKind::Forward(_)) {
+            options.with_xla_option(
+                "xla_cpu_scheduler_type",
+                XlaOption::Str("CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED".to_string()),
+            )
+        } else {
+            options
+        }
+    }
+
     /// The compiled program (built and compiled once per spec and kind).
     pub fn executable(&self, spec: &KernelSpec, kind: ProgramKind) -> Result<Rc<Executable>> {
         let key = (format!("{spec:?}"), kind);
@@ -121,7 +139,7 @@ impl PjrtBackend {
             return Ok(x.clone());
         }
         let text = Self::program_text(spec, kind)?;
-        let exe = self.rt.compile(&text).map_err(e)?;
+        let exe = self.rt.compile_with(&text, &self.compile_options(kind)).map_err(e)?;
         self.programs.borrow_mut().insert(key, exe.clone());
         Ok(exe)
     }
