@@ -31,7 +31,9 @@ pub struct ChunkTerms {
 }
 
 /// The chunk-parallel forward terms from f32 `q, k` `[N, C, K]`, `v` `[N, C, V]`, activated
-/// `g` `[N, C, K]` and `beta` `[N, C, 1]`.
+/// `g` `[N, C, K]` and `beta` `[N, C, 1]`; `products` selects the CPU form of the decay
+/// factors ([`decay`]).
+#[allow(clippy::too_many_arguments)]
 pub fn chunk_terms(
     b: &mut FnBuilder,
     q: Value,
@@ -40,8 +42,9 @@ pub fn chunk_terms(
     g: Value,
     beta: Value,
     scale: f32,
+    products: bool,
 ) -> Result<ChunkTerms> {
-    let dc = decay(b, g)?;
+    let dc = decay(b, g, products)?;
     let [aqk, kk] = grams(b, &dc, [q, k], k)?;
     let aqk = b.mul_const(aqk, scale)?;
     let l = b.mul_bcast(kk, beta)?;

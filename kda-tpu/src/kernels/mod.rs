@@ -33,7 +33,7 @@ pub mod parts {
         let g = b.arg(f(&[n, 64, k]))?;
         let beta = b.arg(f(&[n, 64, 1]))?;
         let m = b.arg(f(&[n, 64, 64]))?;
-        let dc = tiles::decay(&mut b, g)?;
+        let dc = tiles::decay(&mut b, g, true)?;
         let outs = match name {
             "decay" => dc.all(),
             "grams" => tiles::grams(&mut b, &dc, [q, kk], kk)?.to_vec(),
@@ -41,7 +41,7 @@ pub mod parts {
             "col_sides" => vec![tiles::col_side_sum(&mut b, &dc, &[(m, q), (m, kk)], true)?],
             "inverse" => vec![super::solve::unit_lower_inverse(&mut b, m)?],
             _ => {
-                let t = intra::chunk_terms(&mut b, q, kk, v, g, beta, 0.1)?;
+                let t = intra::chunk_terms(&mut b, q, kk, v, g, beta, 0.1, true)?;
                 vec![t.u, t.w, t.aqk]
             }
         };

@@ -416,7 +416,7 @@ pub fn forward_program(s: &KernelSpec, keep_h: bool) -> Result<String> {
         }
         return finish(f, &outs);
     }
-    let ct = chunk_terms(&mut f, w.qc, w.kc, w.vc, w.gc, w.betac, s.scale as f32)?;
+    let ct = chunk_terms(&mut f, w.qc, w.kc, w.vc, w.gc, w.betac, s.scale as f32, s.slab == 0)?;
     if !keep_h {
         // The forward alone on the CPU configuration: outputs formed inside the recurrence, no
         // per-chunk states kept (about 1 ms and 9 MB of scratch less on the CPU plugin; on
@@ -456,7 +456,7 @@ pub fn backward_program(s: &KernelSpec, strategy: BackwardStrategy) -> Result<St
     let d_o = f.arg(TensorType::new(prep::elem(s.dtype), &s.token_dims(s.v)))?;
     let dht = if s.has_dht { Some(f.arg(TensorType::new(ElemType::F32, &s.state_dims()))?) } else { None };
     let w = working(&mut f, s, &a)?;
-    let ct = chunk_terms(&mut f, w.qc, w.kc, w.vc, w.gc, w.betac, s.scale as f32)?;
+    let ct = chunk_terms(&mut f, w.qc, w.kc, w.vc, w.gc, w.betac, s.scale as f32, s.slab == 0)?;
     let (h, v_new) = match saved {
         Some(h) => {
             // v_new = u - w S0, chunk-parallel from the saved states.
@@ -492,7 +492,7 @@ pub fn fused_program(s: &KernelSpec, strategy: BackwardStrategy) -> Result<Strin
         let outs = fused_slabs(&mut f, s, &a, &w, strategy, (d_o, dht))?;
         return finish(f, &outs);
     }
-    let ct = chunk_terms(&mut f, w.qc, w.kc, w.vc, w.gc, w.betac, s.scale as f32)?;
+    let ct = chunk_terms(&mut f, w.qc, w.kc, w.vc, w.gc, w.betac, s.scale as f32, s.slab == 0)?;
     // Without slabs the forward's per-chunk states are live in this executable whichever the
     // strategy, so the backward half reads them: re-running the identical recurrence would only
     // cost time. The strategies differ in slabs (`fused_slabs`) and in the split path.
@@ -587,7 +587,7 @@ impl Slabs {
     fn terms_at(&self, b: &mut FnBuilder, off: Value, scale: f32) -> Result<(ChunkTerms, [Value; 5])> {
         let x: Vec<Value> =
             self.chunks.iter().map(|&x| slab_of(b, x, off, self.p, true)).collect::<Result<_>>()?;
-        let ct = chunk_terms(b, x[0], x[1], x[2], x[3], x[4], scale)?;
+        let ct = chunk_terms(b, x[0], x[1], x[2], x[3], x[4], scale, false)?;
         Ok((ct, [x[0], x[1], x[2], x[3], x[4]]))
     }
 
