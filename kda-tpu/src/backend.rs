@@ -119,20 +119,14 @@ impl PjrtBackend {
     /// concurrency-optimized one: at the primary shape that measured the forward 5-9% faster
     /// (medians of five alternating runs' medians, f32 19.4 -> 17.7 and 20.1 -> 19.1 ms) and its
     /// scratch smaller (f32 34.5 -> 26.3 MB); the fused programs measured 1-3% slower with it, so
-    /// they keep the default. The forward programs also ask for 512-bit vectors in XLA's own
-    /// kernels (XLA prefers 256 by default; the matmuls run in a library either way): as
-    /// `XLA_FLAGS`, f32 fixed medians of medians 19.6 -> 17.1 ms and 21.1 -> 18.2 ms in two
-    /// alternating rounds on a noisy machine, no loss measured; the fused programs showed no
-    /// clear change and keep the default. Other plugins get XLA's defaults.
+    /// they keep the default. Other plugins get XLA's defaults.
     pub fn compile_options(&self, kind: ProgramKind) -> CompileOptions {
         let options = CompileOptions::default();
         if self.rt.platform() == "cpu" && matches!(kind, ProgramKind::Forward(_)) {
-            options
-                .with_xla_option(
-                    "xla_cpu_scheduler_type",
-                    XlaOption::Str("CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED".to_string()),
-                )
-                .with_xla_option("xla_cpu_prefer_vector_width", XlaOption::Int(512))
+            options.with_xla_option(
+                "xla_cpu_scheduler_type",
+                XlaOption::Str("CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED".to_string()),
+            )
         } else {
             options
         }
