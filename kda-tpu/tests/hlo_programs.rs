@@ -6,6 +6,7 @@ mod hlo_support;
 use hlo_support::{assert_close, rand_vec, run, In};
 use kda_tpu::hlo::{Cmp, ElemType, FnBuilder, Module, Precision, TensorType};
 use kda_tpu::Result;
+use rstest::rstest;
 
 fn f32t(dims: &[i64]) -> TensorType {
     TensorType::new(ElemType::F32, dims)
@@ -354,6 +355,39 @@ fn wy_inverse_inverts_unit_lower_chunks() -> Result<()> {
     }
     let eye: Vec<f32> = (0..n * c * c).map(|i| if (i / c) % c == i % c { 1.0 } else { 0.0 }).collect();
     assert_close("(I + L) A", &prod, &eye, 1e-4);
+    Ok(())
+}
+
+#[rstest]
+#[case::moderate_gates(-1.0)]
+#[case::strong_decay_to_the_floor(-30.0)]
+fn decay_factor_forms_agree(#[case] lowest: f32) -> Result<()> {
+    // The CPU configuration forms the in-sub-block decay factors as products of exp(g), the
+    // TPU configuration as exponentials of sums: the same factors to a few ulps (all are <= 1),
+    // and the same decayed grams. Gates include exact zeros (padding rows) and the floor.
+    let (n, c, k) = (3usize, 64usize, 16usize);
+    let mut g = rand_vec(n * c * k, 5, lowest, 0.0);
+    for (i, x) in g.iter_mut().enumerate() {
+        match i % 37 {
+            0 => *x = 0.0,
+            1 => *x = kda_tpu::kernels::GATE_FLOOR,
+            _ => {}
+        }
+    }
+    let dims = vec![n as i64, c as i64, k as i64];
+    let inputs = || {
+        vec![
+            In::F32(rand_vec(n * c * k, 6, -1.0, 1.0), dims.clone()),
+            In::F32(rand_vec(n * c * k, 7, -1.0, 1.0), dims.clone()),
+            In::F32(g.clone(), dims.clone()),
+        ]
+    };
+    let products = run(&kda_tpu::kernels::parts::decay_forms(n as i64, k as i64, true)?, inputs());
+    let sums = run(&kda_tpu::kernels::parts::decay_forms(n as i64, k as i64, false)?, inputs());
+    assert_eq!(products.len(), sums.len());
+    for (i, (p, e)) in products.iter().zip(&sums).enumerate() {
+        assert_close(&format!("output {i}"), &p.f32s(), &e.f32s(), 2e-6);
+    }
     Ok(())
 }
 

@@ -50,4 +50,23 @@ pub mod parts {
         md.add(b)?;
         Ok(md.to_text())
     }
+
+    /// A program from `q, k, g [N, 64, K]` to the stored decay factors and the two decayed
+    /// grams (`Aqk` without scale, and `k k` strictly causal), with the decay factors in the CPU
+    /// form (`products`: products of `exp(g)`) or the TPU form (exponentials of sums), so tests
+    /// can hold the two forms to each other.
+    pub fn decay_forms(n: i64, k: i64, products: bool) -> Result<String> {
+        let mut b = FnBuilder::new("main", true);
+        let f = |d: &[i64]| TensorType::new(ElemType::F32, d);
+        let q = b.arg(f(&[n, 64, k]))?;
+        let kk = b.arg(f(&[n, 64, k]))?;
+        let g = b.arg(f(&[n, 64, k]))?;
+        let dc = tiles::decay(&mut b, g, products)?;
+        let mut outs = dc.factors();
+        outs.extend(tiles::grams(&mut b, &dc, [q, kk], kk)?);
+        b.ret(&outs)?;
+        let mut md = Module::new();
+        md.add(b)?;
+        Ok(md.to_text())
+    }
 }

@@ -54,7 +54,14 @@ pub struct Decay {
 impl Decay {
     /// Every factor, for profiling.
     pub fn all(&self) -> Vec<Value> {
-        let mut all = vec![self.eg, self.eg_rest, self.eg_last, self.row1, self.row2, self.tile4];
+        let mut all = self.factors();
+        all.push(self.tile4);
+        all
+    }
+
+    /// The stored factors (the same in both forms of [`decay`]).
+    pub fn factors(&self) -> Vec<Value> {
+        let mut all = vec![self.eg, self.eg_rest, self.eg_last, self.row1, self.row2];
         all.extend(self.col1.iter().chain(&self.col2));
         all
     }
