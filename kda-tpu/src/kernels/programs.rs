@@ -649,7 +649,7 @@ fn forward_slabs(
         let off = sl.offset(b, i)?;
         let (ct, _) = sl.terms_at(b, off, scale)?;
         let t = sl.tabs_at(b, off)?;
-        let run = run_states_window(b, s, p, t, h0_tab, (st[0], st[1]), &ct)?;
+        let run = run_states_window(b, s, p, t, h0_tab, (st[0], st[1]), &ct, false)?;
         let hf = flat(b, run.h)?;
         let vf = flat(b, run.v_new)?;
         let inter = b.batch_matmul(ct.qg, hf, false, false)?;
@@ -721,12 +721,12 @@ fn fused_slabs(
         } else {
             let start = slab_of(b, kept[0], i, 1, false)?;
             let start = b.reshape(start, &[l, k, v])?;
-            let run = run_states_window(b, s, p, t, h0_tab, (start, h0_tab), &ct)?;
+            let run = run_states_window(b, s, p, t, h0_tab, (start, h0_tab), &ct, false)?;
             (run.h, run.v_new)
         };
         let do_s = slab_of(b, doc, off, p, true)?;
         let (p1, q2) = dh_terms(b, &ct, do_s, false)?;
-        let run = run_grads_window(b, s, p, t, dht_tab, (st[0], st[1]), (p1, q2), &ct)?;
+        let run = run_grads_window(b, s, p, t, dht_tab, (st[0], st[1]), (p1, q2), &ct, false)?;
         let fl = [flat(b, h_s)?, flat(b, vn_s)?, flat(b, run.dh)?, flat(b, run.dv_new)?];
         let g = chunk_grads(b, s, [x[0], x[1], x[2], x[4]], &ct, fl, do_s)?;
         Ok(vec![

@@ -71,26 +71,14 @@ pub fn run_states(
     let (l, k, v) = (s.lanes() as i64, s.k as i64, s.v as i64);
     let whole = whole_rows(s, &t);
     let s0 = if whole { only_slot(b, h0)? } else { splat(b, 0.0, &[l, k, v])? };
-    states_loop(b, s, s.chunks() as i64, t, h0, (s0, h0), ct, whole)
+    run_states_window(b, s, s.chunks() as i64, t, h0, (s0, h0), ct, whole)
 }
 
 /// [`run_states`] over a window of `nt` chunks per lane (`t` and `ct` cover just the window),
-/// starting from the carried state and final-state table `(state, fin)`.
-pub fn run_states_window(
-    b: &mut FnBuilder,
-    s: &KernelSpec,
-    nt: i64,
-    t: ChunkTables,
-    h0: Value,
-    (s0, fin0): (Value, Value),
-    ct: &ChunkTerms,
-) -> Result<StateRun> {
-    states_loop(b, s, nt, t, h0, (s0, fin0), ct, false)
-}
-
-/// [`run_states_window`]; with `whole` (see [`whole_rows`]) `s0` is already the initial state.
+/// starting from the carried state and final-state table `(state, fin)`; with `whole` (see
+/// [`whole_rows`]) `state` is already the initial state and no per-chunk tables are read.
 #[allow(clippy::too_many_arguments)]
-fn states_loop(
+pub fn run_states_window(
     b: &mut FnBuilder,
     s: &KernelSpec,
     nt: i64,
@@ -265,30 +253,16 @@ pub fn run_grads(
     let (l, k, v) = (s.lanes() as i64, s.k as i64, s.v as i64);
     let whole = whole_rows(s, &t);
     let d0 = if whole { only_slot(b, dht)? } else { splat(b, 0.0, &[l, k, v])? };
-    grads_loop(b, s, s.chunks() as i64, t, dht, (d0, dht), p, ct, whole)
+    run_grads_window(b, s, s.chunks() as i64, t, dht, (d0, dht), p, ct, whole)
 }
 
 /// [`run_grads`] over a window of `nt` chunks per lane, starting from the carried gradient and
-/// `dh0` table `(dh, dh0)`. `p1` is consumed: each chunk's entry is read just before `dv_new`
+/// `dh0` table `(dh, dh0)`; with `whole` (see [`whole_rows`]) `dh` is already `dht` and no
+/// per-chunk tables are read. `p1` is consumed: each chunk's entry is read just before `dv_new`
 /// is written over it, so `dv_new` needs no buffer of its own; in the CPU configuration `q2`
 /// is consumed the same way by `dh`.
 #[allow(clippy::too_many_arguments)]
 pub fn run_grads_window(
-    b: &mut FnBuilder,
-    s: &KernelSpec,
-    nt: i64,
-    t: ChunkTables,
-    dht: Value,
-    (d0, dh0_init): (Value, Value),
-    p: (Value, Value),
-    ct: &ChunkTerms,
-) -> Result<GradRun> {
-    grads_loop(b, s, nt, t, dht, (d0, dh0_init), p, ct, false)
-}
-
-/// [`run_grads_window`]; with `whole` (see [`whole_rows`]) `d0` is already `dht`.
-#[allow(clippy::too_many_arguments)]
-fn grads_loop(
     b: &mut FnBuilder,
     s: &KernelSpec,
     nt: i64,
