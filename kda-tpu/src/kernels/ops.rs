@@ -8,6 +8,11 @@ pub fn f32t(dims: &[i64]) -> TensorType {
     TensorType::new(ElemType::F32, dims)
 }
 
+/// An i32 tensor type.
+pub fn i32t(dims: &[i64]) -> TensorType {
+    TensorType::new(ElemType::I32, dims)
+}
+
 /// A splat f32 constant of shape `dims`.
 pub fn splat(b: &mut FnBuilder, x: f32, dims: &[i64]) -> Result<Value> {
     b.constant_f32(x, f32t(dims))

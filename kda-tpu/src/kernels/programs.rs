@@ -2,7 +2,7 @@
 //! state or rematerialized) and the fused forward+VJP, assembled from the pieces in this module.
 
 use super::intra::{chunk_terms, rowdot, ChunkTerms};
-use super::ops::{causal_mask, cumsum_rows, keep, splat, stored_transposes};
+use super::ops::{causal_mask, cumsum_rows, i32t, keep, splat, stored_transposes};
 use super::prep::{self, GateParams};
 use super::recurrence::{
     run_grads, run_grads_window, run_output, run_states, run_states_window, ChunkTables,
@@ -33,10 +33,6 @@ struct Args {
     tables: ChunkTables,
     slot_token: Option<Value>,
     token_slot: Option<Value>,
-}
-
-fn i32t(dims: &[i64]) -> TensorType {
-    TensorType::new(ElemType::I32, dims)
 }
 
 /// Declares the forward inputs: `q k v g beta [h0] [a_log] [dt_bias] first last slot

@@ -2,7 +2,7 @@
 //! recurrence in reverse (backward). Everything else is chunk-parallel.
 
 use super::intra::ChunkTerms;
-use super::ops::{choose, element, put, splat, take};
+use super::ops::{choose, element, i32t, put, splat, take};
 use super::spec::{KernelSpec, CHUNK};
 use crate::hlo::{FnBuilder, Value};
 use crate::Result;
@@ -94,10 +94,17 @@ pub fn run_states_window(
         (lanes4(b, s, nt, u)?, lanes4(b, s, nt, w)?, lanes4(b, s, nt, kg)?, lanes4(b, s, nt, eg_last)?);
     let h_all = b.scratch_f32(&[l, nt, k, v])?;
     let vn_all = b.scratch_f32(&[l, nt, c, v])?;
+    // Off whole rows the carried state is already the one entering the visited chunk: the reset
+    // at a segment's first chunk is applied before the loop and at the end of the chunk before.
+    let (s0, ahead) = if whole {
+        (s0, None)
+    } else {
+        let zero = b.scalar_i32(0)?;
+        (entering_state(b, t, h0, zero, s0)?, Some(shifted_tables(b, t, 1)?))
+    };
     let init: &[Value] = if whole { &[s0, h_all, vn_all] } else { &[s0, h_all, vn_all, fin0] };
     let out = chunk_loop(b, nt, t.used, init, |b, i, a| {
         let (st, h_all, vn_all) = (a[0], a[1], a[2]);
-        let st = if whole { st } else { entering_state(b, t, h0, i, st)? };
         let h_all = put(b, h_all, 1, i, st)?;
         let (uc, wc) = (take(b, u, 1, i)?, take(b, w, 1, i)?);
         let ws = b.batch_matmul(wc, st, false, false)?;
@@ -108,6 +115,10 @@ pub fn run_states_window(
             return Ok(vec![s1, h_all, vn_all]);
         }
         let fin = record_final(b, t, i, a[3], s1)?;
+        let s1 = match ahead {
+            Some(next) => entering_state(b, next, h0, i, s1)?,
+            None => s1,
+        };
         Ok(vec![s1, h_all, vn_all, fin])
     })?;
     let final_tab = if whole { as_table(b, out[0])? } else { out[3] };
@@ -134,6 +145,30 @@ fn as_table(b: &mut FnBuilder, st: Value) -> Result<Value> {
     b.reshape(st, &[d[0], 1, d[1], d[2]])
 }
 
+/// `first` and `slot` moved by `by` chunks (`+1`: entry `i` describes chunk `i + 1`; `-1`:
+/// chunk `i - 1`), a chunk outside the window reading as no segment boundary. The loops apply a
+/// boundary at the end of the chunk before it, in the same fusion as the update, so the state a
+/// chunk's products read is the carried value itself, not a selected copy.
+fn shifted_tables(b: &mut FnBuilder, t: ChunkTables, by: i64) -> Result<ChunkTables> {
+    let shift = |b: &mut FnBuilder, x: Value| -> Result<Value> {
+        let n = x.dims()[0];
+        let zero = b.constant_i32(0, i32t(&[1]))?;
+        if by > 0 {
+            let rest = b.slice_axis(x, 0, 1, n)?;
+            b.concatenate(&[rest, zero], 0)
+        } else {
+            let rest = b.slice_axis(x, 0, 0, n - 1)?;
+            b.concatenate(&[zero, rest], 0)
+        }
+    };
+    Ok(ChunkTables {
+        first: shift(b, t.first)?,
+        last: shift(b, t.last)?,
+        slot: shift(b, t.slot)?,
+        used: t.used,
+    })
+}
+
 /// The state entering chunk `i`: the carried one, or the slot's initial state at a segment's
 /// first chunk.
 fn entering_state(b: &mut FnBuilder, t: ChunkTables, h0: Value, i: Value, st: Value) -> Result<Value> {
@@ -141,6 +176,15 @@ fn entering_state(b: &mut FnBuilder, t: ChunkTables, h0: Value, i: Value, st: Va
     let slot = element(b, t.slot, i)?;
     let init = take(b, h0, 1, slot)?;
     choose(b, first, init, st)
+}
+
+/// The gradient leaving chunk `i`: the carried one, or the slot's `dht` at a segment's last
+/// chunk.
+fn seeded(b: &mut FnBuilder, t: ChunkTables, dht: Value, i: Value, ds: Value) -> Result<Value> {
+    let last = element(b, t.last, i)?;
+    let slot = element(b, t.slot, i)?;
+    let seed = take(b, dht, 1, slot)?;
+    choose(b, last, seed, ds)
 }
 
 /// `S1 = exp(G_last) S0 + kg^T v_new` for chunk `i` of the `[L, NT, ..]` tensors `(kg, el)`.
@@ -195,13 +239,17 @@ pub fn run_output(
         lanes4(b, s, nt, ct.dc.eg_last)?,
     );
     let whole = whole_rows(s, &t);
-    let s0 = if whole { only_slot(b, h0)? } else { splat(b, 0.0, &[l, k, v])? };
+    let (s0, ahead) = if whole {
+        (only_slot(b, h0)?, None)
+    } else {
+        let (zero, s0) = (b.scalar_i32(0)?, splat(b, 0.0, &[l, k, v])?);
+        (entering_state(b, t, h0, zero, s0)?, Some(shifted_tables(b, t, 1)?))
+    };
     // `o` is written over `u` ([L, NT, C, V] both): each chunk's `u` is read by the products
     // that form its `o`, so the write comes after the read and no buffer is filled for `o`.
     let init: &[Value] = if whole { &[s0, u] } else { &[s0, u, h0] };
     let out = chunk_loop(b, nt, t.used, init, |b, i, a| {
         let (st, o_all) = (a[0], a[1]);
-        let st = if whole { st } else { entering_state(b, t, h0, i, st)? };
         let uc = take(b, o_all, 1, i)?;
         let (wqc, akc, elc) = (take(b, wq, 1, i)?, take(b, ak, 1, i)?, take(b, el, 1, i)?);
         let m1 = b.batch_matmul(wqc, st, false, false)?; // [L, 2C, V]
@@ -221,6 +269,10 @@ pub fn run_output(
             return Ok(vec![s1, o_all]);
         }
         let fin = record_final(b, t, i, a[2], s1)?;
+        let s1 = match ahead {
+            Some(next) => entering_state(b, next, h0, i, s1)?,
+            None => s1,
+        };
         Ok(vec![s1, o_all, fin])
     })?;
     let final_tab = if whole { as_table(b, out[0])? } else { out[2] };
@@ -300,22 +352,18 @@ pub fn run_grads_window(
         }
         None => None,
     };
+    let top = match top_used {
+        Some(top) => top,
+        None => b.scalar_i32(nt as i32 - 1)?,
+    };
+    // Off whole rows the carried gradient is already the one leaving the visited chunk: the seed
+    // at a segment's last chunk is applied before the loop and at the end of the chunk after it.
+    let (d0, behind) =
+        if whole { (d0, None) } else { (seeded(b, t, dht, top, d0)?, Some(shifted_tables(b, t, -1)?)) };
     let init: &[Value] = if whole { &[d0, dh_init, p1] } else { &[d0, dh_init, p1, dh0_init] };
     let out = chunk_loop(b, nt, t.used, init, |b, i, a| {
-        let (ds, dh_all, dvn_all) = (a[0], a[1], a[2]);
-        let top = match top_used {
-            Some(top) => top,
-            None => b.scalar_i32(nt as i32 - 1)?,
-        };
+        let (ds1, dh_all, dvn_all) = (a[0], a[1], a[2]);
         let ci = b.sub(top, i)?;
-        let ds1 = if whole {
-            ds
-        } else {
-            let last = element(b, t.last, ci)?;
-            let slot = element(b, t.slot, ci)?;
-            let seed = take(b, dht, 1, slot)?;
-            choose(b, last, seed, ds)?
-        };
         let (p1c, q2c, wc, kgc, elc) = (
             take(b, dvn_all, 1, ci)?,
             take(b, if over_q2 { dh_all } else { q2 }, 1, ci)?,
@@ -347,6 +395,10 @@ pub fn run_grads_window(
         let cur = take(b, a[3], 1, slot)?;
         let upd = choose(b, first, prev, cur)?;
         let dh0 = put(b, a[3], 1, slot, upd)?;
+        let prev = match behind {
+            Some(before) => seeded(b, before, dht, ci, prev)?,
+            None => prev,
+        };
         Ok(vec![prev, dh_all, dvn_all, dh0])
     })?;
     let dh0_tab = if whole { as_table(b, out[0])? } else { out[3] };
