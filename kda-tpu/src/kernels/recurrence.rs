@@ -145,7 +145,7 @@ fn as_table(b: &mut FnBuilder, st: Value) -> Result<Value> {
     b.reshape(st, &[d[0], 1, d[1], d[2]])
 }
 
-/// `first` and `slot` moved by `by` chunks (`+1`: entry `i` describes chunk `i + 1`; `-1`:
+/// The per-chunk tables moved by `by` chunks (`+1`: entry `i` describes chunk `i + 1`; `-1`:
 /// chunk `i - 1`), a chunk outside the window reading as no segment boundary. The loops apply a
 /// boundary at the end of the chunk before it, in the same fusion as the update, so the state a
 /// chunk's products read is the carried value itself, not a selected copy.
