@@ -96,12 +96,7 @@ pub fn run_states_window(
     let vn_all = b.scratch_f32(&[l, nt, c, v])?;
     // Off whole rows the carried state is already the one entering the visited chunk: the reset
     // at a segment's first chunk is applied before the loop and at the end of the chunk before.
-    let (s0, ahead) = if whole {
-        (s0, None)
-    } else {
-        let zero = b.scalar_i32(0)?;
-        (entering_state(b, t, h0, zero, s0)?, Some(shifted_tables(b, t, 1)?))
-    };
+    let (s0, ahead) = if whole { (s0, None) } else { boundaries_ahead(b, t, h0, s0)? };
     let init: &[Value] = if whole { &[s0, h_all, vn_all] } else { &[s0, h_all, vn_all, fin0] };
     let out = chunk_loop(b, nt, t.used, init, |b, i, a| {
         let (st, h_all, vn_all) = (a[0], a[1], a[2]);
@@ -115,10 +110,7 @@ pub fn run_states_window(
             return Ok(vec![s1, h_all, vn_all]);
         }
         let fin = record_final(b, t, i, a[3], s1)?;
-        let s1 = match ahead {
-            Some(next) => entering_state(b, next, h0, i, s1)?,
-            None => s1,
-        };
+        let s1 = reset_ahead(b, ahead, h0, i, s1)?;
         Ok(vec![s1, h_all, vn_all, fin])
     })?;
     let final_tab = if whole { as_table(b, out[0])? } else { out[3] };
@@ -167,6 +159,34 @@ fn shifted_tables(b: &mut FnBuilder, t: ChunkTables, by: i64) -> Result<ChunkTab
         slot: shift(b, t.slot)?,
         used: t.used,
     })
+}
+
+/// Off whole rows, the forward loops' boundaries: the state entering the first visited chunk
+/// (`s0`, or the slot's initial state if a segment starts there) and the tables one chunk ahead,
+/// which [`reset_ahead`] reads at the end of each chunk.
+fn boundaries_ahead(
+    b: &mut FnBuilder,
+    t: ChunkTables,
+    h0: Value,
+    s0: Value,
+) -> Result<(Value, Option<ChunkTables>)> {
+    let zero = b.scalar_i32(0)?;
+    Ok((entering_state(b, t, h0, zero, s0)?, Some(shifted_tables(b, t, 1)?)))
+}
+
+/// The state entering chunk `i + 1` from `s1`, the state after chunk `i`, with the tables of
+/// [`boundaries_ahead`] (`None` on whole rows: no boundary inside).
+fn reset_ahead(
+    b: &mut FnBuilder,
+    ahead: Option<ChunkTables>,
+    h0: Value,
+    i: Value,
+    s1: Value,
+) -> Result<Value> {
+    match ahead {
+        Some(next) => entering_state(b, next, h0, i, s1),
+        None => Ok(s1),
+    }
 }
 
 /// The state entering chunk `i`: the carried one, or the slot's initial state at a segment's
@@ -242,8 +262,8 @@ pub fn run_output(
     let (s0, ahead) = if whole {
         (only_slot(b, h0)?, None)
     } else {
-        let (zero, s0) = (b.scalar_i32(0)?, splat(b, 0.0, &[l, k, v])?);
-        (entering_state(b, t, h0, zero, s0)?, Some(shifted_tables(b, t, 1)?))
+        let s0 = splat(b, 0.0, &[l, k, v])?;
+        boundaries_ahead(b, t, h0, s0)?
     };
     // `o` is written over `u` ([L, NT, C, V] both): each chunk's `u` is read by the products
     // that form its `o`, so the write comes after the read and no buffer is filled for `o`.
@@ -269,10 +289,7 @@ pub fn run_output(
             return Ok(vec![s1, o_all]);
         }
         let fin = record_final(b, t, i, a[2], s1)?;
-        let s1 = match ahead {
-            Some(next) => entering_state(b, next, h0, i, s1)?,
-            None => s1,
-        };
+        let s1 = reset_ahead(b, ahead, h0, i, s1)?;
         Ok(vec![s1, o_all, fin])
     })?;
     let final_tab = if whole { as_table(b, out[0])? } else { out[2] };
