@@ -47,8 +47,11 @@ const CPU_WHEEL: Wheel = Wheel {
 const TPU_WHEEL: Wheel =
     Wheel { name: "libtpu", version: "0.0.52", size: "137 MB", file: "libtpu/libtpu.so" };
 
-/// Debian packages pjrt-sys's build script needs (bindgen -> libclang, prost-build -> protoc).
-const APT_PACKAGES: [&str; 2] = ["libclang-dev", "protobuf-compiler"];
+/// Debian packages pjrt-sys's build script needs (bindgen -> libclang, prost-build -> protoc and
+/// the well-known types its protos import, `google/protobuf/any.proto` and the like, which
+/// Debian ships in libprotobuf-dev: protobuf-compiler only recommends it, and setup installs
+/// without recommends).
+const APT_PACKAGES: [&str; 3] = ["libclang-dev", "protobuf-compiler", "libprotobuf-dev"];
 const STAMP: &str = ".kda-stamp";
 
 /// The setup folder: `$KDA_HOME` if set (made absolute), else `<workspace root>/.kda`.
@@ -225,7 +228,7 @@ fn install_wheel(dir: &Path, wheel: &Wheel, what: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// Installs libclang-dev and protobuf-compiler with apt-get when `dpkg -s` says they are missing;
+/// Installs [`APT_PACKAGES`] with apt-get when `dpkg -s` says they are missing;
 /// `apt-get update` only when the package lists are empty or the first install fails.
 fn ensure_apt_packages(verbose: bool) -> Result<(), String> {
     let missing: Vec<&str> = match run(Command::new("dpkg").arg("-s").args(APT_PACKAGES)) {
@@ -272,8 +275,8 @@ fn apt(args: &[&str]) -> Result<(), String> {
         return Ok(());
     }
     Err(format!(
-        "`apt-get {}` failed (needs root and network; or install libclang-dev and protobuf-compiler \
-         yourself): {}",
+        "`apt-get {}` failed (needs root and network; or install libclang-dev, protobuf-compiler \
+         and libprotobuf-dev yourself): {}",
         args.join(" "),
         tail(&String::from_utf8_lossy(&out.stderr), 6)
     ))
