@@ -605,6 +605,7 @@ pub fn record_json(r: &BenchRecord, info: &RunInfo) -> Json {
         ("commit", Json::str(&info.machine.commit)),
         ("cpus", n(info.machine.cpus)),
         ("cpu_model", Json::str(&info.machine.cpu_model)),
+        ("cpu_detail", Json::str(&info.machine.cpu_detail)),
         ("backend", Json::str(&info.plugin)),
     ])
 }
@@ -726,6 +727,7 @@ mod tests {
             machine: Machine {
                 cpus: 2,
                 cpu_model: "Test CPU".into(),
+                cpu_detail: "family 25 model 1, AVX2".into(),
                 date: "2026-11-29 10:00 UTC".into(),
                 commit: "abc1234".into(),
             },

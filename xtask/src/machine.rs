@@ -10,6 +10,11 @@ pub struct Machine {
     pub cpus: usize,
     /// `model name` from `/proc/cpuinfo`.
     pub cpu_model: String,
+    /// Family, model and widest vector extension (`family 25 model 1, AVX2`): virtual machines
+    /// often report only a vendor name (`AMD EPYC`), and the CPU plugin's timings differ by tens
+    /// of percent between generations behind that name (see docs/BENCHMARKS.md), so records say
+    /// which one ran.
+    pub cpu_detail: String,
     /// UTC time of the run, `YYYY-MM-DD HH:MM UTC`.
     pub date: String,
     /// `git rev-parse --short HEAD`, with `-dirty` for uncommitted changes.
@@ -20,17 +25,20 @@ impl Machine {
     /// Reads the machine's description now.
     pub fn collect() -> Machine {
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let cpu_model = std::fs::read_to_string("/proc/cpuinfo")
-            .ok()
-            .and_then(|s| cpu_model(&s))
-            .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+        let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let cpu_model = cpu_model(&info).unwrap_or_else(|| std::env::consts::ARCH.to_string());
         let secs = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-        Machine { cpus, cpu_model, date: utc(secs), commit: commit() }
+        Machine { cpus, cpu_model, cpu_detail: cpu_detail(&info), date: utc(secs), commit: commit() }
     }
 
-    /// One line: `2 CPUs, AMD EPYC ...`.
+    /// One line: `2 CPUs, AMD EPYC (family 25 model 1, AVX2)`.
     pub fn summary(&self) -> String {
-        format!("{} CPU{}, {}", self.cpus, if self.cpus == 1 { "" } else { "s" }, self.cpu_model)
+        let plural = if self.cpus == 1 { "" } else { "s" };
+        if self.cpu_detail.is_empty() {
+            format!("{} CPU{plural}, {}", self.cpus, self.cpu_model)
+        } else {
+            format!("{} CPU{plural}, {} ({})", self.cpus, self.cpu_model, self.cpu_detail)
+        }
     }
 }
 
@@ -40,6 +48,34 @@ fn cpu_model(cpuinfo: &str) -> Option<String> {
         .lines()
         .find_map(|l| l.split_once(':').filter(|(k, _)| k.trim() == "model name").map(|(_, v)| v.trim()))
         .map(|m| m.split_whitespace().collect::<Vec<_>>().join(" "))
+}
+
+/// The first value of `key` in a `/proc/cpuinfo` text.
+fn field<'a>(cpuinfo: &'a str, key: &str) -> Option<&'a str> {
+    cpuinfo.lines().find_map(|l| l.split_once(':').filter(|(k, _)| k.trim() == key).map(|(_, v)| v.trim()))
+}
+
+/// `family F model M, EXT` from a `/proc/cpuinfo` text (x86: EXT is AVX-512, AVX2 or SSE, read
+/// off the first CPU's flags); empty where the text has none of it (other architectures).
+fn cpu_detail(cpuinfo: &str) -> String {
+    let mut parts = Vec::new();
+    if let (Some(f), Some(m)) = (field(cpuinfo, "cpu family"), field(cpuinfo, "model")) {
+        parts.push(format!("family {f} model {m}"));
+    }
+    if let Some(flags) = field(cpuinfo, "flags") {
+        let has = |x: &str| flags.split_whitespace().any(|f| f == x);
+        parts.push(
+            if has("avx512f") {
+                "AVX-512"
+            } else if has("avx2") {
+                "AVX2"
+            } else {
+                "SSE"
+            }
+            .to_string(),
+        );
+    }
+    parts.join(", ")
 }
 
 fn commit() -> String {
@@ -101,5 +137,17 @@ mod tests {
         let info = "processor\t: 0\nmodel name\t: AMD   EPYC 7B13\nflags\t: x\n";
         assert_eq!(cpu_model(info).as_deref(), Some("AMD EPYC 7B13"));
         assert_eq!(cpu_model("processor : 0\n"), None);
+    }
+
+    #[rstest]
+    #[case("cpu family\t: 25\nmodel\t\t: 1\nflags\t\t: fpu avx avx2 fma\n", "family 25 model 1, AVX2")]
+    #[case(
+        "cpu family\t: 25\nmodel\t\t: 17\nflags\t\t: avx2 avx512f avx512bw\n",
+        "family 25 model 17, AVX-512"
+    )]
+    #[case("flags\t\t: fpu sse sse2\n", "SSE")]
+    #[case("processor\t: 0\nBogoMIPS\t: 50.00\n", "")]
+    fn reads_family_model_and_vector_width(#[case] info: &str, #[case] want: &str) {
+        assert_eq!(cpu_detail(info), want);
     }
 }
