@@ -44,10 +44,7 @@ impl Machine {
 
 /// The first `model name` of a `/proc/cpuinfo` text.
 fn cpu_model(cpuinfo: &str) -> Option<String> {
-    cpuinfo
-        .lines()
-        .find_map(|l| l.split_once(':').filter(|(k, _)| k.trim() == "model name").map(|(_, v)| v.trim()))
-        .map(|m| m.split_whitespace().collect::<Vec<_>>().join(" "))
+    field(cpuinfo, "model name").map(|m| m.split_whitespace().collect::<Vec<_>>().join(" "))
 }
 
 /// The first value of `key` in a `/proc/cpuinfo` text.
