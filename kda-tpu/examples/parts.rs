@@ -1,6 +1,7 @@
 //! Times each kernel building block alone at the primary shape (N = 128 chunks, K = 128), for
 //! profiling the programs piece by piece: `cargo run --release -p kda-tpu --example parts [NAME..]`
-//! (after `eval "$(cargo xtask env)"`).
+//! (after `eval "$(cargo xtask env)"`). The `products*` parts are the forward's products alone
+//! (no elementwise work), with their FLOP rate: the floor the plugin's matmul library sets.
 fn cpu_ms() -> f64 {
     let s = std::fs::read_to_string("/proc/self/stat").unwrap();
     let f: Vec<&str> = s.rsplit(')').next().unwrap().split_whitespace().collect();
@@ -36,10 +37,15 @@ fn main() {
         for _ in 0..iters {
             let _ = rt.execute(&exe, &refs).unwrap();
         }
-        println!(
-            "{name:>10}: wall {:.1} ms  cpu {:.1} ms per run",
-            t.elapsed().as_secs_f64() * 1000.0 / iters as f64,
-            (cpu_ms() - c0) / iters as f64
-        );
+        let wall = t.elapsed().as_secs_f64() * 1000.0 / iters as f64;
+        let rate = match kda_tpu::kernels::parts::product_flops(name, n, k) {
+            Some(f) => format!("  {:.0} MFLOP, {:.0} GFLOP/s", f / 1e6, f / wall / 1e6),
+            None if *name == "stream" => {
+                let written = 4.0 * (n * 64 * k * 4) as f64;
+                format!("  {:.1} MB written, {:.1} GB/s written", written / 1e6, written / wall / 1e6)
+            }
+            None => String::new(),
+        };
+        println!("{name:>14}: wall {wall:.1} ms  cpu {:.1} ms per run{rate}", (cpu_ms() - c0) / iters as f64);
     }
 }

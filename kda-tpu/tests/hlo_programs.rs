@@ -605,3 +605,41 @@ fn call_and_alias() -> Result<()> {
     assert_eq!(got[1].f32s(), vec![1.0; 4]);
     Ok(())
 }
+
+#[test]
+fn floor_products_compute_the_forward_products() -> Result<()> {
+    // The profiling parts that time the forward's products alone: the WY pair is `M V` and
+    // `M K` per chunk, and the whole set has the grams' six tile products, the WY pair and the
+    // loop's five products.
+    let (n, c, k) = (2usize, 64usize, 8usize);
+    let tok = |seed| In::F32(rand_vec(n * c * k, seed, -1.0, 1.0), vec![n as i64, c as i64, k as i64]);
+    let m = rand_vec(n * c * c, 9, -1.0, 1.0);
+    let v = rand_vec(n * c * k, 3, -1.0, 1.0);
+    let inputs = || {
+        vec![
+            tok(1),
+            tok(2),
+            In::F32(v.clone(), vec![n as i64, c as i64, k as i64]),
+            tok(4),
+            In::F32(vec![0.5; n * c], vec![n as i64, c as i64, 1]),
+            In::F32(m.clone(), vec![n as i64, c as i64, c as i64]),
+        ]
+    };
+    let wy = run(&kda_tpu::kernels::parts::program("products_wy", n as i64, k as i64)?, inputs());
+    let mut want = vec![0.0f32; n * c * k];
+    for b in 0..n {
+        for i in 0..c {
+            for j in 0..k {
+                let acc: f64 =
+                    (0..c).map(|p| m[(b * c + i) * c + p] as f64 * v[(b * c + p) * k + j] as f64).sum();
+                want[(b * c + i) * k + j] = acc as f32;
+            }
+        }
+    }
+    assert_close("M V", &wy[0].f32s(), &want, 1e-5);
+    let all = run(&kda_tpu::kernels::parts::program("products", n as i64, k as i64)?, inputs());
+    assert_eq!(all.len(), 6 + 2 + 5);
+    let flops = kda_tpu::kernels::parts::product_flops("products", 128, 128).unwrap_or(0.0);
+    assert!((1.3e9..1.4e9).contains(&flops), "forward products at the primary shape: {flops}");
+    Ok(())
+}
