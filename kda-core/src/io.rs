@@ -62,7 +62,8 @@ impl KdaInputs {
         self.segments = Some(segments);
         self
     }
-    /// Sets the scalar options (keeps the layout already set when `config.layout` is default).
+    /// Replaces all scalar options, the layout included: set the layout in `config` (or call
+    /// [`KdaInputs::with_layout`] afterwards), as an earlier `with_layout` is overwritten.
     pub fn with_config(mut self, config: KdaConfig) -> Self {
         self.config = config;
         self
@@ -100,7 +101,7 @@ pub struct KdaGradients {
     pub dg: HostTensor,
     /// dL/dbeta, shaped like `beta`.
     pub dbeta: HostTensor,
-    /// dL/dh0 (f32), when an initial state was given.
+    /// dL/dh0 in the state dtype (f32, or f64 for f64 inputs), when an initial state was given.
     pub dh0: Option<HostTensor>,
     /// dL/da_log, for in-kernel gates.
     pub da_log: Option<HostTensor>,

@@ -72,7 +72,7 @@ impl KdaInputs {
         if self.q.shape().len() != 4 {
             return Err(KdaError::shape("q", format!("rank 4 {axes}"), fmt_shape(self.q.shape())));
         }
-        let (h, b, t) = layout.hbt(self.q.shape());
+        let (h, b, t) = layout.try_hbt(self.q.shape()).map_err(|e| e.with_arg("q"))?;
         let k = self.q.shape()[3];
         if self.q.shape().contains(&0) {
             return Err(KdaError::shape("q", "non-empty H, B, T and K", fmt_shape(self.q.shape())));

@@ -59,31 +59,44 @@ impl SegmentTable {
     pub fn is_packed(&self) -> bool {
         self.packed
     }
-    /// The token range of segment `n` of row `b`.
-    pub fn segment(&self, b: usize, n: usize) -> Range<usize> {
-        self.rows[b][n].clone()
+    /// The segments of row `b`, or a `Shape` error naming the row count when `b >= B`.
+    pub fn row(&self, b: usize) -> Result<&[Range<usize>]> {
+        self.rows.get(b).map(Vec::as_slice).ok_or_else(|| {
+            KdaError::shape("segment row", format!("row < B = {}", self.rows.len()), format!("row {b}"))
+        })
     }
-    /// The segments of row `b`.
-    pub fn row(&self, b: usize) -> &[Range<usize>] {
-        &self.rows[b]
+    /// The token range of segment `n` of row `b`, or a `Shape` error when either is out of range
+    /// (like `SegmentPlan::segment` in kda-packed).
+    pub fn segment(&self, b: usize, n: usize) -> Result<Range<usize>> {
+        let (rows, slots) = (self.b(), self.n());
+        self.rows.get(b).and_then(|r| r.get(n)).cloned().ok_or_else(|| {
+            KdaError::shape(
+                "segment",
+                format!("row < {rows} and slot < {slots}"),
+                format!("row {b}, slot {n}"),
+            )
+        })
     }
     /// All rows.
     pub fn rows(&self) -> &[Vec<Range<usize>>] {
         &self.rows
     }
-    /// Real (non-padding) tokens in row `b`.
+    /// Real (non-padding) tokens in row `b`; 0 for a row past B, which has none. The one
+    /// accessor that stays infallible, as padding loops outside this crate read it directly;
+    /// [`SegmentTable::row`] is the checked way to ask whether the row exists.
     pub fn real_tokens(&self, b: usize) -> usize {
-        self.rows[b].last().map_or(0, |r| r.end)
+        self.rows.get(b).and_then(|r| r.last()).map_or(0, |r| r.end)
     }
-    /// The segment owning token `t` of row `b`, or `None` for padding.
-    pub fn owner(&self, b: usize, t: usize) -> Option<usize> {
-        self.rows[b].iter().position(|r| r.contains(&t))
+    /// The segment owning token `t` of row `b` (`None` for padding or `t >= T`), or a `Shape`
+    /// error when `b >= B`.
+    pub fn owner(&self, b: usize, t: usize) -> Result<Option<usize>> {
+        Ok(self.row(b)?.iter().position(|r| r.contains(&t)))
     }
-    /// The `cu_seqlens` of row `b`.
-    pub fn cu_seqlens(&self, b: usize) -> Vec<i64> {
+    /// The `cu_seqlens` of row `b`, or a `Shape` error when `b >= B`.
+    pub fn cu_seqlens(&self, b: usize) -> Result<Vec<i64>> {
         let mut c = vec![0i64];
-        c.extend(self.rows[b].iter().map(|r| r.end as i64));
-        c
+        c.extend(self.row(b)?.iter().map(|r| r.end as i64));
+        Ok(c)
     }
 }
 

@@ -1,5 +1,6 @@
 //! Shapes and the two accepted layouts.
 
+use crate::error::{KdaError, Result};
 use smallvec::SmallVec;
 use std::fmt;
 
@@ -50,12 +51,25 @@ impl Layout {
             Layout::BatchFirst => shape(&[b, t, h]),
         }
     }
-    /// Reads `(h, b, t)` off the leading three axes of a per-token tensor in this layout.
-    pub fn hbt(self, dims: &[usize]) -> (usize, usize, usize) {
-        match self {
-            Layout::HeadFirst => (dims[0], dims[1], dims[2]),
-            Layout::BatchFirst => (dims[2], dims[0], dims[1]),
+    /// Reads `(h, b, t)` off the leading three axes of a per-token tensor in this layout: a
+    /// rank-3 scalar (`beta`) or a rank-4 token tensor; any other rank is a `Shape` error.
+    pub fn try_hbt(self, dims: &[usize]) -> Result<(usize, usize, usize)> {
+        match (self, dims) {
+            (Layout::HeadFirst, &[h, b, t] | &[h, b, t, _]) => Ok((h, b, t)),
+            (Layout::BatchFirst, &[b, t, h] | &[b, t, h, _]) => Ok((h, b, t)),
+            _ => {
+                let axes = match self {
+                    Layout::HeadFirst => "[H, B, T] or [H, B, T, D]",
+                    Layout::BatchFirst => "[B, T, H] or [B, T, H, D]",
+                };
+                Err(KdaError::shape("per-token tensor", format!("rank 3 or 4 {axes}"), fmt_shape(dims)))
+            }
         }
+    }
+    /// [`Layout::try_hbt`] for callers that only compare the result: a shape of another rank
+    /// reads as `(0, 0, 0)`, which no validated problem has, instead of panicking.
+    pub fn hbt(self, dims: &[usize]) -> (usize, usize, usize) {
+        self.try_hbt(dims).unwrap_or((0, 0, 0))
     }
     /// The flat index of element `(h, b, t, i)` of a per-token tensor with width `d`.
     #[inline]

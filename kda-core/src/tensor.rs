@@ -23,8 +23,20 @@ pub struct HostTensor {
     data: TensorData,
 }
 
+/// The element count of `shape`, or an `Unsupported` error when the product of its dims
+/// overflows `usize` (a plain product would panic in debug builds and wrap in release ones).
+pub(crate) fn element_count(shape: &[usize]) -> Result<usize> {
+    shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)).ok_or_else(|| {
+        KdaError::unsupported(
+            "tensor shape",
+            format!("at most usize::MAX = {} elements", usize::MAX),
+            format!("{} (the element count overflows)", fmt_shape(shape)),
+        )
+    })
+}
+
 fn check_len(shape: &[usize], len: usize) -> Result<()> {
-    let want: usize = shape.iter().product();
+    let want = element_count(shape)?;
     if want != len {
         return Err(KdaError::shape(
             "tensor data",
@@ -67,15 +79,37 @@ impl HostTensor {
         };
         Self::new(shape, data)
     }
-    /// A zero tensor.
-    pub fn zeros(shape: &[usize], dtype: DType) -> Self {
-        let n: usize = shape.iter().product();
+    /// A zero tensor, or an `Unsupported` error when the shape holds more elements (or bytes)
+    /// than one allocation can: the checked form of [`HostTensor::zeros`] for untrusted shapes.
+    pub fn try_zeros(shape: &[usize], dtype: DType) -> Result<Self> {
+        let n = element_count(shape)?;
+        let max = isize::MAX as usize / dtype.size_bytes();
+        if n > max {
+            return Err(KdaError::unsupported(
+                "tensor shape",
+                format!("at most {max} {dtype} elements (isize::MAX bytes, one allocation)"),
+                format!("{} = {n} elements", fmt_shape(shape)),
+            ));
+        }
         let data = match dtype {
             DType::F64 => TensorData::F64(vec![0.0; n]),
             DType::F32 => TensorData::F32(vec![0.0; n]),
             DType::BF16 => TensorData::BF16(vec![bf16::ZERO; n]),
         };
-        Self { shape: Shape::from_slice(shape), data }
+        Ok(Self { shape: Shape::from_slice(shape), data })
+    }
+    /// A zero tensor of a shape the caller controls (tests, fixed sizes).
+    ///
+    /// # Panics
+    ///
+    /// When the shape is too large for one allocation, like `vec!`; it never wraps to a
+    /// tensor whose data disagrees with its shape. Use [`HostTensor::try_zeros`] for shapes
+    /// that come from user input.
+    pub fn zeros(shape: &[usize], dtype: DType) -> Self {
+        match Self::try_zeros(shape, dtype) {
+            Ok(t) => t,
+            Err(e) => panic!("HostTensor::zeros: {e}"),
+        }
     }
 
     /// The shape.
@@ -90,9 +124,14 @@ impl HostTensor {
             TensorData::BF16(_) => DType::BF16,
         }
     }
-    /// Number of elements.
+    /// Number of elements: the storage length, which every constructor checked against the
+    /// shape, so it cannot overflow.
     pub fn len(&self) -> usize {
-        self.shape.iter().product()
+        match &self.data {
+            TensorData::F64(v) => v.len(),
+            TensorData::F32(v) => v.len(),
+            TensorData::BF16(v) => v.len(),
+        }
     }
     /// True when the tensor has no elements.
     pub fn is_empty(&self) -> bool {

@@ -163,9 +163,9 @@ fn segment_ids_become_ranges_with_trailing_empty_slots() {
     let mut x = base();
     x.segments = Some(Segments::SegmentIds(vec![vec![1, 1, 2, 2, 3, 0], vec![1, 1, 1, 1, 0, 0]]));
     let p = x.validate().unwrap();
-    assert_eq!(p.segments.row(0), &[0..2, 2..4, 4..5]);
-    assert_eq!(p.segments.row(1), &[0..4, 4..4, 4..4]);
-    assert_eq!(p.segments.owner(0, 5), None);
+    assert_eq!(p.segments.row(0).unwrap(), &[0..2, 2..4, 4..5]);
+    assert_eq!(p.segments.row(1).unwrap(), &[0..4, 4..4, 4..4]);
+    assert_eq!(p.segments.owner(0, 5).unwrap(), None);
     assert_eq!(p.segments.real_tokens(1), 4);
 }
 
@@ -190,4 +190,77 @@ fn permute_moves_axes() {
     assert_eq!(p.shape(), &[3, 2]);
     assert_eq!(p.to_f64_vec(), vec![0., 3., 1., 4., 2., 5.]);
     assert_eq!(t.permute(&[0, 0]).unwrap_err().kind(), ErrorKind::Shape);
+}
+
+#[rstest]
+#[case::segment_row_past_b(|s: &kda_core::SegmentTable| s.segment(B, 0).map(drop), "segment")]
+#[case::segment_slot_past_n(|s: &kda_core::SegmentTable| s.segment(0, 3).map(drop), "segment")]
+#[case::row_past_b(|s: &kda_core::SegmentTable| s.row(B).map(drop), "segment row")]
+#[case::owner_row_past_b(|s: &kda_core::SegmentTable| s.owner(B, 0).map(drop), "segment row")]
+#[case::cu_seqlens_row_past_b(|s: &kda_core::SegmentTable| s.cu_seqlens(B).map(drop), "segment row")]
+fn segment_table_accessor_out_of_range_is_a_shape_error(
+    #[case] access: fn(&kda_core::SegmentTable) -> kda_core::Result<()>,
+    #[case] arg: &str,
+) {
+    let mut x = base();
+    x.segments = Some(Segments::CuSeqlens(vec![vec![0, 2, 4, 5], vec![0, 4, 4, 4]]));
+    let p = x.validate().unwrap();
+    let err = access(&p.segments).unwrap_err();
+    assert_eq!((err.kind(), err.arg()), (ErrorKind::Shape, arg));
+}
+
+#[test]
+fn segment_table_real_tokens_of_a_missing_row_is_zero() {
+    let p = base().validate().unwrap();
+    assert_eq!(p.segments.real_tokens(B - 1), T);
+    assert_eq!(p.segments.real_tokens(B), 0);
+    assert_eq!(p.segments.segment(B - 1, 0).unwrap(), 0..T);
+    assert_eq!(p.segments.cu_seqlens(0).unwrap(), vec![0, T as i64]);
+}
+
+/// `HALF * HALF` is `2^usize::BITS`: a plain product wraps to 0 in release builds.
+const HALF: usize = 1 << (usize::BITS / 2);
+
+#[rstest]
+#[case::new_product_wraps_to_zero(|| HostTensor::from_f64(&[HALF, HALF, 1, 1], vec![]).map(drop))]
+#[case::new_product_overflows(|| HostTensor::from_f32(&[usize::MAX, 2], vec![]).map(drop))]
+#[case::try_zeros_product_overflows(|| HostTensor::try_zeros(&[HALF, HALF, 1, 1], DType::F32).map(drop))]
+#[case::try_zeros_beyond_one_allocation(|| HostTensor::try_zeros(&[usize::MAX / 4], DType::F64).map(drop))]
+#[case::reshape_product_overflows(|| filled(&[2, 3], 0.0).reshape(&[HALF, HALF, 6]).map(drop))]
+fn huge_tensor_shape_is_unsupported_not_an_overflow(#[case] make: fn() -> kda_core::Result<()>) {
+    let err = make().unwrap_err();
+    assert_eq!((err.kind(), err.arg()), (ErrorKind::Unsupported, "tensor shape"));
+}
+
+#[test]
+fn zeros_len_is_the_element_count() {
+    let z = HostTensor::try_zeros(&[2, 3, 4], DType::BF16).unwrap();
+    assert_eq!((z.len(), z.shape()), (24, &[2, 3, 4][..]));
+    assert_eq!(HostTensor::zeros(&[0, 5], DType::F32).len(), 0);
+}
+
+#[rstest]
+#[case::head_first_rank_3(Layout::HeadFirst, &[2, 3, 4], Some((2, 3, 4)))]
+#[case::head_first_rank_4(Layout::HeadFirst, &[2, 3, 4, 5], Some((2, 3, 4)))]
+#[case::batch_first_rank_3(Layout::BatchFirst, &[3, 4, 2], Some((2, 3, 4)))]
+#[case::batch_first_rank_4(Layout::BatchFirst, &[3, 4, 2, 5], Some((2, 3, 4)))]
+#[case::rank_2(Layout::HeadFirst, &[2, 3], None)]
+#[case::rank_0(Layout::BatchFirst, &[], None)]
+#[case::rank_5(Layout::HeadFirst, &[1, 2, 3, 4, 5], None)]
+fn layout_hbt_checks_the_rank(
+    #[case] layout: Layout,
+    #[case] dims: &[usize],
+    #[case] want: Option<(usize, usize, usize)>,
+) {
+    match want {
+        Some(hbt) => assert_eq!(layout.try_hbt(dims).unwrap(), hbt),
+        None => assert_eq!(layout.try_hbt(dims).unwrap_err().kind(), ErrorKind::Shape),
+    }
+    assert_eq!(layout.hbt(dims), want.unwrap_or((0, 0, 0)), "hbt never panics");
+}
+
+#[test]
+fn with_config_replaces_the_layout_too() {
+    let x = base().with_config(KdaConfig::default());
+    assert_eq!(x.config.layout, Layout::BatchFirst, "with_config overwrites an earlier with_layout");
 }

@@ -36,13 +36,13 @@ impl PackedShape {
             };
             return Err(KdaError::shape("packed", format!("rank 4 {axes}"), fmt_shape(dims)));
         }
-        let (h, b, t) = layout.hbt(dims);
+        let (h, b, t) = layout.try_hbt(dims).map_err(|e| e.with_arg("packed"))?;
         Ok(Self::new(layout, h, b, t, dims[3]))
     }
     /// Reads a per-token scalar's shape (`[H, B, T]` / `[B, T, H]`, optionally with a trailing 1).
     pub fn of_scalars(layout: Layout, dims: &[usize]) -> Result<Self> {
         if dims.len() == 3 || (dims.len() == 4 && dims[3] == 1) {
-            let (h, b, t) = layout.hbt(dims);
+            let (h, b, t) = layout.try_hbt(dims).map_err(|e| e.with_arg("packed"))?;
             return Ok(Self::new(layout, h, b, t, 1));
         }
         let axes = match layout {

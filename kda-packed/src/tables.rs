@@ -51,6 +51,16 @@ fn to_i32(arg: &str, x: usize) -> Result<i32> {
         .map_err(|_| KdaError::unsupported(arg, format!("at most {} (i32 indices)", i32::MAX), x.to_string()))
 }
 
+/// `x * y` when it fits the `i32` indices of the tables (as [`IndexTables::build`] requires);
+/// otherwise an `Unsupported` error naming the limit, never an overflow.
+fn checked_size(arg: &str, x: usize, y: usize) -> Result<usize> {
+    let n = x.checked_mul(y).ok_or_else(|| {
+        KdaError::unsupported(arg, format!("at most {} (i32 indices)", i32::MAX), format!("{x} * {y}"))
+    })?;
+    to_i32(arg, n)?;
+    Ok(n)
+}
+
 impl IndexTables {
     /// Tables for `plan` padded to `capacity` chunks and `n_slots` segment slots per row.
     pub fn build(plan: &SegmentPlan, capacity: usize, n_slots: usize) -> Result<Self> {
@@ -115,10 +125,15 @@ impl IndexTables {
         Ok(tables)
     }
 
-    /// `Ok` when the table lengths match the sizes and every index is in range (or the sentinel);
-    /// the table-driven loaders call this, so edited tables give a `Value` error, not a panic.
+    /// `Ok` when the sizes fit `i32` indices, the table lengths match them and every index is in
+    /// range (or the sentinel); the table-driven loaders call this, so edited tables give an
+    /// `Unsupported`, `Shape` or `Value` error, not a panic.
     pub fn check(&self) -> Result<()> {
-        let (slots, tokens, segs) = (self.capacity * self.c, self.b * self.t, self.b * self.n_slots);
+        let (slots, tokens, segs) = (
+            checked_size("aligned slots", self.capacity, self.c)?,
+            checked_size("packed tokens", self.b, self.t)?,
+            checked_size("segment slots", self.b, self.n_slots)?,
+        );
         let lens = [
             ("slot_token", self.slot_token.len(), slots),
             ("token_slot", self.token_slot.len(), tokens),

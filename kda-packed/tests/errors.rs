@@ -167,3 +167,25 @@ fn edited_index_tables_are_rejected_not_followed() {
     let err = kda_packed::gather_gradients(&tables, shape, &[0.0f32; 32]).expect_err("short table");
     assert_eq!((err.kind(), err.arg()), (ErrorKind::Shape, "token_slot"));
 }
+
+#[rstest]
+#[case::capacity_times_c(|t: &mut kda_packed::IndexTables| t.capacity = usize::MAX, "aligned slots")]
+#[case::capacity_past_i32(|t: &mut kda_packed::IndexTables| t.capacity = 1 << 28, "aligned slots")]
+#[case::b_times_t(|t: &mut kda_packed::IndexTables| t.t = usize::MAX, "packed tokens")]
+#[case::b_times_n_slots(|t: &mut kda_packed::IndexTables| {
+    t.b = 2;
+    t.n_slots = usize::MAX;
+}, "segment slots")]
+fn edited_index_table_sizes_that_overflow_are_unsupported(
+    #[case] edit: fn(&mut kda_packed::IndexTables),
+    #[case] arg: &str,
+) {
+    let plan = SegmentPlan::fixed(1, 4, 16).expect("plan");
+    let mut tables = plan.index_tables().expect("tables");
+    edit(&mut tables);
+    let err = tables.check().expect_err("sizes beyond i32 indices");
+    assert_eq!((err.kind(), err.arg()), (ErrorKind::Unsupported, arg));
+    let shape = PackedShape::new(Layout::HeadFirst, 1, 1, 4, 2);
+    let err = kda_packed::load_with_tables(&tables, shape, &[0.0f32; 8]).expect_err("loader checks first");
+    assert_eq!((err.kind(), err.arg()), (ErrorKind::Unsupported, arg));
+}

@@ -72,7 +72,7 @@ fn problem(
         use_qk_l2norm: matches!(gate, Gate::Softplus | Gate::LowerBound),
         output_final_state: true,
     };
-    let cu: Vec<Vec<i64>> = (0..b).map(|r| tab.cu_seqlens(r)).collect();
+    let cu: Vec<Vec<i64>> = (0..b).map(|r| tab.cu_seqlens(r).expect("row in range")).collect();
     let inputs = KdaInputs::new(
         tensor(rng, &tk, -1.0, 1.0, dtype),
         tensor(rng, &tk, -1.0, 1.0, dtype),

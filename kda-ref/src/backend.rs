@@ -152,9 +152,11 @@ pub fn forward_and_vjp(inputs: &KdaInputs, cot: &Cotangents) -> Result<(KdaOutpu
     RefBackend.forward_and_vjp(inputs, cot, BackwardStrategy::Rematerialize)
 }
 
-/// The loss `sum(o * do) + sum(final_state * dht)` in f64, for gradient checks.
+/// The loss `sum(o * do) + sum(final_state * dht)` in f64, for gradient checks. The cotangents
+/// are validated first, as in the backward: a misshapen `do` or `dht` is an error.
 pub fn loss(inputs: &KdaInputs, cot: &Cotangents) -> Result<f64> {
     let prepared = Prepared::new(inputs)?;
+    cot.validate(&prepared.p)?;
     let fwd = recurrence::forward(&prepared, false);
     let d = prepared.p.dims;
     let d_o = to_head_first(&cot.d_o, prepared.p.layout, &d, d.v);

@@ -70,12 +70,12 @@ pub(crate) fn forward(p: &Prepared, keep_checkpoints: bool) -> ForwardResult {
     let mut final_state = vec![0.0; d.b * d.n * d.h * kd * vd];
     let mut checkpoints = Vec::new();
     for h in 0..d.h {
-        for b in 0..d.b {
-            for n in 0..d.n {
+        for (b, row) in p.p.segments.rows().iter().enumerate() {
+            for (n, range) in row.iter().enumerate() {
                 let base = d.state_index(b, n, h, 0, 0);
                 let mut s = p.h0[base..base + kd * vd].to_vec();
                 let mut saved = Vec::new();
-                for (local, t) in p.p.segments.segment(b, n).enumerate() {
+                for (local, t) in range.clone().enumerate() {
                     if keep_checkpoints && local % CHECKPOINT_EVERY == 0 {
                         saved.push(s.clone());
                     }
@@ -144,11 +144,10 @@ pub(crate) fn backward(
     };
     let mut seq = 0;
     for h in 0..d.h {
-        for b in 0..d.b {
-            for n in 0..d.n {
+        for (b, row) in p.p.segments.rows().iter().enumerate() {
+            for (n, range) in row.iter().enumerate() {
                 let base = d.state_index(b, n, h, 0, 0);
                 let mut ds = dht[base..base + kd * vd].to_vec();
-                let range = p.p.segments.segment(b, n);
                 let saved = &checkpoints[seq];
                 seq += 1;
                 for (c, start) in saved.iter().enumerate().rev() {

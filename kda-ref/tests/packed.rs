@@ -80,7 +80,7 @@ fn packed_run_equals_per_segment_runs(#[case] cu: Vec<Vec<i64>>, #[case] t: usiz
     let fs = out.final_state.as_ref().unwrap();
     for b in 0..p.dims.b {
         for n in 0..p.dims.n {
-            let r = p.segments.segment(b, n);
+            let r = p.segments.segment(b, n).unwrap();
             let at = format!("row {b} segment {n}");
             if r.is_empty() {
                 // An empty segment returns its initial state; its dh0 is its dht.

@@ -59,9 +59,9 @@ pub struct Case {
     pub gate: CaseGate,
     /// In-kernel q/k L2 norm (q and k are drawn unnormalised then).
     pub l2norm: bool,
-    /// Whether an initial state is given (and `dht` with it).
+    /// Whether an initial state is given.
     pub initial_state: bool,
-    /// Whether final states are requested.
+    /// Whether final states are requested (and a `dht` cotangent drawn with them).
     pub final_state: bool,
     /// Beta as `[..., 1]`.
     pub beta_trailing_one: bool,
@@ -104,9 +104,13 @@ fn lengths(rows: &[&[usize]]) -> CaseSegments {
     CaseSegments::Lengths(rows.iter().map(|r| r.to_vec()).collect())
 }
 
-/// Balanced lengths: `n` segments summing to `t`.
+/// Balanced lengths: `n` segments summing to `t`, the first `t % n` one token longer.
+/// `n = 0` gives no segments (an empty list) rather than a division by zero.
 pub fn balanced(t: usize, n: usize) -> Vec<usize> {
-    (0..n).map(|i| t / n + usize::from(i < t % n)).collect()
+    match (t.checked_div(n), t.checked_rem(n)) {
+        (Some(q), Some(r)) => (0..n).map(|i| q + usize::from(i < r)).collect(),
+        _ => Vec::new(),
+    }
 }
 
 /// The one list of case names. `for_each_case!(@list names)` gives them as a `&[&str]`;
@@ -283,4 +287,24 @@ pub fn benchmark_cases() -> Vec<Case> {
             ..secondary
         },
     ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::balanced;
+    use rstest::rstest;
+
+    #[rstest]
+    #[case::even_split(12, 3, vec![4, 4, 4])]
+    #[case::remainder_goes_first(10, 3, vec![4, 3, 3])]
+    #[case::more_segments_than_tokens(2, 4, vec![1, 1, 0, 0])]
+    #[case::zero_segments_is_empty_not_a_division_by_zero(7, 0, vec![])]
+    #[case::zero_tokens_zero_segments(0, 0, vec![])]
+    fn balanced_lengths_sum_to_t(#[case] t: usize, #[case] n: usize, #[case] want: Vec<usize>) {
+        let got = balanced(t, n);
+        assert_eq!(got, want);
+        if n > 0 {
+            assert_eq!(got.iter().sum::<usize>(), t);
+        }
+    }
 }
