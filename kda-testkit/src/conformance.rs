@@ -256,7 +256,43 @@ pub fn backward_case<B: Backend>(
     Report { label: lbl, checks }.into_result()
 }
 
-/// The two strategies, and the fused and split paths, agree with each other: RMS ratio at most
+/// Mixed dtypes on case `name`: `q, k, v, beta` and `do` in `dtype`, `g` in `g_dtype` (say bf16
+/// activations with an f32 gate), drawn in f32 and rounded once, through the fused saved-state
+/// path against the reference on the rounded values. `o` must come back in `dtype`, `dg` in
+/// `g_dtype`; the limits are those of bf16 when either dtype is bf16.
+pub fn mixed_gate_dtype<B: Backend>(
+    backend: &B,
+    name: &str,
+    dtype: DType,
+    g_dtype: DType,
+) -> Result<Report, String> {
+    let case = find(name)?;
+    let mut data = case_data(&case, DType::F32).map_err(|e| e.to_string())?;
+    let to = |t: &HostTensor, d: DType| if t.dtype() == d { t.clone() } else { t.cast(d) };
+    let x = &mut data.inputs;
+    (x.q, x.k, x.v, x.beta) = (to(&x.q, dtype), to(&x.k, dtype), to(&x.v, dtype), to(&x.beta, dtype));
+    x.g = to(&x.g, g_dtype);
+    data.cotangents.d_o = to(&data.cotangents.d_o, dtype);
+    let p = data.inputs.validate().map_err(|e| e.to_string())?;
+    backend.supports(&p).map_err(|e| format!("{}: case {name} must be supported: {e}", backend.name()))?;
+    let wide = widen(&data);
+    let (want_out, want) =
+        kda_ref::forward_and_vjp(&wide.inputs, &wide.cotangents).map_err(|e| e.to_string())?;
+    let lbl = label(backend, name, dtype, &format!(" with g {g_dtype} fused saved-state"));
+    let (out, grads) = backend
+        .forward_and_vjp(&data.inputs, &data.cotangents, BackwardStrategy::SavedState)
+        .map_err(|e| format!("{lbl}: failed: {e}"))?;
+    let mut checks = output_checks(&out, &want_out, &data, &p)?;
+    checks.extend(gradient_checks(&grads, &want, &data, &p)?);
+    let coarse = if dtype == DType::BF16 || g_dtype == DType::BF16 { DType::BF16 } else { dtype };
+    for c in &mut checks {
+        c.limit = rms_limit(Quantity::of(&c.name), coarse);
+    }
+    Report { label: lbl, checks }.into_result()
+}
+
+/// The two strategies, and the fused and split paths, agree with each other (`o`, the final
+/// states and every gradient): RMS ratio at most
 /// 1e-6 in f32 (f32 rounding of a long computation) and one bf16 ulp (2^-8) for bf16 results.
 pub fn paths_agree<B: Backend>(backend: &B, name: &str, dtype: DType) -> Result<Report, String> {
     let (_, data, p) = setup(backend, name, dtype)?;
@@ -279,6 +315,11 @@ pub fn paths_agree<B: Backend>(backend: &B, name: &str, dtype: DType) -> Result<
     ] {
         let other = run(s, path)?;
         let mut pairs = vec![("o", &other.0.o, &base.0.o)];
+        match (&other.0.final_state, &base.0.final_state) {
+            (Some(a), Some(b)) => pairs.push(("final_state", a, b)),
+            (None, None) => {}
+            _ => return Err(format!("{} {path:?}: final_state present on one side only", s.name())),
+        }
         pairs.extend(other.1.named().into_iter().zip(base.1.named()).map(|((n, a), (_, b))| (n, a, b)));
         for (n, a, b) in pairs {
             let mut c = compare(n, a, b, dtype, &p)?;

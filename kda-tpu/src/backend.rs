@@ -94,7 +94,13 @@ impl PjrtBackend {
         &self.rt
     }
 
-    /// The kernel spec of a validated problem.
+    /// The kernel spec of a call: [`PjrtBackend::spec`] with `g` read in its own dtype.
+    fn call_spec(&self, x: &KdaInputs, p: &Problem, has_dht: bool) -> Result<KernelSpec> {
+        Ok(self.spec(p, has_dht)?.with_g_dtype(x.g.dtype()))
+    }
+
+    /// The kernel spec of a validated problem whose inputs share one dtype (see
+    /// [`KernelSpec::with_g_dtype`] for a `g` of another dtype).
     pub fn spec(&self, p: &Problem, has_dht: bool) -> Result<KernelSpec> {
         let packed = if p.segments.is_packed() {
             Some(StaticCapacity::new(p.dims.b, p.dims.t, p.dims.n, CHUNK)?.chunks())
@@ -213,9 +219,13 @@ impl PjrtBackend {
 
     fn outputs(&self, p: &Problem, outs: &[DeviceBuffer]) -> Result<KdaOutputs> {
         let d = &p.dims;
-        let o = self.download(&outs[0], &p.layout.token_shape(d.h, d.b, d.t, d.v), p.dtype)?;
+        let out = |i: usize| {
+            outs.get(i)
+                .ok_or_else(|| KdaError::backend("execute", "a program output per result", "too few outputs"))
+        };
+        let o = self.download(out(0)?, &p.layout.token_shape(d.h, d.b, d.t, d.v), p.dtype)?;
         let final_state = if p.output_final_state {
-            Some(self.download(&outs[1], &d.state_shape(), DType::F32)?)
+            Some(self.download(out(1)?, &d.state_shape(), DType::F32)?)
         } else {
             None
         };
@@ -237,7 +247,7 @@ impl PjrtBackend {
         let dq = self.download(next()?, &tk, p.dtype)?;
         let dk = self.download(next()?, &tk, p.dtype)?;
         let dv = self.download(next()?, &tv, p.dtype)?;
-        let dg = cast(self.download(next()?, &tk, p.dtype)?, x.g);
+        let dg = cast(self.download(next()?, &tk, on_device(x.g))?, x.g);
         let dbeta = cast(self.download(next()?, &p.beta_shape, p.dtype)?, x.beta);
         let dh0 = if p.has_initial_state {
             Some(self.download(next()?, &d.state_shape(), DType::F32)?)
@@ -248,7 +258,7 @@ impl PjrtBackend {
         if p.gate != kda_core::GateKind::Preactivated {
             da_log = Some(cast(self.download(next()?, &[d.h], DType::F32)?, x.gate));
             if p.has_dt_bias {
-                ddt_bias = Some(cast(self.download(next()?, &[d.h * d.k], DType::F32)?, x.gate));
+                ddt_bias = Some(cast(self.download(next()?, &[d.h * d.k], DType::F32)?, x.dt_bias));
             }
         }
         Ok(KdaGradients { dq, dk, dv, dg, dbeta, dh0, da_log, ddt_bias })
@@ -266,12 +276,25 @@ impl PjrtBackend {
 struct Gradtypes {
     g: DType,
     beta: DType,
+    /// `a_log`'s dtype.
     gate: DType,
+    /// `dt_bias`'s dtype.
+    dt_bias: DType,
+}
+
+/// The dtype a tensor of `dtype` travels in (f64 is uploaded as f32).
+fn on_device(dtype: DType) -> DType {
+    if dtype == DType::BF16 {
+        DType::BF16
+    } else {
+        DType::F32
+    }
 }
 
 fn gradtypes(x: &KdaInputs) -> Gradtypes {
     let gate = x.gate.params().and_then(|(a, _)| a).map_or(DType::F32, |t| t.dtype());
-    Gradtypes { g: x.g.dtype(), beta: x.beta.dtype(), gate }
+    let dt_bias = x.gate.params().and_then(|(_, d)| d).map_or(DType::F32, |t| t.dtype());
+    Gradtypes { g: x.g.dtype(), beta: x.beta.dtype(), gate, dt_bias }
 }
 
 impl Backend for PjrtBackend {
@@ -290,7 +313,7 @@ impl Backend for PjrtBackend {
 
     fn forward(&self, inputs: &KdaInputs, strategy: BackwardStrategy) -> Result<(KdaOutputs, PjrtResiduals)> {
         let p = self.problem(inputs)?;
-        let spec = self.spec(&p, false)?;
+        let spec = self.call_spec(inputs, &p, false)?;
         let keep_h = strategy == BackwardStrategy::SavedState;
         let exe = self.executable(&spec, ProgramKind::Forward(keep_h))?;
         let bufs = self.upload_inputs(inputs, &p, &spec)?;
@@ -325,7 +348,7 @@ impl Backend for PjrtBackend {
     ) -> Result<(KdaOutputs, KdaGradients)> {
         let p = self.problem(inputs)?;
         cot.validate(&p)?;
-        let spec = self.spec(&p, cot.dht.is_some())?;
+        let spec = self.call_spec(inputs, &p, cot.dht.is_some())?;
         let exe = self.executable(&spec, ProgramKind::Fused(strategy))?;
         let bufs = self.upload_inputs(inputs, &p, &spec)?;
         let d_o = self.upload(&cot.d_o.cast(p.dtype))?;
@@ -336,7 +359,7 @@ impl Backend for PjrtBackend {
         let outs = self.rt.execute(&exe, &refs).map_err(e)?;
         let out = self.outputs(&p, &outs)?;
         let skip = 1 + usize::from(p.output_final_state);
-        let grads = self.gradients(&p, &gradtypes(inputs), &outs[skip..])?;
+        let grads = self.gradients(&p, &gradtypes(inputs), outs.get(skip..).unwrap_or_default())?;
         Ok((out, grads))
     }
 }
@@ -367,7 +390,7 @@ impl PjrtBackend {
         if let Some(c) = cot {
             c.validate(&p)?;
         }
-        let spec = self.spec(&p, cot.is_some_and(|c| c.dht.is_some()))?;
+        let spec = self.call_spec(inputs, &p, cot.is_some_and(|c| c.dht.is_some()))?;
         let bufs = self.upload_inputs(inputs, &p, &spec)?;
         let mut cbufs = Vec::new();
         if let Some(c) = cot {

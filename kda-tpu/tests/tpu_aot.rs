@@ -19,6 +19,7 @@ const MB: f64 = 1e6;
 #[case::fused_saved_state_fixed("bench_primary", ProgramKind::Fused(S::SavedState), Some(80.0))]
 #[case::fused_saved_state_packed("bench_primary_packed", ProgramKind::Fused(S::SavedState), Some(110.0))]
 #[case::fused_remat_fixed("bench_primary", ProgramKind::Fused(S::Rematerialize), Some(80.0))]
+#[case::fused_remat_packed("bench_primary_packed", ProgramKind::Fused(S::Rematerialize), Some(110.0))]
 fn primary_program_compiles_for_tpu7x(
     #[case] name: &str,
     #[case] kind: ProgramKind,

@@ -43,7 +43,7 @@ fn declare(b: &mut FnBuilder, s: &KernelSpec) -> Result<Args> {
     let q = b.arg(TensorType::new(e, &s.token_dims(s.k)))?;
     let k = b.arg(TensorType::new(e, &s.token_dims(s.k)))?;
     let v = b.arg(TensorType::new(e, &s.token_dims(s.v)))?;
-    let g = b.arg(TensorType::new(e, &s.token_dims(s.k)))?;
+    let g = b.arg(TensorType::new(prep::elem(s.g_dtype), &s.token_dims(s.k)))?;
     let beta = b.arg(TensorType::new(e, &s.beta_dims()))?;
     let h0 = if s.has_h0 { Some(b.arg(f32(&s.state_dims()))?) } else { None };
     let (a_log, dt_bias) = if s.in_kernel_gate() {
@@ -374,7 +374,7 @@ fn finish_grads(
         prep::to_caller(b, s, dq, e)?,
         prep::to_caller(b, s, dk, e)?,
         prep::to_caller(b, s, dv, e)?,
-        prep::to_caller(b, s, dg, e)?,
+        prep::to_caller(b, s, dg, prep::elem(s.g_dtype))?,
         prep::beta_to_caller(b, s, dbeta, e)?,
     ];
     if s.has_h0 {

@@ -30,8 +30,11 @@ pub struct KernelSpec {
     pub n: usize,
     /// Layout of per-token inputs and outputs.
     pub layout: Layout,
-    /// Element type of q, k, v, g, beta, do (and of o and the per-token gradients).
+    /// Element type of q, k, v, beta, do (and of o and their gradients).
     pub dtype: DType,
+    /// Element type of `g` and `dg`: `dtype` unless the caller's `g` differs (an f32 gate with
+    /// bf16 q, k, v keeps its precision; [`KernelSpec::with_g_dtype`]).
+    pub g_dtype: DType,
     /// Gate kind (the lower bound is baked in).
     pub gate: GateKind,
     /// Whether an in-kernel gate has a `dt_bias` input.
@@ -70,6 +73,7 @@ impl KernelSpec {
             n: d.n,
             layout: p.layout,
             dtype: p.dtype,
+            g_dtype: p.dtype,
             gate: p.gate,
             has_dt_bias: p.has_dt_bias,
             l2norm: p.use_qk_l2norm,
@@ -81,6 +85,11 @@ impl KernelSpec {
             packed_chunks,
             slab: 0,
         }
+    }
+    /// The same spec reading `g` (and writing `dg`) as `dtype` (bf16, or f32 for f32 and f64).
+    pub fn with_g_dtype(mut self, dtype: DType) -> Self {
+        self.g_dtype = if dtype == DType::BF16 { DType::BF16 } else { DType::F32 };
+        self
     }
     /// The same spec with fused programs in slabs of `chunks` chunk positions (0: no slabs).
     pub fn with_slab(mut self, chunks: usize) -> Self {
