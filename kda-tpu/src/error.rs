@@ -18,7 +18,7 @@ setup's pjrt_c_api.h)";
 pub enum TpuError {
     /// A contract violation (shape, dtype, value) found before anything reached the plugin.
     Contract(KdaError),
-    /// No plugin file at `path`; `searched` says where it came from (env var or setup folder).
+    /// No plugin file at `path`; `hint` says where the path came from (env var or setup folder).
     PluginNotFound {
         /// The plugin the caller asked for ("CPU PJRT plugin", "libtpu").
         what: String,
