@@ -393,7 +393,7 @@ fn finish(mut f: FnBuilder, outs: &[Value]) -> Result<String> {
 }
 
 /// The forward program. Outputs: `o`, `[final_state]`, and `h` `[L, NT, K, V]` when `keep_h`.
-/// With slabs (`s.slab`, the TPU configuration) it runs as [`forward_slabs`]; otherwise the
+/// With slabs (`s.slab`, the TPU configuration) it runs as `forward_slabs`; otherwise the
 /// chunk terms are computed for all chunks at once.
 pub fn forward_program(s: &KernelSpec, keep_h: bool) -> Result<String> {
     let mut f = FnBuilder::new("main", true);
