@@ -10,7 +10,7 @@ pub enum ErrorKind {
     Shape,
     /// A tensor has a dtype the contract does not allow here.
     DType,
-    /// A value is outside its allowed range (beta outside [0,1], non-finite entries, lb, ...).
+    /// A value is outside its allowed range (beta outside `[0, 1]`, non-finite entries, lb, ...).
     Value,
     /// Segment metadata (`cu_seqlens`, `segment_ids`) is malformed.
     Segments,
