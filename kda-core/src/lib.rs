@@ -25,4 +25,4 @@ pub use io::{Cotangents, KdaGradients, KdaInputs, KdaOutputs};
 pub use problem::Problem;
 pub use segments::{SegmentTable, Segments};
 pub use shape::{fmt_shape, shape, Layout, ProblemDims, Shape};
-pub use tensor::{HostTensor, TensorData};
+pub use tensor::{ElementsMut, HostTensor, TensorData};

@@ -16,6 +16,17 @@ pub enum TensorData {
     BF16(Vec<bf16>),
 }
 
+/// The elements of a tensor, mutable in place ([`HostTensor::elements_mut`]).
+#[derive(Debug)]
+pub enum ElementsMut<'a> {
+    /// f64 elements.
+    F64(&'a mut [f64]),
+    /// f32 elements.
+    F32(&'a mut [f32]),
+    /// bf16 elements.
+    BF16(&'a mut [bf16]),
+}
+
 /// A row-major tensor in host memory.
 #[derive(Debug, Clone, PartialEq)]
 pub struct HostTensor {
@@ -141,9 +152,14 @@ impl HostTensor {
     pub fn data(&self) -> &TensorData {
         &self.data
     }
-    /// Mutable access to the storage (the shape stays fixed).
-    pub fn data_mut(&mut self) -> &mut TensorData {
-        &mut self.data
+    /// Mutable access to the elements, in place: their count and dtype stay those of the
+    /// shape (the storage itself cannot be swapped for one of another length).
+    pub fn elements_mut(&mut self) -> ElementsMut<'_> {
+        match &mut self.data {
+            TensorData::F64(v) => ElementsMut::F64(v),
+            TensorData::F32(v) => ElementsMut::F32(v),
+            TensorData::BF16(v) => ElementsMut::BF16(v),
+        }
     }
     /// The storage, consuming the tensor.
     pub fn into_data(self) -> TensorData {

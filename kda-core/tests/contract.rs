@@ -264,3 +264,14 @@ fn with_config_replaces_the_layout_too() {
     let x = base().with_config(KdaConfig::default());
     assert_eq!(x.config.layout, Layout::BatchFirst, "with_config overwrites an earlier with_layout");
 }
+
+#[test]
+fn elements_mut_edits_in_place_and_keeps_the_shape() {
+    let mut t = kda_core::HostTensor::from_f32(&[2, 3], vec![0.0; 6]).expect("tensor");
+    if let kda_core::ElementsMut::F32(x) = t.elements_mut() {
+        x[4] = 2.5;
+    }
+    assert_eq!(t.to_f32_vec(), vec![0.0, 0.0, 0.0, 0.0, 2.5, 0.0]);
+    assert_eq!(t.shape(), [2, 3]);
+    assert!(matches!(t.elements_mut(), kda_core::ElementsMut::F32(x) if x.len() == 6));
+}
