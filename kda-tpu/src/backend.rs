@@ -1,6 +1,8 @@
 //! [`PjrtBackend`]: `kda_core::Backend` over the chunked programs, on any PJRT plugin.
 
-use crate::kernels::{backward_program, forward_program, fused_program, KernelSpec, CHUNK, TPU_SLAB};
+use crate::kernels::{
+    backward_program, forward_program, fused_program, on_device, KernelSpec, CHUNK, TPU_SLAB,
+};
 use crate::runtime::{CompileOptions, DeviceBuffer, Executable, Runtime, XlaOption};
 use crate::TpuError;
 use kda_core::{
@@ -280,15 +282,6 @@ struct Gradtypes {
     gate: DType,
     /// `dt_bias`'s dtype.
     dt_bias: DType,
-}
-
-/// The dtype a tensor of `dtype` travels in (f64 is uploaded as f32).
-fn on_device(dtype: DType) -> DType {
-    if dtype == DType::BF16 {
-        DType::BF16
-    } else {
-        DType::F32
-    }
 }
 
 fn gradtypes(x: &KdaInputs) -> Gradtypes {

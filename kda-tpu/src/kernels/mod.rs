@@ -10,7 +10,7 @@ mod spec;
 mod tiles;
 
 pub use programs::{backward_program, forward_program, fused_program, GATE_FLOOR};
-pub use spec::{KernelSpec, CHUNK, SUB, TPU_SLAB};
+pub use spec::{on_device, KernelSpec, CHUNK, SUB, TPU_SLAB};
 
 /// Programs holding one building block each, at a given chunk count, for profiling the kernels
 /// piece by piece (`examples/parts.rs`). Not part of the stable API.

@@ -13,6 +13,16 @@ pub const SUB: usize = 16;
 /// recomputed, and host memory is plentiful).
 pub const TPU_SLAB: usize = 2;
 
+/// The dtype a host tensor of `dtype` travels and is read in: bf16 stays bf16, f32 and f64
+/// are f32 (f64 is uploaded as f32).
+pub fn on_device(dtype: DType) -> DType {
+    if dtype == DType::BF16 {
+        DType::BF16
+    } else {
+        DType::F32
+    }
+}
+
 /// Shapes and options baked into a program. Two problems with equal specs share executables.
 #[derive(Debug, Clone, PartialEq)]
 pub struct KernelSpec {
@@ -88,7 +98,7 @@ impl KernelSpec {
     }
     /// The same spec reading `g` (and writing `dg`) as `dtype` (bf16, or f32 for f32 and f64).
     pub fn with_g_dtype(mut self, dtype: DType) -> Self {
-        self.g_dtype = if dtype == DType::BF16 { DType::BF16 } else { DType::F32 };
+        self.g_dtype = on_device(dtype);
         self
     }
     /// The same spec with fused programs in slabs of `chunks` chunk positions (0: no slabs).
