@@ -38,6 +38,24 @@ impl CompileOptions {
     pub fn xla_options(&self) -> &BTreeMap<String, XlaOption> {
         &self.overrides
     }
+    /// Everything in these options that can change the compiled code, as text for the on-disk
+    /// cache's key: the XLA overrides, and the replica and partition counts, device ordinal,
+    /// device assignment and partitioning mode of the build options.
+    pub(crate) fn cache_description(&self) -> String {
+        let pjrt = self.to_pjrt();
+        let b = pjrt.proto().executable_build_options.clone().unwrap_or_default();
+        format!(
+            "overrides={:?} replicas={} partitions={} ordinal={} assignment={:?} spmd={}/{}",
+            self.overrides,
+            b.num_replicas,
+            b.num_partitions,
+            b.device_ordinal,
+            b.device_assignment,
+            b.use_spmd_partitioning,
+            b.use_auto_spmd_partitioning
+        )
+    }
+
     /// pjrt's options: `CompileOptions::new()` plus the overrides.
     pub(crate) fn to_pjrt(&self) -> pjrt::CompileOptions {
         let mut options = pjrt::CompileOptions::new();

@@ -155,17 +155,34 @@ impl Runtime {
         }
         let _span = tracing::info_span!("compile", bytes = program.len(), hash = key.text_hash).entered();
         let started = Instant::now();
-        let described = format!("{:?}", options.xla_options());
-        let from_disk = self.disk.as_ref().and_then(|d| d.load(program, &described)).and_then(|bytes| {
+        let described = options.cache_description();
+        let load = || {
+            let disk = self.disk.as_ref()?;
+            let bytes = disk.load(program, &described)?;
             guarded("load cached executable", || {
                 self.client.load_executable(&bytes).map_err(|e| TpuError::Compile { message: e.to_string() })
             })
             .map_err(|e| tracing::debug!(error = %e, "compile cache entry not loadable; compiling"))
             .ok()
-        });
+        };
+        // A miss takes the entry's lock and looks again: another process may have compiled it
+        // while this one waited.
+        let mut from_disk = load();
+        let _lock = match (&from_disk, &self.disk) {
+            (None, Some(disk)) => {
+                let lock = disk.lock(program, &described);
+                from_disk = load();
+                Some(lock)
+            }
+            _ => None,
+        };
         let loaded: LoadedExecutable = match from_disk {
             Some(loaded) => {
                 self.disk_hits.set(self.disk_hits.get() + 1);
+                if let Some(disk) = &self.disk {
+                    disk.record("hit", started.elapsed());
+                }
+                tracing::debug!("compile cache hit");
                 loaded
             }
             None => {
@@ -176,6 +193,7 @@ impl Runtime {
                         .map_err(|e| explain(&self.api, &e, |message| TpuError::Compile { message }))
                 })?;
                 if let Some(disk) = &self.disk {
+                    disk.record("compile", started.elapsed());
                     match guarded("serialize", || Ok(loaded.executable().serialize().bytes().to_vec())) {
                         Ok(bytes) => disk.store(program, &described, &bytes),
                         Err(e) => tracing::debug!(error = %e, "executable not serializable; not cached"),
