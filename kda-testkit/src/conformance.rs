@@ -3,8 +3,9 @@
 //! the measured value and the limit.
 
 use crate::cases::{case, Case};
-use crate::inputs::{case_data, widen, CaseData};
+use crate::inputs::{case_data, CaseData};
 use crate::metrics::{agreement, Agreement};
+use crate::reference;
 use crate::tolerance::{rms_limit, Quantity};
 use kda_core::{Backend, BackwardStrategy, DType, HostTensor, KdaGradients, KdaOutputs, Problem};
 use std::fmt;
@@ -202,11 +203,11 @@ fn label<B: Backend>(backend: &B, name: &str, dtype: DType, what: &str) -> Strin
 /// The forward on case `name` in `dtype` against the reference.
 pub fn forward<B: Backend>(backend: &B, name: &str, dtype: DType) -> Result<Report, String> {
     let (_, data, p) = setup(backend, name, dtype)?;
-    let want = kda_ref::forward(&widen(&data).inputs).map_err(|e| e.to_string())?;
+    let want = &reference::forward_and_vjp(&format!("{name}-{dtype}"), &data)?.0;
     let (out, _) = backend
         .forward(&data.inputs, BackwardStrategy::Rematerialize)
         .map_err(|e| format!("{}: forward failed: {e}", label(backend, name, dtype, "")))?;
-    let checks = output_checks(&out, &want, &data, &p)?;
+    let checks = output_checks(&out, want, &data, &p)?;
     Report { label: label(backend, name, dtype, " forward"), checks }.into_result()
 }
 
@@ -231,9 +232,8 @@ pub fn backward_case<B: Backend>(
 ) -> Result<Report, String> {
     let name = case.name;
     let (_, data, p) = setup_case(backend, case.clone(), dtype)?;
-    let wide = widen(&data);
-    let (want_out, want) =
-        kda_ref::forward_and_vjp(&wide.inputs, &wide.cotangents).map_err(|e| e.to_string())?;
+    let reference = reference::forward_and_vjp(&format!("{name}-{dtype}"), &data)?;
+    let (want_out, want) = (&reference.0, &reference.1);
     let what = format!(" {} {:?}", strategy.name(), path).to_lowercase();
     let lbl = label(backend, name, dtype, &what);
     let (out, grads) = match path {
@@ -251,8 +251,8 @@ pub fn backward_case<B: Backend>(
         }),
     }
     .map_err(|e| format!("{lbl}: failed: {e}"))?;
-    let mut checks = output_checks(&out, &want_out, &data, &p)?;
-    checks.extend(gradient_checks(&grads, &want, &data, &p)?);
+    let mut checks = output_checks(&out, want_out, &data, &p)?;
+    checks.extend(gradient_checks(&grads, want, &data, &p)?);
     Report { label: lbl, checks }.into_result()
 }
 
@@ -275,15 +275,14 @@ pub fn mixed_gate_dtype<B: Backend>(
     data.cotangents.d_o = to(&data.cotangents.d_o, dtype);
     let p = data.inputs.validate().map_err(|e| e.to_string())?;
     backend.supports(&p).map_err(|e| format!("{}: case {name} must be supported: {e}", backend.name()))?;
-    let wide = widen(&data);
-    let (want_out, want) =
-        kda_ref::forward_and_vjp(&wide.inputs, &wide.cotangents).map_err(|e| e.to_string())?;
+    let reference = reference::forward_and_vjp(&format!("{name}-{dtype}-g-{g_dtype}"), &data)?;
+    let (want_out, want) = (&reference.0, &reference.1);
     let lbl = label(backend, name, dtype, &format!(" with g {g_dtype} fused saved-state"));
     let (out, grads) = backend
         .forward_and_vjp(&data.inputs, &data.cotangents, BackwardStrategy::SavedState)
         .map_err(|e| format!("{lbl}: failed: {e}"))?;
-    let mut checks = output_checks(&out, &want_out, &data, &p)?;
-    checks.extend(gradient_checks(&grads, &want, &data, &p)?);
+    let mut checks = output_checks(&out, want_out, &data, &p)?;
+    checks.extend(gradient_checks(&grads, want, &data, &p)?);
     let coarse = if dtype == DType::BF16 || g_dtype == DType::BF16 { DType::BF16 } else { dtype };
     for c in &mut checks {
         c.limit = rms_limit(Quantity::of(&c.name), coarse);

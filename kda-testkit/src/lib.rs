@@ -12,6 +12,7 @@ pub mod cases;
 pub mod conformance;
 pub mod inputs;
 pub mod metrics;
+pub mod reference;
 pub mod rng;
 pub mod sweep;
 pub mod tolerance;
@@ -24,9 +25,13 @@ pub use tolerance::{rms_limit, Quantity};
 
 /// Instantiates the whole conformance suite (forward and backward, both strategies, split and
 /// fused, f32 and bf16, every case of the table) for the backend that `$make` builds. Invoke it
-/// once, at the top level of an integration test file.
+/// once, at the top level of an integration test file (or of a module). `conformance_suite!([a,
+/// b] $make)` instantiates it for the named cases of the table only.
 #[macro_export]
 macro_rules! conformance_suite {
+    ([$($n:ident),* $(,)?] $make:expr) => {
+        $crate::for_each_case!(@apply [conformance $make] $($n),*);
+    };
     ($make:expr) => {
         $crate::for_each_case!(@list conformance $make);
     };
@@ -34,6 +39,8 @@ macro_rules! conformance_suite {
 
 #[doc(hidden)]
 pub mod __private {
+    pub use crate::cases::Profile;
     pub use crate::conformance::Path;
+    pub use crate::sweep::{SweepGate, SweepShape, SweepVariant};
     pub use kda_core::{BackwardStrategy, DType};
 }

@@ -1,13 +1,18 @@
-//! The regression sweep: a cross product of shapes (the singleton ones of spec section 6 among
-//! them, fixed and packed), gate modes (with and without the q/k L2 norm), dtypes and the four
-//! backward variants (two strategies, split and fused), each point one forward+VJP checked
-//! against `kda-ref` at the spec's targets. 10 x 4 x 2 x 4 = 320 points; a backend instantiates
-//! it as an `rstest` matrix over [`SHAPES`], [`GATES`], the dtypes and [`VARIANTS`] (see
-//! `kda-tpu/tests/sweep.rs`), so every point is its own test and CI shards them.
+//! The regression sweep: small problems over six independent factors, each point one
+//! forward+VJP checked against `kda-ref` at the spec's targets. The factors are the shape (10:
+//! the singleton ones of spec section 6 among them, fixed and packed), the gate mode (4: with and
+//! without the q/k L2 norm), the dtype (2), the backward strategy (2), the path (split or fused:
+//! 2) and the input profile (4).
 //!
-//! Small shapes keep each point quick; which points carry initial/final states, `beta [.., 1]`
-//! or a harder input profile rotates with the shape and gate, so every combination of those
-//! with every gate mode appears somewhere in the sweep.
+//! Two tiers instantiate it (see `kda-tpu/tests/sweep.rs`):
+//! - the pairwise tier, [`for_each_sweep_point!`]'s 40 named points, in which every pair of
+//!   values of any two factors occurs in at least one point (a test checks that property on the
+//!   table itself); it runs in every `cargo xtask test`;
+//! - the whole product, 10 x 4 x 2 x 2 x 2 x 4 = 1280 points, an `rstest` matrix under `full::`
+//!   that `cargo xtask test --full` runs.
+//!
+//! Which points carry initial/final states or `beta [.., 1]` rotates with the shape and gate, so
+//! every combination of those with every gate mode appears in both tiers.
 
 use crate::cases::{Case, CaseGate, CaseSegments, Profile};
 use crate::conformance::{backward_case, Path, Report};
@@ -102,12 +107,169 @@ impl SweepVariant {
     }
 }
 
+/// Every input profile, the sweep's sixth factor.
+pub const PROFILES: [Profile; 4] =
+    [Profile::Standard, Profile::StrongDecay, Profile::HardReset, Profile::BetaEdges];
+
+/// One point of the sweep: a value of each factor (the strategy and path as one [`SweepVariant`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SweepPoint {
+    /// The shape.
+    pub shape: SweepShape,
+    /// The gate mode.
+    pub gate: SweepGate,
+    /// The dtype of the activations.
+    pub dtype: DType,
+    /// The backward strategy and path.
+    pub variant: SweepVariant,
+    /// The input profile.
+    pub profile: Profile,
+}
+
+impl SweepPoint {
+    /// The point's value of each factor as an index into its factor's list: shape, gate, dtype,
+    /// strategy, path, profile (the order of [`FACTOR_LEVELS`]).
+    pub fn levels(&self) -> [usize; 6] {
+        let (strategy, path) = self.variant.parts();
+        [
+            index(&SHAPES, &self.shape),
+            index(&GATES, &self.gate),
+            usize::from(self.dtype == DType::BF16),
+            usize::from(strategy == BackwardStrategy::Rematerialize),
+            usize::from(path == Path::Fused),
+            index(&PROFILES, &self.profile),
+        ]
+    }
+}
+
+/// The factors' names and their number of values, in [`SweepPoint::levels`] order.
+pub const FACTOR_LEVELS: [(&str, usize); 6] =
+    [("shape", 10), ("gate", 4), ("dtype", 2), ("strategy", 2), ("path", 2), ("profile", 4)];
+
+/// The pairs of values of two factors that no point of `points` holds, as
+/// `(factor, value, factor, value)`; empty when `points` covers every pair.
+pub fn uncovered_pairs(points: &[SweepPoint]) -> Vec<(&'static str, usize, &'static str, usize)> {
+    let levels: Vec<[usize; 6]> = points.iter().map(SweepPoint::levels).collect();
+    let mut missing = Vec::new();
+    for (i, &(fi, ni)) in FACTOR_LEVELS.iter().enumerate() {
+        for (j, &(fj, nj)) in FACTOR_LEVELS.iter().enumerate().skip(i + 1) {
+            for a in 0..ni {
+                for b in 0..nj {
+                    if !levels.iter().any(|l| l[i] == a && l[j] == b) {
+                        missing.push((fi, a, fj, b));
+                    }
+                }
+            }
+        }
+    }
+    missing
+}
+
+/// The pairwise tier's points, named. `for_each_sweep_point!(@list points)` gives them as a
+/// `&[SweepPoint]` ([`PAIRWISE`]); `for_each_sweep_point!(@list tests EXPR)` expands one test per
+/// point on the backend `EXPR` builds. The list was drawn as a covering array of strength two
+/// (40 points, the least possible: shape times gate); `sweep_table` tests that it still is one.
+#[macro_export]
+macro_rules! for_each_sweep_point {
+    (@list $($cb:tt)*) => {
+        $crate::for_each_sweep_point! { @apply [$($cb)*]
+            h1_b1_t1_preact_bf16_remat_split_standard: (H1B1T1, Preactivated, BF16, RematSplit, Standard),
+            h1_b1_t1_preact_l2_bf16_saved_fused_strong_decay: (H1B1T1, PreactivatedL2, BF16, SavedStateFused, StrongDecay),
+            h1_b1_t1_softplus_f32_saved_split_hard_reset: (H1B1T1, Softplus, F32, SavedStateSplit, HardReset),
+            h1_b1_t1_lower_bound_l2_f32_saved_fused_beta_edges: (H1B1T1, LowerBoundL2, F32, SavedStateFused, BetaEdges),
+            h1_b2_t65_preact_bf16_remat_split_strong_decay: (H1B2T65, Preactivated, BF16, RematSplit, StrongDecay),
+            h1_b2_t65_preact_l2_f32_saved_fused_hard_reset: (H1B2T65, PreactivatedL2, F32, SavedStateFused, HardReset),
+            h1_b2_t65_softplus_bf16_saved_split_beta_edges: (H1B2T65, Softplus, BF16, SavedStateSplit, BetaEdges),
+            h1_b2_t65_lower_bound_l2_bf16_saved_split_standard: (H1B2T65, LowerBoundL2, BF16, SavedStateSplit, Standard),
+            k96_v160_preact_f32_remat_split_hard_reset: (K96V160, Preactivated, F32, RematSplit, HardReset),
+            k96_v160_preact_l2_bf16_remat_fused_beta_edges: (K96V160, PreactivatedL2, BF16, RematFused, BetaEdges),
+            k96_v160_softplus_f32_saved_split_standard: (K96V160, Softplus, F32, SavedStateSplit, Standard),
+            k96_v160_lower_bound_l2_f32_remat_fused_strong_decay: (K96V160, LowerBoundL2, F32, RematFused, StrongDecay),
+            k129_v127_preact_f32_saved_fused_beta_edges: (K129V127, Preactivated, F32, SavedStateFused, BetaEdges),
+            k129_v127_preact_l2_bf16_remat_split_standard: (K129V127, PreactivatedL2, BF16, RematSplit, Standard),
+            k129_v127_softplus_f32_saved_fused_strong_decay: (K129V127, Softplus, F32, SavedStateFused, StrongDecay),
+            k129_v127_lower_bound_l2_bf16_remat_fused_hard_reset: (K129V127, LowerBoundL2, BF16, RematFused, HardReset),
+            k256_v32_preact_bf16_saved_split_standard: (K256V32, Preactivated, BF16, SavedStateSplit, Standard),
+            k256_v32_preact_l2_bf16_remat_fused_strong_decay: (K256V32, PreactivatedL2, BF16, RematFused, StrongDecay),
+            k256_v32_softplus_bf16_remat_split_hard_reset: (K256V32, Softplus, BF16, RematSplit, HardReset),
+            k256_v32_lower_bound_l2_f32_saved_fused_beta_edges: (K256V32, LowerBoundL2, F32, SavedStateFused, BetaEdges),
+            b2_t130_preact_bf16_remat_fused_strong_decay: (B2T130, Preactivated, BF16, RematFused, StrongDecay),
+            b2_t130_preact_l2_f32_saved_fused_hard_reset: (B2T130, PreactivatedL2, F32, SavedStateFused, HardReset),
+            b2_t130_softplus_f32_remat_split_beta_edges: (B2T130, Softplus, F32, RematSplit, BetaEdges),
+            b2_t130_lower_bound_l2_bf16_remat_split_standard: (B2T130, LowerBoundL2, BF16, RematSplit, Standard),
+            packed_edges_preact_f32_remat_fused_hard_reset: (PackedEdges, Preactivated, F32, RematFused, HardReset),
+            packed_edges_preact_l2_f32_remat_split_beta_edges: (PackedEdges, PreactivatedL2, F32, RematSplit, BetaEdges),
+            packed_edges_softplus_bf16_saved_split_standard: (PackedEdges, Softplus, BF16, SavedStateSplit, Standard),
+            packed_edges_lower_bound_l2_bf16_remat_split_strong_decay: (PackedEdges, LowerBoundL2, BF16, RematSplit, StrongDecay),
+            packed_ids_preact_bf16_saved_split_beta_edges: (PackedIds, Preactivated, BF16, SavedStateSplit, BetaEdges),
+            packed_ids_preact_l2_bf16_remat_fused_standard: (PackedIds, PreactivatedL2, BF16, RematFused, Standard),
+            packed_ids_softplus_f32_remat_fused_strong_decay: (PackedIds, Softplus, F32, RematFused, StrongDecay),
+            packed_ids_lower_bound_l2_bf16_saved_fused_hard_reset: (PackedIds, LowerBoundL2, BF16, SavedStateFused, HardReset),
+            packed_ones_preact_bf16_remat_fused_standard: (PackedOnes, Preactivated, BF16, RematFused, Standard),
+            packed_ones_preact_l2_f32_saved_fused_strong_decay: (PackedOnes, PreactivatedL2, F32, SavedStateFused, StrongDecay),
+            packed_ones_softplus_f32_saved_split_hard_reset: (PackedOnes, Softplus, F32, SavedStateSplit, HardReset),
+            packed_ones_lower_bound_l2_bf16_saved_fused_beta_edges: (PackedOnes, LowerBoundL2, BF16, SavedStateFused, BetaEdges),
+            packed_rows_preact_bf16_saved_split_strong_decay: (PackedRows, Preactivated, BF16, SavedStateSplit, StrongDecay),
+            packed_rows_preact_l2_f32_saved_split_hard_reset: (PackedRows, PreactivatedL2, F32, SavedStateSplit, HardReset),
+            packed_rows_softplus_bf16_remat_fused_beta_edges: (PackedRows, Softplus, BF16, RematFused, BetaEdges),
+            packed_rows_lower_bound_l2_bf16_saved_split_standard: (PackedRows, LowerBoundL2, BF16, SavedStateSplit, Standard),
+        }
+    };
+    (@apply [points] $($n:ident: ($s:ident, $g:ident, $d:ident, $v:ident, $p:ident)),* $(,)?) => {
+        &[$($crate::sweep::SweepPoint {
+            shape: $crate::__private::SweepShape::$s,
+            gate: $crate::__private::SweepGate::$g,
+            dtype: $crate::__private::DType::$d,
+            variant: $crate::__private::SweepVariant::$v,
+            profile: $crate::__private::Profile::$p,
+        }),*]
+    };
+    (@apply [tests $make:expr] $($n:ident: ($s:ident, $g:ident, $d:ident, $v:ident, $p:ident)),* $(,)?) => {
+        $(
+            #[test]
+            fn $n() {
+                let point = $crate::sweep::SweepPoint {
+                    shape: $crate::__private::SweepShape::$s,
+                    gate: $crate::__private::SweepGate::$g,
+                    dtype: $crate::__private::DType::$d,
+                    variant: $crate::__private::SweepVariant::$v,
+                    profile: $crate::__private::Profile::$p,
+                };
+                match $crate::sweep::run(&$make, point) {
+                    Ok(report) => eprint!("{report}"),
+                    Err(failure) => panic!("sweep failure:\n{failure}"),
+                }
+            }
+        )*
+    };
+}
+
+/// The pairwise tier (see [`for_each_sweep_point!`]).
+pub const PAIRWISE: &[SweepPoint] = for_each_sweep_point!(@list points);
+
+/// Every point of the whole product, in factor order.
+pub fn full_product() -> Vec<SweepPoint> {
+    let mut all = Vec::new();
+    for shape in SHAPES {
+        for gate in GATES {
+            for dtype in [DType::F32, DType::BF16] {
+                for variant in VARIANTS {
+                    for profile in PROFILES {
+                        all.push(SweepPoint { shape, gate, dtype, variant, profile });
+                    }
+                }
+            }
+        }
+    }
+    all
+}
+
 fn index<T: PartialEq>(all: &[T], x: &T) -> usize {
     all.iter().position(|y| y == x).unwrap_or(0)
 }
 
 /// The case of one sweep point (its name, which seeds its inputs, spells out the point).
-pub fn sweep_case(shape: SweepShape, gate: SweepGate, dtype: DType) -> Case {
+pub fn sweep_case(shape: SweepShape, gate: SweepGate, dtype: DType, profile: Profile) -> Case {
     use SweepShape as S;
     let (si, gi) = (index(&SHAPES, &shape), index(&GATES, &gate));
     let rows = |r: &[&[usize]]| CaseSegments::Lengths(r.iter().map(|x| x.to_vec()).collect());
@@ -131,17 +293,10 @@ pub fn sweep_case(shape: SweepShape, gate: SweepGate, dtype: DType) -> Case {
         SweepGate::Softplus => (CaseGate::Softplus, false),
         SweepGate::LowerBoundL2 => (CaseGate::LowerBound(-5.0), true),
     };
-    // Rotations: states on 3 of every 4 points, beta [.., 1] on every third, and a hard input
-    // profile (strong decay, hard reset, beta edges) on every other point.
+    // Rotations: states on 3 of every 4 shape and gate pairs, beta [.., 1] on every third.
     let rot = si + gi;
-    let profile = match rot % 6 {
-        1 => Profile::StrongDecay,
-        3 => Profile::HardReset,
-        5 => Profile::BetaEdges,
-        _ => Profile::Standard,
-    };
     let dt = if dtype == DType::BF16 { "bf16" } else { "f32" };
-    let name = format!("sweep_{shape:?}_{gate:?}_{dt}").to_lowercase();
+    let name = format!("sweep_{shape:?}_{gate:?}_{dt}_{profile:?}").to_lowercase();
     Case {
         name: Box::leak(name.into_boxed_str()),
         h,
@@ -161,15 +316,9 @@ pub fn sweep_case(shape: SweepShape, gate: SweepGate, dtype: DType) -> Case {
     }
 }
 
-/// Runs one sweep point on `backend`: forward+VJP in `variant` against the reference.
-pub fn run<B: Backend>(
-    backend: &B,
-    shape: SweepShape,
-    gate: SweepGate,
-    dtype: DType,
-    variant: SweepVariant,
-) -> Result<Report, String> {
-    let case = sweep_case(shape, gate, dtype);
-    let (strategy, path) = variant.parts();
-    backward_case(backend, &case, dtype, strategy, path)
+/// Runs one sweep point on `backend`: forward+VJP in its variant against the reference.
+pub fn run<B: Backend>(backend: &B, point: SweepPoint) -> Result<Report, String> {
+    let case = sweep_case(point.shape, point.gate, point.dtype, point.profile);
+    let (strategy, path) = point.variant.parts();
+    backward_case(backend, &case, point.dtype, strategy, path)
 }

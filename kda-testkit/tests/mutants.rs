@@ -101,26 +101,38 @@ impl Backend for Mutant {
     }
 }
 
-/// Each mutant must fail for its own reason: a failed numeric check (`FAIL` lines of the
-/// report, naming the case) or, for the dtype mutant, the dtype contract.
+/// Each mutant must fail for its own reason: a failed numeric check of the quantity it breaks
+/// (a `FAIL` line of the report naming the case and that quantity) or, for the dtype mutant, the
+/// dtype contract.
 #[rstest]
-#[case::gate_gradient_scaled(Bug::GateGradientScaled, "fixed_small", DType::F32, "FAIL")]
-#[case::no_segment_reset(Bug::NoSegmentReset, "packed_lengths_1_63_64_65_0", DType::F32, "FAIL")]
+#[case::gate_gradient_scaled(Bug::GateGradientScaled, "fixed_small", DType::F32, "FAIL", "dg")]
+#[case::no_segment_reset(Bug::NoSegmentReset, "packed_lengths_1_63_64_65_0", DType::F32, "FAIL", "o")]
 #[case::padding_gradient_not_zero(
     Bug::PaddingGradientNotZero,
     "packed_lengths_1_63_64_65_0",
     DType::F32,
-    "FAIL"
+    "FAIL",
+    "dq"
 )]
-#[case::output_dtype(Bug::OutputDtype, "fixed_small", DType::BF16, "o has dtype f32")]
-#[case::output_slightly_off_in_f32(Bug::OutputSlightlyOff, "fixed_small", DType::F32, "FAIL")]
-fn suite_rejects_mutant(#[case] bug: Bug, #[case] case: &str, #[case] dtype: DType, #[case] why: &str) {
+#[case::output_dtype(Bug::OutputDtype, "fixed_small", DType::BF16, "o has dtype f32", "o")]
+#[case::output_slightly_off_in_f32(Bug::OutputSlightlyOff, "fixed_small", DType::F32, "FAIL", "o")]
+fn suite_rejects_mutant(
+    #[case] bug: Bug,
+    #[case] case: &str,
+    #[case] dtype: DType,
+    #[case] why: &str,
+    #[case] quantity: &str,
+) {
     let m = Mutant(bug);
     let r = conformance::backward(&m, case, dtype, BackwardStrategy::SavedState, Path::Split);
     let msg = r.expect_err("the suite must fail this backend");
     assert!(msg.contains(why), "failure must be `{why}`: {msg}");
     if why == "FAIL" {
-        assert!(msg.contains(case), "failure must name the case: {msg}");
+        let own = msg
+            .lines()
+            .filter(|l| l.starts_with("FAIL"))
+            .any(|l| l.contains(case) && l.contains(&format!(": {quantity} rms_ratio")));
+        assert!(own, "a FAIL line must name the case and {quantity}: {msg}");
     }
 }
 

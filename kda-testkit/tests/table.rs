@@ -76,40 +76,64 @@ fn inputs_are_reproducible_from_the_name() {
     );
 }
 
-/// The sweep: 320 distinct points whose inputs validate, covering every gate mode with and
-/// without states and each input profile, fixed and packed.
+/// The sweep's whole product: 1280 distinct points whose inputs validate, covering every gate
+/// mode with and without states, fixed and packed, in both tiers.
 #[test]
 fn sweep_points_are_distinct_and_valid() {
-    use kda_testkit::sweep::{sweep_case, GATES, SHAPES};
-    use kda_testkit::Profile;
+    use kda_testkit::sweep::{full_product, sweep_case, GATES, PAIRWISE};
+    let all = full_product();
+    assert_eq!(all.len(), 1280);
     let mut names = std::collections::BTreeSet::new();
-    let mut seen = std::collections::BTreeSet::new();
-    for &shape in &SHAPES {
-        for &gate in &GATES {
-            for dtype in [kda_core::DType::F32, kda_core::DType::BF16] {
-                let c = sweep_case(shape, gate, dtype);
-                assert!(names.insert(c.name), "duplicate sweep name {}", c.name);
-                let data = case_data(&c, dtype).unwrap();
-                let p = data.inputs.validate().unwrap_or_else(|e| panic!("{}: {e}", c.name));
-                data.cotangents.validate(&p).unwrap();
-                seen.insert((format!("{gate:?}"), c.initial_state, c.final_state, c.is_packed()));
-                seen.insert((format!("{:?}", c.profile), true, true, true));
+    for p in &all {
+        let c = sweep_case(p.shape, p.gate, p.dtype, p.profile);
+        // One case (inputs) per point but for the variant, which only picks the programs.
+        names.insert(c.name);
+        let data = case_data(&c, p.dtype).unwrap();
+        let problem = data.inputs.validate().unwrap_or_else(|e| panic!("{}: {e}", c.name));
+        data.cotangents.validate(&problem).unwrap();
+    }
+    assert_eq!(names.len() * 4, all.len(), "the cases must be distinct but for the variant");
+    for (tier, points) in [("pairwise", PAIRWISE.to_vec()), ("full", all)] {
+        let mut seen = std::collections::BTreeSet::new();
+        for p in &points {
+            let c = sweep_case(p.shape, p.gate, p.dtype, p.profile);
+            seen.insert((format!("{:?}", p.gate), c.initial_state, c.final_state, c.is_packed()));
+        }
+        for gate in &GATES {
+            for packed in [false, true] {
+                for (h0, fin) in [(true, true), (false, true), (true, false)] {
+                    let want = (format!("{gate:?}"), h0, fin, packed);
+                    assert!(seen.contains(&want), "{tier}: no point with {want:?}");
+                }
             }
         }
     }
-    // 40 points per dtype, 4 variants each: 320 tests.
-    assert_eq!(names.len() * 4, 320);
-    for gate in &GATES {
-        for packed in [false, true] {
-            for (h0, fin) in [(true, true), (false, true), (true, false)] {
-                assert!(
-                    seen.contains(&(format!("{gate:?}"), h0, fin, packed)),
-                    "{gate:?} {h0} {fin} {packed}"
-                );
-            }
-        }
+}
+
+/// The pairwise tier covers every pair of values of any two sweep factors, names each point
+/// once, and holds points of the whole product only.
+#[test]
+fn sweep_pairwise_tier_covers_every_pair() {
+    use kda_testkit::sweep::{full_product, uncovered_pairs, PAIRWISE};
+    assert_eq!(uncovered_pairs(PAIRWISE), vec![]);
+    let all = full_product();
+    for p in PAIRWISE {
+        assert!(all.contains(p), "{p:?} is not a point of the product");
     }
-    for profile in [Profile::StrongDecay, Profile::HardReset, Profile::BetaEdges] {
-        assert!(seen.contains(&(format!("{profile:?}"), true, true, true)));
-    }
+    let distinct: std::collections::BTreeSet<_> = PAIRWISE.iter().map(|p| format!("{p:?}")).collect();
+    assert_eq!(distinct.len(), PAIRWISE.len(), "a point is listed twice");
+}
+
+/// The covering check finds a missing pair: without its one point that pairs `H1B1T1` with
+/// the lower-bound gate, the tier is no longer pairwise.
+#[test]
+fn sweep_covering_check_finds_a_missing_pair() {
+    use kda_testkit::sweep::{uncovered_pairs, SweepGate, SweepShape, PAIRWISE};
+    let fewer: Vec<_> = PAIRWISE
+        .iter()
+        .filter(|p| !(p.shape == SweepShape::H1B1T1 && p.gate == SweepGate::LowerBoundL2))
+        .copied()
+        .collect();
+    assert_eq!(fewer.len(), PAIRWISE.len() - 1);
+    assert!(uncovered_pairs(&fewer).contains(&("shape", 0, "gate", 3)));
 }
