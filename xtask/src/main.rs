@@ -30,9 +30,11 @@ const USAGE: &str = "usage: cargo xtask <command> [args]
 commands:
   setup               install what the workspace needs (Debian packages, PJRT header, plugins)
   env                 print `export` lines for plain cargo: eval \"$(cargo xtask env)\"
-  test [--shard i/n]  run the whole test suite (or one of n shards; needs cargo-nextest)
+  test [NAME ...] [--full] [--shard i/n] [--clean-cache]
+                      run the test suite (see `cargo xtask test --help`): the default tier,
+                      or with --full the sweep's whole product too; ends with a summary
   ci                  fmt check, clippy -D warnings, then test
-  tpu-test [--plugin PATH] [--shard i/n]
+  tpu-test [--plugin PATH] [--full] [--shard i/n]
                       kda-tpu's conformance suite on a PJRT plugin (default: setup's CPU plugin)
   run --backend ref|pjrt --inputs DIR --out DIR [...]
                       run a backend on .npy tensors (see `cargo xtask run --help`)

@@ -9,16 +9,18 @@ use std::path::PathBuf;
 
 /// The usage text.
 pub const USAGE: &str = "\
-usage: cargo xtask tpu-test [--plugin PATH] [--shard i/n] [-- TEST-RUNNER ARGS]
+usage: cargo xtask tpu-test [--plugin PATH] [--full] [--shard i/n] [-- TEST-RUNNER ARGS]
 
 Runs kda-tpu's conformance suite (every case of the testkit's table through the PJRT backend,
-forward and backward, f32 and bf16) and the 320-point regression sweep with KDA_PJRT_PLUGIN set
-to the plugin: with cargo-nextest (`--partition count:i/n` for a shard), else with cargo test
-(no shards). Compiled programs are shared through target/kda-compile-cache.
+forward and backward, f32 and bf16) and the regression sweep's pairwise tier (the whole product
+with --full) with KDA_PJRT_PLUGIN set to the plugin: with cargo-nextest (`--partition count:i/n`
+for a shard), else with cargo test (no shards). Compiled programs are kept in
+target/kda-compile-cache (keyed by plugin build and host CPU, among others).
 
 options:
   --plugin PATH   PJRT plugin to test (default: the CPU plugin `cargo xtask setup` installed;
                   on a TPU host pass libtpu.so, with a GPU the CUDA plugin)
+  --full          the sweep's whole product (1280 points) as well
   --shard i/n     run shard i of n (1-based; needs cargo-nextest)
   -- ARGS         passed on to the test runner (e.g. a test-name filter)
   -h, --help      show this text";
@@ -30,6 +32,8 @@ pub struct TpuTestOptions {
     pub plugin: Option<PathBuf>,
     /// One shard of the suite.
     pub shard: Option<Shard>,
+    /// The sweep's whole product as well.
+    pub full: bool,
     /// Arguments after `--`, for the test runner.
     pub extra: Vec<String>,
 }
@@ -44,6 +48,7 @@ pub fn parse_args(args: &[String]) -> Result<Option<TpuTestOptions>, String> {
             "-h" | "--help" => return Ok(None),
             "--plugin" => o.plugin = Some(PathBuf::from(cli::value(flag, inline, &mut it)?)),
             "--shard" => o.shard = Some(Shard::parse(cli::value(flag, inline, &mut it)?)?),
+            "--full" => cli::switch(flag, inline).map(|()| o.full = true)?,
             "--" => {
                 o.extra = it.by_ref().cloned().collect();
             }
@@ -70,11 +75,17 @@ pub fn runner_args(opts: &TpuTestOptions, nextest: bool) -> Result<Vec<String>, 
     if let Some(s) = opts.shard {
         a.extend(["--partition".to_string(), format!("count:{}/{}", s.index, s.count)]);
     }
-    if !opts.extra.is_empty() {
-        if !nextest {
-            a.push("--".to_string());
+    if nextest {
+        if opts.full {
+            a.push("--ignore-default-filter".to_string());
         }
         a.extend(opts.extra.iter().cloned());
+    } else {
+        a.push("--".to_string());
+        a.extend(opts.extra.iter().cloned());
+        if !opts.full {
+            a.extend(["--skip".to_string(), "full::".to_string()]);
+        }
     }
     Ok(a)
 }
@@ -94,8 +105,8 @@ pub fn tpu_test(args: &[String]) -> Result<(), String> {
         return Err(format!("xtask tpu-test: no PJRT plugin at {}", plugin.display()));
     }
     let a = runner_args(&opts, has_nextest())?;
-    let mut cmd =
-        crate::test_cmd::with_compile_cache(cargo(&paths, &a.iter().map(String::as_str).collect::<Vec<_>>()));
+    let mut cmd = cargo(&paths, &a.iter().map(String::as_str).collect::<Vec<_>>());
+    crate::test_cmd::with_run_files(&mut cmd)?;
     cmd.env("KDA_PJRT_PLUGIN", &plugin);
     // On a TPU host libtpu may need its metadata server; skip it only for setup's own plugins,
     // unless the caller set the switch.
@@ -154,7 +165,12 @@ mod tests {
         let o = parse_args(&args("-- primary")).unwrap().unwrap();
         assert_eq!(
             runner_args(&o, false).unwrap().join(" "),
-            "test -p kda-tpu --test conformance --test sweep --no-fail-fast -- primary"
+            "test -p kda-tpu --test conformance --test sweep --no-fail-fast -- primary --skip full::"
+        );
+        let o = parse_args(&args("--full")).unwrap().unwrap();
+        assert_eq!(
+            runner_args(&o, true).unwrap().join(" "),
+            "nextest run -p kda-tpu --test conformance --test sweep --no-fail-fast --ignore-default-filter"
         );
         assert_eq!(parse_args(&args("-h")), Ok(None));
     }
