@@ -17,3 +17,8 @@ pub use runtime::{
     CompileOptions, DeviceBuffer, ElementType, Executable, MemoryStats, Runtime, Signature, TensorType,
     XlaOption,
 };
+
+/// The README's Rust code, compiled and run by `cargo test --doc`.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+pub struct ReadmeDoctests;

@@ -40,7 +40,7 @@ options:
   --no-aot              skip the tpu7x:2x2x1 compiles (tpu7x fields are null)
   --json PATH           also write the records as a JSON array
   --markdown PATH       markdown file whose section for the suite is replaced
-                        (default docs/BENCHMARKS.md in the workspace)
+                        (default docs/performance.md in the workspace)
   --no-markdown         do not write markdown
   -h, --help            show this text";
 
@@ -150,10 +150,10 @@ pub struct BenchOptions {
     pub markdown: Option<PathBuf>,
 }
 
-/// The default markdown file: `docs/BENCHMARKS.md` in the workspace.
+/// The default markdown file: `docs/performance.md` in the workspace.
 pub fn default_markdown() -> PathBuf {
     let root = crate::cargo_cmd::root();
-    root.canonicalize().unwrap_or(root).join("docs/BENCHMARKS.md")
+    root.canonicalize().unwrap_or(root).join("docs/performance.md")
 }
 
 /// Parses the arguments after `bench`; `Ok(None)` means help was asked for.
@@ -659,7 +659,7 @@ mod tests {
         assert_eq!(o.markdown, Some(PathBuf::from("x.md")));
         let o = parse_args(&args("--suite forward --no-markdown")).unwrap().unwrap();
         assert_eq!(o.markdown, None);
-        assert!(default_markdown().ends_with("docs/BENCHMARKS.md"));
+        assert!(default_markdown().ends_with("docs/performance.md"));
     }
 
     #[rstest]

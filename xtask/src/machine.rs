@@ -12,7 +12,7 @@ pub struct Machine {
     pub cpu_model: String,
     /// Family, model and widest vector extension (`family 25 model 1, AVX2`): virtual machines
     /// often report only a vendor name (`AMD EPYC`), and the CPU plugin's timings differ by tens
-    /// of percent between generations behind that name (see docs/BENCHMARKS.md), so records say
+    /// of percent between generations behind that name (see docs/performance.md), so records say
     /// which one ran.
     pub cpu_detail: String,
     /// UTC time of the run, `YYYY-MM-DD HH:MM UTC`.
