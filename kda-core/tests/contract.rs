@@ -180,7 +180,7 @@ fn batch_first_layout_reads_heads_from_the_third_axis() {
     );
     let p = x.validate().unwrap();
     assert_eq!((p.dims.h, p.dims.b, p.dims.t, p.dims.k, p.dims.v), (H, B, T, K, V));
-    assert!((p.scale - 0.5).abs() < 1e-15, "default scale is K^-1/2");
+    approx::assert_relative_eq!(p.scale, 0.5, max_relative = 1e-15); // the default scale is K^-1/2
 }
 
 #[test]

@@ -161,7 +161,10 @@ fn assert_close(name: &str, got: &HostTensor, want: &HostTensor, tol: f64) {
     let (g, w) = (got.to_f64_vec(), want.to_f64_vec());
     let scale = w.iter().fold(1.0f64, |m, x| m.max(x.abs()));
     for (i, (a, b)) in g.iter().zip(&w).enumerate() {
-        assert!((a - b).abs() <= tol * scale, "{name}[{i}]: per-segment {a} vs packed {b}");
+        assert!(
+            approx::abs_diff_eq!(a, b, epsilon = tol * scale),
+            "{name}[{i}]: per-segment {a} vs packed {b}"
+        );
         if *b == 0.0 {
             assert_eq!(*a, 0.0, "{name}[{i}]: exact zero (padding)");
         }

@@ -60,7 +60,7 @@ fn assert_close(what: &str, a: &HostTensor, b: &HostTensor) {
     let (x, y) = (a.to_f64_vec(), b.to_f64_vec());
     assert_eq!(x.len(), y.len(), "{what}: length");
     for (i, (p, q)) in x.iter().zip(&y).enumerate() {
-        assert!((p - q).abs() <= 1e-12 * (1.0 + q.abs()), "{what}[{i}]: {p} vs {q}");
+        assert!(approx::relative_eq!(p, q, epsilon = 1e-12, max_relative = 1e-12), "{what}[{i}]: {p} vs {q}");
     }
 }
 

@@ -18,7 +18,7 @@ fn ulp_distance_counts_representable_steps(#[case] a: f32, #[case] b: f32, #[cas
 fn agreement_reports_rms_ratio_max_abs_and_ulps() {
     let x = HostTensor::from_f32(&[4], vec![1.0, 2.0, 3.0, 4.5]).unwrap();
     let a = agreement(&x, &[1.0, 2.0, 3.0, 4.0]);
-    assert!((a.rms_ratio - 0.5 / 30f64.sqrt()).abs() < 1e-12);
+    approx::assert_relative_eq!(a.rms_ratio, 0.5 / 30f64.sqrt(), max_relative = 1e-12);
     assert_eq!(a.max_abs, 0.5);
     assert_eq!(a.max_ulp, (0.5 / f32::EPSILON as f64 / 4.0) as u64);
     assert!(a.finite);

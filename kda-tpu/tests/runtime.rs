@@ -64,7 +64,10 @@ fn matmul(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
 fn assert_close(got: &[f32], want: &[f32]) {
     assert_eq!(got.len(), want.len());
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "element {i}: got {g}, want {w}");
+        assert!(
+            approx::relative_eq!(*g, *w, epsilon = 1e-5, max_relative = 1e-5),
+            "element {i}: got {g}, want {w}"
+        );
     }
 }
 

@@ -23,22 +23,6 @@ use rstest::rstest;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// The splitmix64 generator: tiny, seeded, good enough for test inputs.
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn uniform(&mut self, n: usize, lo: f64, hi: f64) -> Vec<f64> {
-        (0..n).map(|_| lo + (hi - lo) * (self.next() >> 11) as f64 / (1u64 << 53) as f64).collect()
-    }
-}
-
 /// A directory under the system temp dir, removed on drop.
 struct TempDir(PathBuf);
 
@@ -133,7 +117,7 @@ struct Fixture {
 impl Fixture {
     /// Draws the inputs of `spec` and writes them (q as f32, the rest as f64).
     fn new(spec: Spec, seed: u64) -> Self {
-        let mut rng = SplitMix64(seed);
+        let mut rng = kda_testkit::Rng::new(seed);
         let Spec { layout, b, t, h, k, v, .. } = spec;
         let (tk, tv) = (layout.token_shape(h, b, t, k).to_vec(), layout.token_shape(h, b, t, v).to_vec());
         let mut beta_shape = layout.scalar_shape(h, b, t).to_vec();
@@ -143,20 +127,20 @@ impl Fixture {
         let n = spec.n();
         let state = |rank: usize| if rank == 4 { vec![b * n, h, k, v] } else { vec![b, n, h, k, v] };
         let mut tensors = vec![
-            ("q", tk.clone(), rng.uniform(b * t * h * k, -1.0, 1.0)),
-            ("k", tk.clone(), rng.uniform(b * t * h * k, -1.0, 1.0)),
-            ("v", tv.clone(), rng.uniform(b * t * h * v, -1.0, 1.0)),
-            ("g", tk, rng.uniform(b * t * h * k, -1.0, 0.0)),
-            ("beta", beta_shape, rng.uniform(b * t * h, 0.0, 1.0)),
+            ("q", tk.clone(), rng.uniform_vec(b * t * h * k, -1.0, 1.0)),
+            ("k", tk.clone(), rng.uniform_vec(b * t * h * k, -1.0, 1.0)),
+            ("v", tv.clone(), rng.uniform_vec(b * t * h * v, -1.0, 1.0)),
+            ("g", tk, rng.uniform_vec(b * t * h * k, -1.0, 0.0)),
+            ("beta", beta_shape, rng.uniform_vec(b * t * h, 0.0, 1.0)),
         ];
         if let Some(rank) = spec.h0_rank {
-            tensors.push(("h0", state(rank), rng.uniform(b * n * h * k * v, -0.5, 0.5)));
+            tensors.push(("h0", state(rank), rng.uniform_vec(b * n * h * k * v, -0.5, 0.5)));
         }
         if spec.with_do {
-            tensors.push(("do", tv, rng.uniform(b * t * h * v, -1.0, 1.0)));
+            tensors.push(("do", tv, rng.uniform_vec(b * t * h * v, -1.0, 1.0)));
         }
         if spec.with_dht {
-            tensors.push(("dht", state(5), rng.uniform(b * n * h * k * v, -1.0, 1.0)));
+            tensors.push(("dht", state(5), rng.uniform_vec(b * n * h * k * v, -1.0, 1.0)));
         }
         let dir = TempDir::new("case");
         for (name, shape, data) in &tensors {

@@ -1,22 +1,18 @@
-//! Shared test helpers: a seeded PRNG (splitmix64) and segmentation generators.
+//! Shared test helpers: a seeded PRNG (PCG-64) and segmentation generators.
 #![allow(dead_code)]
 
 use kda_core::{bf16, SegmentTable};
 use std::ops::Range;
 
-/// splitmix64: tiny, seeded, good enough for property tests.
-pub struct Rng(u64);
+/// A seeded PCG-64 (the generator of every test input in the workspace).
+pub struct Rng(rand_pcg::Pcg64);
 
 impl Rng {
     pub fn new(seed: u64) -> Self {
-        Self(seed)
+        Self(rand_pcg::Pcg64::new(u128::from(seed), 0))
     }
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        rand_core::Rng::next_u64(&mut self.0)
     }
     /// Uniform in `0..n` (n > 0).
     pub fn below(&mut self, n: usize) -> usize {

@@ -3,19 +3,15 @@
 
 use kda_core::{Cotangents, GateMode, HostTensor, KdaConfig, KdaInputs, Layout, Segments};
 
-/// splitmix64: a tiny deterministic generator.
-pub struct Rng(u64);
+/// A seeded PCG-64 (the generator of every test input in the workspace).
+pub struct Rng(rand_pcg::Pcg64);
 
 impl Rng {
     pub fn new(seed: u64) -> Self {
-        Rng(seed)
+        Rng(rand_pcg::Pcg64::new(u128::from(seed), 0))
     }
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        rand_core::Rng::next_u64(&mut self.0)
     }
     /// Uniform in [lo, hi).
     pub fn uniform(&mut self, lo: f64, hi: f64) -> f64 {

@@ -82,34 +82,21 @@ pub fn run_timed(text: &str, inputs: Vec<In>, iters: usize) -> (Vec<Out>, Durati
     (outs.iter().map(|b| download(&rt, b)).collect(), times[times.len() / 2])
 }
 
-/// Deterministic pseudo-random values in [lo, hi).
+/// Deterministic pseudo-random values in [lo, hi), from the test kit's seeded generator.
 pub fn rand_vec(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            let u = ((s >> 40) as f32) / ((1u64 << 24) as f32);
-            lo + (hi - lo) * u
-        })
-        .collect()
+    let mut r = kda_testkit::Rng::new(seed);
+    (0..n).map(|_| r.uniform(f64::from(lo), f64::from(hi)) as f32).collect()
 }
 
-/// Panics with the worst index when max |got - want| / max(1, |want|) exceeds `tol`.
+/// Panics at the first element that differs by more than `tol`, absolutely or relative to the
+/// larger magnitude (`approx::relative_eq!`); a NaN never passes.
 pub fn assert_close(name: &str, got: &[f32], want: &[f32], tol: f32) {
     assert_eq!(got.len(), want.len(), "{name}: length");
-    let mut worst = (0.0f32, 0usize);
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        let e = (g - w).abs() / w.abs().max(1.0);
-        if e.is_nan() || e > worst.0 {
-            worst = (e, i);
-        }
+    let bad = got
+        .iter()
+        .zip(want)
+        .position(|(g, w)| !approx::relative_eq!(*g, *w, epsilon = tol, max_relative = tol));
+    if let Some(i) = bad {
+        panic!("{name}: element {i}: got {}, want {} (tolerance {tol})", got[i], want[i]);
     }
-    assert!(
-        worst.0 <= tol,
-        "{name}: error {} at {} (got {}, want {})",
-        worst.0,
-        worst.1,
-        got[worst.1],
-        want[worst.1]
-    );
 }
