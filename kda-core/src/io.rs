@@ -5,6 +5,23 @@ use crate::segments::Segments;
 use crate::tensor::HostTensor;
 
 /// Everything the forward needs. Per-token tensors are in `config.layout`.
+///
+/// ```
+/// use kda_core::{HostTensor, KdaConfig, KdaInputs, Layout, Segments};
+///
+/// // One row of 8 tokens, 2 heads, K = V = 4, batch-first [B, T, H, D], two documents.
+/// let x = |d: usize, v: f32| HostTensor::from_f32(&[1, 8, 2, d], vec![v; 8 * 2 * d]);
+/// let inputs = KdaInputs::new(x(4, 0.5)?, x(4, 0.5)?, x(4, 1.0)?, x(4, -0.1)?, HostTensor::from_f32(&[1, 8, 2], vec![0.9; 16])?)
+///     .with_config(KdaConfig { layout: Layout::BatchFirst, output_final_state: true, ..Default::default() })
+///     .with_segments(Segments::CuSeqlens(vec![vec![0, 5, 8]]));
+/// let problem = inputs.validate()?;
+/// assert_eq!((problem.dims.h, problem.dims.t, problem.dims.n), (2, 8, 2));
+///
+/// // A violation is a typed error naming the argument.
+/// let bad = KdaInputs { beta: HostTensor::from_f32(&[1, 7, 2], vec![0.9; 14])?, ..inputs };
+/// assert!(bad.validate().unwrap_err().to_string().contains("beta"));
+/// # Ok::<(), kda_core::KdaError>(())
+/// ```
 #[derive(Debug, Clone, PartialEq)]
 pub struct KdaInputs {
     /// Queries `[H,B,T,K]` / `[B,T,H,K]`.

@@ -5,7 +5,7 @@
 //! 2) and the input profile (4).
 //!
 //! Two tiers instantiate it (see `kda-tpu/tests/sweep.rs`):
-//! - the pairwise tier, [`for_each_sweep_point!`]'s 40 named points, in which every pair of
+//! - the pairwise tier, [`for_each_sweep_point!`](crate::for_each_sweep_point)'s 40 named points, in which every pair of
 //!   values of any two factors occurs in at least one point (a test checks that property on the
 //!   table itself); it runs in every `cargo xtask test`;
 //! - the whole product, 10 x 4 x 2 x 2 x 2 x 4 = 1280 points, an `rstest` matrix under `full::`
@@ -246,7 +246,7 @@ macro_rules! for_each_sweep_point {
     };
 }
 
-/// The pairwise tier (see [`for_each_sweep_point!`]).
+/// The pairwise tier (see [`for_each_sweep_point!`](crate::for_each_sweep_point)).
 pub const PAIRWISE: &[SweepPoint] = for_each_sweep_point!(@list points);
 
 /// Every point of the whole product, in factor order.

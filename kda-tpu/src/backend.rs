@@ -26,6 +26,28 @@ pub enum ProgramKind {
 }
 
 /// The PJRT backend. Not `Send`: PJRT clients live on one thread.
+///
+/// ```
+/// use kda_core::{Backend, BackwardStrategy, Cotangents, HostTensor, KdaInputs};
+///
+/// // Head-first [H, B, T, D] inputs: 1 head, 1 row, 70 tokens (two chunks), K = V = 16.
+/// let x = |d: usize, f: f32| HostTensor::from_f32(&[1, 1, 70, d], (0..70 * d).map(|i| (i as f32 * f).sin() * 0.3).collect());
+/// let g = HostTensor::from_f32(&[1, 1, 70, 16], vec![-0.2; 70 * 16])?;
+/// let inputs = KdaInputs::new(x(16, 0.3)?, x(16, 0.7)?, x(16, 1.1)?, g, HostTensor::from_f32(&[1, 1, 70], vec![0.5; 70])?)
+///     .with_layout(kda_core::Layout::HeadFirst);
+/// let backend = kda_tpu::PjrtBackend::new()?; // the CPU plugin, or $KDA_PJRT_PLUGIN
+/// let cot = Cotangents { d_o: x(16, 0.2)?, dht: None };
+/// let (out, grads) = backend.forward_and_vjp(&inputs, &cot, BackwardStrategy::SavedState)?;
+/// // The f64 reference on the same inputs agrees to f32 rounding.
+/// let (want, want_grads) = kda_ref::forward_and_vjp(&inputs, &cot)?;
+/// let rms = |a: &HostTensor, b: &HostTensor| {
+///     let (a, b) = (a.to_f64_vec(), b.to_f64_vec());
+///     let d: f64 = a.iter().zip(&b).map(|(x, y)| (x - y) * (x - y)).sum();
+///     (d / b.iter().map(|y| y * y).sum::<f64>()).sqrt()
+/// };
+/// assert!(rms(&out.o, &want.o) < 1e-5 && rms(&grads.dq, &want_grads.dq) < 1e-4);
+/// # Ok::<(), kda_core::KdaError>(())
+/// ```
 pub struct PjrtBackend {
     rt: Runtime,
     programs: RefCell<HashMap<(String, ProgramKind), Rc<Executable>>>,

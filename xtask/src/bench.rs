@@ -5,9 +5,9 @@
 //! measuring lives in `pjrt_cmds::bench` (built with the `pjrt` feature only).
 
 use crate::cli;
-use crate::json::Json;
 use crate::machine::Machine;
 use kda_core::DType;
+use serde_json::{json, Value as Json};
 use std::path::{Path, PathBuf};
 
 /// The usage text.
@@ -258,14 +258,14 @@ pub struct Memory {
 
 impl Memory {
     fn json(&self) -> Json {
-        Json::obj([
-            ("argument_bytes", Json::Int(self.argument)),
-            ("output_bytes", Json::Int(self.output)),
-            ("alias_bytes", Json::Int(self.alias)),
-            ("temp_bytes", Json::Int(self.temp)),
-            ("generated_code_bytes", Json::Int(self.code)),
-            ("peak_bytes", Json::Int(self.peak)),
-        ])
+        json!({
+            "argument_bytes": self.argument,
+            "output_bytes": self.output,
+            "alias_bytes": self.alias,
+            "temp_bytes": self.temp,
+            "generated_code_bytes": self.code,
+            "peak_bytes": self.peak,
+        })
     }
 }
 
@@ -552,67 +552,62 @@ pub fn write_markdown(path: &Path, suite: Suite, section: &str) -> Result<(), St
 
 /// Milliseconds to 0.1 microsecond.
 fn msec(x: f64) -> Json {
-    Json::Num((x * 1e4).round() / 1e4)
+    json!((x * 1e4).round() / 1e4)
 }
 
 /// The JSON record of one variant.
 pub fn record_json(r: &BenchRecord, info: &RunInfo) -> Json {
     let [h, b, t, k, v] = r.shape;
-    let n = |x: usize| Json::Int(x as i64);
-    let programs = r
+    let programs: Vec<Json> = r
         .programs
         .iter()
         .map(|p| {
-            Json::obj([
-                ("name", Json::str(p.name)),
-                ("kind", Json::str(&p.kind)),
-                ("compile_ms", msec(p.compile_ms)),
-                ("cpu_memory", p.cpu.json()),
-                (
-                    "tpu7x",
-                    Json::opt(p.tpu, |t| {
-                        Json::obj([
-                            ("memory", t.memory.json()),
-                            ("flops", Json::Num(t.flops)),
-                            ("bytes_accessed", Json::Num(t.bytes_accessed)),
-                            ("compile_ms", msec(t.compile_ms)),
-                        ])
-                    }),
-                ),
-            ])
+            json!({
+                "name": p.name,
+                "kind": p.kind,
+                "compile_ms": msec(p.compile_ms),
+                "cpu_memory": p.cpu.json(),
+                "tpu7x": p.tpu.map(|t| json!({
+                    "memory": t.memory.json(),
+                    "flops": t.flops,
+                    "bytes_accessed": t.bytes_accessed,
+                    "compile_ms": msec(t.compile_ms),
+                })),
+            })
         })
         .collect();
-    Json::obj([
-        ("suite", Json::str(r.suite.name())),
-        ("variant", Json::str(r.variant.name())),
-        ("dtype", Json::str(r.dtype.to_string())),
-        ("packed", Json::Bool(r.packed())),
-        ("median_ms", msec(r.median_ms())),
-        ("min_ms", msec(r.min_ms())),
-        ("max_ms", msec(r.max_ms())),
-        ("iterations", n(r.times_ms.len())),
-        ("cpu_memory_bytes", Json::Int(r.cpu_peak())),
-        ("cpu_temp_bytes", Json::Int(r.cpu_temp())),
-        ("tpu7x_memory_bytes", Json::opt(r.tpu_peak(), Json::Int)),
-        ("tpu7x_flops", Json::opt(r.tpu_flops(), Json::Num)),
-        ("case", Json::str(&r.case)),
-        ("shape", Json::obj([("h", n(h)), ("b", n(b)), ("t", n(t)), ("k", n(k)), ("v", n(v))])),
-        ("segments", Json::opt(r.segments.as_ref(), |s| Json::Arr(s.iter().map(|&x| n(x)).collect()))),
-        ("compile_ms", msec(r.compile_ms())),
-        ("times_ms", Json::Arr(r.times_ms.iter().map(|&x| msec(x)).collect())),
-        ("programs", Json::Arr(programs)),
-        ("date", Json::str(&info.machine.date)),
-        ("commit", Json::str(&info.machine.commit)),
-        ("cpus", n(info.machine.cpus)),
-        ("cpu_model", Json::str(&info.machine.cpu_model)),
-        ("cpu_detail", Json::str(&info.machine.cpu_detail)),
-        ("backend", Json::str(&info.plugin)),
-    ])
+    json!({
+        "suite": r.suite.name(),
+        "variant": r.variant.name(),
+        "dtype": r.dtype.to_string(),
+        "packed": r.packed(),
+        "median_ms": msec(r.median_ms()),
+        "min_ms": msec(r.min_ms()),
+        "max_ms": msec(r.max_ms()),
+        "iterations": r.times_ms.len(),
+        "cpu_memory_bytes": r.cpu_peak(),
+        "cpu_temp_bytes": r.cpu_temp(),
+        "tpu7x_memory_bytes": r.tpu_peak(),
+        "tpu7x_flops": r.tpu_flops(),
+        "case": r.case,
+        "shape": { "h": h, "b": b, "t": t, "k": k, "v": v },
+        "segments": r.segments,
+        "compile_ms": msec(r.compile_ms()),
+        "times_ms": r.times_ms.iter().map(|&x| msec(x)).collect::<Vec<_>>(),
+        "programs": programs,
+        "date": info.machine.date,
+        "commit": info.machine.commit,
+        "cpus": info.machine.cpus,
+        "cpu_model": info.machine.cpu_model,
+        "cpu_detail": info.machine.cpu_detail,
+        "backend": info.plugin,
+    })
 }
 
 /// Writes all records as a JSON array.
 pub fn write_json(path: &Path, records: &[BenchRecord], info: &RunInfo) -> Result<(), String> {
-    let text = Json::Arr(records.iter().map(|r| record_json(r, info)).collect()).pretty();
+    let all = Json::Array(records.iter().map(|r| record_json(r, info)).collect());
+    let text = serde_json::to_string_pretty(&all).map_err(|e| format!("JSON of the records: {e}"))? + "\n";
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
     }
@@ -750,22 +745,22 @@ mod tests {
     #[test]
     fn json_has_the_issue_fields() {
         let r = record(Variant::FusedSavedState, &[2.0], &[(64_000_000, None)]);
-        let text = record_json(&r, &info()).pretty();
-        for key in [
-            "\"suite\": \"backward\"",
-            "\"variant\": \"fused-saved-state\"",
-            "\"dtype\": \"f32\"",
-            "\"packed\": false",
-            "\"median_ms\": 2",
-            "\"min_ms\": 2",
-            "\"max_ms\": 2",
-            "\"iterations\": 1",
-            "\"cpu_memory_bytes\": 64000000",
-            "\"tpu7x_memory_bytes\": null",
-            "\"tpu7x_flops\": null",
-        ] {
-            assert!(text.contains(key), "missing {key} in {text}");
+        let j = record_json(&r, &info());
+        let text = serde_json::to_string_pretty(&j).unwrap();
+        let back: Json = serde_json::from_str(&text).unwrap();
+        assert_eq!(back, j, "the text reads back as the record");
+        assert_eq!(back["suite"], "backward");
+        assert_eq!(back["variant"], "fused-saved-state");
+        assert_eq!(back["dtype"], "f32");
+        assert_eq!(back["packed"], false);
+        for key in ["median_ms", "min_ms", "max_ms"] {
+            assert_eq!(back[key].as_f64(), Some(2.0), "{key}");
         }
+        assert_eq!(back["iterations"], 1);
+        assert_eq!(back["cpu_memory_bytes"], 64_000_000);
+        assert!(back["tpu7x_memory_bytes"].is_null() && back["tpu7x_flops"].is_null());
+        let keys: Vec<&str> = back.as_object().unwrap().keys().map(String::as_str).take(3).collect();
+        assert_eq!(keys, ["suite", "variant", "dtype"], "fields keep their order");
     }
 
     #[test]

@@ -14,12 +14,12 @@ mod cli;
 #[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
 mod demo;
 #[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
-mod json;
-#[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
 mod machine;
 mod npy;
 #[cfg(feature = "pjrt")]
 mod pjrt_cmds;
+#[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
+mod progress;
 mod run_cmd;
 mod setup;
 mod test_cmd;

@@ -123,21 +123,23 @@ fn run_dir() -> PathBuf {
     root().join("target").join("kda-test-run")
 }
 
-/// Sets up the shared files of one test run on `cmd`: the compile cache kept between runs
-/// (`KDA_COMPILE_CACHE`, unless the caller set one), a fresh compile-statistics file
-/// (`KDA_COMPILE_STATS`) and a fresh folder for reference results (`KDA_REFERENCE_CACHE`).
-/// Returns the statistics file.
-pub fn with_run_files(cmd: &mut Command) -> Result<PathBuf, String> {
+/// Empties the folder of one run's shared files; returns its compile-statistics file.
+pub fn new_run() -> Result<PathBuf, String> {
     let run = run_dir();
     let _ = std::fs::remove_dir_all(&run);
     std::fs::create_dir_all(&run).map_err(|e| format!("create {}: {e}", run.display()))?;
+    Ok(run.join("compiles.log"))
+}
+
+/// Points `cmd` at the shared files of the current run: the compile cache kept between runs
+/// (`KDA_COMPILE_CACHE`, unless the caller set one), the run's compile-statistics file
+/// (`KDA_COMPILE_STATS`) and its folder of reference results (`KDA_REFERENCE_CACHE`).
+pub fn with_run_files(cmd: &mut Command) {
     if std::env::var_os("KDA_COMPILE_CACHE").is_none() {
         cmd.env("KDA_COMPILE_CACHE", compile_cache_dir());
     }
-    let stats = run.join("compiles.log");
-    cmd.env("KDA_COMPILE_STATS", &stats);
-    cmd.env("KDA_REFERENCE_CACHE", run.join("reference"));
-    Ok(stats)
+    cmd.env("KDA_COMPILE_STATS", run_dir().join("compiles.log"));
+    cmd.env("KDA_REFERENCE_CACHE", run_dir().join("reference"));
 }
 
 /// Runs the suite (or one shard, or the tests named), then prints the summary.
@@ -158,7 +160,8 @@ pub fn test(args: &[String]) -> Result<(), String> {
     let nextest = has_nextest();
     let a = runner_args(&opts, nextest)?;
     let mut cmd = cargo(&paths, &a.iter().map(String::as_str).collect::<Vec<_>>());
-    let stats_file = with_run_files(&mut cmd)?;
+    let stats_file = new_run()?;
+    with_run_files(&mut cmd);
     let junit = root().join("target").join("nextest").join("default").join("junit.xml");
     let _ = std::fs::remove_file(&junit);
     let mut summary = Summary::default();
@@ -176,7 +179,9 @@ pub fn test(args: &[String]) -> Result<(), String> {
             doc.push("--");
             doc.extend(opts.names.iter().map(String::as_str));
         }
-        let (ok, counts) = run_counting(cargo(&paths, &doc), "doctests")?;
+        let mut cmd = cargo(&paths, &doc);
+        with_run_files(&mut cmd);
+        let (ok, counts) = run_counting(cmd, "doctests")?;
         summary.failed_steps += usize::from(!ok);
         summary.counted = counts;
     }
@@ -184,7 +189,10 @@ pub fn test(args: &[String]) -> Result<(), String> {
     summary.wall_seconds = started.elapsed().as_secs_f64();
     summary.print();
     if summary.failed_steps > 0 {
-        return Err(format!("{} failed", summary.failed()));
+        return Err(match summary.failed() {
+            0 => "the test run failed before its tests did (see the build output above)".to_string(),
+            n => format!("{n} tests failed"),
+        });
     }
     Ok(())
 }

@@ -106,7 +106,8 @@ pub fn tpu_test(args: &[String]) -> Result<(), String> {
     }
     let a = runner_args(&opts, has_nextest())?;
     let mut cmd = cargo(&paths, &a.iter().map(String::as_str).collect::<Vec<_>>());
-    crate::test_cmd::with_run_files(&mut cmd)?;
+    crate::test_cmd::new_run()?;
+    crate::test_cmd::with_run_files(&mut cmd);
     cmd.env("KDA_PJRT_PLUGIN", &plugin);
     // On a TPU host libtpu may need its metadata server; skip it only for setup's own plugins,
     // unless the caller set the switch.

@@ -22,7 +22,7 @@ struct Row {
 /// Compiles every (shape, dtype, program) of `o` for its topology and prints the figures.
 pub fn run(o: &AotOptions) -> Result<(), String> {
     kda_tpu::aot::check_topology(&o.topology).map_err(err)?;
-    eprintln!("aot: loading libtpu...");
+    crate::progress::step("aot", format_args!("loading libtpu..."));
     let tpu = match &o.libtpu {
         Some(path) => TpuCompiler::with_libtpu(path),
         None => TpuCompiler::load(),
@@ -66,12 +66,15 @@ pub fn run(o: &AotOptions) -> Result<(), String> {
                 be.spec(&problem, case.final_state).map_err(err)?.with_slab(kda_tpu::kernels::TPU_SLAB);
             for &program in &o.programs {
                 let text = PjrtBackend::program_text(&spec, kind(program)).map_err(err)?;
-                eprintln!(
-                    "aot: compiling {} ({} {dtype}, {} kB of StableHLO) for {}...",
-                    program.name(),
-                    shape.name(),
-                    text.len() / 1000,
-                    o.topology
+                crate::progress::step(
+                    "aot",
+                    format_args!(
+                        "compiling {} ({} {dtype}, {} kB of StableHLO) for {}...",
+                        program.name(),
+                        shape.name(),
+                        text.len() / 1000,
+                        o.topology
+                    ),
                 );
                 let r = compile_aot(&tpu, &text, &o.topology)
                     .map_err(|e| format!("{} {} {dtype}: {e}", program.name(), shape.name()))?;

@@ -39,7 +39,10 @@ impl Measure<'_> {
         let spec = self.call.spec();
         let mut figures = Vec::new();
         for (name, kind) in programs(variant) {
-            eprintln!("bench: {label}: compiling the {name} program for {}...", self.be.runtime().platform());
+            crate::progress::step(
+                "bench",
+                format_args!("{label}: compiling the {name} program for {}...", self.be.runtime().platform()),
+            );
             let t = Instant::now();
             self.be.executable(spec, kind).map_err(err)?;
             let compile_ms = ms(t.elapsed());
@@ -47,14 +50,20 @@ impl Measure<'_> {
             let tpu = match self.tpu {
                 None => None,
                 Some(c) => {
-                    eprintln!("bench: {label}: compiling the {name} program for {TOPOLOGY}...");
+                    crate::progress::step(
+                        "bench",
+                        format_args!("{label}: compiling the {name} program for {TOPOLOGY}..."),
+                    );
                     // What a TPU runs: fused programs in slabs (`PjrtBackend` off the CPU plugin).
                     let tpu_spec = spec.clone().with_slab(kda_tpu::kernels::TPU_SLAB);
                     let text = PjrtBackend::program_text(&tpu_spec, kind).map_err(err)?;
                     let f = compile_aot(c, &text, TOPOLOGY)
                         .map_err(|e| format!("{label}: {TOPOLOGY} compile: {e}"))?;
                     if f.cached {
-                        eprintln!("bench: {label}: (figures from target/xtask-aot-cache)");
+                        crate::progress::step(
+                            "bench",
+                            format_args!("{label}: (figures from target/xtask-aot-cache)"),
+                        );
                     }
                     Some(TpuFigures {
                         memory: f.memory,
@@ -80,9 +89,9 @@ impl Measure<'_> {
                 _ => self.be.run_program(self.call, kind, None).map_err(err),
             }
         };
-        eprintln!("bench: {label}: warm-up run...");
+        crate::progress::step("bench", format_args!("{label}: warm-up run..."));
         drop(once()?);
-        eprintln!("bench: {label}: timing {} runs...", self.iterations);
+        crate::progress::step("bench", format_args!("{label}: timing {} runs...", self.iterations));
         let mut times_ms = Vec::with_capacity(self.iterations);
         for _ in 0..self.iterations {
             let t = Instant::now();
@@ -104,11 +113,14 @@ impl Measure<'_> {
             times_ms,
             programs: figures,
         };
-        eprintln!(
-            "bench: {label}: median {:.2} ms (min {:.2}, max {:.2})",
-            record.median_ms(),
-            record.min_ms(),
-            record.max_ms()
+        crate::progress::step(
+            "bench",
+            format_args!(
+                "{label}: median {:.2} ms (min {:.2}, max {:.2})",
+                record.median_ms(),
+                record.min_ms(),
+                record.max_ms()
+            ),
         );
         Ok(record)
     }
@@ -118,7 +130,7 @@ impl Measure<'_> {
 pub fn run(opts: &BenchOptions, args: &[String]) -> Result<(), String> {
     let machine = Machine::collect();
     let tpu = if opts.aot {
-        eprintln!("bench: loading libtpu for the {TOPOLOGY} compiles...");
+        crate::progress::step("bench", format_args!("loading libtpu for the {TOPOLOGY} compiles..."));
         let c = TpuCompiler::load().map_err(|e| format!("{e}\n(pass --no-aot to skip the TPU compiles)"))?;
         Some(c)
     } else {
@@ -150,7 +162,10 @@ pub fn run(opts: &BenchOptions, args: &[String]) -> Result<(), String> {
                 .find(|c| c.name == name)
                 .ok_or_else(|| format!("kda_testkit::benchmark_cases has no `{name}`"))?;
             for &dtype in &opts.dtypes {
-                eprintln!("bench: {name} {dtype}: preparing and uploading inputs...");
+                crate::progress::step(
+                    "bench",
+                    format_args!("{name} {dtype}: preparing and uploading inputs..."),
+                );
                 let data = case_data(&case, dtype).map_err(err)?;
                 let cot = (suite != Suite::Forward).then_some(&data.cotangents);
                 let call = be.upload_call(&data.inputs, cot).map_err(err)?;
@@ -169,13 +184,16 @@ pub fn run(opts: &BenchOptions, args: &[String]) -> Result<(), String> {
         print!("{}", console_table(&records));
         if let Some(path) = &opts.markdown {
             write_markdown(path, suite, &markdown_section(suite, &records, &info))?;
-            eprintln!("bench: wrote the `{}` section of {}", suite.name(), path.display());
+            crate::progress::step(
+                "bench",
+                format_args!("wrote the `{}` section of {}", suite.name(), path.display()),
+            );
         }
         all.extend(records);
     }
     if let Some(path) = &opts.json {
         write_json(path, &all, &info)?;
-        eprintln!("bench: wrote {} records to {}", all.len(), path.display());
+        crate::progress::step("bench", format_args!("wrote {} records to {}", all.len(), path.display()));
     }
     Ok(())
 }

@@ -25,10 +25,15 @@ pub fn run() -> Result<(), String> {
     println!("  backend {}", backend_label(&be));
     let problem = data.inputs.validate().map_err(err)?;
     let spec = be.spec(&problem, data.cotangents.dht.is_some()).map_err(err)?;
+    crate::progress::step("demo", "compiling the fused program...");
     let t = Instant::now();
     be.executable(&spec, ProgramKind::Fused(strategy)).map_err(err)?;
     println!("  compile: {:.0} ms (program built and compiled once)", ms(t.elapsed()));
 
+    crate::progress::step(
+        "demo",
+        format_args!("timing {RUNS} runs of the Backend API and of the program alone..."),
+    );
     let mut times = Vec::with_capacity(RUNS);
     let mut result = None;
     for _ in 0..RUNS {
@@ -83,6 +88,7 @@ pub fn run() -> Result<(), String> {
     let slab = kda_tpu::kernels::TPU_SLAB;
     println!("\nthe TPU configuration (fused program in slabs of {slab} chunk positions), same check:");
     let tpu_be = PjrtBackend::new().map_err(err)?.with_slab(slab);
+    crate::progress::step("demo", "compiling and running the TPU configuration...");
     let t = Instant::now();
     let (t_out, t_grads) = tpu_be.forward_and_vjp(&data.inputs, &data.cotangents, strategy).map_err(err)?;
     println!("  compiled and ran in {:.0} ms", ms(t.elapsed()));
