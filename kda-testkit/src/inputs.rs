@@ -2,7 +2,7 @@
 
 use crate::cases::{Case, CaseGate, CaseSegments, Profile};
 use crate::rng::Rng;
-use kda_core::{Cotangents, DType, GateMode, HostTensor, KdaConfig, KdaInputs, Result, Segments};
+use kda_core::{Cotangents, DType, GateMode, HostTensor, KdaConfig, KdaInputs, Layout, Result, Segments};
 
 /// Inputs and cotangents of one case.
 #[derive(Debug, Clone)]
@@ -82,7 +82,11 @@ pub fn case_data(case: &Case, dtype: DType) -> Result<CaseData> {
     }
     let vv = r.normal_vec(n * v);
     let mut g = match (case.gate, case.profile) {
-        (CaseGate::Preactivated, Profile::StrongDecay) => r.uniform_vec(n * k, -5.0, -4.5),
+        // For the softplus gate these are the target log-decays; the raw inputs that give them
+        // are solved for below, once a_log and dt_bias are drawn.
+        (CaseGate::Preactivated | CaseGate::Softplus, Profile::StrongDecay) => {
+            r.uniform_vec(n * k, -5.0, -4.5)
+        }
         (CaseGate::Preactivated, _) => r.uniform_vec(n * k, -5.0, 0.0),
         // Raw gate inputs; the activation maps them into (lb, 0) or (-inf, 0).
         (_, Profile::StrongDecay) => r.uniform_vec(n * k, 3.0, 4.0),
@@ -106,10 +110,26 @@ pub fn case_data(case: &Case, dtype: DType) -> Result<CaseData> {
     }
     let gate = match case.gate {
         CaseGate::Preactivated => GateMode::Preactivated,
-        CaseGate::Softplus => GateMode::softplus(
-            HostTensor::from_f64_as(&[h], &r.uniform_vec(h, -1.0, 0.5), DType::F32)?,
-            Some(HostTensor::from_f64_as(&[h * k], &r.uniform_vec(h * k, -0.5, 0.5), DType::F32)?),
-        ),
+        CaseGate::Softplus => {
+            let (a_log, dt_bias) = (r.uniform_vec(h, -1.0, 0.5), r.uniform_vec(h * k, -0.5, 0.5));
+            if case.profile == Profile::StrongDecay {
+                // g = -exp(a_log[h]) softplus(x + dt_bias[h, k]) near -5, as the profile says:
+                // x = softplus^-1(-g / exp(a_log)) - dt_bias, with softplus^-1(y) = y + ln(1 - e^-y).
+                for (i, x) in g.iter_mut().enumerate() {
+                    let (token, ch) = (i / k, i % k);
+                    let head = match lay {
+                        Layout::HeadFirst => token / (b * t),
+                        Layout::BatchFirst => token % h,
+                    };
+                    let y = -*x / a_log[head].exp();
+                    *x = y + (-(-y).exp_m1()).ln() - dt_bias[head * k + ch];
+                }
+            }
+            GateMode::softplus(
+                HostTensor::from_f64_as(&[h], &a_log, DType::F32)?,
+                Some(HostTensor::from_f64_as(&[h * k], &dt_bias, DType::F32)?),
+            )
+        }
         CaseGate::LowerBound(lb) => GateMode::lower_bound(
             lb,
             HostTensor::from_f64_as(&[h], &r.uniform_vec(h, -1.0, 0.5), DType::F32)?,

@@ -76,6 +76,46 @@ fn inputs_are_reproducible_from_the_name() {
     );
 }
 
+/// The strong-decay profile puts every activated log-decay near -5 (the edge of the spec's
+/// well-conditioned range, g in [-5, 0]) whatever the gate mode: the raw inputs of an in-kernel
+/// gate are drawn so that its activation lands there.
+#[rstest::rstest]
+#[case::preactivated(kda_testkit::sweep::SweepGate::Preactivated, -4.5)]
+#[case::softplus(kda_testkit::sweep::SweepGate::Softplus, -4.5)]
+#[case::lower_bound(kda_testkit::sweep::SweepGate::LowerBoundL2, -3.5)]
+fn strong_decay_keeps_the_log_decay_near_minus_five(
+    #[case] gate: kda_testkit::sweep::SweepGate,
+    #[case] highest: f64,
+) {
+    use kda_core::{GateMode, Layout};
+    use kda_testkit::sweep::{sweep_case, SweepShape};
+    for shape in [SweepShape::K96V160, SweepShape::K256V32, SweepShape::PackedRows] {
+        let c = sweep_case(shape, gate, kda_core::DType::F32, kda_testkit::Profile::StrongDecay);
+        let x = case_data(&c, kda_core::DType::F32).unwrap().inputs;
+        let raw = x.g.to_f64_vec();
+        let head = |i: usize| match c.layout {
+            Layout::HeadFirst => i / c.k / (c.b * c.t),
+            Layout::BatchFirst => (i / c.k) % c.h,
+        };
+        let params = |a: &Option<kda_core::HostTensor>| a.as_ref().map(|t| t.to_f64_vec()).unwrap();
+        let g: Vec<f64> = match &x.gate {
+            GateMode::Preactivated => raw,
+            GateMode::Softplus { a_log, dt_bias } => {
+                let (a, dt) = (params(a_log), params(dt_bias));
+                let at = |i: usize| raw[i] + dt[head(i) * c.k + i % c.k];
+                (0..raw.len()).map(|i| -a[head(i)].exp() * at(i).exp().ln_1p()).collect()
+            }
+            GateMode::LowerBound { lb, a_log, dt_bias } => {
+                let (a, dt) = (params(a_log), params(dt_bias));
+                let at = |i: usize| a[head(i)].exp() * (raw[i] + dt[head(i) * c.k + i % c.k]);
+                (0..raw.len()).map(|i| lb / (1.0 + (-at(i)).exp())).collect()
+            }
+        };
+        let (lo, hi) = g.iter().fold((f64::MAX, f64::MIN), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+        assert!(lo >= -5.0 - 1e-4 && hi <= highest, "{}: log-decay in [{lo}, {hi}]", c.name);
+    }
+}
+
 /// The sweep's whole product: 1280 distinct points whose inputs validate, covering every gate
 /// mode with and without states, fixed and packed, in both tiers.
 #[test]
