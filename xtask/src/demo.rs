@@ -103,7 +103,7 @@ pub fn reference() -> Result<Reference, String> {
     );
     let data = case_data(&case, DType::F32).map_err(|e| e.to_string())?;
     let wide = widen(&data);
-    crate::progress::step("demo", "the f64 reference forward+VJP (single thread, about 10 s)...");
+    crate::progress::step("demo", "the f64 reference forward+VJP (single thread)...");
     let t = Instant::now();
     let (outputs, grads) =
         kda_ref::forward_and_vjp(&wide.inputs, &wide.cotangents).map_err(|e| e.to_string())?;
