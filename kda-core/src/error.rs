@@ -24,13 +24,25 @@ pub enum ErrorKind {
     Io,
 }
 
-/// A typed error: the kind, the argument it concerns, what was expected and what came.
-#[derive(Debug, Clone, PartialEq)]
+/// The error a backend failure came from, shared so that [`KdaError`] stays `Clone`.
+pub type ErrorSource = std::sync::Arc<dyn std::error::Error + Send + Sync + 'static>;
+
+/// A typed error: the kind, the argument it concerns, what was expected and what came, and for
+/// a backend failure the backend's own error ([`std::error::Error::source`]; downcast it to
+/// match on the backend's variants). Equality ignores the source.
+#[derive(Debug, Clone)]
 pub struct KdaError {
     kind: ErrorKind,
     arg: String,
     expected: String,
     got: String,
+    source: Option<ErrorSource>,
+}
+
+impl PartialEq for KdaError {
+    fn eq(&self, other: &Self) -> bool {
+        (self.kind, &self.arg, &self.expected, &self.got) == (other.kind, &other.arg, &other.expected, &other.got)
+    }
 }
 
 impl KdaError {
@@ -41,7 +53,12 @@ impl KdaError {
         expected: impl Into<String>,
         got: impl Into<String>,
     ) -> Self {
-        Self { kind, arg: arg.into(), expected: expected.into(), got: got.into() }
+        Self { kind, arg: arg.into(), expected: expected.into(), got: got.into(), source: None }
+    }
+    /// The same error, caused by `source` (returned by [`std::error::Error::source`]).
+    pub fn with_source(mut self, source: impl std::error::Error + Send + Sync + 'static) -> Self {
+        self.source = Some(std::sync::Arc::new(source));
+        self
     }
     /// Wrong rank or extent of `arg`.
     pub fn shape(arg: impl Into<String>, expected: impl Into<String>, got: impl Into<String>) -> Self {
@@ -134,7 +151,11 @@ fn kind_word(kind: ErrorKind) -> &'static str {
     }
 }
 
-impl std::error::Error for KdaError {}
+impl std::error::Error for KdaError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source.as_deref().map(|e| e as &(dyn std::error::Error + 'static))
+    }
+}
 
 /// The workspace-wide result alias.
 pub type Result<T, E = KdaError> = std::result::Result<T, E>;

@@ -1,11 +1,11 @@
 //! Validation: the contract of spec sections 2, 3 and 6 turned into typed errors, and the
 //! validated [`Problem`] that backends work from.
 
-use crate::config::{GateKind, GateMode, MAX_K};
+use crate::config::{GateKind, KdaConfig, MAX_K};
 use crate::dtype::DType;
 use crate::error::{KdaError, Result};
 use crate::io::{Cotangents, KdaInputs};
-use crate::segments::SegmentTable;
+use crate::segments::{SegmentTable, Segments};
 use crate::shape::{fmt_shape, Layout, ProblemDims, Shape};
 use crate::tensor::HostTensor;
 
@@ -54,15 +54,62 @@ fn finite(arg: &str, t: &HostTensor) -> Result<()> {
     }
 }
 
-fn expect_shape(arg: &str, t: &HostTensor, want: &[usize], what: &str) -> Result<()> {
+fn expect_shape(arg: &str, t: &impl TensorMeta, want: &[usize], what: &str) -> Result<()> {
     if t.shape() != want {
         return Err(KdaError::shape(arg, format!("{} ({what})", fmt_shape(want)), fmt_shape(t.shape())));
     }
     Ok(())
 }
 
-impl KdaInputs {
-    /// Checks every rule of the contract and returns the validated problem.
+/// What validation reads of a tensor: its shape and dtype. Host tensors implement it, and so
+/// do device tensors of a backend, whose calls are validated without reading their values.
+pub trait TensorMeta {
+    /// Row-major dims.
+    fn shape(&self) -> &[usize];
+    /// Element type.
+    fn dtype(&self) -> DType;
+}
+
+impl TensorMeta for HostTensor {
+    fn shape(&self) -> &[usize] {
+        HostTensor::shape(self)
+    }
+    fn dtype(&self) -> DType {
+        HostTensor::dtype(self)
+    }
+}
+
+/// The tensors of a call, by reference, for the shape and dtype rules of the contract
+/// ([`InputsView::validate`]); [`KdaInputs::validate`] adds the value rules.
+#[derive(Debug, Clone, Copy)]
+pub struct InputsView<'a, T: TensorMeta> {
+    /// Queries.
+    pub q: &'a T,
+    /// Keys.
+    pub k: &'a T,
+    /// Values.
+    pub v: &'a T,
+    /// Log-decays (or gate pre-activations).
+    pub g: &'a T,
+    /// Write strengths.
+    pub beta: &'a T,
+    /// Initial states.
+    pub initial_state: Option<&'a T>,
+    /// The gate kind.
+    pub gate: GateKind,
+    /// `a_log` of an in-kernel gate.
+    pub a_log: Option<&'a T>,
+    /// `dt_bias` of an in-kernel gate.
+    pub dt_bias: Option<&'a T>,
+    /// Segment metadata.
+    pub segments: Option<&'a Segments>,
+    /// Scalar options.
+    pub config: &'a KdaConfig,
+}
+
+impl<T: TensorMeta> InputsView<'_, T> {
+    /// Checks every shape, dtype and option rule of the contract (not the tensors' values) and
+    /// returns the validated problem.
     pub fn validate(&self) -> Result<Problem> {
         let layout = self.config.layout;
         let axes = match layout {
@@ -81,8 +128,8 @@ impl KdaInputs {
             return Err(KdaError::unsupported("K", format!("K <= {MAX_K}"), format!("K = {k}")));
         }
         let token_k = layout.token_shape(h, b, t, k);
-        expect_shape("k", &self.k, &token_k, "like q")?;
-        expect_shape("g", &self.g, &token_k, "like q")?;
+        expect_shape("k", self.k, &token_k, "like q")?;
+        expect_shape("g", self.g, &token_k, "like q")?;
         if self.v.shape().len() != 4 {
             return Err(KdaError::shape("v", "rank 4 with q's leading axes", fmt_shape(self.v.shape())));
         }
@@ -90,7 +137,7 @@ impl KdaInputs {
         if v == 0 {
             return Err(KdaError::shape("v", "non-empty V", fmt_shape(self.v.shape())));
         }
-        expect_shape("v", &self.v, &layout.token_shape(h, b, t, v), "q's leading axes, width V")?;
+        expect_shape("v", self.v, &layout.token_shape(h, b, t, v), "q's leading axes, width V")?;
         let scalar = layout.scalar_shape(h, b, t);
         let mut scalar1 = scalar.clone();
         scalar1.push(1);
@@ -103,19 +150,9 @@ impl KdaInputs {
         }
 
         let dtype = self.q.dtype();
-        for (arg, x) in [("k", &self.k), ("v", &self.v)] {
+        for (arg, x) in [("k", self.k), ("v", self.v)] {
             if x.dtype() != dtype {
                 return Err(KdaError::dtype(arg, format!("{dtype} like q"), x.dtype().to_string()));
-            }
-        }
-        for (arg, x) in [("q", &self.q), ("k", &self.k), ("v", &self.v), ("g", &self.g), ("beta", &self.beta)]
-        {
-            finite(arg, x)?;
-        }
-        for i in 0..self.beta.len() {
-            let x = self.beta.get_f64(i);
-            if !(0.0..=1.0).contains(&x) {
-                return Err(KdaError::value("beta", "values in [0, 1]", format!("{x} at flat index {i}")));
             }
         }
 
@@ -127,14 +164,14 @@ impl KdaInputs {
             None => 1.0 / (k as f64).sqrt(),
         };
 
-        let segments = match &self.segments {
+        let segments = match self.segments {
             Some(s) => s.validate(b, t)?,
             None => SegmentTable::fixed(b, t),
         };
         let n = segments.n();
         let dims = ProblemDims { h, b, t, k, v, n };
 
-        if let Some(h0) = &self.initial_state {
+        if let Some(h0) = self.initial_state {
             let want = dims.state_shape();
             if h0.shape().len() == 5 && h0.shape()[1] != n && h0.shape()[0] == b {
                 return Err(KdaError::shape(
@@ -144,10 +181,9 @@ impl KdaInputs {
                 ));
             }
             expect_shape("initial_state", h0, &want, "[B, N, H, K, V]")?;
-            finite("initial_state", h0)?;
         }
 
-        let (gate, has_dt_bias) = self.validate_gate(h, k)?;
+        let has_dt_bias = self.validate_gate(h, k)?;
 
         Ok(Problem {
             dims,
@@ -156,7 +192,7 @@ impl KdaInputs {
             scale,
             segments,
             has_initial_state: self.initial_state.is_some(),
-            gate,
+            gate: self.gate,
             has_dt_bias,
             use_qk_l2norm: self.config.use_qk_l2norm,
             output_final_state: self.config.output_final_state,
@@ -164,35 +200,87 @@ impl KdaInputs {
         })
     }
 
-    fn validate_gate(&self, h: usize, k: usize) -> Result<(GateKind, bool)> {
-        if let GateMode::LowerBound { lb, .. } = self.gate {
+    fn validate_gate(&self, h: usize, k: usize) -> Result<bool> {
+        if let GateKind::LowerBound(lb) = self.gate {
             if !(-5.0..0.0).contains(&lb) {
                 return Err(KdaError::value("lb", "a lower bound in [-5, 0)", lb.to_string()));
             }
         }
-        let Some((a_log, dt_bias)) = self.gate.params() else {
-            return Ok((GateKind::Preactivated, false));
-        };
-        let a_log =
-            a_log.ok_or_else(|| KdaError::missing("a_log", "an in-kernel gate needs a_log of shape [H]"))?;
-        expect_shape("a_log", a_log, &[h], "[H]")?;
-        finite("a_log", a_log)?;
-        if let Some(dt) = dt_bias {
-            expect_shape("dt_bias", dt, &[h * k], "[H*K]")?;
-            finite("dt_bias", dt)?;
+        if self.gate == GateKind::Preactivated {
+            return Ok(false);
         }
-        Ok((self.gate.kind(), dt_bias.is_some()))
+        let a_log =
+            self.a_log.ok_or_else(|| KdaError::missing("a_log", "an in-kernel gate needs a_log of shape [H]"))?;
+        expect_shape("a_log", a_log, &[h], "[H]")?;
+        if let Some(dt) = self.dt_bias {
+            expect_shape("dt_bias", dt, &[h * k], "[H*K]")?;
+        }
+        Ok(self.dt_bias.is_some())
     }
+}
+
+impl KdaInputs {
+    /// The call's tensors by reference, for the shape and dtype rules.
+    pub fn view(&self) -> InputsView<'_, HostTensor> {
+        let (a_log, dt_bias) = self.gate.params().unwrap_or((None, None));
+        InputsView {
+            q: &self.q,
+            k: &self.k,
+            v: &self.v,
+            g: &self.g,
+            beta: &self.beta,
+            initial_state: self.initial_state.as_ref(),
+            gate: self.gate.kind(),
+            a_log,
+            dt_bias,
+            segments: self.segments.as_ref(),
+            config: &self.config,
+        }
+    }
+
+    /// Checks every rule of the contract and returns the validated problem.
+    pub fn validate(&self) -> Result<Problem> {
+        let problem = self.view().validate()?;
+        for (arg, x) in [("q", &self.q), ("k", &self.k), ("v", &self.v), ("g", &self.g), ("beta", &self.beta)]
+        {
+            finite(arg, x)?;
+        }
+        for i in 0..self.beta.len() {
+            let x = self.beta.get_f64(i);
+            if !(0.0..=1.0).contains(&x) {
+                return Err(KdaError::value("beta", "values in [0, 1]", format!("{x} at flat index {i}")));
+            }
+        }
+        if let Some(h0) = &self.initial_state {
+            finite("initial_state", h0)?;
+        }
+        if let Some((a_log, dt_bias)) = self.gate.params() {
+            for (arg, x) in [("a_log", a_log), ("dt_bias", dt_bias)] {
+                if let Some(x) = x {
+                    finite(arg, x)?;
+                }
+            }
+        }
+        Ok(problem)
+    }
+}
+
+/// Checks a cotangent's shapes against a validated problem (not its values).
+pub fn validate_cotangent_shapes<T: TensorMeta>(p: &Problem, d_o: &T, dht: Option<&T>) -> Result<()> {
+    let d = &p.dims;
+    expect_shape("do", d_o, &p.layout.token_shape(d.h, d.b, d.t, d.v), "shaped like o")?;
+    if let Some(dht) = dht {
+        expect_shape("dht", dht, &d.state_shape(), "[B, N, H, K, V]")?;
+    }
+    Ok(())
 }
 
 impl Cotangents {
     /// Checks the cotangents against a validated problem.
     pub fn validate(&self, p: &Problem) -> Result<()> {
-        let d = &p.dims;
-        expect_shape("do", &self.d_o, &p.layout.token_shape(d.h, d.b, d.t, d.v), "shaped like o")?;
+        validate_cotangent_shapes(p, &self.d_o, self.dht.as_ref())?;
         finite("do", &self.d_o)?;
         if let Some(dht) = &self.dht {
-            expect_shape("dht", dht, &d.state_shape(), "[B, N, H, K, V]")?;
             finite("dht", dht)?;
         }
         Ok(())

@@ -74,6 +74,12 @@ pub enum TpuError {
         /// Why, and what to do instead.
         message: String,
     },
+    /// The handle's device worker stopped after a panic; every later call on it (and on its
+    /// clones, tensors and residuals) returns this.
+    Poisoned {
+        /// The panic that stopped it.
+        message: String,
+    },
     /// A pjrt call panicked (an `expect` inside the crate) and was caught at our boundary.
     Panic {
         /// The operation that was running.
@@ -121,11 +127,21 @@ impl fmt::Display for TpuError {
             TpuError::Builder { op, message } => write!(f, "cannot build `{op}`: {message}"),
             TpuError::Unsupported { what, message } => write!(f, "unsupported {what}: {message}"),
             TpuError::Panic { stage, message } => write!(f, "pjrt panicked during {stage}: {message}"),
+            TpuError::Poisoned { message } => {
+                write!(f, "the device worker stopped after a panic ({message}); create a new handle")
+            }
         }
     }
 }
 
-impl std::error::Error for TpuError {}
+impl std::error::Error for TpuError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            TpuError::Contract(e) => Some(e),
+            _ => None,
+        }
+    }
+}
 
 impl From<KdaError> for TpuError {
     fn from(e: KdaError) -> Self {
@@ -141,10 +157,12 @@ impl From<pjrt::Error> for TpuError {
 }
 
 impl From<TpuError> for KdaError {
+    /// Contract errors come back as they were; every other variant becomes a `Backend` (or
+    /// `Unsupported`, `Shape`) error whose [`std::error::Error::source`] is the [`TpuError`].
     fn from(e: TpuError) -> Self {
         let msg = e.to_string();
-        match e {
-            TpuError::Contract(k) => k,
+        let converted = match &e {
+            TpuError::Contract(k) => return k.clone(),
             TpuError::Builder { op, message } => KdaError::shape(op, "operands that fit the op", message),
             TpuError::Unsupported { what, message } => KdaError::unsupported(what, message, "this request"),
             TpuError::PluginNotFound { .. } | TpuError::PluginLoad { .. } => {
@@ -161,7 +179,11 @@ impl From<TpuError> for KdaError {
             TpuError::Panic { .. } => {
                 KdaError::backend("pjrt call", "report this; the pjrt crate panicked", msg)
             }
-        }
+            TpuError::Poisoned { .. } => {
+                KdaError::backend("device worker", "create a new handle; this one stopped after a panic", msg)
+            }
+        };
+        converted.with_source(e)
     }
 }
 

@@ -10,7 +10,10 @@ pub mod kernels;
 pub mod runtime;
 
 pub use aot::{AotReport, CostAnalysis, TpuCompiler, DEFAULT_TOPOLOGY};
-pub use backend::{DeviceCall, PjrtBackend, PjrtResiduals, ProgramKind};
+pub use backend::{
+    CompileCache, DeviceCall, DeviceCotangents, DeviceGate, DeviceGradients, DeviceInputs, DeviceOutputs,
+    DeviceProgram, DeviceTensor, PjrtBackend, PjrtOptions, PjrtResiduals, ProgramKind, TransferStats,
+};
 pub use error::{Result, TpuError};
 pub use kernels::KernelSpec;
 pub use runtime::{

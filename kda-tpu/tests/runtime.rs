@@ -283,7 +283,7 @@ fn forward_scheduler_override_reaches_the_cpu_compiler() {
     let be = PjrtBackend::new().expect("PJRT plugin (run `cargo xtask setup`)");
     let fwd = ProgramKind::Forward(false);
     assert!(be.compile_options(ProgramKind::Fused(BackwardStrategy::SavedState)).xla_options().is_empty());
-    if be.runtime().platform() != "cpu" {
+    if be.platform() != "cpu" {
         assert!(be.compile_options(fwd).xla_options().is_empty(), "other plugins get XLA's defaults");
         return;
     }
@@ -292,7 +292,7 @@ fn forward_scheduler_override_reaches_the_cpu_compiler() {
     let data = kda_testkit::case_data(&case, DType::F32).unwrap();
     let call = be.upload_call(&data.inputs, None).unwrap();
     let text = PjrtBackend::program_text(call.spec(), fwd).unwrap();
-    let rt = be.runtime();
+    let rt = runtime();
     let tuned = rt.compile_with(&text, &be.compile_options(fwd)).unwrap();
     let plain = rt.compile_with(&text, &CompileOptions::default()).unwrap();
     let (t, p) = (rt.memory_stats(&tuned).unwrap().temp_bytes, rt.memory_stats(&plain).unwrap().temp_bytes);

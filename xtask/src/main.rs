@@ -70,7 +70,29 @@ fn dispatch(cmd: &str, rest: &[String]) -> Result<(), String> {
     }
 }
 
+/// Sends the libraries' `tracing` output to stderr, filtered by `RUST_LOG` (for example
+/// `RUST_LOG=kda_tpu=info` shows every KDA call with its program, shape, dtype and cache hit,
+/// and the compile, transfer and execute spans inside it); warnings only by default.
+fn install_subscriber() {
+    use tracing_subscriber::fmt::format::FmtSpan;
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_span_events(FmtSpan::CLOSE)
+        .try_init();
+}
+
 fn main() {
+    // libtpu (aot, bench) otherwise retries a cloud metadata server for about 90 s off GCP. Set
+    // here, in the binary, before any thread exists; the library never changes the environment.
+    if std::env::var_os("TPU_SKIP_MDS_QUERY").is_none() {
+        // SAFETY: the process has one thread at this point, so nothing reads the environment
+        // concurrently.
+        unsafe { std::env::set_var("TPU_SKIP_MDS_QUERY", "1") };
+    }
+    install_subscriber();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let Some((cmd, rest)) = args.split_first() else {
         eprintln!("{USAGE}");

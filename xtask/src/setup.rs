@@ -135,14 +135,16 @@ pub fn ensure(verbose: bool) -> Result<Paths, String> {
     Ok(paths)
 }
 
-/// Variables for the cargo commands xtask spawns: the header for pjrt-sys's bindgen, and libtpu's
-/// switch that skips a cloud metadata server (about 90 s of retries on machines outside GCP).
+/// Variables for the cargo commands xtask spawns: the header for pjrt-sys's bindgen, libtpu's
+/// switch that skips a cloud metadata server (about 90 s of retries on machines outside GCP),
+/// and the setup folder, where kda-tpu finds its default plugins (`KDA_HOME`).
 pub fn cargo_env(paths: &Paths) -> Vec<(String, String)> {
     // bindgen splits BINDGEN_EXTRA_CLANG_ARGS with shell rules, so quote paths with spaces.
     let include = sh_quote(&paths.include_dir.to_string_lossy());
     vec![
         ("BINDGEN_EXTRA_CLANG_ARGS".to_string(), format!("-iquote {include}")),
         ("TPU_SKIP_MDS_QUERY".to_string(), "1".to_string()),
+        ("KDA_HOME".to_string(), paths.home.to_string_lossy().into_owned()),
     ]
 }
 
@@ -304,5 +306,7 @@ mod tests {
         let plain = paths_in(Path::new("/w/.kda"));
         assert_eq!(cargo_env(&plain)[0].1, "-iquote /w/.kda/include");
         assert!(env_lines(&plain).contains("export TPU_SKIP_MDS_QUERY=1\n"));
+        assert!(env_lines(&plain).contains("export KDA_HOME=/w/.kda\n"));
+        assert!(env_lines(&p).contains("export KDA_HOME='/a b/.kda'\n"));
     }
 }

@@ -54,7 +54,8 @@ impl std::fmt::Debug for TpuCompiler {
 }
 
 impl TpuCompiler {
-    /// Loads `$KDA_LIBTPU`, else the setup's libtpu (`<.kda>/plugins/tpu/libtpu/libtpu.so`).
+    /// Loads `$KDA_LIBTPU`, else `$KDA_HOME`'s libtpu (`plugins/tpu/libtpu/libtpu.so`). Set
+    /// `TPU_SKIP_MDS_QUERY=1` first off Google Cloud.
     pub fn load() -> Result<Self> {
         Self::from_location(&plugin::default_libtpu())
     }
@@ -66,10 +67,11 @@ impl TpuCompiler {
     }
 
     fn from_location(loc: &PluginLocation) -> Result<Self> {
-        // Without this, libtpu spends about 90 s retrying a cloud metadata server, then fails.
-        // set_var is only sound while no other thread reads the environment: call this early.
+        // Without this variable libtpu spends about 90 s retrying a cloud metadata server off
+        // GCP, then fails. The library does not change the process environment: the caller
+        // sets it (`cargo xtask env` prints it; xtask sets it for itself).
         if std::env::var_os("TPU_SKIP_MDS_QUERY").is_none() {
-            std::env::set_var("TPU_SKIP_MDS_QUERY", "1");
+            tracing::warn!("TPU_SKIP_MDS_QUERY is unset: off GCP, libtpu retries a metadata server for about 90 s");
         }
         let (_api, raw) = plugin::load(loc)?;
         let version = raw.version();

@@ -8,14 +8,9 @@
 //! the kernel must fault in and zero: about half of the CPU time of a fused forward+VJP at the
 //! benchmark shape. [`retain`] tells glibc to serve every block from the main heap and never
 //! return it (`M_ARENA_MAX = 1`, `M_MMAP_MAX = 0`, `M_TRIM_THRESHOLD = 2 GiB`), so scratch is
-//! reused warm. The cost is that the process keeps its high-water heap. Every runtime that loads
-//! the CPU plugin ([`crate::Runtime::new`], [`crate::Runtime::with_plugin`]) does this unless
-//! `KDA_RETAIN_HOST_MEMORY=0`; it is a no-op off glibc.
-
-/// Whether the environment allows [`retain`] (`KDA_RETAIN_HOST_MEMORY` unset or not `0`).
-pub fn enabled_by_env() -> bool {
-    std::env::var("KDA_RETAIN_HOST_MEMORY").map(|v| v.trim() != "0").unwrap_or(true)
-}
+//! reused warm. The cost is that the whole process keeps its high-water heap, so nothing in
+//! this crate calls [`retain`] unless asked ([`crate::PjrtOptions::retain_host_memory`]); the
+//! benchmarks and the demo ask. It is a no-op off glibc.
 
 /// Applies the glibc settings described in the module docs; returns whether they took effect.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]

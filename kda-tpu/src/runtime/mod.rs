@@ -2,7 +2,7 @@
 //!
 //! Threading: pjrt's `Client`, `Buffer` and executables are `Rc`/raw-pointer based, so [`Runtime`],
 //! [`DeviceBuffer`] and [`Executable`] are neither `Send` nor `Sync`: create and use a runtime on one
-//! thread (or own it from a worker thread and talk to it through channels).
+//! thread. [`crate::PjrtBackend`] does exactly that, on its own worker thread, and is shared freely.
 //! Panics: every call into pjrt runs behind a `catch_unwind` boundary (see `guard`); `Drop` of
 //! buffers and executables is not guarded (pjrt `expect`s the destroy call, which does not fail).
 
@@ -60,7 +60,7 @@ impl std::fmt::Debug for Runtime {
 }
 
 impl Runtime {
-    /// Loads `$KDA_PJRT_PLUGIN`, else the setup's CPU plugin (`<workspace>/.kda` or `$KDA_HOME`).
+    /// Loads `$KDA_PJRT_PLUGIN`, else `$KDA_HOME`'s CPU plugin (see [`plugin::default_plugin`]).
     pub fn new() -> Result<Self> {
         Self::from_location(&plugin::default_plugin())
     }
@@ -71,7 +71,7 @@ impl Runtime {
         Self::from_location(&PluginLocation { path, what: "PJRT plugin", hint: "check the path".to_string() })
     }
 
-    fn from_location(loc: &PluginLocation) -> Result<Self> {
+    pub(crate) fn from_location(loc: &PluginLocation) -> Result<Self> {
         let (api, raw) = plugin::load(loc)?;
         guarded("client create", || {
             // The CPU plugin makes 4 devices by default; ask for 1. It also runs each execution
@@ -108,10 +108,6 @@ impl Runtime {
                     message: "the plugin has no addressable device".to_string(),
                 })?;
             let platform = client.platform_name().into_owned();
-            if platform == "cpu" && host_memory::enabled_by_env() {
-                let kept = host_memory::retain();
-                tracing::debug!(kept, "host memory retention for the CPU plugin");
-            }
             tracing::debug!(platform = %platform, plugin = %loc.path.display(), "PJRT runtime ready");
             Ok(Self {
                 api: api.clone(),

@@ -23,29 +23,28 @@ const _: () = assert!(
      and cargo rebuilds pjrt-sys."
 );
 
-/// Env var with the path of the PJRT plugin `.so` the runtime loads (default: setup's CPU plugin).
+/// Env var with the path of the PJRT plugin `.so` the runtime loads by default.
 pub const PLUGIN_ENV: &str = "KDA_PJRT_PLUGIN";
-/// Env var overriding the setup folder (default `<workspace>/.kda`).
+/// Env var with the folder `cargo xtask setup` installed into (`<workspace>/.kda` there);
+/// `cargo xtask env` prints it. Its CPU plugin and libtpu are the defaults when
+/// [`PLUGIN_ENV`] and [`LIBTPU_ENV`] are unset.
 pub const HOME_ENV: &str = "KDA_HOME";
 /// Env var with the path of libtpu for ahead-of-time TPU compiles.
 pub const LIBTPU_ENV: &str = "KDA_LIBTPU";
 
-/// The setup folder: `$KDA_HOME`, else `<workspace root>/.kda` (root found at compile time).
-pub fn kda_home() -> PathBuf {
-    match std::env::var_os(HOME_ENV).filter(|v| !v.is_empty()) {
-        Some(home) => PathBuf::from(home),
-        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(".kda"),
-    }
+/// The setup folder, `$KDA_HOME`, if set.
+pub fn kda_home() -> Option<PathBuf> {
+    std::env::var_os(HOME_ENV).filter(|v| !v.is_empty()).map(PathBuf::from)
 }
 
-/// The setup's CPU plugin path (whether or not it exists).
-pub fn setup_cpu_plugin() -> PathBuf {
-    kda_home().join("plugins/cpu/lammps_jax_pjrt_cpu/pjrt_c_api_cpu_plugin.so")
+/// The CPU plugin inside a setup folder.
+pub fn setup_cpu_plugin(home: &Path) -> PathBuf {
+    home.join("plugins/cpu/lammps_jax_pjrt_cpu/pjrt_c_api_cpu_plugin.so")
 }
 
-/// The setup's libtpu path (whether or not it exists).
-pub fn setup_libtpu() -> PathBuf {
-    kda_home().join("plugins/tpu/libtpu/libtpu.so")
+/// libtpu inside a setup folder.
+pub fn setup_libtpu(home: &Path) -> PathBuf {
+    home.join("plugins/tpu/libtpu/libtpu.so")
 }
 
 /// Where a plugin path came from, for the not-found message.
@@ -59,28 +58,40 @@ pub struct PluginLocation {
     pub hint: String,
 }
 
-/// The plugin the runtime loads by default: `$KDA_PJRT_PLUGIN`, else the setup's CPU plugin.
+/// The default plugin: `$KDA_PJRT_PLUGIN`, else `$KDA_HOME`'s CPU plugin. Nothing else: a
+/// library never guesses a path from where it was built.
 pub fn default_plugin() -> PluginLocation {
-    locate(PLUGIN_ENV, setup_cpu_plugin(), "PJRT plugin")
+    locate(PLUGIN_ENV, setup_cpu_plugin, "PJRT plugin")
 }
 
-/// libtpu: `$KDA_LIBTPU`, else the setup's copy.
+/// libtpu: `$KDA_LIBTPU`, else `$KDA_HOME`'s copy.
 pub fn default_libtpu() -> PluginLocation {
-    locate(LIBTPU_ENV, setup_libtpu(), "libtpu")
+    locate(LIBTPU_ENV, setup_libtpu, "libtpu")
 }
 
-fn locate(var: &str, fallback: PathBuf, what: &'static str) -> PluginLocation {
-    match std::env::var_os(var).filter(|v| !v.is_empty()) {
-        Some(p) => PluginLocation {
+fn locate(var: &str, in_home: fn(&Path) -> PathBuf, what: &'static str) -> PluginLocation {
+    if let Some(p) = std::env::var_os(var).filter(|v| !v.is_empty()) {
+        return PluginLocation {
             path: PathBuf::from(p),
             what,
-            hint: format!("${var} points here; fix or unset it to use the setup folder ({})", kda_home().display()),
-        },
-        None => PluginLocation {
-            path: fallback,
+            hint: format!("${var} points here; fix it, or unset it to use ${HOME_ENV}'s"),
+        };
+    }
+    match kda_home() {
+        Some(home) => PluginLocation {
+            path: in_home(&home),
             what,
             hint: format!(
-                "run `cargo xtask setup` to install it (or set ${var} to a .so; ${HOME_ENV} moves the setup folder)"
+                "${HOME_ENV} points at {}; run `cargo xtask setup` to install it there (or set ${var} to a .so)",
+                home.display()
+            ),
+        },
+        None => PluginLocation {
+            path: PathBuf::from("(no path)"),
+            what,
+            hint: format!(
+                "neither ${var} nor ${HOME_ENV} is set: pass a path (PjrtOptions::plugin), set ${var} to a .so, \
+                 or run `eval \"$(cargo xtask env)\"` after `cargo xtask setup`"
             ),
         },
     }

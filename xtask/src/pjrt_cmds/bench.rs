@@ -8,7 +8,7 @@ use crate::bench::{
 use crate::machine::Machine;
 use kda_core::{BackwardStrategy, DType};
 use kda_testkit::{benchmark_cases, case_data, Case, CaseSegments};
-use kda_tpu::{DeviceBuffer, DeviceCall, PjrtBackend, ProgramKind, TpuCompiler};
+use kda_tpu::{DeviceCall, DeviceTensor, PjrtBackend, ProgramKind, TpuCompiler};
 use std::time::Instant;
 
 /// The programs a variant runs, with their names in the report.
@@ -41,10 +41,10 @@ impl Measure<'_> {
         for (name, kind) in programs(variant) {
             crate::progress::step(
                 "bench",
-                format_args!("{label}: compiling the {name} program for {}...", self.be.runtime().platform()),
+                format_args!("{label}: compiling the {name} program for {}...", self.be.platform()),
             );
             let t = Instant::now();
-            self.be.executable(spec, kind).map_err(err)?;
+            self.be.prepare(spec, &[kind]).map_err(err)?;
             let compile_ms = ms(t.elapsed());
             let cpu = memory(&self.be.memory_stats(spec, kind).map_err(err)?);
             let tpu = match self.tpu {
@@ -78,7 +78,7 @@ impl Measure<'_> {
         let kind = programs(variant)[0].1;
         // Runs return after PJRT's execution-complete event (`run_sync`): the whole execution is
         // inside the timed span. Outputs are dropped after the clock stops.
-        let once = || -> Result<Vec<DeviceBuffer>, String> {
+        let once = || -> Result<Vec<DeviceTensor>, String> {
             match variant {
                 Variant::Baseline => {
                     let (mut fwd, bwd) =
@@ -136,7 +136,7 @@ pub fn run(opts: &BenchOptions, args: &[String]) -> Result<(), String> {
     } else {
         None
     };
-    let be = PjrtBackend::new().map_err(err)?;
+    let be = super::timing_backend()?;
     let info = RunInfo {
         machine,
         command: format!("cargo xtask bench {}", args.join(" ")),

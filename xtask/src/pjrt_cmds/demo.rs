@@ -5,7 +5,7 @@
 use super::{backend_label, err, ms};
 use kda_core::{Backend, BackwardStrategy, DType, HostTensor};
 use kda_testkit::{agreement, rms_limit, Quantity};
-use kda_tpu::{PjrtBackend, ProgramKind};
+use kda_tpu::ProgramKind;
 use std::time::Instant;
 
 const RUNS: usize = 5;
@@ -21,13 +21,13 @@ pub fn run() -> Result<(), String> {
     let (data, strategy) = (&reference.data, BackwardStrategy::SavedState);
 
     println!("\nPJRT backend: fused forward+VJP, saved state, f32");
-    let be = PjrtBackend::new().map_err(err)?;
+    let be = super::timing_backend()?;
     println!("  backend {}", backend_label(&be));
     let problem = data.inputs.validate().map_err(err)?;
     let spec = be.spec(&problem, data.cotangents.dht.is_some()).map_err(err)?;
     crate::progress::step("demo", "compiling the fused program...");
     let t = Instant::now();
-    be.executable(&spec, ProgramKind::Fused(strategy)).map_err(err)?;
+    be.prepare(&spec, &[ProgramKind::Fused(strategy)]).map_err(err)?;
     println!("  compile: {:.0} ms (program built and compiled once)", ms(t.elapsed()));
 
     crate::progress::step(
@@ -87,7 +87,7 @@ pub fn run() -> Result<(), String> {
     // `cargo xtask aot` compiles for tpu7x, run here and held to the same limits.
     let slab = kda_tpu::kernels::TPU_SLAB;
     println!("\nthe TPU configuration (fused program in slabs of {slab} chunk positions), same check:");
-    let tpu_be = PjrtBackend::new().map_err(err)?.with_slab(slab);
+    let tpu_be = be.clone().with_slab(slab);
     crate::progress::step("demo", "compiling and running the TPU configuration...");
     let t = Instant::now();
     let (t_out, t_grads) = tpu_be.forward_and_vjp(&data.inputs, &data.cotangents, strategy).map_err(err)?;

@@ -160,11 +160,18 @@ fn parse_cached(s: &str) -> Option<AotFigures> {
     })
 }
 
+/// The backend that timings are taken on: the default plugin with host-memory retention on.
+/// Without it, the CPU plugin's per-call scratch (tens of MB) comes from fresh pages on every
+/// run and page faults take about half the time of a fused call; a training program would turn
+/// it on for the same reason (see `kda_tpu::runtime::host_memory`).
+pub fn timing_backend() -> Result<PjrtBackend, String> {
+    PjrtBackend::options().retain_host_memory(true).build().map_err(|e| e.to_string())
+}
+
 /// `pjrt-cpu (PJRT API 0.115, pjrt_c_api_cpu_plugin.so)`.
 pub fn backend_label(be: &PjrtBackend) -> String {
-    let rt = be.runtime();
-    let (major, minor) = rt.plugin_version();
-    let file = rt.plugin_path().file_name().unwrap_or(rt.plugin_path().as_os_str());
+    let (major, minor) = be.plugin_version();
+    let file = be.plugin_path().file_name().unwrap_or(be.plugin_path().as_os_str());
     format!("{} (PJRT API {major}.{minor}, {})", be.name(), file.to_string_lossy())
 }
 

@@ -1,0 +1,105 @@
+//! [`PjrtOptions`]: everything a handle is built from, in one place.
+
+use std::path::PathBuf;
+
+use super::PjrtBackend;
+use crate::error::Result;
+use crate::runtime::{host_memory, plugin, Runtime};
+
+/// Where compiled programs are kept between processes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum CompileCache {
+    /// `$KDA_COMPILE_CACHE` when set, else none (the default).
+    #[default]
+    FromEnv,
+    /// This folder (see [`crate::runtime::disk_cache`]).
+    Dir(PathBuf),
+    /// No on-disk cache: every new program is compiled.
+    Off,
+}
+
+/// How a [`PjrtBackend`] is built: the plugin, the compile cache, host-memory tuning and the
+/// program configuration. Every field has a default; nothing here changes the process until
+/// [`PjrtOptions::build`].
+///
+/// ```no_run
+/// use kda_tpu::{CompileCache, PjrtOptions};
+///
+/// let backend = PjrtOptions::new()
+///     .plugin("/opt/pjrt/pjrt_c_api_cpu_plugin.so") // default: $KDA_PJRT_PLUGIN, else $KDA_HOME's CPU plugin
+///     .compile_cache(CompileCache::Dir("/tmp/kda-cache".into()))
+///     .retain_host_memory(true) // glibc tuning for the CPU plugin; process-wide, off by default
+///     .build()?;
+/// # Ok::<(), kda_tpu::TpuError>(())
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct PjrtOptions {
+    plugin: Option<PathBuf>,
+    compile_cache: CompileCache,
+    retain_host_memory: bool,
+    slab: Option<usize>,
+}
+
+impl PjrtOptions {
+    /// The defaults: the plugin from the environment, `$KDA_COMPILE_CACHE`, no host-memory
+    /// tuning, and the program configuration of the plugin's platform.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Loads the PJRT plugin at `path` instead of `$KDA_PJRT_PLUGIN` (or `$KDA_HOME`'s CPU plugin).
+    pub fn plugin(mut self, path: impl Into<PathBuf>) -> Self {
+        self.plugin = Some(path.into());
+        self
+    }
+
+    /// Where compiled programs are kept between processes.
+    pub fn compile_cache(mut self, cache: CompileCache) -> Self {
+        self.compile_cache = cache;
+        self
+    }
+
+    /// Keeps freed host memory mapped on the CPU plugin (glibc `mallopt`, see
+    /// [`crate::runtime::host_memory`]): about half the CPU time of a fused call at the benchmark
+    /// shape goes to page faults without it. It changes the allocator of the whole process and
+    /// keeps its high-water heap, so it is off unless asked for. No effect on other plugins.
+    pub fn retain_host_memory(mut self, on: bool) -> Self {
+        self.retain_host_memory = on;
+        self
+    }
+
+    /// Runs the fused programs in slabs of `chunks` chunk positions (0: all chunks at once).
+    /// Default: no slabs on the CPU plugin, [`crate::kernels::TPU_SLAB`] elsewhere.
+    pub fn slab(mut self, chunks: usize) -> Self {
+        self.slab = Some(chunks);
+        self
+    }
+
+    /// Starts the handle: a worker thread loads the plugin and owns the client.
+    pub fn build(self) -> Result<PjrtBackend> {
+        PjrtBackend::start(self)
+    }
+
+    /// The slab size asked for, if any.
+    pub(crate) fn slab_choice(&self) -> Option<usize> {
+        self.slab
+    }
+
+    /// Loads the plugin and makes the runtime (on the worker thread).
+    pub(crate) fn runtime(&self) -> Result<Runtime> {
+        let mut rt = match &self.plugin {
+            Some(path) => Runtime::with_plugin(path)?,
+            None => Runtime::from_location(&plugin::default_plugin())?,
+        };
+        match &self.compile_cache {
+            CompileCache::FromEnv => {}
+            CompileCache::Dir(dir) => rt.set_compile_cache(Some(dir.clone())),
+            CompileCache::Off => rt.set_compile_cache(None),
+        }
+        if self.retain_host_memory && rt.platform() == "cpu" {
+            let kept = host_memory::retain();
+            tracing::debug!(kept, "host memory retention for the CPU plugin");
+        }
+        Ok(rt)
+    }
+}
