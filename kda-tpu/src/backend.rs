@@ -14,16 +14,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
 
-/// Which program of a spec.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ProgramKind {
-    /// Forward; `true` keeps `h` for the saved-state backward.
-    Forward(bool),
-    /// Backward with a strategy.
-    Backward(BackwardStrategy),
-    /// Fused forward+VJP with a strategy.
-    Fused(BackwardStrategy),
-}
+pub use crate::kernels::interface::ProgramKind;
 
 /// The PJRT backend. Not `Send`: PJRT clients live on one thread.
 ///

@@ -3,7 +3,8 @@
 //!
 //! Feature `runtime` (default) brings the PJRT runtime (module `runtime`), the backend and the
 //! ahead-of-time compiler; without it the crate is the StableHLO builder ([`hlo`]) and the KDA
-//! program emitters ([`kernels`]), which build with no libclang, PJRT header or plugin.
+//! program emitters ([`kernels`], with [`kernels::interface`] and [`kernels::compose`] to put a
+//! KDA program into a caller's own module), which build with no libclang, PJRT header or plugin.
 #![warn(missing_docs)]
 
 #[cfg(feature = "runtime")]
@@ -19,8 +20,9 @@ pub mod runtime;
 #[cfg(feature = "runtime")]
 pub use aot::{AotReport, CostAnalysis, TpuCompiler, DEFAULT_TOPOLOGY};
 #[cfg(feature = "runtime")]
-pub use backend::{DeviceCall, PjrtBackend, PjrtResiduals, ProgramKind};
+pub use backend::{DeviceCall, PjrtBackend, PjrtResiduals};
 pub use error::{Result, TpuError};
+pub use kernels::interface::ProgramKind;
 pub use kernels::KernelSpec;
 #[cfg(feature = "runtime")]
 pub use runtime::{
