@@ -41,7 +41,8 @@ pub struct KdaError {
 
 impl PartialEq for KdaError {
     fn eq(&self, other: &Self) -> bool {
-        (self.kind, &self.arg, &self.expected, &self.got) == (other.kind, &other.arg, &other.expected, &other.got)
+        (self.kind, &self.arg, &self.expected, &self.got)
+            == (other.kind, &other.arg, &other.expected, &other.got)
     }
 }
 

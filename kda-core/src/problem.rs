@@ -209,8 +209,9 @@ impl<T: TensorMeta> InputsView<'_, T> {
         if self.gate == GateKind::Preactivated {
             return Ok(false);
         }
-        let a_log =
-            self.a_log.ok_or_else(|| KdaError::missing("a_log", "an in-kernel gate needs a_log of shape [H]"))?;
+        let a_log = self
+            .a_log
+            .ok_or_else(|| KdaError::missing("a_log", "an in-kernel gate needs a_log of shape [H]"))?;
         expect_shape("a_log", a_log, &[h], "[H]")?;
         if let Some(dt) = self.dt_bias {
             expect_shape("dt_bias", dt, &[h * k], "[H*K]")?;

@@ -150,6 +150,7 @@ impl From<KdaError> for TpuError {
 }
 
 /// A pjrt error outside a known stage; the stage-specific constructors are in [`pjrt_message`] users.
+#[cfg(feature = "runtime")]
 impl From<pjrt::Error> for TpuError {
     fn from(e: pjrt::Error) -> Self {
         TpuError::Execute { message: pjrt_message(&e) }
@@ -189,6 +190,7 @@ impl From<TpuError> for KdaError {
 
 /// pjrt's message without the backtrace its `Display` appends, and with the plugin's
 /// "Failed to parse using StableHLO ..." boilerplate tail dropped when a real diagnostic precedes it.
+#[cfg(feature = "runtime")]
 pub fn pjrt_message(e: &pjrt::Error) -> String {
     match e {
         pjrt::Error::PjrtError { msg, code, .. } => format!("{} ({code:?})", compiler_message(msg)),
@@ -210,6 +212,7 @@ pub fn compiler_message(msg: &str) -> String {
 }
 
 /// Whether a plugin error is its complaint about a struct size (header older than the plugin).
+#[cfg(feature = "runtime")]
 pub(crate) fn is_struct_size_complaint(e: &pjrt::Error) -> bool {
     matches!(e, pjrt::Error::PjrtError { msg, .. } if msg.contains("Unexpected") && msg.contains("size"))
 }

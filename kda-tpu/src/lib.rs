@@ -1,27 +1,39 @@
 //! KDA kernels over PJRT: a runtime for any PJRT plugin (CPU here, libtpu or CUDA elsewhere) and
 //! deviceless ahead-of-time TPU compiles. Build after `cargo xtask setup` (see [`error::SETUP_HINT`]).
+//!
+//! Feature `runtime` (default) brings the PJRT runtime (module `runtime`), the backend and the
+//! ahead-of-time compiler; without it the crate is the StableHLO builder ([`hlo`]) and the KDA
+//! program emitters ([`kernels`], with [`kernels::interface`] and [`kernels::compose`] to put a
+//! KDA program into a caller's own module), which build with no libclang, PJRT header or plugin.
 #![warn(missing_docs)]
 
+#[cfg(feature = "runtime")]
 pub mod aot;
+#[cfg(feature = "runtime")]
 pub mod backend;
 pub mod error;
 pub mod hlo;
 pub mod kernels;
+#[cfg(feature = "runtime")]
 pub mod runtime;
 
+#[cfg(feature = "runtime")]
 pub use aot::{AotReport, CostAnalysis, TpuCompiler, DEFAULT_TOPOLOGY};
+#[cfg(feature = "runtime")]
 pub use backend::{
     CompileCache, DeviceCall, DeviceCotangents, DeviceGate, DeviceGradients, DeviceInputs, DeviceOutputs,
-    DeviceProgram, DeviceTensor, PjrtBackend, PjrtOptions, PjrtResiduals, ProgramKind, TransferStats,
+    DeviceProgram, DeviceTensor, PjrtBackend, PjrtOptions, PjrtResiduals, TransferStats,
 };
 pub use error::{Result, TpuError};
+pub use kernels::interface::ProgramKind;
 pub use kernels::KernelSpec;
+#[cfg(feature = "runtime")]
 pub use runtime::{
     CompileOptions, DeviceBuffer, ElementType, Executable, MemoryStats, Runtime, Signature, TensorType,
     XlaOption,
 };
 
 /// The README's Rust code, compiled and run by `cargo test --doc`.
-#[cfg(doctest)]
+#[cfg(all(doctest, feature = "runtime"))]
 #[doc = include_str!("../../README.md")]
 pub struct ReadmeDoctests;

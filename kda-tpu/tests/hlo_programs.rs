@@ -1,9 +1,12 @@
 //! Builds small programs with the typed builder and runs them on the CPU PJRT plugin,
-//! checking the numbers against naive Rust. Needs `cargo xtask setup` (the CPU plugin).
+//! checking the numbers against naive Rust. Needs `cargo xtask setup` (the CPU plugin). Without
+//! the `runtime` feature every program is still built (and type-checked by the builder), but
+//! nothing executes.
 
+#[macro_use]
 mod hlo_support;
 
-use hlo_support::{assert_close, rand_vec, run, In};
+use hlo_support::{assert_close, rand_vec, In};
 use kda_tpu::hlo::{Cmp, ElemType, FnBuilder, Module, Precision, TensorType};
 use kda_tpu::Result;
 use rstest::rstest;
@@ -39,7 +42,7 @@ fn elementwise_ops_match_rust() -> Result<()> {
     let xs = rand_vec(32, 1, 0.25, 2.0);
     let ys = rand_vec(32, 2, 0.25, 2.0);
     let vs = rand_vec(8, 3, -1.0, 1.0);
-    let got = run(
+    let got = run!(
         &text,
         vec![In::F32(xs.clone(), vec![4, 8]), In::F32(ys.clone(), vec![4, 8]), In::F32(vs.clone(), vec![8])],
     );
@@ -123,7 +126,7 @@ fn batched_dot_f32_and_bf16() -> Result<()> {
     let wv = rand_vec(bs * k * n, 5, -1.0, 1.0);
     let to_bf = |x: &[f32]| x.iter().map(|&v| half::bf16::from_f32(v)).collect::<Vec<_>>();
     let (abf, wbf) = (to_bf(&av), to_bf(&wv));
-    let got = run(
+    let got = run!(
         &text,
         vec![
             In::F32(av.clone(), vec![3, 5, 7]),
@@ -157,7 +160,7 @@ fn reductions_and_cumsum() -> Result<()> {
     let cr = b.cumsum(x, 1, true)?;
     b.ret(&[s1, s02, m1, mn, c, cr])?;
     let xs = rand_vec(p * t * q, 6, -1.0, 1.0);
-    let got = run(&module(b)?, vec![In::F32(xs.clone(), vec![3, 64, 5])]);
+    let got = run!(&module(b)?, vec![In::F32(xs.clone(), vec![3, 64, 5])]);
     let at = |i: usize, j: usize, l: usize| xs[(i * t + j) * q + l];
     let mut s1w = vec![0.0f32; p * q];
     let mut m1w = vec![f32::NEG_INFINITY; p * q];
@@ -204,7 +207,7 @@ fn gathers_and_scatter() -> Result<()> {
     let iv = vec![9, 0, 3, 3, 1, 2];
     let bv: Vec<i32> = (0..20).map(|i| i * 7 % 3).collect();
     let uv = rand_vec(72, 8, -1.0, 1.0);
-    let got = run(
+    let got = run!(
         &module(b)?,
         vec![
             In::F32(tv.clone(), vec![10, 3, 4]),
@@ -268,7 +271,7 @@ fn while_loop_with_dynamic_slices() -> Result<()> {
     })?;
     b.ret(&[fin[1], fin[2]])?;
     let xs = rand_vec(32, 9, 0.5, 1.5);
-    let got = run(&module(b)?, vec![In::F32(xs.clone(), vec![8, 4])]);
+    let got = run!(&module(b)?, vec![In::F32(xs.clone(), vec![8, 4])]);
     let mut acc = [1.0f32; 4];
     let mut out = vec![0.0f32; 32];
     let mut s = [0.0f32; 16];
@@ -309,7 +312,7 @@ fn loop_with_run_time_trip_count(#[case] trips: i32) -> Result<()> {
     })?;
     b.ret(&[fin[1]])?;
     let xs = rand_vec(18, 11, -1.0, 1.0);
-    let got = run(&module(b)?, vec![In::F32(xs.clone(), vec![6, 3]), In::I32(vec![trips], vec![])]);
+    let got = run!(&module(b)?, vec![In::F32(xs.clone(), vec![6, 3]), In::I32(vec![trips], vec![])]);
     let mut want = vec![1.0f32; 18];
     let mut acc = [0.0f32; 3];
     for i in 0..trips as usize {
@@ -340,7 +343,7 @@ fn wy_inverse_inverts_unit_lower_chunks() -> Result<()> {
         In::F32(vec![0.5; n * c], vec![n as i64, c as i64, 1]),
         In::F32(l.clone(), vec![n as i64, c as i64, c as i64]),
     ];
-    let a = run(&text, inputs)[0].f32s();
+    let a = run!(&text, inputs)[0].f32s();
     let mut prod = vec![0.0f32; n * c * c];
     for m in 0..n {
         for i in 0..c {
@@ -382,8 +385,8 @@ fn decay_factor_forms_agree(#[case] lowest: f32) -> Result<()> {
             In::F32(g.clone(), dims.clone()),
         ]
     };
-    let products = run(&kda_tpu::kernels::parts::decay_forms(n as i64, k as i64, true)?, inputs());
-    let sums = run(&kda_tpu::kernels::parts::decay_forms(n as i64, k as i64, false)?, inputs());
+    let products = run!(&kda_tpu::kernels::parts::decay_forms(n as i64, k as i64, true)?, inputs());
+    let sums = run!(&kda_tpu::kernels::parts::decay_forms(n as i64, k as i64, false)?, inputs());
     assert_eq!(products.len(), sums.len());
     for (i, (p, e)) in products.iter().zip(&sums).enumerate() {
         assert_close(&format!("output {i}"), &p.f32s(), &e.f32s(), 2e-6);
@@ -432,7 +435,7 @@ fn triangular_solve_matches_substitution() -> Result<()> {
     }
     let bv = rand_vec(bs * m * n, 11, -1.0, 1.0);
     let br = rand_vec(bs * n * m, 12, -1.0, 1.0);
-    let got = run(
+    let got = run!(
         &module(b)?,
         vec![
             In::F32(av.clone(), vec![2, 16, 16]),
@@ -478,7 +481,7 @@ fn shape_ops_match_rust() -> Result<()> {
     b.ret(&[bi, bt, tr, sl, cc, pd, rv])?;
     let vs = vec![1.0, 2.0, 3.0, 4.0];
     let xs: Vec<f32> = (0..24).map(|i| i as f32).collect();
-    let got = run(&module(b)?, vec![In::F32(vs.clone(), vec![4]), In::F32(xs.clone(), vec![2, 3, 4])]);
+    let got = run!(&module(b)?, vec![In::F32(vs.clone(), vec![4]), In::F32(xs.clone(), vec![2, 3, 4])]);
     let bi_w: Vec<f32> = (0..60).map(|e| vs[(e / 5) % 4]).collect();
     assert_eq!(got[0].f32s(), bi_w, "broadcast_in_dim");
     assert_eq!(got[1].f32s(), (0..24).map(|e| vs[e % 4]).collect::<Vec<_>>(), "broadcast_to");
@@ -539,7 +542,7 @@ fn select_with_compare_masks() -> Result<()> {
     b.ret(&[y, both, neither, all])?;
     let xs = rand_vec(36, 13, -1.0, 1.0);
     let ts = rand_vec(6, 14, -0.5, 0.5);
-    let got = run(&module(b)?, vec![In::F32(xs.clone(), vec![6, 6]), In::F32(ts.clone(), vec![6])]);
+    let got = run!(&module(b)?, vec![In::F32(xs.clone(), vec![6, 6]), In::F32(ts.clone(), vec![6])]);
     let yw: Vec<f32> = (0..36).map(|e| if e % 6 <= e / 6 { xs[e].exp() } else { 0.0 }).collect();
     assert_close("causal exp", &got[0].f32s(), &yw, 1e-6);
     let bw: Vec<i32> = (0..36).map(|e| (xs[e] > ts[e % 6] && e % 6 <= e / 6) as i32).collect();
@@ -569,7 +572,7 @@ fn bitcast_and_convert() -> Result<()> {
     let vals = [1.0f32, -2.5, 3.140625, 1.0e-3, -65504.0];
     let bits: Vec<u16> = vals.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
     let xs = vec![1.7f32, -0.3, 100.2, 2.5, -7.9];
-    let got = run(
+    let got = run!(
         &module(b)?,
         vec![In::I32(bits.iter().map(|&b| b as i32).collect(), vec![5]), In::F32(xs.clone(), vec![5])],
     );
@@ -600,7 +603,7 @@ fn call_and_alias() -> Result<()> {
     m.add(helper)?;
     m.add(main)?;
     let got =
-        run(&m.to_text(), vec![In::F32(vec![1.0, 2.0, 3.0, 4.0], vec![4]), In::F32(vec![1.0; 4], vec![4])]);
+        run!(&m.to_text(), vec![In::F32(vec![1.0, 2.0, 3.0, 4.0], vec![4]), In::F32(vec![1.0; 4], vec![4])]);
     assert_eq!(got[0].f32s(), vec![3.0, 4.0, 5.0, 6.0]);
     assert_eq!(got[1].f32s(), vec![1.0; 4]);
     Ok(())
@@ -625,7 +628,7 @@ fn floor_products_compute_the_forward_products() -> Result<()> {
             In::F32(m.clone(), vec![n as i64, c as i64, c as i64]),
         ]
     };
-    let wy = run(&kda_tpu::kernels::parts::program("products_wy", n as i64, k as i64)?, inputs());
+    let wy = run!(&kda_tpu::kernels::parts::program("products_wy", n as i64, k as i64)?, inputs());
     let mut want = vec![0.0f32; n * c * k];
     for b in 0..n {
         for i in 0..c {
@@ -637,7 +640,7 @@ fn floor_products_compute_the_forward_products() -> Result<()> {
         }
     }
     assert_close("M V", &wy[0].f32s(), &want, 1e-5);
-    let all = run(&kda_tpu::kernels::parts::program("products", n as i64, k as i64)?, inputs());
+    let all = run!(&kda_tpu::kernels::parts::program("products", n as i64, k as i64)?, inputs());
     assert_eq!(all.len(), 6 + 2 + 5);
     let flops = kda_tpu::kernels::parts::product_flops("products", 128, 128).unwrap_or(0.0);
     assert!((1.3e9..1.4e9).contains(&flops), "forward products at the primary shape: {flops}");

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 /// The usage text.
 pub const USAGE: &str = "\
-usage: cargo xtask bench --suite forward|backward|backward-packed|all [options]
+usage: cargo xtask bench --suite forward|backward|backward-packed|api|all [options]
 
 Times KDA programs at the primary shape of spec section 8 (H=8 B=1 T=1024 K=V=128) on the PJRT
 CPU plugin: inputs uploaded once (host preparation and compiles excluded), one warm-up run,
@@ -23,7 +23,11 @@ suites:
   forward          forward only (no residuals kept), fixed and packed (segments 200,311,77,436)
   backward         forward+VJP, fixed: variants baseline, fused-saved-state, fused-remat
   backward-packed  the same with the four packed segments
-  all              the three above
+  api              the fused saved-state call, fixed and packed, four ways in alternation:
+                   the program alone (fused-saved-state), the device API (device-api), the
+                   host API (host-api), and one host copy of its input and output bytes
+                   (host-copy); prints the overhead ratios
+  all              the four above
 
 variants (backward suites):
   baseline           staged: forward program, saved states h downloaded to the host and
@@ -56,11 +60,13 @@ pub enum Suite {
     Backward,
     /// Forward+VJP, packed.
     BackwardPacked,
+    /// What a call costs around the fused program: device API, host API, a host copy.
+    Api,
 }
 
 impl Suite {
     /// Every suite, in run order.
-    pub const ALL: [Suite; 3] = [Suite::Forward, Suite::Backward, Suite::BackwardPacked];
+    pub const ALL: [Suite; 4] = [Suite::Forward, Suite::Backward, Suite::BackwardPacked, Suite::Api];
 
     /// The suite's flag value.
     pub fn name(self) -> &'static str {
@@ -68,6 +74,7 @@ impl Suite {
             Suite::Forward => "forward",
             Suite::Backward => "backward",
             Suite::BackwardPacked => "backward-packed",
+            Suite::Api => "api",
         }
     }
     /// Parses a flag value.
@@ -80,6 +87,9 @@ impl Suite {
             Suite::Forward => "Forward, primary shape, fixed and packed",
             Suite::Backward => "Forward+VJP, primary shape, fixed length",
             Suite::BackwardPacked => "Forward+VJP, primary shape, packed (segments 200, 311, 77, 436)",
+            Suite::Api => {
+                "Call overhead of the fused saved-state forward+VJP, primary shape, fixed and packed"
+            }
         }
     }
     /// The benchmark cases (`kda_testkit::benchmark_cases` names) the suite runs.
@@ -88,12 +98,16 @@ impl Suite {
             Suite::Forward => &["bench_primary", "bench_primary_packed"],
             Suite::Backward => &["bench_primary"],
             Suite::BackwardPacked => &["bench_primary_packed"],
+            Suite::Api => &["bench_primary", "bench_primary_packed"],
         }
     }
     /// The variants the suite times.
     pub fn variants(self, baseline: bool) -> Vec<Variant> {
         match self {
             Suite::Forward => vec![Variant::Forward],
+            Suite::Api => {
+                vec![Variant::FusedSavedState, Variant::DeviceApi, Variant::HostApi, Variant::HostCopy]
+            }
             Suite::Backward | Suite::BackwardPacked => {
                 let mut v = vec![];
                 if baseline {
@@ -117,6 +131,12 @@ pub enum Variant {
     FusedSavedState,
     /// Fused forward+VJP, rematerialized.
     FusedRemat,
+    /// The fused saved-state call through the device API (device tensors in and out).
+    DeviceApi,
+    /// The fused saved-state call through `kda_core::Backend` (host tensors in and out).
+    HostApi,
+    /// One host copy of the call's input and output bytes (what the host API must move).
+    HostCopy,
 }
 
 impl Variant {
@@ -127,6 +147,9 @@ impl Variant {
             Variant::Baseline => "baseline",
             Variant::FusedSavedState => "fused-saved-state",
             Variant::FusedRemat => "fused-remat",
+            Variant::DeviceApi => "device-api",
+            Variant::HostApi => "host-api",
+            Variant::HostCopy => "host-copy",
         }
     }
 }
@@ -181,7 +204,7 @@ pub fn parse_args(args: &[String]) -> Result<Option<BenchOptions>, String> {
                     v,
                     &Suite::ALL,
                     Suite::parse,
-                    "forward, backward or backward-packed",
+                    "forward, backward, backward-packed or api",
                 )?);
             }
             "--iterations" => {
@@ -211,7 +234,7 @@ pub fn parse_args(args: &[String]) -> Result<Option<BenchOptions>, String> {
             _ => return Err(format!("unknown argument `{arg}`")),
         }
     }
-    opts.suites = suites.ok_or("`--suite` is required (forward, backward, backward-packed or all)")?;
+    opts.suites = suites.ok_or("`--suite` is required (forward, backward, backward-packed, api or all)")?;
     if let Some(flag) = baseline_flag {
         if !opts.suites.iter().any(|s| *s != Suite::Forward) {
             return Err(format!("`{flag}` applies to the backward suites only"));
@@ -487,7 +510,45 @@ pub fn markdown_section(suite: Suite, records: &[BenchRecord], info: &RunInfo) -
         out += "\nbaseline: memory columns are the larger of its forward and backward programs'; \
                 GFLOP is their sum.\n";
     }
+    if suite == Suite::Api {
+        out += &format!("\n{}", api_summary(records));
+    }
     out + &end + "\n"
+}
+
+/// The `api` suite's ratios per case and dtype, from medians of one run: the device API
+/// against the program alone, and the host API against the program plus one host copy of its
+/// input and output bytes.
+pub fn api_summary(records: &[BenchRecord]) -> String {
+    let mut out = String::from(
+        "| case | dtype | device API / program | device API - program | host API / (program + host copy) |\n\
+         |---|---|---:|---:|---:|\n",
+    );
+    let find = |case: &str, dtype: DType, v: Variant| {
+        records
+            .iter()
+            .find(|r| r.case == case && r.dtype == dtype && r.variant == v)
+            .map(BenchRecord::median_ms)
+    };
+    for r in records.iter().filter(|r| r.variant == Variant::FusedSavedState) {
+        let (Some(dev), Some(host), Some(copy)) = (
+            find(&r.case, r.dtype, Variant::DeviceApi),
+            find(&r.case, r.dtype, Variant::HostApi),
+            find(&r.case, r.dtype, Variant::HostCopy),
+        ) else {
+            continue;
+        };
+        let prog = r.median_ms();
+        out += &format!(
+            "| {} | {} | {:.3} | {:+.3} ms | {:.3} |\n",
+            r.case,
+            r.dtype,
+            dev / prog,
+            dev - prog,
+            host / (prog + copy)
+        );
+    }
+    out
 }
 
 /// The text a new markdown file starts with.

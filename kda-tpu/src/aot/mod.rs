@@ -71,7 +71,9 @@ impl TpuCompiler {
         // GCP, then fails. The library does not change the process environment: the caller
         // sets it (`cargo xtask env` prints it; xtask sets it for itself).
         if std::env::var_os("TPU_SKIP_MDS_QUERY").is_none() {
-            tracing::warn!("TPU_SKIP_MDS_QUERY is unset: off GCP, libtpu retries a metadata server for about 90 s");
+            tracing::warn!(
+                "TPU_SKIP_MDS_QUERY is unset: off GCP, libtpu retries a metadata server for about 90 s"
+            );
         }
         let (_api, raw) = plugin::load(loc)?;
         let version = raw.version();

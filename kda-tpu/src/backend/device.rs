@@ -5,12 +5,11 @@ use kda_core::{
     validate_cotangent_shapes, BackwardStrategy, Cotangents, DType, GateKind, GateMode, KdaConfig, KdaError,
     KdaInputs, Layout, Problem, Residuals, Segments,
 };
-use kda_packed::{StaticCapacity, SENTINEL};
 
 use super::tensor::{DeviceTensor, Meta};
 use super::worker::BufferInfo;
 use super::{e, Arg, PjrtBackend, ProgramKind, Upload};
-use crate::kernels::{KernelSpec, CHUNK};
+use crate::kernels::KernelSpec;
 
 /// The gate of a device call: `g` used as given, or activated in the kernel from `a_log` `[H]`
 /// and an optional `dt_bias` `[H*K]` (both f32 on the device).
@@ -83,7 +82,13 @@ pub struct DeviceInputs {
 
 impl DeviceInputs {
     /// Fixed-length inputs with the default config (batch-first) and a given `g`.
-    pub fn new(q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, g: DeviceTensor, beta: DeviceTensor) -> Self {
+    pub fn new(
+        q: DeviceTensor,
+        k: DeviceTensor,
+        v: DeviceTensor,
+        g: DeviceTensor,
+        beta: DeviceTensor,
+    ) -> Self {
         DeviceInputs {
             q,
             k,
@@ -119,7 +124,8 @@ impl DeviceInputs {
 
     /// The program arguments before the index tables, in signature order, with their names.
     fn args(&self) -> Vec<(&'static str, &DeviceTensor)> {
-        let mut a = vec![("q", &self.q), ("k", &self.k), ("v", &self.v), ("g", &self.g), ("beta", &self.beta)];
+        let mut a =
+            vec![("q", &self.q), ("k", &self.k), ("v", &self.v), ("g", &self.g), ("beta", &self.beta)];
         if let Some(h0) = &self.initial_state {
             a.push(("initial_state", h0));
         }
@@ -172,7 +178,13 @@ pub struct DeviceGradients {
 impl DeviceGradients {
     /// `(name, tensor)` for every gradient present, in [`kda_core::KdaGradients::named`] order.
     pub fn named(&self) -> Vec<(&'static str, &DeviceTensor)> {
-        let mut v = vec![("dq", &self.dq), ("dk", &self.dk), ("dv", &self.dv), ("dg", &self.dg), ("dbeta", &self.dbeta)];
+        let mut v = vec![
+            ("dq", &self.dq),
+            ("dk", &self.dk),
+            ("dv", &self.dv),
+            ("dg", &self.dg),
+            ("dbeta", &self.dbeta),
+        ];
         v.extend(self.dh0.as_ref().map(|t| ("dh0", t)));
         v.extend(self.da_log.as_ref().map(|t| ("da_log", t)));
         v.extend(self.ddt_bias.as_ref().map(|t| ("ddt_bias", t)));
@@ -212,31 +224,8 @@ impl PjrtResiduals {
 
 /// The index tables of a call, in signature order, as uploads.
 pub(crate) fn index_tables(spec: &KernelSpec, p: &Problem) -> kda_core::Result<Vec<Upload>> {
-    let nt = spec.chunks();
-    let d = &p.dims;
-    let mut out = Vec::new();
-    if let Some(cap) = spec.packed_chunks {
-        let tables = StaticCapacity::new(d.b, d.t, d.n, CHUNK)?.plan(&p.segments)?.tables().clone();
-        debug_assert_eq!(tables.capacity, cap);
-        let fix = |v: &[i32], sentinel: i32| -> Vec<i32> {
-            v.iter().map(|&x| if x == SENTINEL { sentinel } else { x }).collect()
-        };
-        let n = nt as i64;
-        out.push(Upload::i32(tables.chunk_first.clone(), vec![n]));
-        out.push(Upload::i32(tables.chunk_last.clone(), vec![n]));
-        out.push(Upload::i32(fix(&tables.chunk_segment, 0), vec![n]));
-        out.push(Upload::i32(fix(&tables.slot_token, (d.b * d.t) as i32), vec![(nt * CHUNK) as i64]));
-        out.push(Upload::i32(fix(&tables.token_slot, (nt * CHUNK) as i32), vec![(d.b * d.t) as i64]));
-    } else {
-        let mut first = vec![0; nt];
-        let mut last = vec![0; nt];
-        first[0] = 1;
-        last[nt - 1] = 1;
-        out.push(Upload::i32(first, vec![nt as i64]));
-        out.push(Upload::i32(last, vec![nt as i64]));
-        out.push(Upload::i32(vec![0; nt], vec![nt as i64]));
-    }
-    Ok(out)
+    let tables = crate::kernels::index_tables_for(spec, &p.segments).map_err(e)?;
+    Ok(tables.into_iter().map(|t| Upload::i32(t.data, t.dims)).collect())
 }
 
 fn layout_name(l: Layout) -> &'static str {
@@ -262,10 +251,15 @@ impl PjrtBackend {
             ups.extend(dt.map(Upload::f32));
         }
         let mut t = self.upload_all(ups)?.into_iter();
-        let mut next = || t.next().ok_or_else(|| KdaError::backend("upload", "one tensor per upload", "too few"));
+        let mut next =
+            || t.next().ok_or_else(|| KdaError::backend("upload", "one tensor per upload", "too few"));
         let lay = p.layout;
-        let (q, k, v, g) =
-            (next()?.with_layout(lay), next()?.with_layout(lay), next()?.with_layout(lay), next()?.with_layout(lay));
+        let (q, k, v, g) = (
+            next()?.with_layout(lay),
+            next()?.with_layout(lay),
+            next()?.with_layout(lay),
+            next()?.with_layout(lay),
+        );
         let beta = next()?.with_layout(lay);
         let initial_state = if x.initial_state.is_some() { Some(next()?) } else { None };
         let gate = match (&x.gate, gate_params) {
@@ -276,10 +270,24 @@ impl PjrtBackend {
             }
             (GateMode::LowerBound { lb, .. }, Some((_, dt))) => {
                 let a_log = next()?;
-                DeviceGate::LowerBound { lb: *lb, a_log, dt_bias: if dt.is_some() { Some(next()?) } else { None } }
+                DeviceGate::LowerBound {
+                    lb: *lb,
+                    a_log,
+                    dt_bias: if dt.is_some() { Some(next()?) } else { None },
+                }
             }
         };
-        Ok(DeviceInputs { q, k, v, g, beta, initial_state, gate, segments: x.segments.clone(), config: x.config })
+        Ok(DeviceInputs {
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state,
+            gate,
+            segments: x.segments.clone(),
+            config: x.config,
+        })
     }
 
     /// Validates host cotangents against a problem and copies them to the device (`do` in the
@@ -295,7 +303,11 @@ impl PjrtBackend {
 
     /// Checks device inputs (handle, layout tags, shapes, dtypes) and returns the problem and
     /// the spec of its programs.
-    pub fn validate_device(&self, x: &DeviceInputs, has_dht: bool) -> kda_core::Result<(Problem, KernelSpec)> {
+    pub fn validate_device(
+        &self,
+        x: &DeviceInputs,
+        has_dht: bool,
+    ) -> kda_core::Result<(Problem, KernelSpec)> {
         let args = x.args();
         for (name, t) in &args {
             t.check_owner(self.shared(), name).map_err(e)?;
@@ -370,7 +382,11 @@ impl PjrtBackend {
         };
         validate_cotangent_shapes(p, &d_o, dht.as_ref())?;
         if c.d_o.dtype() != Some(p.dtype) {
-            return Err(KdaError::dtype("do", format!("{} like q", p.dtype), c.d_o.element_type().to_string()));
+            return Err(KdaError::dtype(
+                "do",
+                format!("{} like q", p.dtype),
+                c.d_o.element_type().to_string(),
+            ));
         }
         if let Some(t) = &c.dht {
             if t.dtype() != Some(DType::F32) {
@@ -382,10 +398,16 @@ impl PjrtBackend {
 
     fn span(op: &'static str, p: &Problem, kind: ProgramKind) -> tracing::Span {
         let d = &p.dims;
+        let strategy = match kind {
+            ProgramKind::Forward(true) | ProgramKind::Backward(BackwardStrategy::SavedState) => "saved-state",
+            ProgramKind::Fused(s) | ProgramKind::Backward(s) => s.name(),
+            ProgramKind::Forward(false) => "remat",
+        };
         tracing::info_span!(
             "kda_call",
             op,
             kind = ?kind,
+            strategy,
             shape = %format_args!("H{} B{} T{} K{} V{} N{}", d.h, d.b, d.t, d.k, d.v, d.n),
             packed = p.segments.is_packed(),
             dtype = %p.dtype,
@@ -420,7 +442,11 @@ impl PjrtBackend {
     }
 
     /// The backward from a forward's residuals (borrowed: a second backward may reuse them).
-    pub fn backward_device(&self, res: &PjrtResiduals, c: &DeviceCotangents) -> kda_core::Result<DeviceGradients> {
+    pub fn backward_device(
+        &self,
+        res: &PjrtResiduals,
+        c: &DeviceCotangents,
+    ) -> kda_core::Result<DeviceGradients> {
         let p = &res.problem;
         self.check_cotangents(p, c)?;
         for t in res.inputs.iter().chain(res.h.iter()) {
@@ -464,9 +490,19 @@ impl PjrtBackend {
         Ok((out, self.gradients(&p, &mut outs)?))
     }
 
-    fn outputs(&self, p: &Problem, outs: &mut impl Iterator<Item = DeviceTensor>) -> kda_core::Result<DeviceOutputs> {
-        let o = outs.next().ok_or_else(|| too_few("o"))?.with_layout(p.layout);
-        let final_state = if p.output_final_state { Some(outs.next().ok_or_else(|| too_few("final_state"))?) } else { None };
+    fn outputs(
+        &self,
+        p: &Problem,
+        outs: &mut impl Iterator<Item = DeviceTensor>,
+    ) -> kda_core::Result<DeviceOutputs> {
+        let d = &p.dims;
+        let o = outs.next().ok_or_else(|| too_few("o"))?;
+        let o = o.reshaped(&p.layout.token_shape(d.h, d.b, d.t, d.v))?.with_layout(p.layout);
+        let final_state = if p.output_final_state {
+            Some(outs.next().ok_or_else(|| too_few("final_state"))?.reshaped(&d.state_shape())?)
+        } else {
+            None
+        };
         Ok(DeviceOutputs { o, final_state })
     }
 
@@ -475,19 +511,22 @@ impl PjrtBackend {
         p: &Problem,
         outs: &mut impl Iterator<Item = DeviceTensor>,
     ) -> kda_core::Result<DeviceGradients> {
-        let lay = p.layout;
-        let mut next = |name: &str| outs.next().ok_or_else(|| too_few(name));
-        let dq = next("dq")?.with_layout(lay);
-        let dk = next("dk")?.with_layout(lay);
-        let dv = next("dv")?.with_layout(lay);
-        let dg = next("dg")?.with_layout(lay);
-        let dbeta = next("dbeta")?.with_layout(lay);
-        let dh0 = if p.has_initial_state { Some(next("dh0")?) } else { None };
+        let (lay, d) = (p.layout, &p.dims);
+        let (tk, tv) = (lay.token_shape(d.h, d.b, d.t, d.k), lay.token_shape(d.h, d.b, d.t, d.v));
+        let mut next = |name: &str, shape: &[usize]| -> kda_core::Result<DeviceTensor> {
+            outs.next().ok_or_else(|| too_few(name))?.reshaped(shape)
+        };
+        let dq = next("dq", &tk)?.with_layout(lay);
+        let dk = next("dk", &tk)?.with_layout(lay);
+        let dv = next("dv", &tv)?.with_layout(lay);
+        let dg = next("dg", &tk)?.with_layout(lay);
+        let dbeta = next("dbeta", &p.beta_shape)?.with_layout(lay);
+        let dh0 = if p.has_initial_state { Some(next("dh0", &d.state_shape())?) } else { None };
         let (mut da_log, mut ddt_bias) = (None, None);
         if p.gate != GateKind::Preactivated {
-            da_log = Some(next("da_log")?);
+            da_log = Some(next("da_log", &[d.h])?);
             if p.has_dt_bias {
-                ddt_bias = Some(next("ddt_bias")?);
+                ddt_bias = Some(next("ddt_bias", &[d.h * d.k])?);
             }
         }
         Ok(DeviceGradients { dq, dk, dv, dg, dbeta, dh0, da_log, ddt_bias })

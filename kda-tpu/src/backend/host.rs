@@ -3,33 +3,20 @@
 //! uploaded once.
 
 use kda_core::{
-    Backend, BackwardStrategy, Cotangents, DType, HostTensor, KdaError, KdaGradients, KdaInputs, KdaOutputs, Problem,
-    Result,
+    Backend, BackwardStrategy, Cotangents, DType, HostTensor, KdaError, KdaGradients, KdaInputs, KdaOutputs,
+    Problem, Result,
 };
 
 use super::device::{index_tables, DeviceGradients, DeviceOutputs, PjrtResiduals};
 use super::tensor::DeviceTensor;
 use super::{e, Arg, PjrtBackend};
-use crate::kernels::{backward_program, forward_program, fused_program, KernelSpec};
+use crate::kernels::KernelSpec;
 
-/// Which program of a spec.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ProgramKind {
-    /// Forward; `true` keeps `h` for the saved-state backward.
-    Forward(bool),
-    /// Backward with a strategy.
-    Backward(BackwardStrategy),
-    /// Fused forward+VJP with a strategy.
-    Fused(BackwardStrategy),
-}
+pub use crate::kernels::ProgramKind;
 
-/// The StableHLO text of a program.
+/// The StableHLO text of a program (with `@main`).
 pub fn program_text(spec: &KernelSpec, kind: ProgramKind) -> crate::Result<String> {
-    match kind {
-        ProgramKind::Forward(keep_h) => forward_program(spec, keep_h),
-        ProgramKind::Backward(s) => backward_program(spec, s),
-        ProgramKind::Fused(s) => fused_program(spec, s),
-    }
+    crate::kernels::program(spec, kind)
 }
 
 /// The host dtypes gradients come back in (their inputs').
@@ -170,7 +157,8 @@ impl PjrtBackend {
         all.extend(dev.initial_state);
         match dev.gate {
             super::DeviceGate::Preactivated => {}
-            super::DeviceGate::Softplus { a_log, dt_bias } | super::DeviceGate::LowerBound { a_log, dt_bias, .. } => {
+            super::DeviceGate::Softplus { a_log, dt_bias }
+            | super::DeviceGate::LowerBound { a_log, dt_bias, .. } => {
                 all.push(a_log);
                 all.extend(dt_bias);
             }

@@ -294,7 +294,14 @@ impl PjrtBackend {
         }
         let ids: Vec<u64> = ts.iter().map(|t| t.id()).collect();
         let counters = self.shared.counters.clone();
-        self.shared.call("download", move |w| ids.iter().map(|&id| w.download(&counters, id)).collect()).map_err(e)
+        let host: Vec<HostTensor> = self
+            .shared
+            .call("download", move |w| ids.iter().map(|&id| w.download(&counters, id)).collect())
+            .map_err(e)?;
+        host.into_iter()
+            .zip(ts)
+            .map(|(h, t)| if h.shape() == t.shape() { Ok(h) } else { h.reshape(t.shape()) })
+            .collect()
     }
 
     /// Compiles a caller's StableHLO program (with `@main`) on this handle's device, through the
@@ -314,9 +321,17 @@ impl PjrtBackend {
 
     /// Runs a compiled program on device tensors (borrowed: they stay valid); one new tensor
     /// per result.
-    pub fn execute(&self, program: &DeviceProgram, args: &[&DeviceTensor]) -> kda_core::Result<Vec<DeviceTensor>> {
+    pub fn execute(
+        &self,
+        program: &DeviceProgram,
+        args: &[&DeviceTensor],
+    ) -> kda_core::Result<Vec<DeviceTensor>> {
         if program.owner_id() != self.shared.id {
-            return Err(KdaError::value("program", "a program of this handle", "a program of another handle"));
+            return Err(KdaError::value(
+                "program",
+                "a program of this handle",
+                "a program of another handle",
+            ));
         }
         for (i, t) in args.iter().enumerate() {
             t.check_owner(&self.shared, &format!("argument {i}")).map_err(e)?;
@@ -401,6 +416,27 @@ fn run(
             }
         }
     }
+    // A buffer stored under other dims than the program reads (a flat KDA result fed back as
+    // an input) goes through a device-side reshape first.
+    let wanted: Vec<Option<Vec<i64>>> = match exe.signature() {
+        Some(sig) => sig.args.iter().map(|a| a.as_ref().map(|t| t.dims.clone())).collect(),
+        None => Vec::new(),
+    };
+    for (i, o) in order.iter_mut().enumerate() {
+        let Ok(id) = *o else { continue };
+        let buf = w.buffer(id)?;
+        let Some(Some(want)) = wanted.get(i) else { continue };
+        let n: i64 = want.iter().product();
+        if buf.dims() != want.as_slice() && buf.num_elements() as i64 == n {
+            let text = reshape_program(buf.dtype(), buf.dims(), want);
+            let reshape = w.rt.compile(&text)?;
+            let mut out = w.rt.execute(&reshape, &[buf])?;
+            *o = Err(temps.len());
+            temps.push(
+                out.pop().ok_or_else(|| TpuError::Execute { message: "reshape returned nothing".into() })?,
+            );
+        }
+    }
     let mut refs = Vec::with_capacity(order.len());
     for o in &order {
         refs.push(match o {
@@ -413,4 +449,13 @@ fn run(
     drop(refs);
     drop(temps);
     Ok(outs.into_iter().map(|b| w.keep(b)).collect())
+}
+
+/// A program that gives a buffer other dims (same elements, row-major).
+fn reshape_program(dtype: ElementType, from: &[i64], to: &[i64]) -> String {
+    let ty = |dims: &[i64]| crate::TensorType { dtype, dims: dims.to_vec() }.to_string();
+    let (a, b) = (ty(from), ty(to));
+    format!(
+        "module {{\n  func.func public @main(%x: {a}) -> {b} {{\n    %y = stablehlo.reshape %x : ({a}) -> {b}\n    return %y : {b}\n  }}\n}}\n"
+    )
 }

@@ -18,6 +18,10 @@ use crate::ElementType;
 #[derive(Clone)]
 pub struct DeviceTensor {
     inner: Arc<Inner>,
+    /// The dims callers see; the buffer may hold the same row-major elements under other dims
+    /// (the KDA programs return per-token results flat), which programs reading it get
+    /// reshaped on the device.
+    shape: Vec<usize>,
     layout: Option<Layout>,
 }
 
@@ -36,7 +40,7 @@ impl Drop for Inner {
 
 impl fmt::Debug for DeviceTensor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "DeviceTensor({}{}", self.inner.dtype, fmt_shape(&self.inner.shape))?;
+        write!(f, "DeviceTensor({}{}", self.inner.dtype, fmt_shape(&self.shape))?;
         if let Some(l) = self.layout {
             write!(f, " {l:?}")?;
         }
@@ -46,13 +50,29 @@ impl fmt::Debug for DeviceTensor {
 
 impl DeviceTensor {
     pub(crate) fn wrap(owner: &Arc<Shared>, info: BufferInfo, layout: Option<Layout>) -> Self {
-        let shape = info.dims.iter().map(|&d| d as usize).collect();
-        DeviceTensor { inner: Arc::new(Inner { id: info.id, dtype: info.dtype, shape, owner: owner.clone() }), layout }
+        let shape: Vec<usize> = info.dims.iter().map(|&d| d as usize).collect();
+        let inner =
+            Arc::new(Inner { id: info.id, dtype: info.dtype, shape: shape.clone(), owner: owner.clone() });
+        DeviceTensor { inner, shape, layout }
+    }
+
+    /// The same device memory seen with `shape` (same element count; no copy here: a program
+    /// that reads it under other dims gets a device-side reshape).
+    pub fn reshaped(&self, shape: &[usize]) -> kda_core::Result<Self> {
+        let n: usize = shape.iter().product();
+        if n != self.num_elements() {
+            return Err(KdaError::shape(
+                "reshape",
+                format!("{} elements", self.num_elements()),
+                format!("{} ({n} elements)", fmt_shape(shape)),
+            ));
+        }
+        Ok(DeviceTensor { inner: self.inner.clone(), shape: shape.to_vec(), layout: self.layout })
     }
 
     /// The same device memory tagged with a per-token `layout` (no copy).
     pub fn with_layout(&self, layout: Layout) -> Self {
-        DeviceTensor { inner: self.inner.clone(), layout: Some(layout) }
+        DeviceTensor { inner: self.inner.clone(), shape: self.shape.clone(), layout: Some(layout) }
     }
 
     /// The element type.
@@ -61,7 +81,7 @@ impl DeviceTensor {
     }
     /// The dims, row-major.
     pub fn shape(&self) -> &[usize] {
-        &self.inner.shape
+        &self.shape
     }
     /// The layout of a per-token tensor (`None`: not tagged; any layout is accepted).
     pub fn layout(&self) -> Option<Layout> {
@@ -75,6 +95,7 @@ impl DeviceTensor {
     pub fn num_elements(&self) -> usize {
         self.inner.shape.iter().product()
     }
+
     /// Bytes of device memory.
     pub fn size_bytes(&self) -> usize {
         self.num_elements() * self.inner.dtype.size_bytes()
@@ -110,7 +131,7 @@ impl DeviceTensor {
         let dtype = self.dtype().ok_or_else(|| {
             TpuError::Contract(KdaError::dtype(arg, "f32 or bf16", self.inner.dtype.to_string()))
         })?;
-        Ok(Meta { shape: self.inner.shape.clone(), dtype })
+        Ok(Meta { shape: self.shape.clone(), dtype })
     }
 }
 

@@ -1,5 +1,7 @@
 //! The chunked KDA programs (spec section 4) as StableHLO, built with [`crate::hlo`].
 
+pub mod compose;
+pub mod interface;
 mod intra;
 mod ops;
 mod prep;
@@ -9,7 +11,8 @@ mod solve;
 mod spec;
 mod tiles;
 
-pub use programs::{backward_program, forward_program, fused_program, GATE_FLOOR};
+pub use interface::{index_tables, index_tables_for, IndexTable, Port, ProgramKind, ProgramSignature};
+pub use programs::{backward_program, forward_program, fused_program, program, GATE_FLOOR};
 pub use spec::{on_device, KernelSpec, CHUNK, SUB, TPU_SLAB};
 
 /// Programs holding one building block each, at a given chunk count, for profiling the kernels

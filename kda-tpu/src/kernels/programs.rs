@@ -1,6 +1,7 @@
 //! The programs: forward (optionally keeping `h` for the saved-state backward), backward (saved
 //! state or rematerialized) and the fused forward+VJP, assembled from the pieces in this module.
 
+use super::interface::{ProgramKind, ProgramSignature};
 use super::intra::{chunk_terms, rowdot, ChunkTerms};
 use super::ops::{causal_mask, cumsum_rows, i32t, keep, splat, stored_transposes};
 use super::prep::{self, GateParams};
@@ -20,7 +21,7 @@ use kda_core::BackwardStrategy;
 /// every later decay factor of that chunk).
 pub const GATE_FLOOR: f32 = -30.0;
 
-/// The program arguments, in order.
+/// The program arguments the kernels read, by role.
 struct Args {
     q: Value,
     k: Value,
@@ -35,37 +36,54 @@ struct Args {
     token_slot: Option<Value>,
 }
 
-/// Declares the forward inputs: `q k v g beta [h0] [a_log] [dt_bias] first last slot
-/// [slot_token token_slot]`.
-fn declare(b: &mut FnBuilder, s: &KernelSpec) -> Result<Args> {
-    let e = prep::elem(s.dtype);
-    let f32 = |d: &[i64]| TensorType::new(ElemType::F32, d);
-    let q = b.arg(TensorType::new(e, &s.token_dims(s.k)))?;
-    let k = b.arg(TensorType::new(e, &s.token_dims(s.k)))?;
-    let v = b.arg(TensorType::new(e, &s.token_dims(s.v)))?;
-    let g = b.arg(TensorType::new(prep::elem(s.g_dtype), &s.token_dims(s.k)))?;
-    let beta = b.arg(TensorType::new(e, &s.beta_dims()))?;
-    let h0 = if s.has_h0 { Some(b.arg(f32(&s.state_dims()))?) } else { None };
-    let (a_log, dt_bias) = if s.in_kernel_gate() {
-        let a = b.arg(f32(&[s.h as i64]))?;
-        let d = if s.has_dt_bias { Some(b.arg(f32(&[(s.h * s.k) as i64]))?) } else { None };
-        (Some(a), d)
-    } else {
-        (None, None)
-    };
-    let nt = s.chunks() as i64;
-    let tables = ChunkTables {
-        first: b.arg(i32t(&[nt]))?,
-        last: b.arg(i32t(&[nt]))?,
-        slot: b.arg(i32t(&[nt]))?,
-        used: None,
-    };
-    let (slot_token, token_slot) = if s.packed_chunks.is_some() {
-        (Some(b.arg(i32t(&[nt * CHUNK as i64]))?), Some(b.arg(i32t(&[(s.b * s.t) as i64]))?))
-    } else {
-        (None, None)
-    };
-    Ok(Args { q, k, v, g, beta, h0, a_log, dt_bias, tables, slot_token, token_slot })
+/// Every argument of a program, declared in the order and with the types of its
+/// [`ProgramSignature`] (the one description the runtime and callers read as well).
+struct Declared {
+    sig: ProgramSignature,
+    values: Vec<Value>,
+}
+
+impl Declared {
+    fn new(b: &mut FnBuilder, s: &KernelSpec, kind: ProgramKind) -> Result<Declared> {
+        let sig = ProgramSignature::of(s, kind);
+        let values = sig.args.iter().map(|p| b.arg(p.ty.clone())).collect::<Result<_>>()?;
+        Ok(Declared { sig, values })
+    }
+
+    /// Argument `name`, if the program takes it.
+    fn get(&self, name: &str) -> Option<Value> {
+        self.sig.arg_index(name).map(|i| self.values[i])
+    }
+
+    /// Argument `name`, which every program of the spec takes.
+    fn need(&self, name: &str) -> Result<Value> {
+        self.get(name).ok_or_else(|| {
+            crate::TpuError::builder("declare", format!("internal: the signature has no argument `{name}`"))
+        })
+    }
+
+    /// The forward inputs: `q k v g beta [h0] [a_log] [dt_bias] first last slot
+    /// [slot_token token_slot]`.
+    fn args(&self) -> Result<Args> {
+        Ok(Args {
+            q: self.need("q")?,
+            k: self.need("k")?,
+            v: self.need("v")?,
+            g: self.need("g")?,
+            beta: self.need("beta")?,
+            h0: self.get("h0"),
+            a_log: self.get("a_log"),
+            dt_bias: self.get("dt_bias"),
+            tables: ChunkTables {
+                first: self.need("chunk_first")?,
+                last: self.need("chunk_last")?,
+                slot: self.need("chunk_slot")?,
+                used: None,
+            },
+            slot_token: self.get("slot_token"),
+            token_slot: self.get("token_slot"),
+        })
+    }
 }
 
 /// Inputs in working form: head-first f32 tokens (normalised, gate activated) and chunks.
@@ -385,8 +403,42 @@ fn finish_grads(
     Ok(out)
 }
 
-fn finish(mut f: FnBuilder, outs: &[Value]) -> Result<String> {
-    f.ret(outs)?;
+/// Program `kind` of `s` as the function `@name` (public: an entry point; private: a `call`
+/// target), with its signature. Its results are checked against the signature.
+pub(crate) fn build(
+    name: &str,
+    public: bool,
+    s: &KernelSpec,
+    kind: ProgramKind,
+) -> Result<(FnBuilder, ProgramSignature)> {
+    let mut f = FnBuilder::new(name, public);
+    f.set_dot_precision(crate::hlo::Precision::Highest);
+    let d = Declared::new(&mut f, s, kind)?;
+    let outs = match kind {
+        ProgramKind::Forward(keep_h) => forward_body(&mut f, s, &d, keep_h)?,
+        ProgramKind::Backward(strategy) => backward_body(&mut f, s, &d, strategy)?,
+        ProgramKind::Fused(strategy) => fused_body(&mut f, s, &d, strategy)?,
+    };
+    let got: Vec<TensorType> = outs.iter().map(Value::ty).collect();
+    if got != d.sig.result_types() {
+        let names: Vec<&str> = d.sig.results.iter().map(|p| p.name).collect();
+        return Err(crate::TpuError::builder(
+            "program",
+            format!(
+                "internal: {kind:?} returns {} values ({got:?}), its signature {} ({names:?}: {:?})",
+                got.len(),
+                names.len(),
+                d.sig.result_types()
+            ),
+        ));
+    }
+    f.ret(&outs)?;
+    Ok((f, d.sig))
+}
+
+/// The text of a module holding program `kind` of `s` as its public `@main`.
+pub fn program(s: &KernelSpec, kind: ProgramKind) -> Result<String> {
+    let (f, _) = build("main", true, s, kind)?;
     let mut m = Module::new();
     m.add(f)?;
     Ok(m.to_text())
@@ -396,81 +448,87 @@ fn finish(mut f: FnBuilder, outs: &[Value]) -> Result<String> {
 /// With slabs (`s.slab`, the TPU configuration) it runs as `forward_slabs`; otherwise the
 /// chunk terms are computed for all chunks at once.
 pub fn forward_program(s: &KernelSpec, keep_h: bool) -> Result<String> {
-    let mut f = FnBuilder::new("main", true);
-    f.set_dot_precision(crate::hlo::Precision::Highest);
-    let a = declare(&mut f, s)?;
-    let w = working(&mut f, s, &a)?;
+    program(s, ProgramKind::Forward(keep_h))
+}
+
+fn forward_body(f: &mut FnBuilder, s: &KernelSpec, d: &Declared, keep_h: bool) -> Result<Vec<Value>> {
+    let a = d.args()?;
+    let w = working(f, s, &a)?;
     if s.in_slabs() {
         // The TPU configuration: slab by slab, one slab's intermediates live at a time.
-        let sl = Slabs::new(&mut f, s, &a, &w)?;
+        let sl = Slabs::new(f, s, &a, &w)?;
         let keep = if keep_h { SlabKeep::States } else { SlabKeep::Nothing };
-        let fwd = forward_slabs(&mut f, s, &a, &sl, keep)?;
+        let fwd = forward_slabs(f, s, &a, &sl, keep)?;
         let mut outs = vec![fwd.o];
         outs.extend(fwd.final_state);
         if let Some(&h) = fwd.kept.first() {
             outs.push(f.slice_axis(h, 1, 0, s.chunks() as i64)?);
         }
-        return finish(f, &outs);
+        return Ok(outs);
     }
-    let ct = chunk_terms(&mut f, w.qc, w.kc, w.vc, w.gc, w.betac, s.scale as f32, s.slab == 0)?;
+    let ct = chunk_terms(f, w.qc, w.kc, w.vc, w.gc, w.betac, s.scale as f32, s.slab == 0)?;
     if !keep_h {
         // The forward alone on the CPU configuration: outputs formed inside the recurrence, no
         // per-chunk states kept (about 1 ms and 9 MB of scratch less on the CPU plugin; on
         // tpu7x this form raised the peak, and the TPU configuration runs in slabs instead).
-        let h0 = state_tab(&mut f, s, a.h0)?;
-        let tables = loop_tables(&mut f, s, a.tables)?;
-        let run = run_output(&mut f, s, tables, h0, &ct, s.scale as f32)?;
-        let o = prep::from_chunks(&mut f, s, run.o, a.token_slot)?;
-        let mut outs = vec![prep::to_caller(&mut f, s, o, prep::elem(s.dtype))?];
+        let h0 = state_tab(f, s, a.h0)?;
+        let tables = loop_tables(f, s, a.tables)?;
+        let run = run_output(f, s, tables, h0, &ct, s.scale as f32)?;
+        let o = prep::from_chunks(f, s, run.o, a.token_slot)?;
+        let mut outs = vec![prep::to_caller(f, s, o, prep::elem(s.dtype))?];
         if s.final_state {
-            outs.push(prep::state_from_table(&mut f, s, run.final_tab)?);
+            outs.push(prep::state_from_table(f, s, run.final_tab)?);
         }
-        return finish(f, &outs);
+        return Ok(outs);
     }
-    let fw = forward_core(&mut f, s, &a, &w, &ct)?;
+    let fw = forward_core(f, s, &a, &w, &ct)?;
     let mut outs = vec![fw.o];
     outs.extend(fw.final_state);
     if keep_h {
         outs.push(fw.h);
     }
-    finish(f, &outs)
+    Ok(outs)
 }
 
 /// The backward program. Inputs: the forward's, then `[h]` (saved state), `do`, `[dht]`.
 /// Outputs: `dq dk dv dg dbeta [dh0] [da_log] [ddt_bias]`.
 pub fn backward_program(s: &KernelSpec, strategy: BackwardStrategy) -> Result<String> {
-    let mut f = FnBuilder::new("main", true);
-    f.set_dot_precision(crate::hlo::Precision::Highest);
-    let a = declare(&mut f, s)?;
+    program(s, ProgramKind::Backward(strategy))
+}
+
+fn backward_body(
+    f: &mut FnBuilder,
+    s: &KernelSpec,
+    d: &Declared,
+    strategy: BackwardStrategy,
+) -> Result<Vec<Value>> {
+    let a = d.args()?;
     let saved = match strategy {
-        BackwardStrategy::SavedState => Some(f.arg(TensorType::new(
-            ElemType::F32,
-            &[s.lanes() as i64, s.chunks() as i64, s.k as i64, s.v as i64],
-        ))?),
+        BackwardStrategy::SavedState => Some(d.need("h")?),
         BackwardStrategy::Rematerialize => None,
     };
-    let d_o = f.arg(TensorType::new(prep::elem(s.dtype), &s.token_dims(s.v)))?;
-    let dht = if s.has_dht { Some(f.arg(TensorType::new(ElemType::F32, &s.state_dims()))?) } else { None };
-    let w = working(&mut f, s, &a)?;
-    let ct = chunk_terms(&mut f, w.qc, w.kc, w.vc, w.gc, w.betac, s.scale as f32, s.slab == 0)?;
+    let d_o = d.need("do")?;
+    let dht = d.get("dht");
+    let w = working(f, s, &a)?;
+    let ct = chunk_terms(f, w.qc, w.kc, w.vc, w.gc, w.betac, s.scale as f32, s.slab == 0)?;
     let (h, v_new) = match saved {
         Some(h) => {
             // v_new = u - w S0, chunk-parallel from the saved states.
-            let hf = flat(&mut f, h)?;
+            let hf = flat(f, h)?;
             let ws = f.batch_matmul(ct.w, hf, false, false)?;
             let vn = f.sub(ct.u, ws)?;
             let vn = f.reshape(vn, &[s.lanes() as i64, s.chunks() as i64, CHUNK as i64, s.v as i64])?;
             (h, vn)
         }
         None => {
-            let h0 = state_tab(&mut f, s, a.h0)?;
-            let tables = loop_tables(&mut f, s, a.tables)?;
-            let run = run_states(&mut f, s, tables, h0, &ct)?;
+            let h0 = state_tab(f, s, a.h0)?;
+            let tables = loop_tables(f, s, a.tables)?;
+            let run = run_states(f, s, tables, h0, &ct)?;
             (run.h, run.v_new)
         }
     };
-    let outs = backward_core(&mut f, s, &a, &w, &ct, (h, v_new), (d_o, dht))?;
-    finish(f, &outs)
+    let outs = backward_core(f, s, &a, &w, &ct, (h, v_new), (d_o, dht))?;
+    Ok(outs)
 }
 
 /// The fused forward+VJP program: inputs of the forward then `do`, `[dht]`; outputs `o`,
@@ -478,26 +536,33 @@ pub fn backward_program(s: &KernelSpec, strategy: BackwardStrategy) -> Result<St
 /// state and the backward re-runs the slab's recurrence; without slabs both strategies read the
 /// forward's states, which the one executable holds anyway.
 pub fn fused_program(s: &KernelSpec, strategy: BackwardStrategy) -> Result<String> {
-    let mut f = FnBuilder::new("main", true);
-    f.set_dot_precision(crate::hlo::Precision::Highest);
-    let a = declare(&mut f, s)?;
-    let d_o = f.arg(TensorType::new(prep::elem(s.dtype), &s.token_dims(s.v)))?;
-    let dht = if s.has_dht { Some(f.arg(TensorType::new(ElemType::F32, &s.state_dims()))?) } else { None };
-    let w = working(&mut f, s, &a)?;
+    program(s, ProgramKind::Fused(strategy))
+}
+
+fn fused_body(
+    f: &mut FnBuilder,
+    s: &KernelSpec,
+    d: &Declared,
+    strategy: BackwardStrategy,
+) -> Result<Vec<Value>> {
+    let a = d.args()?;
+    let d_o = d.need("do")?;
+    let dht = d.get("dht");
+    let w = working(f, s, &a)?;
     if s.in_slabs() {
-        let outs = fused_slabs(&mut f, s, &a, &w, strategy, (d_o, dht))?;
-        return finish(f, &outs);
+        let outs = fused_slabs(f, s, &a, &w, strategy, (d_o, dht))?;
+        return Ok(outs);
     }
-    let ct = chunk_terms(&mut f, w.qc, w.kc, w.vc, w.gc, w.betac, s.scale as f32, s.slab == 0)?;
+    let ct = chunk_terms(f, w.qc, w.kc, w.vc, w.gc, w.betac, s.scale as f32, s.slab == 0)?;
     // Without slabs the forward's per-chunk states are live in this executable whichever the
     // strategy, so the backward half reads them: re-running the identical recurrence would only
     // cost time. The strategies differ in slabs (`fused_slabs`) and in the split path.
-    let fw = forward_core(&mut f, s, &a, &w, &ct)?;
-    let grads = backward_core(&mut f, s, &a, &w, &ct, (fw.h, fw.v_new), (d_o, dht))?;
+    let fw = forward_core(f, s, &a, &w, &ct)?;
+    let grads = backward_core(f, s, &a, &w, &ct, (fw.h, fw.v_new), (d_o, dht))?;
     let mut outs = vec![fw.o];
     outs.extend(fw.final_state);
     outs.extend(grads);
-    finish(f, &outs)
+    Ok(outs)
 }
 
 /// `[L*NT, C, D]` chunk tensor as `[L, NTP, C, D]`, zero chunks appended up to `ntp`.

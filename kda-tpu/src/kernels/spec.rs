@@ -96,6 +96,18 @@ impl KernelSpec {
             slab: 0,
         }
     }
+    /// The spec of a call's inputs, as the backend builds it: validated, packed segments at
+    /// `kda-packed`'s static capacity, `g` read in its own dtype, no slabs (see
+    /// [`KernelSpec::with_slab`]). `has_dht`: whether backward and fused programs take `dht`.
+    pub fn of_inputs(inputs: &kda_core::KdaInputs, has_dht: bool) -> crate::Result<Self> {
+        let p = inputs.validate()?;
+        let packed = if p.segments.is_packed() {
+            Some(kda_packed::StaticCapacity::new(p.dims.b, p.dims.t, p.dims.n, CHUNK)?.chunks())
+        } else {
+            None
+        };
+        Ok(KernelSpec::new(&p, packed, has_dht).with_g_dtype(inputs.g.dtype()))
+    }
     /// The same spec reading `g` (and writing `dg`) as `dtype` (bf16, or f32 for f32 and f64).
     pub fn with_g_dtype(mut self, dtype: DType) -> Self {
         self.g_dtype = on_device(dtype);

@@ -21,6 +21,8 @@ fn programs(variant: Variant) -> Vec<(&'static str, ProgramKind)> {
         }
         Variant::FusedSavedState => vec![("fused", ProgramKind::Fused(SavedState))],
         Variant::FusedRemat => vec![("fused", ProgramKind::Fused(Rematerialize))],
+        // The api suite times these itself (`measure_api`).
+        Variant::DeviceApi | Variant::HostApi | Variant::HostCopy => vec![],
     }
 }
 
@@ -126,6 +128,120 @@ impl Measure<'_> {
     }
 }
 
+/// The `api` suite on one case and dtype: the fused saved-state program alone, the device
+/// API, the host API and one host copy of the call's input and output bytes, timed in
+/// alternation (one of each per round) so that drift of the shared machine hits all four alike.
+fn measure_api(
+    be: &PjrtBackend,
+    case: &Case,
+    dtype: DType,
+    data: &kda_testkit::CaseData,
+    iterations: usize,
+) -> Result<Vec<BenchRecord>, String> {
+    use kda_core::Backend;
+    let label = format!("{} api {dtype}", case.name);
+    let strategy = BackwardStrategy::SavedState;
+    let kind = ProgramKind::Fused(strategy);
+    let call = be.upload_call(&data.inputs, Some(&data.cotangents)).map_err(err)?;
+    crate::progress::step("bench", format_args!("{label}: compiling the fused program..."));
+    be.prepare(call.spec(), &[kind]).map_err(err)?;
+    let x = be.upload_inputs(&data.inputs).map_err(err)?;
+    let c = be.upload_cotangents(&data.cotangents, call.problem()).map_err(err)?;
+    let (outputs, grads) = be.forward_and_vjp(&data.inputs, &data.cotangents, strategy).map_err(err)?;
+    let mut host: Vec<&kda_core::HostTensor> = vec![&data.inputs.q, &data.inputs.k, &data.inputs.v];
+    host.extend([&data.inputs.g, &data.inputs.beta, &data.cotangents.d_o, &outputs.o]);
+    host.extend(grads.named().into_iter().map(|(_, t)| t));
+    let bytes: usize = host.iter().map(|t| t.as_bytes().len()).sum();
+    let variants = [Variant::FusedSavedState, Variant::DeviceApi, Variant::HostApi, Variant::HostCopy];
+    let mut times = vec![Vec::with_capacity(iterations); variants.len()];
+    crate::progress::step(
+        "bench",
+        format_args!(
+            "{label}: {iterations} rounds of program / device API / host API / host copy ({bytes} bytes)..."
+        ),
+    );
+    for round in 0..=iterations {
+        for (i, v) in variants.iter().enumerate() {
+            let t = Instant::now();
+            match v {
+                Variant::FusedSavedState => drop(be.run_program(&call, kind, None).map_err(err)?),
+                Variant::DeviceApi => drop(be.forward_and_vjp_device(&x, &c, strategy).map_err(err)?),
+                Variant::HostApi => {
+                    drop(be.forward_and_vjp(&data.inputs, &data.cotangents, strategy).map_err(err)?)
+                }
+                _ => drop(std::hint::black_box(host.iter().map(|t| (*t).clone()).collect::<Vec<_>>())),
+            }
+            // Round 0 is the warm-up.
+            if round > 0 {
+                times[i].push(ms(t.elapsed()));
+            }
+        }
+    }
+    if case.segments == CaseSegments::Fixed && dtype == DType::F32 {
+        threads_throughput(be, data, iterations)?;
+    }
+    let segments = match &case.segments {
+        CaseSegments::Fixed => None,
+        CaseSegments::Lengths(rows) | CaseSegments::SegmentIds(rows) => rows.first().cloned(),
+    };
+    Ok(variants
+        .into_iter()
+        .zip(times)
+        .map(|(variant, times_ms)| BenchRecord {
+            suite: Suite::Api,
+            variant,
+            dtype,
+            case: case.name.to_string(),
+            shape: [case.h, case.b, case.t, case.k, case.v],
+            segments: segments.clone(),
+            times_ms,
+            programs: Vec::new(),
+        })
+        .collect())
+}
+
+/// Host-API fused calls per second from 1, 2 and 8 threads sharing one handle (each thread
+/// makes `iterations` calls). Calls run one at a time on the handle's device worker, so more
+/// threads overlap only their host-side work (validation, copies) with the device's.
+fn threads_throughput(
+    be: &PjrtBackend,
+    data: &kda_testkit::CaseData,
+    iterations: usize,
+) -> Result<(), String> {
+    use kda_core::Backend;
+    for n in [1usize, 2, 8] {
+        let t = Instant::now();
+        std::thread::scope(|scope| -> Result<(), String> {
+            let workers: Vec<_> = (0..n)
+                .map(|_| {
+                    scope.spawn(|| -> Result<(), String> {
+                        for _ in 0..iterations {
+                            drop(
+                                be.forward_and_vjp(
+                                    &data.inputs,
+                                    &data.cotangents,
+                                    BackwardStrategy::SavedState,
+                                )
+                                .map_err(err)?,
+                            );
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .try_for_each(|w| w.join().map_err(|_| "a bench thread panicked".to_string())?)
+        })?;
+        let secs = t.elapsed().as_secs_f64();
+        println!(
+            "threads on one handle: {n} x {iterations} fused host-API calls in {secs:.2} s: {:.1} calls/s",
+            (n * iterations) as f64 / secs
+        );
+    }
+    Ok(())
+}
+
 /// Runs the suites of `opts`; `args` (the flags as typed) go into the report.
 pub fn run(opts: &BenchOptions, args: &[String]) -> Result<(), String> {
     let machine = Machine::collect();
@@ -167,6 +283,10 @@ pub fn run(opts: &BenchOptions, args: &[String]) -> Result<(), String> {
                     format_args!("{name} {dtype}: preparing and uploading inputs..."),
                 );
                 let data = case_data(&case, dtype).map_err(err)?;
+                if suite == Suite::Api {
+                    records.extend(measure_api(&be, &case, dtype, &data, opts.iterations)?);
+                    continue;
+                }
                 let cot = (suite != Suite::Forward).then_some(&data.cotangents);
                 let call = be.upload_call(&data.inputs, cot).map_err(err)?;
                 let m = Measure { be: &be, tpu: tpu.as_ref(), call: &call, iterations: opts.iterations };
@@ -182,6 +302,9 @@ pub fn run(opts: &BenchOptions, args: &[String]) -> Result<(), String> {
             opts.iterations
         );
         print!("{}", console_table(&records));
+        if suite == Suite::Api {
+            print!("\n{}", crate::bench::api_summary(&records));
+        }
         if let Some(path) = &opts.markdown {
             write_markdown(path, suite, &markdown_section(suite, &records, &info))?;
             crate::progress::step(
