@@ -242,6 +242,13 @@ impl KdaInputs {
     /// Checks every rule of the contract and returns the validated problem.
     pub fn validate(&self) -> Result<Problem> {
         let problem = self.view().validate()?;
+        self.check_values()?;
+        Ok(problem)
+    }
+
+    /// The value rules alone (finite entries, beta in `[0, 1]`); [`KdaInputs::validate`] runs
+    /// them after the shape rules. A backend may run them while it copies the tensors.
+    pub fn check_values(&self) -> Result<()> {
         for (arg, x) in [("q", &self.q), ("k", &self.k), ("v", &self.v), ("g", &self.g), ("beta", &self.beta)]
         {
             finite(arg, x)?;
@@ -262,7 +269,7 @@ impl KdaInputs {
                 }
             }
         }
-        Ok(problem)
+        Ok(())
     }
 }
 
@@ -280,6 +287,11 @@ impl Cotangents {
     /// Checks the cotangents against a validated problem.
     pub fn validate(&self, p: &Problem) -> Result<()> {
         validate_cotangent_shapes(p, &self.d_o, self.dht.as_ref())?;
+        self.check_values()
+    }
+
+    /// The value rules alone (finite entries).
+    pub fn check_values(&self) -> Result<()> {
         finite("do", &self.d_o)?;
         if let Some(dht) = &self.dht {
             finite("dht", dht)?;

@@ -87,6 +87,13 @@ fn main() -> Result<(), Error> {
     let sgd = backend.compile_program(&sgd_program(h, h * k)?)?;
     let mut x = backend.upload_inputs(&inputs)?;
     println!("uploaded the layer's inputs: {} bytes", backend.transfer_stats().to_device);
+    // What a step may move: the forward's and the backward's index tables, built on the host
+    // from the segments (i32), and the 4-byte loss back.
+    let spec = kda_tpu::KernelSpec::of_inputs(&inputs, false)?;
+    let table_bytes: u64 = kda_tpu::kernels::index_tables(&spec, inputs.segments.as_ref())?
+        .iter()
+        .map(|t| 4 * t.data.len() as u64)
+        .sum();
 
     let strategy = BackwardStrategy::SavedState;
     let mut last = None;
@@ -105,11 +112,10 @@ fn main() -> Result<(), Error> {
         let updated = backend.execute(&sgd, &[a_log, &da_log, dt_bias, &ddt_bias])?;
         let crossed = backend.transfer_stats().since(before);
         println!(
-            "step {step}: loss {loss:.6}; crossed {} bytes to the device, {} bytes back, {} programs",
+            "step {step}: loss {loss:.6}; {} bytes to the device (index tables: 2 x {table_bytes}), {} bytes back (the loss), {} programs",
             crossed.to_device, crossed.to_host, crossed.executions
         );
-        // Index tables of the forward and the backward (i32) and the 4-byte loss only.
-        if crossed.to_device > 4096 || crossed.to_host != 4 {
+        if crossed.to_device != 2 * table_bytes || crossed.to_host != 4 {
             return Err(
                 format!("step {step}: more than index tables and the loss crossed: {crossed:?}").into()
             );

@@ -2,8 +2,8 @@
 //! training loop keeps its activations on the device and only index tables cross per call.
 
 use kda_core::{
-    validate_cotangent_shapes, BackwardStrategy, Cotangents, DType, GateKind, GateMode, KdaConfig, KdaError,
-    KdaInputs, Layout, Problem, Residuals, Segments,
+    validate_cotangent_shapes, BackwardStrategy, Cotangents, DType, GateKind, GateMode, HostTensor,
+    KdaConfig, KdaError, KdaInputs, Layout, Problem, Residuals, Segments,
 };
 
 use super::tensor::{DeviceTensor, Meta};
@@ -228,6 +228,16 @@ pub(crate) fn index_tables(spec: &KernelSpec, p: &Problem) -> kda_core::Result<V
     Ok(tables.into_iter().map(|t| Upload::i32(t.data, t.dims)).collect())
 }
 
+/// How a tensor travels in `dtype` (f32 or bf16; a cast only when it differs).
+fn cast_to(dtype: DType) -> fn(&HostTensor) -> Upload {
+    match dtype {
+        DType::BF16 => {
+            |t| if t.dtype() == DType::BF16 { Upload::of(t) } else { Upload::owned(t.cast(DType::BF16)) }
+        }
+        _ => |t| if t.dtype() == DType::F32 { Upload::of(t) } else { Upload::owned(t.cast(DType::F32)) },
+    }
+}
+
 fn layout_name(l: Layout) -> &'static str {
     match l {
         Layout::HeadFirst => "head-first",
@@ -239,18 +249,19 @@ impl PjrtBackend {
     /// Validates host inputs (values included) and copies them to the device: per-token tensors
     /// tagged with the config's layout, `beta` in q's dtype, states and gate parameters in f32.
     pub fn upload_inputs(&self, x: &KdaInputs) -> kda_core::Result<DeviceInputs> {
-        let p = x.validate()?;
+        let p = x.view().validate()?;
         kda_core::Backend::supports(self, &p)?;
-        let mut ups = vec![Upload::of(&x.q), Upload::of(&x.k), Upload::of(&x.v), Upload::of(&x.g)];
-        ups.push(Upload::owned(x.beta.cast(p.dtype)));
-        ups.extend(x.initial_state.as_ref().map(Upload::f32));
+        let of: fn(&HostTensor) -> Upload = Upload::of;
+        let f32: fn(&HostTensor) -> Upload = Upload::f32;
+        let mut ups = vec![(&x.q, of), (&x.k, of), (&x.v, of), (&x.g, of), (&x.beta, cast_to(p.dtype))];
+        ups.extend(x.initial_state.as_ref().map(|t| (t, f32)));
         let gate_params = x.gate.params();
         if let Some((a_log, dt)) = gate_params {
             let a_log = a_log.ok_or_else(|| KdaError::missing("a_log", "an in-kernel gate needs a_log"))?;
-            ups.push(Upload::f32(a_log));
-            ups.extend(dt.map(Upload::f32));
+            ups.push((a_log, f32));
+            ups.extend(dt.map(|t| (t, f32)));
         }
-        let mut t = self.upload_all(ups)?.into_iter();
+        let mut t = self.upload_each(ups, || x.check_values())?.into_iter();
         let mut next =
             || t.next().ok_or_else(|| KdaError::backend("upload", "one tensor per upload", "too few"));
         let lay = p.layout;
@@ -293,10 +304,11 @@ impl PjrtBackend {
     /// Validates host cotangents against a problem and copies them to the device (`do` in the
     /// problem's dtype, `dht` in f32).
     pub fn upload_cotangents(&self, c: &Cotangents, p: &Problem) -> kda_core::Result<DeviceCotangents> {
-        c.validate(p)?;
-        let mut ups = vec![Upload::owned(c.d_o.cast(p.dtype))];
-        ups.extend(c.dht.as_ref().map(Upload::f32));
-        let mut t = self.upload_all(ups)?.into_iter();
+        validate_cotangent_shapes(p, &c.d_o, c.dht.as_ref())?;
+        let f32: fn(&HostTensor) -> Upload = Upload::f32;
+        let mut ups = vec![(&c.d_o, cast_to(p.dtype))];
+        ups.extend(c.dht.as_ref().map(|t| (t, f32)));
+        let mut t = self.upload_each(ups, || c.check_values())?.into_iter();
         let d_o = t.next().ok_or_else(|| KdaError::backend("upload", "do", "nothing"))?.with_layout(p.layout);
         Ok(DeviceCotangents { d_o, dht: t.next() })
     }

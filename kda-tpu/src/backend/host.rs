@@ -48,18 +48,20 @@ impl PjrtBackend {
     fn download_gradients(&self, g: &DeviceGradients, types: Option<Gradtypes>) -> Result<KdaGradients> {
         let named = g.named();
         let ts: Vec<&DeviceTensor> = named.iter().map(|(_, t)| *t).collect();
-        let host = self.download_all(&ts)?;
+        let mut host = self.download_all(&ts)?.into_iter();
+        let mut next =
+            || host.next().ok_or_else(|| KdaError::backend("download", "one tensor per gradient", "too few"));
         let mut grads = KdaGradients {
-            dq: host[0].clone(),
-            dk: host[1].clone(),
-            dv: host[2].clone(),
-            dg: host[3].clone(),
-            dbeta: host[4].clone(),
+            dq: next()?,
+            dk: next()?,
+            dv: next()?,
+            dg: next()?,
+            dbeta: next()?,
             dh0: None,
             da_log: None,
             ddt_bias: None,
         };
-        for ((name, _), t) in named.iter().zip(host).skip(5) {
+        for ((name, _), t) in named.iter().skip(5).zip(host) {
             match *name {
                 "dh0" => grads.dh0 = Some(t),
                 "da_log" => grads.da_log = Some(t),

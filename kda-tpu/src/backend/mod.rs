@@ -134,20 +134,25 @@ impl Worker {
     pub(crate) fn upload(&mut self, counters: &worker::Counters, u: Upload) -> Result<crate::DeviceBuffer> {
         counters.to_device.fetch_add(u.bytes(), std::sync::atomic::Ordering::Relaxed);
         match u.data {
-            HostData::F32(x) => self.rt.upload_f32(&x, &u.dims),
-            HostData::Bf16(x) => self.rt.upload_bf16(&x, &u.dims),
-            HostData::I32(x) => self.rt.upload_i32(&x, &u.dims),
+            HostData::F32(x) => self.rt.upload_f32_vec(x, &u.dims),
+            HostData::Bf16(x) => self.rt.upload_bf16_vec(x, &u.dims),
+            HostData::I32(x) => self.rt.upload_i32_vec(x, &u.dims),
         }
     }
 
-    /// Downloads a kept buffer as a host tensor (counted); i32 buffers are an error.
-    pub(crate) fn download(&self, counters: &worker::Counters, id: u64) -> Result<HostTensor> {
+    /// Downloads a kept buffer as a host tensor of `shape` (same element count; counted);
+    /// i32 buffers are an error.
+    pub(crate) fn download(
+        &self,
+        counters: &worker::Counters,
+        id: u64,
+        shape: &[usize],
+    ) -> Result<HostTensor> {
         let buf = self.buffer(id)?;
-        let shape: Vec<usize> = buf.dims().iter().map(|&d| d as usize).collect();
         let bytes = buf.num_elements() * buf.dtype().size_bytes();
         let t = match buf.dtype() {
-            ElementType::Bf16 => HostTensor::from_bf16(&shape, self.rt.download_bf16(buf)?),
-            ElementType::F32 => HostTensor::from_f32(&shape, self.rt.download_f32(buf)?),
+            ElementType::Bf16 => HostTensor::from_bf16(shape, self.rt.download_bf16(buf)?),
+            ElementType::F32 => HostTensor::from_f32(shape, self.rt.download_f32(buf)?),
             other => {
                 return Err(TpuError::Transfer {
                     what: "download".to_string(),
@@ -266,6 +271,36 @@ impl PjrtBackend {
         Ok(self.upload_all(vec![Upload::i32(data.to_vec(), dims)])?.remove(0))
     }
 
+    /// Uploads host tensors one job each, preparing (copying, casting) the next on this thread
+    /// while the worker hands the previous one to the plugin: on two or more cores the host
+    /// copy that owned uploads need costs little wall time.
+    /// `meanwhile` runs on this thread after the last job is sent (value checks); its error
+    /// wins, and the uploaded tensors are then freed.
+    pub(crate) fn upload_each<'t>(
+        &self,
+        items: impl IntoIterator<Item = (&'t HostTensor, fn(&HostTensor) -> Upload)>,
+        meanwhile: impl FnOnce() -> kda_core::Result<()>,
+    ) -> kda_core::Result<Vec<DeviceTensor>> {
+        let mut pending = Vec::new();
+        for (t, prepare) in items {
+            let (u, counters) = (prepare(t), self.shared.counters.clone());
+            pending.push(
+                self.shared
+                    .submit("upload", move |w| {
+                        let buf = w.upload(&counters, u)?;
+                        Ok(w.keep(buf))
+                    })
+                    .map_err(e)?,
+            );
+        }
+        let checked = meanwhile();
+        let infos: Vec<Result<BufferInfo>> = pending.into_iter().map(|p| p.wait()).collect();
+        let tensors: Vec<Result<DeviceTensor>> =
+            infos.into_iter().map(|i| i.map(|i| DeviceTensor::wrap(&self.shared, i, None))).collect();
+        checked?;
+        tensors.into_iter().collect::<Result<Vec<_>>>().map_err(e)
+    }
+
     pub(crate) fn upload_all(&self, uploads: Vec<Upload>) -> kda_core::Result<Vec<DeviceTensor>> {
         let counters = self.shared.counters.clone();
         let infos = self
@@ -292,16 +327,13 @@ impl PjrtBackend {
         for (i, t) in ts.iter().enumerate() {
             t.check_owner(&self.shared, &format!("tensor {i}")).map_err(e)?;
         }
-        let ids: Vec<u64> = ts.iter().map(|t| t.id()).collect();
+        let wanted: Vec<(u64, Vec<usize>)> = ts.iter().map(|t| (t.id(), t.shape().to_vec())).collect();
         let counters = self.shared.counters.clone();
-        let host: Vec<HostTensor> = self
-            .shared
-            .call("download", move |w| ids.iter().map(|&id| w.download(&counters, id)).collect())
-            .map_err(e)?;
-        host.into_iter()
-            .zip(ts)
-            .map(|(h, t)| if h.shape() == t.shape() { Ok(h) } else { h.reshape(t.shape()) })
-            .collect()
+        self.shared
+            .call("download", move |w| {
+                wanted.iter().map(|(id, shape)| w.download(&counters, *id, shape)).collect()
+            })
+            .map_err(e)
     }
 
     /// Compiles a caller's StableHLO program (with `@main`) on this handle's device, through the

@@ -186,6 +186,16 @@ impl Shared {
         stage: &'static str,
         f: impl FnOnce(&mut Worker) -> Result<R> + Send + 'static,
     ) -> Result<R> {
+        self.submit(stage, f)?.wait()
+    }
+
+    /// Sends `f` to the worker without waiting; [`Pending::wait`] gets its result. Lets the
+    /// caller prepare the next job's host data while the worker runs this one.
+    pub(crate) fn submit<R: Send + 'static>(
+        &self,
+        stage: &'static str,
+        f: impl FnOnce(&mut Worker) -> Result<R> + Send + 'static,
+    ) -> Result<Pending<'_, R>> {
         self.check()?;
         let (reply_tx, reply_rx) = mpsc::sync_channel::<Result<R>>(1);
         let poison = self.poison.clone();
@@ -202,11 +212,14 @@ impl Shared {
             };
             let _ = reply_tx.send(result);
         });
-        let stopped = || TpuError::Poisoned {
+        self.tx.as_ref().ok_or_else(|| self.stopped())?.send(job).map_err(|_| self.stopped())?;
+        Ok(Pending { shared: self, reply: reply_rx })
+    }
+
+    fn stopped(&self) -> TpuError {
+        TpuError::Poisoned {
             message: self.poison.get().unwrap_or_else(|| "the device worker has stopped".to_string()),
-        };
-        self.tx.as_ref().ok_or_else(stopped)?.send(job).map_err(|_| stopped())?;
-        reply_rx.recv().map_err(|_| stopped())?
+        }
     }
 
     /// Frees the buffer (or program) behind `id`, without waiting. A no-op after the worker stopped.
@@ -234,6 +247,19 @@ impl Drop for Shared {
                 let _ = t.join();
             }
         }
+    }
+}
+
+/// A job sent to the worker whose result has not been read yet.
+pub(crate) struct Pending<'a, R> {
+    shared: &'a Shared,
+    reply: Receiver<Result<R>>,
+}
+
+impl<R> Pending<'_, R> {
+    /// Blocks until the job has run; a worker that stopped before replying is an error.
+    pub(crate) fn wait(self) -> Result<R> {
+        self.reply.recv().map_err(|_| self.shared.stopped())?
     }
 }
 

@@ -7,7 +7,7 @@
 use std::fmt;
 
 use kda_core::KdaError;
-use pjrt::{Buffer, Client, Device, ElemType, Event, PrimitiveType, Type, TypedHostBuffer};
+use pjrt::{Buffer, Client, Device, ElemType, PrimitiveType, Type, TypedHostBuffer};
 use pjrt_sys::PJRT_Buffer;
 
 use super::raw::paired_ptr;
@@ -96,6 +96,12 @@ impl fmt::Display for ElementType {
 #[repr(transparent)]
 pub(crate) struct Bf16Bits(pub(crate) u16);
 
+// SAFETY: `Bf16Bits` is `repr(transparent)` over `u16`: every bit pattern is valid, zero
+// included, and it has no padding; so a `Vec<half::bf16>` can be reused as one without a copy.
+unsafe impl bytemuck::Zeroable for Bf16Bits {}
+// SAFETY: as above.
+unsafe impl bytemuck::Pod for Bf16Bits {}
+
 /// The pjrt `Type` marker for [`Bf16Bits`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Bf16Type;
@@ -114,7 +120,8 @@ impl ElemType for Bf16Bits {
 /// A tensor on the runtime's device, with its dtype and dims read once at creation.
 /// Not `Send`: it belongs to the thread of its [`Runtime`](super::Runtime).
 pub struct DeviceBuffer {
-    buf: Buffer,
+    /// Owns the plugin's buffer: dropping it frees the device memory. Read through `raw`.
+    _buf: Buffer,
     raw: *mut PJRT_Buffer,
     dtype: ElementType,
     dims: Vec<i64>,
@@ -132,7 +139,7 @@ impl DeviceBuffer {
         let raw = paired_ptr::<Buffer, PJRT_Buffer>(client, &buf)?;
         let dtype = ElementType::from_primitive(buf.primitive_type())?;
         let dims = buf.dims();
-        Ok(Self { buf, raw, dtype, dims })
+        Ok(Self { _buf: buf, raw, dtype, dims })
     }
     /// The element type.
     pub fn dtype(&self) -> ElementType {
@@ -158,9 +165,6 @@ impl DeviceBuffer {
     }
     pub(crate) fn raw(&self) -> *mut PJRT_Buffer {
         self.raw
-    }
-    pub(crate) fn buffer(&self) -> &Buffer {
-        &self.buf
     }
 }
 
@@ -197,25 +201,4 @@ pub(crate) fn upload<E: ElemType>(
         message: pjrt_message(&e),
     })?;
     DeviceBuffer::wrap(client, buf)
-}
-
-/// Device -> host copy as raw bytes, after checking the buffer holds `want`.
-pub(crate) fn download_bytes(buf: &DeviceBuffer, want: ElementType, arg: &str) -> Result<Vec<u8>> {
-    if buf.dtype != want {
-        return Err(KdaError::dtype(arg, want.name(), buf.dtype.name()).into());
-    }
-    let transfer =
-        |e: pjrt::Error| TpuError::Transfer { what: format!("{buf:?} to host"), message: pjrt_message(&e) };
-    let (args, bytes) = buf.buffer().call_copy_to_host().map_err(transfer)?;
-    if !args.event.is_null() {
-        Event::wrap(buf.buffer().client().api(), args.event).wait().map_err(transfer)?;
-    }
-    let want_len = buf.num_elements() * want.size_bytes();
-    if bytes.len() != want_len {
-        return Err(TpuError::Transfer {
-            what: format!("{buf:?} to host"),
-            message: format!("plugin returned {} bytes, expected {want_len} (dense row-major)", bytes.len()),
-        });
-    }
-    Ok(bytes)
 }

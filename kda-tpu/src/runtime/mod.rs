@@ -30,7 +30,7 @@ pub use compile::{CompileOptions, Executable, XlaOption};
 pub use raw::MemoryStats;
 pub use signature::{Signature, TensorType};
 
-use buffer::{download_bytes, upload, Bf16Bits};
+use buffer::{upload, Bf16Bits};
 use compile::CacheKey;
 use execute::{check_inputs, check_outputs, Borrowed};
 use guard::guarded;
@@ -274,6 +274,23 @@ impl Runtime {
         self.upload_vec(data.to_vec(), dims)
     }
 
+    /// Uploads owned f32 data (no copy on the host before the plugin's own).
+    pub(crate) fn upload_f32_vec(&self, data: Vec<f32>, dims: &[i64]) -> Result<DeviceBuffer> {
+        self.upload_vec(data, dims)
+    }
+    /// Uploads owned bf16 data (reinterpreted in place as the plugin's bf16 element).
+    pub(crate) fn upload_bf16_vec(&self, data: Vec<half::bf16>, dims: &[i64]) -> Result<DeviceBuffer> {
+        let bits: Vec<Bf16Bits> = match bytemuck::allocation::try_cast_vec(data) {
+            Ok(bits) => bits,
+            Err((_, data)) => data.iter().map(|x| Bf16Bits(x.to_bits())).collect(),
+        };
+        self.upload_vec(bits, dims)
+    }
+    /// Uploads owned i32 data.
+    pub(crate) fn upload_i32_vec(&self, data: Vec<i32>, dims: &[i64]) -> Result<DeviceBuffer> {
+        self.upload_vec(data, dims)
+    }
+
     fn upload_vec<E: pjrt::ElemType>(&self, data: Vec<E>, dims: &[i64]) -> Result<DeviceBuffer> {
         let _span = tracing::info_span!("transfer", to = "device", elements = data.len()).entered();
         guarded("upload", || upload(&self.client, &self.device, data, dims))
@@ -294,7 +311,27 @@ impl Runtime {
 
     fn download<T: bytemuck::Pod>(&self, buf: &DeviceBuffer, want: ElementType, arg: &str) -> Result<Vec<T>> {
         let _span = tracing::info_span!("transfer", to = "host", elements = buf.num_elements()).entered();
-        let bytes = guarded("download", || download_bytes(buf, want, arg))?;
-        Ok(bytes.chunks_exact(std::mem::size_of::<T>()).map(bytemuck::pod_read_unaligned).collect())
+        if buf.dtype() != want || std::mem::size_of::<T>() != want.size_bytes() {
+            return Err(kda_core::KdaError::dtype(arg, want.name(), buf.dtype().name()).into());
+        }
+        let n = buf.num_elements();
+        let mut out: Vec<T> = Vec::with_capacity(n);
+        let bytes = n * std::mem::size_of::<T>();
+        // SAFETY: the spare capacity holds `n` elements of `T`, i.e. `bytes` bytes; viewing
+        // uninitialised memory as `MaybeUninit<u8>` is always allowed.
+        let dst = unsafe {
+            std::slice::from_raw_parts_mut(
+                out.spare_capacity_mut().as_mut_ptr().cast::<std::mem::MaybeUninit<u8>>(),
+                bytes,
+            )
+        };
+        guarded("download", || self.raw.to_host(buf.raw(), dst)).map_err(|e| match e {
+            TpuError::Panic { .. } => e,
+            other => TpuError::Transfer { what: format!("{buf:?} to host"), message: other.to_string() },
+        })?;
+        // SAFETY: `to_host` wrote exactly `bytes` bytes (it checks the plugin's size) and
+        // every bit pattern is a valid `T` (`Pod`).
+        unsafe { out.set_len(n) };
+        Ok(out)
     }
 }

@@ -190,6 +190,34 @@ impl RawApi {
         Ok(out)
     }
 
+    /// Copies a buffer's dense row-major bytes into `dst`, which must be exactly its size, and
+    /// waits for the copy. pjrt 0.2.0's own download zero-fills a fresh `Vec<u8>` first and
+    /// hands back bytes that must be copied again to be read as `f32`; this writes once.
+    pub(crate) fn to_host(&self, buf: *mut PJRT_Buffer, dst: &mut [std::mem::MaybeUninit<u8>]) -> Result<()> {
+        let mut args = PJRT_Buffer_ToHostBuffer_Args::new();
+        args.src = buf;
+        // A null `dst` asks for the size.
+        call!(self, PJRT_Buffer_ToHostBuffer, &mut args)?;
+        if args.dst_size != dst.len() {
+            return Err(raw_err(
+                "PJRT_Buffer_ToHostBuffer",
+                format!("the buffer holds {} bytes, the host array {}", args.dst_size, dst.len()),
+            ));
+        }
+        args.dst = dst.as_mut_ptr().cast();
+        call!(self, PJRT_Buffer_ToHostBuffer, &mut args)?;
+        if args.event.is_null() {
+            return Ok(());
+        }
+        let mut wait = PJRT_Event_Await_Args::new();
+        wait.event = args.event;
+        let waited = call!(self, PJRT_Event_Await, &mut wait);
+        let mut d = PJRT_Event_Destroy_Args::new();
+        d.event = args.event;
+        let _: Result<()> = (|| call!(self, PJRT_Event_Destroy, &mut d))();
+        waited
+    }
+
     pub(crate) fn destroy_executable(&self, exe: *mut PJRT_Executable) {
         let mut d = PJRT_Executable_Destroy_Args::new();
         d.executable = exe;
