@@ -286,6 +286,10 @@ pub fn benchmark_cases() -> Vec<Case> {
             segments: CaseSegments::Lengths(vec![balanced(8192, 25)]),
             ..secondary
         },
+        // The primary width at other sequence lengths (`bench_primary` is T = 1024).
+        Case { t: 512, ..Case { name: "bench_scaling_t512", ..primary.clone() } },
+        Case { t: 2048, ..Case { name: "bench_scaling_t2048", ..primary.clone() } },
+        Case { t: 4096, ..Case { name: "bench_scaling_t4096", ..primary.clone() } },
     ]
 }
 

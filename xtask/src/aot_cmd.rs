@@ -151,30 +151,34 @@ impl Default for AotOptions {
 /// Parses the arguments after `aot`; `Ok(None)` means help was asked for.
 pub fn parse_args(args: &[String]) -> Result<Option<AotOptions>, String> {
     let mut o = AotOptions::default();
-    let mut it = args.iter();
-    while let Some(arg) = it.next() {
-        let (flag, inline) = cli::split(arg);
+    let mut flags = cli::Flags::new(args);
+    while let Some(item) = flags.next()? {
+        let flag = match item {
+            cli::Item::Flag(flag) => flag,
+            cli::Item::Name(name) => return Err(format!("unknown argument `{name}`")),
+        };
+        let flag = flag.as_str();
         match flag {
             "-h" | "--help" => return Ok(None),
             "--topology" => {
-                let v = cli::value(flag, inline, &mut it)?;
+                let v = flags.value(flag)?;
                 if v.is_empty() {
                     return Err("`--topology` needs a name such as tpu7x:2x2x1".to_string());
                 }
-                o.topology = v.to_string();
+                o.topology = v;
             }
             "--program" => {
-                let v = cli::value(flag, inline, &mut it)?;
-                o.programs = cli::list(flag, v, &Program::ALL, Program::parse, &program_names())?;
+                let v = flags.value(flag)?;
+                o.programs = cli::list(flag, &v, &Program::ALL, Program::parse, &program_names())?;
             }
             "--shape" => {
-                let v = cli::value(flag, inline, &mut it)?;
+                let v = flags.value(flag)?;
                 let names = "primary, primary-packed, secondary or secondary-packed";
-                o.shapes = cli::list(flag, v, &Shape::ALL, Shape::parse, names)?;
+                o.shapes = cli::list(flag, &v, &Shape::ALL, Shape::parse, names)?;
             }
-            "--dtype" => o.dtypes = cli::dtypes(flag, cli::value(flag, inline, &mut it)?)?,
-            "--libtpu" => o.libtpu = Some(cli::value(flag, inline, &mut it)?.to_string()),
-            _ => return Err(format!("unknown argument `{arg}`")),
+            "--dtype" => o.dtypes = cli::dtypes(flag, &flags.value(flag)?)?,
+            "--libtpu" => o.libtpu = Some(flags.value(flag)?),
+            _ => return Err(format!("unknown argument `{flag}`")),
         }
     }
     Ok(Some(o))

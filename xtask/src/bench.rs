@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 /// The usage text.
 pub const USAGE: &str = "\
-usage: cargo xtask bench --suite forward|backward|backward-packed|api|all [options]
+usage: cargo xtask bench --suite forward|backward|backward-packed|api|scaling|all [options]
 
 Times KDA programs at the primary shape of spec section 8 (H=8 B=1 T=1024 K=V=128) on the PJRT
 CPU plugin: inputs uploaded once (host preparation and compiles excluded), one warm-up run,
@@ -23,11 +23,13 @@ suites:
   forward          forward only (no residuals kept), fixed and packed (segments 200,311,77,436)
   backward         forward+VJP, fixed: variants baseline, fused-saved-state, fused-remat
   backward-packed  the same with the four packed segments
+  scaling          the fused saved-state forward+VJP at the primary width (H=8, K=V=128),
+                   fixed length, T = 512, 1024, 2048, 4096: time and memory against T
   api              the fused saved-state call, fixed and packed, four ways in alternation:
                    the program alone (fused-saved-state), the device API (device-api), the
                    host API (host-api), and one host copy of its input and output bytes
                    (host-copy); prints the overhead ratios
-  all              the four above
+  all              the five above
 
 variants (backward suites):
   baseline           staged: forward program, saved states h downloaded to the host and
@@ -44,8 +46,10 @@ options:
   --no-aot              skip the tpu7x:2x2x1 compiles (tpu7x fields are null)
   --json PATH           also write the records as a JSON array
   --markdown PATH       markdown file whose section for the suite is replaced
-                        (default docs/performance.md in the workspace)
-  --no-markdown         do not write markdown
+                        (default docs/performance.md in the workspace); the suite's records
+                        replace its old ones in bench/results.json next to it, and every
+                        section and the SVG charts in charts/ are rendered from that file
+  --no-markdown         write no markdown, results or charts
   -h, --help            show this text";
 
 /// The TPU topology of the AOT figures (the JSON fields are named after it).
@@ -62,11 +66,14 @@ pub enum Suite {
     BackwardPacked,
     /// What a call costs around the fused program: device API, host API, a host copy.
     Api,
+    /// The fused saved-state forward+VJP at the primary width, T from 512 to 4096.
+    Scaling,
 }
 
 impl Suite {
     /// Every suite, in run order.
-    pub const ALL: [Suite; 4] = [Suite::Forward, Suite::Backward, Suite::BackwardPacked, Suite::Api];
+    pub const ALL: [Suite; 5] =
+        [Suite::Forward, Suite::Backward, Suite::BackwardPacked, Suite::Api, Suite::Scaling];
 
     /// The suite's flag value.
     pub fn name(self) -> &'static str {
@@ -75,6 +82,7 @@ impl Suite {
             Suite::Backward => "backward",
             Suite::BackwardPacked => "backward-packed",
             Suite::Api => "api",
+            Suite::Scaling => "scaling",
         }
     }
     /// Parses a flag value.
@@ -90,6 +98,7 @@ impl Suite {
             Suite::Api => {
                 "Call overhead of the fused saved-state forward+VJP, primary shape, fixed and packed"
             }
+            Suite::Scaling => "Forward+VJP against sequence length, primary width, fixed length",
         }
     }
     /// The benchmark cases (`kda_testkit::benchmark_cases` names) the suite runs.
@@ -99,12 +108,16 @@ impl Suite {
             Suite::Backward => &["bench_primary"],
             Suite::BackwardPacked => &["bench_primary_packed"],
             Suite::Api => &["bench_primary", "bench_primary_packed"],
+            Suite::Scaling => {
+                &["bench_scaling_t512", "bench_primary", "bench_scaling_t2048", "bench_scaling_t4096"]
+            }
         }
     }
     /// The variants the suite times.
     pub fn variants(self, baseline: bool) -> Vec<Variant> {
         match self {
             Suite::Forward => vec![Variant::Forward],
+            Suite::Scaling => vec![Variant::FusedSavedState],
             Suite::Api => {
                 vec![Variant::FusedSavedState, Variant::DeviceApi, Variant::HostApi, Variant::HostCopy]
             }
@@ -140,6 +153,20 @@ pub enum Variant {
 }
 
 impl Variant {
+    /// Every variant.
+    pub const ALL: [Variant; 7] = [
+        Variant::Forward,
+        Variant::Baseline,
+        Variant::FusedSavedState,
+        Variant::FusedRemat,
+        Variant::DeviceApi,
+        Variant::HostApi,
+        Variant::HostCopy,
+    ];
+    /// Parses a name of [`Variant::name`].
+    pub fn parse(s: &str) -> Option<Variant> {
+        Variant::ALL.into_iter().find(|v| v.name() == s)
+    }
     /// The name in tables and JSON.
     pub fn name(self) -> &'static str {
         match self {
@@ -192,49 +219,47 @@ pub fn parse_args(args: &[String]) -> Result<Option<BenchOptions>, String> {
         markdown: Some(default_markdown()),
     };
     let mut baseline_flag = None;
-    let mut it = args.iter();
-    while let Some(arg) = it.next() {
-        let (flag, inline) = cli::split(arg);
+    let mut flags = cli::Flags::new(args);
+    while let Some(item) = flags.next()? {
+        let flag = match item {
+            cli::Item::Flag(flag) => flag,
+            cli::Item::Name(name) => return Err(format!("unknown argument `{name}`")),
+        };
+        let flag = flag.as_str();
         match flag {
             "-h" | "--help" => return Ok(None),
             "--suite" => {
-                let v = cli::value(flag, inline, &mut it)?;
+                let v = flags.value(flag)?;
                 suites = Some(cli::list(
                     flag,
-                    v,
+                    &v,
                     &Suite::ALL,
                     Suite::parse,
-                    "forward, backward, backward-packed or api",
+                    "forward, backward, backward-packed, api or scaling",
                 )?);
             }
             "--iterations" => {
-                let v = cli::value(flag, inline, &mut it)?;
+                let v = flags.value(flag)?;
                 opts.iterations = v
                     .parse()
                     .ok()
                     .filter(|&n| n >= 1)
                     .ok_or_else(|| format!("`--iterations`: expected a whole number >= 1, got `{v}`"))?;
             }
-            "--dtype" => opts.dtypes = cli::dtypes(flag, cli::value(flag, inline, &mut it)?)?,
+            "--dtype" => opts.dtypes = cli::dtypes(flag, &flags.value(flag)?)?,
             "--baseline" | "--no-baseline" => {
-                cli::switch(flag, inline)?;
-                baseline_flag = Some(flag);
+                baseline_flag = Some(flag.to_string());
                 opts.baseline = flag == "--baseline";
             }
-            "--no-aot" => {
-                cli::switch(flag, inline)?;
-                opts.aot = false;
-            }
-            "--json" => opts.json = Some(PathBuf::from(cli::value(flag, inline, &mut it)?)),
-            "--markdown" => opts.markdown = Some(PathBuf::from(cli::value(flag, inline, &mut it)?)),
-            "--no-markdown" => {
-                cli::switch(flag, inline)?;
-                opts.markdown = None;
-            }
-            _ => return Err(format!("unknown argument `{arg}`")),
+            "--no-aot" => opts.aot = false,
+            "--json" => opts.json = Some(PathBuf::from(flags.value(flag)?)),
+            "--markdown" => opts.markdown = Some(PathBuf::from(flags.value(flag)?)),
+            "--no-markdown" => opts.markdown = None,
+            _ => return Err(format!("unknown argument `{flag}`")),
         }
     }
-    opts.suites = suites.ok_or("`--suite` is required (forward, backward, backward-packed, api or all)")?;
+    opts.suites =
+        suites.ok_or("`--suite` is required (forward, backward, backward-packed, api, scaling or all)")?;
     if let Some(flag) = baseline_flag {
         if !opts.suites.iter().any(|s| *s != Suite::Forward) {
             return Err(format!("`{flag}` applies to the backward suites only"));
@@ -390,6 +415,9 @@ impl BenchRecord {
         self.programs.iter().map(|p| p.tpu.map(|t| t.flops)).sum()
     }
     fn segments_label(&self) -> String {
+        if self.suite == Suite::Scaling {
+            return format!("fixed, T={}", self.shape[2]);
+        }
         match &self.segments {
             None => "fixed".to_string(),
             Some(s) => format!("packed {}", s.iter().map(usize::to_string).collect::<Vec<_>>().join(",")),
@@ -437,6 +465,17 @@ const COLUMNS: [&str; 11] = [
 ];
 
 fn row(r: &BenchRecord) -> [String; 11] {
+    let mut cells = row_cells(r);
+    if r.programs.is_empty() {
+        // The api suite's call timings: no program figures of their own.
+        for c in &mut cells[6..] {
+            *c = "-".to_string();
+        }
+    }
+    cells
+}
+
+fn row_cells(r: &BenchRecord) -> [String; 11] {
     [
         r.variant.name().to_string(),
         r.dtype.to_string(),
@@ -555,8 +594,8 @@ pub fn api_summary(records: &[BenchRecord]) -> String {
 pub const MARKDOWN_HEADER: &str = "\
 # Benchmarks
 
-Written by `cargo xtask bench` (see `cargo xtask bench --help`); each suite's section holds its
-latest run and is replaced by the next one. Shapes and variants: spec section 8 (primary shape
+Written by `cargo xtask bench` (see `cargo xtask bench --help`) from `bench/results.json`;
+each suite's section holds its latest run and is replaced by the next one. Shapes and variants: spec section 8 (primary shape
 H=8, B=1, T=1024, K=V=128; packed = four segments 200, 311, 77, 436 in one row).
 
 - Variants: `forward` (forward program, no residuals kept); `baseline` (staged saved-state: the
@@ -662,6 +701,8 @@ pub fn record_json(r: &BenchRecord, info: &RunInfo) -> Json {
         "cpu_model": info.machine.cpu_model,
         "cpu_detail": info.machine.cpu_detail,
         "backend": info.plugin,
+        "command": info.command,
+        "libtpu": info.libtpu,
     })
 }
 

@@ -1,27 +1,48 @@
-//! Flag parsing shared by the commands: `--flag value`, `--flag=value` and comma lists.
+//! Flag parsing shared by the commands, on `lexopt`: `--flag value`, `--flag=value`, switches,
+//! positional names and `--`, with the commands' own error messages, plus comma lists.
 
-/// `--flag=value` -> (`--flag`, `Some("value")`); anything else -> (`arg`, `None`).
-pub fn split(arg: &str) -> (&str, Option<&str>) {
-    match arg.split_once('=') {
-        Some((f, v)) if f.starts_with("--") => (f, Some(v)),
-        _ => (arg, None),
+use lexopt::Arg;
+
+/// One command-line item.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Item {
+    /// `--flag` or `-f`, as typed (a value, if any, is read with [`Flags::value`]).
+    Flag(String),
+    /// A positional argument.
+    Name(String),
+}
+
+/// The arguments of one command (after the command's name).
+pub struct Flags {
+    parser: lexopt::Parser,
+}
+
+impl Flags {
+    /// Parses `args`.
+    pub fn new(args: &[String]) -> Self {
+        Flags { parser: lexopt::Parser::from_args(args.iter().cloned()) }
     }
-}
 
-/// The value of `flag`: the inline one (`--flag=v`) or the next argument.
-pub fn value<'a>(
-    flag: &str,
-    inline: Option<&'a str>,
-    rest: &mut impl Iterator<Item = &'a String>,
-) -> Result<&'a str, String> {
-    inline.or_else(|| rest.next().map(String::as_str)).ok_or_else(|| format!("`{flag}` needs a value"))
-}
+    /// The next flag or name; `--switch=value` is an error naming the switch.
+    pub fn next(&mut self) -> Result<Option<Item>, String> {
+        match self.parser.next() {
+            Ok(None) => Ok(None),
+            Ok(Some(Arg::Long(name))) => Ok(Some(Item::Flag(format!("--{name}")))),
+            Ok(Some(Arg::Short(c))) => Ok(Some(Item::Flag(format!("-{c}")))),
+            Ok(Some(Arg::Value(v))) => Ok(Some(Item::Name(v.to_string_lossy().into_owned()))),
+            Err(lexopt::Error::UnexpectedValue { option, value }) => {
+                Err(format!("`{option}` takes no value, got `{}`", value.to_string_lossy()))
+            }
+            Err(e) => Err(e.to_string()),
+        }
+    }
 
-/// A switch takes no value: rejects `--switch=x`.
-pub fn switch(flag: &str, inline: Option<&str>) -> Result<(), String> {
-    match inline {
-        Some(v) => Err(format!("`{flag}` takes no value, got `{v}`")),
-        None => Ok(()),
+    /// The value of `flag`: the inline one (`--flag=v`) or the next argument.
+    pub fn value(&mut self, flag: &str) -> Result<String, String> {
+        match self.parser.value() {
+            Ok(v) => Ok(v.to_string_lossy().into_owned()),
+            Err(_) => Err(format!("`{flag}` needs a value")),
+        }
     }
 }
 
@@ -64,13 +85,34 @@ mod tests {
     use super::*;
     use rstest::rstest;
 
+    fn items(args: &str) -> Result<Vec<(Item, Option<String>)>, String> {
+        let args: Vec<String> = args.split_whitespace().map(String::from).collect();
+        let mut f = Flags::new(&args);
+        let mut out = Vec::new();
+        while let Some(item) = f.next()? {
+            let v = match &item {
+                Item::Flag(flag) if flag == "--iterations" => Some(f.value(flag)?),
+                _ => None,
+            };
+            out.push((item, v));
+        }
+        Ok(out)
+    }
+
     #[rstest]
-    #[case("--iterations=5", "--iterations", Some("5"))]
-    #[case("--iterations", "--iterations", None)]
-    #[case("-h", "-h", None)]
-    #[case("x=y", "x=y", None)]
-    fn split_inline_values(#[case] arg: &str, #[case] flag: &str, #[case] inline: Option<&str>) {
-        assert_eq!(split(arg), (flag, inline));
+    #[case("--iterations=5", Item::Flag("--iterations".into()), Some("5"))]
+    #[case("--iterations 5", Item::Flag("--iterations".into()), Some("5"))]
+    #[case("-h", Item::Flag("-h".into()), None)]
+    #[case("x=y", Item::Name("x=y".into()), None)]
+    fn flags_values_and_names(#[case] args: &str, #[case] item: Item, #[case] value: Option<&str>) {
+        assert_eq!(items(args), Ok(vec![(item, value.map(String::from))]));
+    }
+
+    #[rstest]
+    #[case("--iterations", "`--iterations` needs a value")]
+    #[case("--full=yes", "`--full` takes no value, got `yes`")]
+    fn flag_errors_name_the_flag(#[case] args: &str, #[case] message: &str) {
+        assert_eq!(items(args).unwrap_err(), message);
     }
 
     #[test]

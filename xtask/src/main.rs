@@ -10,6 +10,8 @@ mod aot_cmd;
 #[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
 mod bench;
 mod cargo_cmd;
+#[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
+mod charts;
 mod cli;
 #[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
 mod demo;
@@ -20,6 +22,8 @@ mod npy;
 mod pjrt_cmds;
 #[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
 mod progress;
+#[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
+mod results;
 mod run_cmd;
 mod setup;
 mod test_cmd;

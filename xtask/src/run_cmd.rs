@@ -1,6 +1,7 @@
 //! `cargo xtask run`: runs a backend on `.npy` tensors from a directory and writes the results
 //! as `.npy`, so users can check the library against tensors from their own model.
 
+use crate::cli;
 use crate::npy::{self, NpyArray, NpyData};
 use kda_core::{
     fmt_shape, Backend, BackwardStrategy, Cotangents, DType, HostTensor, KdaConfig, KdaError, KdaInputs,
@@ -117,38 +118,32 @@ impl fmt::Display for Summary {
     }
 }
 
-fn take_value<'a>(
-    flag: &str,
-    inline: Option<&'a str>,
-    rest: &mut impl Iterator<Item = &'a String>,
-) -> Result<&'a str, String> {
-    inline.or_else(|| rest.next().map(String::as_str)).ok_or_else(|| format!("`{flag}` needs a value"))
-}
-
 /// Parses the arguments after `run`; `Ok(None)` means help was asked for.
 pub fn parse_args(args: &[String]) -> Result<Option<(String, RunOptions)>, String> {
     let (mut backend, mut inputs, mut out) = (None, None, None);
     let mut opts = RunOptions::new("", "");
-    let mut it = args.iter();
-    while let Some(arg) = it.next() {
-        let (flag, inline) = match arg.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f, Some(v)),
-            _ => (arg.as_str(), None),
+    let mut flags = cli::Flags::new(args);
+    while let Some(item) = flags.next()? {
+        let flag = match item {
+            cli::Item::Flag(flag) => flag,
+            cli::Item::Name(name) => return Err(format!("unknown argument `{name}`")),
         };
+        let flag = flag.as_str();
         let bad = |what: &str, v: &str| format!("`{flag}`: expected {what}, got `{v}`");
+        let mut take_value = |flag: &str| flags.value(flag);
         match flag {
             "-h" | "--help" => return Ok(None),
             "--l2norm" => opts.l2norm = true,
             "--output-final-state" => opts.output_final_state = true,
-            "--backend" => backend = Some(take_value(flag, inline, &mut it)?.to_string()),
-            "--inputs" => inputs = Some(PathBuf::from(take_value(flag, inline, &mut it)?)),
-            "--out" => out = Some(PathBuf::from(take_value(flag, inline, &mut it)?)),
+            "--backend" => backend = Some(take_value(flag)?),
+            "--inputs" => inputs = Some(PathBuf::from(take_value(flag)?)),
+            "--out" => out = Some(PathBuf::from(take_value(flag)?)),
             "--layout" => {
-                let v = take_value(flag, inline, &mut it)?;
+                let v = &take_value(flag)?;
                 opts.layout = Layout::parse(v).ok_or_else(|| bad("bthk or hbtk", v))?;
             }
             "--scale" => {
-                let v = take_value(flag, inline, &mut it)?;
+                let v = &take_value(flag)?;
                 let s = v
                     .parse::<f64>()
                     .ok()
@@ -157,14 +152,14 @@ pub fn parse_args(args: &[String]) -> Result<Option<(String, RunOptions)>, Strin
                 opts.scale = Some(s);
             }
             "--dtype" => {
-                let v = take_value(flag, inline, &mut it)?;
+                let v = &take_value(flag)?;
                 opts.dtype = DType::parse(v).ok_or_else(|| bad("f32, bf16 or f64", v))?;
             }
             "--strategy" => {
-                let v = take_value(flag, inline, &mut it)?;
+                let v = &take_value(flag)?;
                 opts.strategy = BackwardStrategy::parse(v).ok_or_else(|| bad("saved-state or remat", v))?;
             }
-            _ => return Err(format!("unknown argument `{arg}`")),
+            _ => return Err(format!("unknown argument `{flag}`")),
         }
     }
     let backend = backend.ok_or(format!("`--backend` is required (available: {})", BACKENDS.join(", ")))?;

@@ -71,16 +71,21 @@ pub struct TestOptions {
 /// Parses the arguments after `test`; `Ok(None)` means help was asked for.
 pub fn parse_args(args: &[String]) -> Result<Option<TestOptions>, String> {
     let mut o = TestOptions::default();
-    let mut it = args.iter();
-    while let Some(arg) = it.next() {
-        let (flag, inline) = cli::split(arg);
-        match flag {
+    let mut flags = cli::Flags::new(args);
+    while let Some(item) = flags.next()? {
+        let flag = match item {
+            cli::Item::Name(name) => {
+                o.names.push(name);
+                continue;
+            }
+            cli::Item::Flag(flag) => flag,
+        };
+        match flag.as_str() {
             "-h" | "--help" => return Ok(None),
-            "--full" => cli::switch(flag, inline).map(|()| o.full = true)?,
-            "--clean-cache" => cli::switch(flag, inline).map(|()| o.clean_cache = true)?,
-            "--shard" => o.shard = Some(Shard::parse(cli::value(flag, inline, &mut it)?)?),
-            f if f.starts_with('-') => return Err(format!("unknown flag `{arg}`")),
-            name => o.names.push(name.to_string()),
+            "--full" => o.full = true,
+            "--clean-cache" => o.clean_cache = true,
+            "--shard" => o.shard = Some(Shard::parse(&flags.value(&flag)?)?),
+            _ => return Err(format!("unknown flag `{flag}`")),
         }
     }
     Ok(Some(o))

@@ -41,19 +41,25 @@ pub struct TpuTestOptions {
 /// Parses the arguments after `tpu-test`; `Ok(None)` means help was asked for.
 pub fn parse_args(args: &[String]) -> Result<Option<TpuTestOptions>, String> {
     let mut o = TpuTestOptions::default();
-    let mut it = args.iter();
-    while let Some(arg) = it.next() {
-        let (flag, inline) = cli::split(arg);
-        match flag {
+    // lexopt hands `--` over as the end of flags: everything after it is the runner's.
+    let dashes = args.iter().position(|a| a == "--");
+    let own = &args[..dashes.unwrap_or(args.len())];
+    let mut flags_own = cli::Flags::new(own);
+    while let Some(item) = flags_own.next()? {
+        let flag = match item {
+            cli::Item::Flag(flag) => flag,
+            cli::Item::Name(name) => return Err(format!("unknown argument `{name}`")),
+        };
+        match flag.as_str() {
             "-h" | "--help" => return Ok(None),
-            "--plugin" => o.plugin = Some(PathBuf::from(cli::value(flag, inline, &mut it)?)),
-            "--shard" => o.shard = Some(Shard::parse(cli::value(flag, inline, &mut it)?)?),
-            "--full" => cli::switch(flag, inline).map(|()| o.full = true)?,
-            "--" => {
-                o.extra = it.by_ref().cloned().collect();
-            }
-            _ => return Err(format!("unknown argument `{arg}`")),
+            "--plugin" => o.plugin = Some(PathBuf::from(flags_own.value(&flag)?)),
+            "--shard" => o.shard = Some(Shard::parse(&flags_own.value(&flag)?)?),
+            "--full" => o.full = true,
+            _ => return Err(format!("unknown argument `{flag}`")),
         }
+    }
+    if let Some(at) = dashes {
+        o.extra = args[at + 1..].to_vec();
     }
     Ok(Some(o))
 }

@@ -6,6 +6,9 @@
 #[path = "../src/cargo_cmd.rs"]
 mod cargo_cmd;
 #[allow(dead_code)]
+#[path = "../src/cli.rs"]
+mod cli;
+#[allow(dead_code)]
 #[path = "../src/npy.rs"]
 mod npy;
 #[allow(dead_code)]

@@ -39,7 +39,26 @@ use raw::{paired_ptr, RawApi};
 
 use crate::error::{Result, TpuError};
 
-/// A loaded PJRT plugin with one client and its first device. Not `Send`: see the module docs.
+/// A loaded PJRT plugin with one client and its first device. Not `Send`: see the module docs
+/// ([`crate::PjrtBackend`] is the handle to share between threads).
+///
+/// ```
+/// use kda_tpu::Runtime;
+///
+/// // A StableHLO program of one op: y = x + x.
+/// let program = "module {
+///   func.func public @main(%x: tensor<3xf32>) -> tensor<3xf32> {
+///     %y = stablehlo.add %x, %x : tensor<3xf32>
+///     return %y : tensor<3xf32>
+///   }
+/// }";
+/// let rt = Runtime::new()?; // $KDA_PJRT_PLUGIN, else $KDA_HOME's CPU plugin
+/// let exe = rt.compile(program)?; // compiled once; a second compile of the same text is a cache hit
+/// let x = rt.upload_f32(&[1.0, 2.0, 3.0], &[3])?;
+/// let y = rt.execute(&exe, &[&x])?;
+/// assert_eq!(rt.download_f32(&y[0])?, vec![2.0, 4.0, 6.0]);
+/// # Ok::<(), kda_tpu::TpuError>(())
+/// ```
 pub struct Runtime {
     api: Api,
     client: Client,

@@ -2,8 +2,8 @@
 
 use super::{backend_label, compile_aot, err, memory, ms};
 use crate::bench::{
-    console_table, markdown_section, write_json, write_markdown, BenchOptions, BenchRecord, ProgramFigures,
-    RunInfo, Suite, TpuFigures, Variant, TOPOLOGY,
+    console_table, write_json, BenchOptions, BenchRecord, ProgramFigures, RunInfo, Suite, TpuFigures,
+    Variant, TOPOLOGY,
 };
 use crate::machine::Machine;
 use kda_core::{BackwardStrategy, DType};
@@ -305,14 +305,13 @@ pub fn run(opts: &BenchOptions, args: &[String]) -> Result<(), String> {
         if suite == Suite::Api {
             print!("\n{}", crate::bench::api_summary(&records));
         }
-        if let Some(path) = &opts.markdown {
-            write_markdown(path, suite, &markdown_section(suite, &records, &info))?;
-            crate::progress::step(
-                "bench",
-                format_args!("wrote the `{}` section of {}", suite.name(), path.display()),
-            );
-        }
         all.extend(records);
+    }
+    if let Some(path) = &opts.markdown {
+        let entries = all.iter().map(|r| (r.clone(), info.clone())).collect();
+        for written in crate::results::update(path, entries)? {
+            crate::progress::step("bench", format_args!("wrote {}", written.display()));
+        }
     }
     if let Some(path) = &opts.json {
         write_json(path, &all, &info)?;
