@@ -268,4 +268,139 @@ impl HostTensor {
         };
         HostTensor::new(&out_shape, data)
     }
+
+    /// Indices `start..start + len` of axis `axis`; indices past the axis's end read as zeros
+    /// (data-parallel shards pad their last rows this way).
+    pub fn slice_padded(&self, axis: usize, start: usize, len: usize) -> Result<HostTensor> {
+        let rank = self.shape.len();
+        if axis >= rank {
+            return Err(KdaError::shape("axis", format!("an axis below {rank}"), axis.to_string()));
+        }
+        let (outer, extent) = (self.shape[..axis].iter().product::<usize>(), self.shape[axis]);
+        let inner: usize = self.shape[axis + 1..].iter().product();
+        let mut shape = self.shape.to_vec();
+        shape[axis] = len;
+        fn take<T: Copy + Default>(
+            v: &[T],
+            outer: usize,
+            extent: usize,
+            inner: usize,
+            start: usize,
+            len: usize,
+        ) -> Vec<T> {
+            let mut out = Vec::with_capacity(outer * len * inner);
+            for o in 0..outer {
+                let real = len.min(extent.saturating_sub(start));
+                if real > 0 {
+                    let from = (o * extent + start) * inner;
+                    out.extend_from_slice(&v[from..from + real * inner]);
+                }
+                out.resize(out.len() + (len - real) * inner, T::default());
+            }
+            out
+        }
+        let data = match &self.data {
+            TensorData::F64(v) => TensorData::F64(take(v, outer, extent, inner, start, len)),
+            TensorData::F32(v) => TensorData::F32(take(v, outer, extent, inner, start, len)),
+            TensorData::BF16(v) => TensorData::BF16(take(v, outer, extent, inner, start, len)),
+        };
+        HostTensor::new(&shape, data)
+    }
+
+    /// Joins tensors of one dtype along `axis` (all other dims equal).
+    pub fn concat(parts: &[HostTensor], axis: usize) -> Result<HostTensor> {
+        let first = parts.first().ok_or_else(|| KdaError::shape("parts", "at least one tensor", "none"))?;
+        let rank = first.shape.len();
+        if axis >= rank {
+            return Err(KdaError::shape("axis", format!("an axis below {rank}"), axis.to_string()));
+        }
+        for p in parts {
+            let same = p.shape.len() == rank
+                && p.dtype() == first.dtype()
+                && (0..rank).all(|a| a == axis || p.shape[a] == first.shape[a]);
+            if !same {
+                return Err(KdaError::shape("parts", fmt_shape(&first.shape), fmt_shape(&p.shape)));
+            }
+        }
+        let outer: usize = first.shape[..axis].iter().product();
+        let inner: usize = first.shape[axis + 1..].iter().product();
+        let mut shape = first.shape.to_vec();
+        shape[axis] = parts.iter().map(|p| p.shape[axis]).sum();
+        fn join<T: Copy>(parts: &[&[T]], extents: &[usize], outer: usize, inner: usize) -> Vec<T> {
+            let mut out = Vec::with_capacity(parts.iter().map(|p| p.len()).sum());
+            for o in 0..outer {
+                for (p, &e) in parts.iter().zip(extents) {
+                    out.extend_from_slice(&p[o * e * inner..(o + 1) * e * inner]);
+                }
+            }
+            out
+        }
+        let extents: Vec<usize> = parts.iter().map(|p| p.shape[axis]).collect();
+        let data = match &first.data {
+            TensorData::F64(_) => TensorData::F64(join(
+                &parts
+                    .iter()
+                    .map(|p| if let TensorData::F64(v) = &p.data { v.as_slice() } else { &[] })
+                    .collect::<Vec<_>>(),
+                &extents,
+                outer,
+                inner,
+            )),
+            TensorData::F32(_) => TensorData::F32(join(
+                &parts
+                    .iter()
+                    .map(|p| if let TensorData::F32(v) = &p.data { v.as_slice() } else { &[] })
+                    .collect::<Vec<_>>(),
+                &extents,
+                outer,
+                inner,
+            )),
+            TensorData::BF16(_) => TensorData::BF16(join(
+                &parts
+                    .iter()
+                    .map(|p| if let TensorData::BF16(v) = &p.data { v.as_slice() } else { &[] })
+                    .collect::<Vec<_>>(),
+                &extents,
+                outer,
+                inner,
+            )),
+        };
+        HostTensor::new(&shape, data)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rstest::rstest;
+
+    /// [2, 3, 2] counting 0..12: rows of axis 1 sliced with zero padding, then joined back.
+    #[rstest]
+    #[case::inside(1, 1, 2, vec![2., 3., 4., 5., 8., 9., 10., 11.])]
+    #[case::padded_past_the_end(1, 2, 2, vec![4., 5., 0., 0., 10., 11., 0., 0.])]
+    #[case::all_padding(1, 3, 1, vec![0., 0., 0., 0.])]
+    #[case::leading_axis(0, 1, 1, vec![6., 7., 8., 9., 10., 11.])]
+    fn slice_padded_takes_rows_and_pads_with_zeros(
+        #[case] axis: usize,
+        #[case] start: usize,
+        #[case] len: usize,
+        #[case] want: Vec<f32>,
+    ) {
+        let t = HostTensor::from_f32(&[2, 3, 2], (0..12).map(|i| i as f32).collect()).unwrap();
+        let s = t.slice_padded(axis, start, len).unwrap();
+        assert_eq!(s.to_f32_vec(), want);
+        assert_eq!(s.shape()[axis], len);
+    }
+
+    #[test]
+    fn concat_undoes_a_split_along_any_axis() {
+        let t = HostTensor::from_f32(&[2, 3, 2], (0..12).map(|i| i as f32).collect()).unwrap();
+        for axis in 0..3 {
+            let n = t.shape()[axis];
+            let parts: Vec<_> = (0..n).map(|i| t.slice_padded(axis, i, 1).unwrap()).collect();
+            assert_eq!(HostTensor::concat(&parts, axis).unwrap(), t, "axis {axis}");
+        }
+        let other = HostTensor::from_f32(&[2, 2, 2], vec![0.0; 8]).unwrap();
+        assert!(HostTensor::concat(&[t, other], 0).is_err());
+    }
 }

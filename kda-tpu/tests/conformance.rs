@@ -43,3 +43,124 @@ mod mixed_dtypes {
         assert_eq!(grads.ddt_bias.as_ref().map(|t| t.dtype()), Some(DType::BF16));
     }
 }
+
+/// Data parallelism (`PjrtOptions::devices`): the batch's rows spread over 2, 3 and 4 CPU
+/// devices, one program compiled for that many replicas, the gate-parameter gradients
+/// all-reduced in it. Each case meets section 7's limits against the reference and agrees with
+/// the single-device program within section 10's (RMS ratio 1e-6 for f32 outputs and
+/// gradients). Devices beyond the batch's rows hold padding rows only (B = 2 on 3 or 4 devices).
+mod data_parallel {
+    use kda_core::{Backend, BackwardStrategy, DType, HostTensor};
+    use kda_testkit::cases::{case, Case, CaseGate, CaseSegments};
+    use kda_testkit::conformance::{backward_case, Path};
+    use kda_tpu::{PjrtBackend, PjrtOptions};
+    use rstest::rstest;
+
+    use BackwardStrategy::{Rematerialize as Remat, SavedState as Saved};
+    use DType::{BF16, F32};
+    use Path::{Fused, Split};
+
+    /// A table case, `softplus_b3` (three rows with an in-kernel softplus gate: the
+    /// all-reduced `da_log` and `ddt_bias` sum rows of every device) or `packed_rows_b5` (five
+    /// packed rows holding 1 to 5 non-empty segments of N = 5).
+    fn named(name: &str) -> Case {
+        match name {
+            "softplus_b3" => Case {
+                name: "softplus_b3",
+                b: 3,
+                gate: CaseGate::Softplus,
+                ..case("gate_softplus").expect("case")
+            },
+            "packed_rows_b5" => Case {
+                name: "packed_rows_b5",
+                b: 5,
+                segments: CaseSegments::Lengths(vec![
+                    vec![30, 70, 28, 0, 0],
+                    vec![100, 0, 40, 0, 0],
+                    vec![5, 0, 0, 0, 0],
+                    vec![64, 64, 12, 0, 0],
+                    vec![1, 2, 3, 4, 5],
+                ]),
+                ..case("packed_rows_differ").expect("case")
+            },
+            other => case(other).expect("case"),
+        }
+    }
+
+    fn rms_ratio(got: &HostTensor, want: &HostTensor) -> f64 {
+        let (g, w) = (got.to_f64_vec(), want.to_f64_vec());
+        let num: f64 = g.iter().zip(&w).map(|(a, b)| (a - b) * (a - b)).sum();
+        let den: f64 = w.iter().map(|b| b * b).sum();
+        if den == 0.0 {
+            num.sqrt()
+        } else {
+            (num / den).sqrt()
+        }
+    }
+
+    #[rstest]
+    #[case::d2_fixed_batch_first_fused_saved(2, "fixed_batch_first_b2", F32, Saved, Fused)]
+    #[case::d3_fixed_batch_first_split_remat(3, "fixed_batch_first_b2", BF16, Remat, Split)]
+    #[case::d4_single_head_split_saved(4, "single_head_b2", F32, Saved, Split)]
+    #[case::d2_packed_rows_differ_split_remat(2, "packed_rows_differ", F32, Remat, Split)]
+    #[case::d3_packed_rows_differ_fused_saved(3, "packed_rows_differ", F32, Saved, Fused)]
+    #[case::d4_packed_segment_ids_fused_remat(4, "packed_segment_ids", BF16, Remat, Fused)]
+    #[case::d2_packed_segment_ids_split_saved(2, "packed_segment_ids", BF16, Saved, Split)]
+    #[case::d2_softplus_b3_fused_remat(2, "softplus_b3", F32, Remat, Fused)]
+    #[case::d3_softplus_b3_split_saved(3, "softplus_b3", F32, Saved, Split)]
+    #[case::d4_softplus_b3_fused_saved(4, "softplus_b3", BF16, Saved, Fused)]
+    #[case::d3_packed_rows_b5_fused_remat(3, "packed_rows_b5", F32, Remat, Fused)]
+    #[case::d4_beta_trailing_one_split_remat(4, "beta_trailing_one", F32, Remat, Split)]
+    fn rows_over_devices_meet_the_reference(
+        #[case] devices: usize,
+        #[case] name: &str,
+        #[case] dtype: DType,
+        #[case] strategy: BackwardStrategy,
+        #[case] path: Path,
+    ) {
+        let be = PjrtOptions::new().devices(devices).build().expect("PJRT plugin (run `cargo xtask setup`)");
+        assert_eq!(be.device_count(), devices);
+        match backward_case(&be, &named(name), dtype, strategy, path) {
+            Ok(report) => eprint!("{report}"),
+            Err(failure) => panic!("conformance failure on {devices} devices:\n{failure}"),
+        }
+    }
+
+    /// f32, fused saved-state: every output and gradient of the spread batch within RMS ratio
+    /// 1e-6 of the single-device program's (the same per-row programs; only the gate-parameter
+    /// sums are added in another order).
+    #[rstest]
+    #[case::d2_softplus_b3(2, "softplus_b3")]
+    #[case::d4_packed_rows_b5(4, "packed_rows_b5")]
+    fn rows_over_devices_agree_with_one_device(#[case] devices: usize, #[case] name: &str) {
+        let data = kda_testkit::inputs::case_data(&named(name), F32).expect("inputs");
+        let one = PjrtBackend::new().expect("PJRT plugin");
+        let many = PjrtOptions::new().devices(devices).build().expect("PJRT plugin");
+        let (o1, g1) = one.forward_and_vjp(&data.inputs, &data.cotangents, Saved).expect("one device");
+        let (od, gd) = many.forward_and_vjp(&data.inputs, &data.cotangents, Saved).expect("devices");
+        let pairs = [
+            ("o", Some(&od.o), Some(&o1.o)),
+            ("final_state", od.final_state.as_ref(), o1.final_state.as_ref()),
+            ("dq", Some(&gd.dq), Some(&g1.dq)),
+            ("dk", Some(&gd.dk), Some(&g1.dk)),
+            ("dv", Some(&gd.dv), Some(&g1.dv)),
+            ("dg", Some(&gd.dg), Some(&g1.dg)),
+            ("dbeta", Some(&gd.dbeta), Some(&g1.dbeta)),
+            ("dh0", gd.dh0.as_ref(), g1.dh0.as_ref()),
+            ("da_log", gd.da_log.as_ref(), g1.da_log.as_ref()),
+            ("ddt_bias", gd.ddt_bias.as_ref(), g1.ddt_bias.as_ref()),
+        ];
+        for (what, got, want) in pairs {
+            match (got, want) {
+                (Some(g), Some(w)) => {
+                    assert_eq!(g.shape(), w.shape(), "{what}");
+                    let r = rms_ratio(g, w);
+                    eprintln!("{name} on {devices} devices: {what} RMS ratio {r:.2e} against one device");
+                    assert!(r <= 1e-6, "{what}: RMS ratio {r:.3e} against the single-device program");
+                }
+                (None, None) => {}
+                _ => panic!("{what}: present on one side only"),
+            }
+        }
+    }
+}

@@ -299,3 +299,79 @@ fn forward_scheduler_override_reaches_the_cpu_compiler() {
     eprintln!("forward scratch: {t} bytes with the override, {p} without");
     assert!(t < p, "the override did not reach the compiler: {t} >= {p} bytes of scratch");
 }
+
+/// Each replica adds 10 * its replica id to its own input, then all-gathers and all-reduces.
+const COLLECTIVES_4: &str = r#"
+func.func public @main(%x: tensor<1xf32>) -> (tensor<4xf32>, tensor<1xf32>) {
+  %id = stablehlo.replica_id : tensor<ui32>
+  %f = stablehlo.convert %id : (tensor<ui32>) -> tensor<f32>
+  %ten = stablehlo.constant dense<1.000000e+01> : tensor<f32>
+  %s = stablehlo.multiply %f, %ten : tensor<f32>
+  %b = stablehlo.broadcast_in_dim %s, dims = [] : (tensor<f32>) -> tensor<1xf32>
+  %y = stablehlo.add %x, %b : tensor<1xf32>
+  %g = "stablehlo.all_gather"(%y) {all_gather_dim = 0 : i64, replica_groups = dense<[[0, 1, 2, 3]]> : tensor<1x4xi64>} : (tensor<1xf32>) -> tensor<4xf32>
+  %r = "stablehlo.all_reduce"(%y) ({
+  ^bb0(%a: tensor<f32>, %c: tensor<f32>):
+    %sum = stablehlo.add %a, %c : tensor<f32>
+    stablehlo.return %sum : tensor<f32>
+  }) {replica_groups = dense<[[0, 1, 2, 3]]> : tensor<1x4xi64>} : (tensor<1xf32>) -> tensor<1xf32>
+  return %g, %r : tensor<4xf32>, tensor<1xf32>
+}
+"#;
+
+/// Four CPU devices run one program as four replicas with per-device inputs and outputs, and
+/// its collectives finish on two cores (a stall fails the test after two minutes).
+#[test]
+fn four_device_collectives_give_each_device_its_own_results() {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        type PerDevice = Vec<(Vec<f32>, Vec<f32>)>;
+        let run = || -> Result<PerDevice, TpuError> {
+            let rt = Runtime::with_devices(4)?;
+            assert_eq!(rt.device_count(), 4);
+            let exe = rt.compile_with(COLLECTIVES_4, &CompileOptions::default().with_replicas(4))?;
+            let inputs: Vec<_> =
+                (0..4).map(|d| rt.upload_f32_on(d, &[d as f32 + 1.0], &[1])).collect::<Result<_, _>>()?;
+            let args: Vec<Vec<_>> = inputs.iter().map(|b| vec![b]).collect();
+            let outs = rt.execute_replicated(&exe, &args)?;
+            outs.iter().map(|o| Ok((rt.download_f32(&o[0])?, rt.download_f32(&o[1])?))).collect()
+        };
+        let _ = tx.send(run());
+    });
+    let per_device = rx
+        .recv_timeout(std::time::Duration::from_secs(120))
+        .expect("a 4-replica program stalled on the CPU plugin")
+        .unwrap();
+    assert_eq!(per_device.len(), 4);
+    for (gathered, reduced) in per_device {
+        assert_eq!(gathered, vec![1.0, 12.0, 23.0, 34.0]);
+        assert_eq!(reduced, vec![70.0]);
+    }
+}
+
+/// More replicas than devices, or a device index past the last, is an `Unsupported` error
+/// naming both numbers.
+#[test]
+fn replicas_beyond_the_devices_are_unsupported() {
+    let rt = Runtime::with_devices(2).unwrap();
+    let err = rt.compile_with(COLLECTIVES_4, &CompileOptions::default().with_replicas(4)).unwrap_err();
+    assert!(
+        matches!(err, TpuError::Unsupported { .. }) && err.to_string().contains("this runtime has 2"),
+        "{err}"
+    );
+    let err = rt.upload_f32_on(2, &[1.0], &[1]).unwrap_err();
+    assert!(err.to_string().contains("device 2 of a runtime with 2 devices"), "{err}");
+}
+
+/// libtpu compiles a 4-replica collective program for `tpu7x:2x2x1` (deviceless), and reports
+/// how many PJRT devices that topology has.
+#[test]
+fn aot_compile_of_four_replicas_fits_tpu7x_2x2x1() {
+    let tpu = TpuCompiler::load().unwrap_or_else(|e| panic!("no libtpu ({e}); run `cargo xtask setup`"));
+    let devices = tpu.device_count(DEFAULT_TOPOLOGY).unwrap();
+    eprintln!("{DEFAULT_TOPOLOGY}: {devices} PJRT devices");
+    assert_eq!(devices, 8, "one device per TensorCore, two per chip");
+    let four = tpu.compile_with(COLLECTIVES_4, DEFAULT_TOPOLOGY, &CompileOptions::default().with_replicas(4));
+    let report = four.unwrap();
+    assert!(report.memory.peak_bytes > 0, "{report:?}");
+}

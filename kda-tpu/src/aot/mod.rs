@@ -85,6 +85,13 @@ impl TpuCompiler {
         self.version
     }
 
+    /// How many PJRT devices libtpu reports for `topology`: on `tpu7x:2x2x1` each of the four
+    /// v7x chips shows as two devices (one per TensorCore), so 8.
+    pub fn device_count(&self, topology: &str) -> Result<usize> {
+        check_topology(topology)?;
+        guarded("topology devices", || self.raw.topology_device_count(topology))
+    }
+
     /// Compiles StableHLO text for `topology` (e.g. [`DEFAULT_TOPOLOGY`]) with default options.
     pub fn compile(&self, program: &str, topology: &str) -> Result<AotReport> {
         self.compile_with(program, topology, &CompileOptions::default())
@@ -95,7 +102,9 @@ impl TpuCompiler {
         check_topology(topology)?;
         let _span = tracing::info_span!("compile", topology, bytes = program.len()).entered();
         let started = Instant::now();
-        let encoded = options.to_pjrt().encode();
+        // Replicas map to the topology's devices 0..n in order (deviceless: ids, no devices).
+        let ids: Vec<i64> = (0..options.replicas() as i64).collect();
+        let encoded = options.to_pjrt(&ids).encode();
         let (memory, properties) = guarded("aot compile", || {
             self.raw.compile_for_topology(topology, program, &encoded, |raw, exe| {
                 Ok((raw.memory_stats(exe)?, raw.cost_analysis(exe)?))

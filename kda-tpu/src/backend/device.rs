@@ -204,6 +204,9 @@ pub struct PjrtResiduals {
     pub(crate) h: Option<DeviceTensor>,
     /// The host dtypes of g, beta, a_log and dt_bias, for gradients downloaded by the host API.
     pub(crate) host_types: Option<super::host::Gradtypes>,
+    /// Under data parallelism, each device's residuals (its rows); the fields above then
+    /// describe the whole batch and hold no tensors.
+    pub(crate) shards: Vec<PjrtResiduals>,
 }
 
 impl Residuals for PjrtResiduals {
@@ -218,7 +221,8 @@ impl Residuals for PjrtResiduals {
 impl PjrtResiduals {
     /// Bytes held on the device by these residuals (inputs shared with the caller included).
     pub fn device_bytes(&self) -> usize {
-        self.inputs.iter().chain(self.h.iter()).map(DeviceTensor::size_bytes).sum()
+        let own: usize = self.inputs.iter().chain(self.h.iter()).map(DeviceTensor::size_bytes).sum();
+        own + self.shards.iter().map(PjrtResiduals::device_bytes).sum::<usize>()
     }
 }
 
@@ -427,7 +431,7 @@ impl PjrtBackend {
         )
     }
 
-    fn wrap(&self, infos: Vec<BufferInfo>) -> Vec<DeviceTensor> {
+    pub(crate) fn wrap(&self, infos: Vec<BufferInfo>) -> Vec<DeviceTensor> {
         infos.into_iter().map(|i| DeviceTensor::wrap(self.shared(), i, None)).collect()
     }
 
@@ -450,7 +454,10 @@ impl PjrtBackend {
         let mut outs = self.wrap(infos).into_iter();
         let out = self.outputs(&p, &mut outs)?;
         let h = if keep_h { Some(outs.next().ok_or_else(|| too_few("h"))?) } else { None };
-        Ok((out, PjrtResiduals { problem: p, spec, strategy, inputs, h, host_types: None }))
+        Ok((
+            out,
+            PjrtResiduals { problem: p, spec, strategy, inputs, h, host_types: None, shards: Vec::new() },
+        ))
     }
 
     /// The backward from a forward's residuals (borrowed: a second backward may reuse them).
@@ -502,7 +509,7 @@ impl PjrtBackend {
         Ok((out, self.gradients(&p, &mut outs)?))
     }
 
-    fn outputs(
+    pub(crate) fn outputs(
         &self,
         p: &Problem,
         outs: &mut impl Iterator<Item = DeviceTensor>,
@@ -518,7 +525,7 @@ impl PjrtBackend {
         Ok(DeviceOutputs { o, final_state })
     }
 
-    fn gradients(
+    pub(crate) fn gradients(
         &self,
         p: &Problem,
         outs: &mut impl Iterator<Item = DeviceTensor>,

@@ -30,14 +30,14 @@ pub(crate) struct Gradtypes {
     dt_bias: DType,
 }
 
-fn gradtypes(x: &KdaInputs) -> Gradtypes {
+pub(crate) fn gradtypes(x: &KdaInputs) -> Gradtypes {
     let gate = x.gate.params().and_then(|(a, _)| a).map_or(DType::F32, |t| t.dtype());
     let dt_bias = x.gate.params().and_then(|(_, d)| d).map_or(DType::F32, |t| t.dtype());
     Gradtypes { g: x.g.dtype(), beta: x.beta.dtype(), gate, dt_bias }
 }
 
 impl PjrtBackend {
-    fn download_outputs(&self, out: &DeviceOutputs) -> Result<KdaOutputs> {
+    pub(crate) fn download_outputs(&self, out: &DeviceOutputs) -> Result<KdaOutputs> {
         let mut ts: Vec<&DeviceTensor> = vec![&out.o];
         ts.extend(out.final_state.iter());
         let mut host = self.download_all(&ts)?.into_iter();
@@ -45,7 +45,11 @@ impl PjrtBackend {
         Ok(KdaOutputs { o, final_state: host.next() })
     }
 
-    fn download_gradients(&self, g: &DeviceGradients, types: Option<Gradtypes>) -> Result<KdaGradients> {
+    pub(crate) fn download_gradients(
+        &self,
+        g: &DeviceGradients,
+        types: Option<Gradtypes>,
+    ) -> Result<KdaGradients> {
         let named = g.named();
         let ts: Vec<&DeviceTensor> = named.iter().map(|(_, t)| *t).collect();
         let mut host = self.download_all(&ts)?.into_iter();
@@ -102,6 +106,9 @@ impl Backend for PjrtBackend {
     }
 
     fn forward(&self, inputs: &KdaInputs, strategy: BackwardStrategy) -> Result<(KdaOutputs, PjrtResiduals)> {
+        if self.device_count() > 1 {
+            return self.forward_dp(inputs, strategy);
+        }
         let dev = self.upload_inputs(inputs)?;
         let (out, mut res) = self.forward_device(&dev, strategy)?;
         res.host_types = Some(gradtypes(inputs));
@@ -109,6 +116,9 @@ impl Backend for PjrtBackend {
     }
 
     fn backward(&self, res: PjrtResiduals, cot: &Cotangents) -> Result<KdaGradients> {
+        if !res.shards.is_empty() {
+            return self.backward_dp(&res, cot);
+        }
         let c = self.upload_cotangents(cot, &res.problem)?;
         let grads = self.backward_device(&res, &c)?;
         self.download_gradients(&grads, res.host_types)
@@ -120,6 +130,9 @@ impl Backend for PjrtBackend {
         cot: &Cotangents,
         strategy: BackwardStrategy,
     ) -> Result<(KdaOutputs, KdaGradients)> {
+        if self.device_count() > 1 {
+            return self.forward_and_vjp_dp(inputs, cot, strategy);
+        }
         let dev = self.upload_inputs(inputs)?;
         let p = self.validate_device(&dev, cot.dht.is_some())?.0;
         let c = self.upload_cotangents(cot, &p)?;

@@ -8,6 +8,7 @@
 //! ran before). A panic inside the plugin bindings becomes an error, and the handle then
 //! refuses every later call (`TpuError::Poisoned`) instead of hanging.
 
+mod data_parallel;
 mod device;
 mod host;
 mod options;
@@ -132,11 +133,21 @@ impl Upload {
 impl Worker {
     /// Uploads one array (counted) and returns the buffer, not yet kept.
     pub(crate) fn upload(&mut self, counters: &worker::Counters, u: Upload) -> Result<crate::DeviceBuffer> {
+        self.upload_on(counters, u, 0)
+    }
+
+    /// Uploads one array (counted) to device `device` of the handle.
+    pub(crate) fn upload_on(
+        &mut self,
+        counters: &worker::Counters,
+        u: Upload,
+        device: usize,
+    ) -> Result<crate::DeviceBuffer> {
         counters.to_device.fetch_add(u.bytes(), std::sync::atomic::Ordering::Relaxed);
         match u.data {
-            HostData::F32(x) => self.rt.upload_f32_vec(x, &u.dims),
-            HostData::Bf16(x) => self.rt.upload_bf16_vec(x, &u.dims),
-            HostData::I32(x) => self.rt.upload_i32_vec(x, &u.dims),
+            HostData::F32(x) => self.rt.upload_f32_vec(device, x, &u.dims),
+            HostData::Bf16(x) => self.rt.upload_bf16_vec(device, x, &u.dims),
+            HostData::I32(x) => self.rt.upload_i32_vec(device, x, &u.dims),
         }
     }
 
@@ -400,6 +411,24 @@ impl PjrtBackend {
             .map_err(e)
     }
 
+    /// Runs one kernel program compiled for `args.len()` replicas: `args[d]` on device `d`
+    /// (uploads in it go to device `d`); returns each device's outputs.
+    pub(crate) fn run_kernel_replicated(
+        &self,
+        spec: &KernelSpec,
+        kind: ProgramKind,
+        args: Vec<Vec<Arg>>,
+    ) -> kda_core::Result<Vec<Vec<BufferInfo>>> {
+        let options = self.compile_options(kind).with_replicas(args.len());
+        let (spec, counters) = (spec.clone(), self.shared.counters.clone());
+        self.shared
+            .call("kernel", move |w| {
+                let (exe, _) = w.kernel(&spec, kind, &options)?;
+                run_replicated(w, &counters, &exe, args)
+            })
+            .map_err(e)
+    }
+
     /// Panics inside the worker, to test what callers see (an error, then a poisoned handle).
     #[doc(hidden)]
     pub fn inject_worker_panic(&self) -> kda_core::Result<()> {
@@ -481,6 +510,53 @@ fn run(
     drop(refs);
     drop(temps);
     Ok(outs.into_iter().map(|b| w.keep(b)).collect())
+}
+
+/// Executes `exe` once per device: `args[d]` are device `d`'s (its uploads go there); keeps
+/// every device's outputs on their device.
+fn run_replicated(
+    w: &mut Worker,
+    counters: &worker::Counters,
+    exe: &crate::Executable,
+    args: Vec<Vec<Arg>>,
+) -> Result<Vec<Vec<BufferInfo>>> {
+    let mut temps: Vec<Vec<crate::DeviceBuffer>> = Vec::with_capacity(args.len());
+    let mut orders = Vec::with_capacity(args.len());
+    for (d, device_args) in args.into_iter().enumerate() {
+        let (mut t, mut order) = (Vec::new(), Vec::with_capacity(device_args.len()));
+        for a in device_args {
+            match a {
+                Arg::Id(id) => order.push(Ok(id)),
+                Arg::Upload(u) => {
+                    order.push(Err(t.len()));
+                    t.push(w.upload_on(counters, u, d)?);
+                }
+            }
+        }
+        temps.push(t);
+        orders.push(order);
+    }
+    let outs = {
+        let mut refs = Vec::with_capacity(orders.len());
+        for (d, order) in orders.iter().enumerate() {
+            let mut r = Vec::with_capacity(order.len());
+            for o in order {
+                r.push(match o {
+                    Ok(id) => w.buffer(*id)?,
+                    Err(i) => &temps[d][*i],
+                });
+            }
+            refs.push(r);
+        }
+        w.rt.execute_replicated(exe, &refs)?
+    };
+    counters.executions.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    drop(temps);
+    Ok(outs
+        .into_iter()
+        .enumerate()
+        .map(|(d, bufs)| bufs.into_iter().map(|b| w.keep_on(b, d)).collect())
+        .collect())
 }
 
 /// A program that gives a buffer other dims (same elements, row-major).

@@ -38,6 +38,7 @@ pub struct PjrtOptions {
     compile_cache: CompileCache,
     retain_host_memory: bool,
     slab: Option<usize>,
+    devices: Option<usize>,
 }
 
 impl PjrtOptions {
@@ -75,6 +76,15 @@ impl PjrtOptions {
         self
     }
 
+    /// Drives `n` devices of the plugin (default 1): the CPU plugin makes `n` devices; other
+    /// plugins need at least `n` addressable devices (else an `Unsupported` error naming both
+    /// numbers). The host `Backend` calls then spread each batch's rows over the devices (data
+    /// parallelism, see [`crate::PjrtBackend`]); device-API calls run on device 0.
+    pub fn devices(mut self, n: usize) -> Self {
+        self.devices = Some(n);
+        self
+    }
+
     /// Starts the handle: a worker thread loads the plugin and owns the client.
     pub fn build(self) -> Result<PjrtBackend> {
         PjrtBackend::start(self)
@@ -87,10 +97,16 @@ impl PjrtOptions {
 
     /// Loads the plugin and makes the runtime (on the worker thread).
     pub(crate) fn runtime(&self) -> Result<Runtime> {
-        let mut rt = match &self.plugin {
-            Some(path) => Runtime::with_plugin(path)?,
-            None => Runtime::from_location(&plugin::default_plugin())?,
+        let devices = self.devices.unwrap_or(1);
+        let location = match &self.plugin {
+            Some(path) => plugin::PluginLocation {
+                path: path.clone(),
+                what: "PJRT plugin",
+                hint: "check the path".to_string(),
+            },
+            None => plugin::default_plugin(),
         };
+        let mut rt = Runtime::from_location_on(&location, devices)?;
         match &self.compile_cache {
             CompileCache::FromEnv => {}
             CompileCache::Dir(dir) => rt.set_compile_cache(Some(dir.clone())),

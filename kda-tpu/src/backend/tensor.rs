@@ -29,6 +29,7 @@ struct Inner {
     id: u64,
     dtype: ElementType,
     shape: Vec<usize>,
+    device: usize,
     owner: Arc<Shared>,
 }
 
@@ -51,8 +52,13 @@ impl fmt::Debug for DeviceTensor {
 impl DeviceTensor {
     pub(crate) fn wrap(owner: &Arc<Shared>, info: BufferInfo, layout: Option<Layout>) -> Self {
         let shape: Vec<usize> = info.dims.iter().map(|&d| d as usize).collect();
-        let inner =
-            Arc::new(Inner { id: info.id, dtype: info.dtype, shape: shape.clone(), owner: owner.clone() });
+        let inner = Arc::new(Inner {
+            id: info.id,
+            dtype: info.dtype,
+            shape: shape.clone(),
+            device: info.device,
+            owner: owner.clone(),
+        });
         DeviceTensor { inner, shape, layout }
     }
 
@@ -87,9 +93,9 @@ impl DeviceTensor {
     pub fn layout(&self) -> Option<Layout> {
         self.layout
     }
-    /// The device index within its handle (0: handles drive one device).
+    /// The device index within its handle (0 to the handle's device count - 1).
     pub fn device(&self) -> usize {
-        0
+        self.inner.device
     }
     /// Elements.
     pub fn num_elements(&self) -> usize {

@@ -28,8 +28,8 @@ pub(crate) struct Worker {
     pub(crate) rt: Runtime,
     buffers: HashMap<u64, DeviceBuffer>,
     next_id: u64,
-    /// Kernel programs by (spec, kind).
-    pub(crate) programs: HashMap<(String, ProgramKind), Rc<Executable>>,
+    /// Kernel programs by (spec, kind, replicas).
+    pub(crate) programs: HashMap<(String, ProgramKind, usize), Rc<Executable>>,
     /// Programs compiled for a caller ([`super::DeviceProgram`]), by id.
     pub(crate) user_programs: HashMap<u64, Rc<Executable>>,
 }
@@ -37,8 +37,13 @@ pub(crate) struct Worker {
 impl Worker {
     /// Keeps `buf` behind a new id.
     pub(crate) fn keep(&mut self, buf: DeviceBuffer) -> BufferInfo {
+        self.keep_on(buf, 0)
+    }
+
+    /// Keeps `buf`, which lives on device `device` of the handle, behind a new id.
+    pub(crate) fn keep_on(&mut self, buf: DeviceBuffer, device: usize) -> BufferInfo {
         self.next_id += 1;
-        let info = BufferInfo { id: self.next_id, dtype: buf.dtype(), dims: buf.dims().to_vec() };
+        let info = BufferInfo { id: self.next_id, dtype: buf.dtype(), dims: buf.dims().to_vec(), device };
         self.buffers.insert(self.next_id, buf);
         info
     }
@@ -64,11 +69,12 @@ impl Worker {
         kind: ProgramKind,
         slab_options: &crate::runtime::CompileOptions,
     ) -> Result<(Rc<Executable>, bool)> {
-        let key = (format!("{spec:?}"), kind);
+        let replicas = slab_options.replicas();
+        let key = (format!("{spec:?}"), kind, replicas);
         if let Some(x) = self.programs.get(&key) {
             return Ok((x.clone(), true));
         }
-        let text = super::host::program_text(spec, kind)?;
+        let text = crate::kernels::data_parallel_program(spec, kind, replicas)?;
         let exe = self.rt.compile_with(&text, slab_options)?;
         self.programs.insert(key, exe.clone());
         Ok((exe, false))
@@ -81,6 +87,7 @@ pub(crate) struct BufferInfo {
     pub(crate) id: u64,
     pub(crate) dtype: crate::ElementType,
     pub(crate) dims: Vec<i64>,
+    pub(crate) device: usize,
 }
 
 /// The plugin a worker loaded.
@@ -89,6 +96,7 @@ pub(crate) struct RuntimeInfo {
     pub(crate) platform: String,
     pub(crate) plugin_path: PathBuf,
     pub(crate) plugin_version: (i32, i32),
+    pub(crate) devices: usize,
 }
 
 /// Why a worker stopped, shared by the worker and every caller.
@@ -290,6 +298,7 @@ fn run(
         platform: rt.platform().to_string(),
         plugin_path: rt.plugin_path().to_path_buf(),
         plugin_version: rt.plugin_version(),
+        devices: rt.device_count(),
     };
     let mut worker = Worker {
         rt,

@@ -5,6 +5,7 @@ mod builder;
 mod control;
 mod emit;
 mod error;
+mod ops_collective;
 mod ops_elementwise;
 mod ops_index;
 mod ops_linalg;

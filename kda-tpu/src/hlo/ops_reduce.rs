@@ -9,7 +9,7 @@ use super::types::{ElemType, TensorType, Value};
 
 /// The binary op of a reduction region.
 #[derive(Clone, Copy)]
-enum Combiner {
+pub(super) enum Combiner {
     Add,
     Max,
     Min,
@@ -33,7 +33,7 @@ impl FnBuilder {
     }
 
     /// Region `(a, b) -> combiner(a, b)` on scalars of `elem`.
-    fn combiner_region(&mut self, op: &str, combiner: Combiner, elem: ElemType) -> Result<String> {
+    pub(super) fn combiner_region(&mut self, op: &str, combiner: Combiner, elem: ElemType) -> Result<String> {
         let s = TensorType::scalar(elem);
         let (text, _) = self.region(op, &[s.clone(), s], |b, a| {
             let r = match combiner {

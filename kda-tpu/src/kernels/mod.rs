@@ -12,7 +12,9 @@ mod spec;
 mod tiles;
 
 pub use interface::{index_tables, index_tables_for, IndexTable, Port, ProgramKind, ProgramSignature};
-pub use programs::{backward_program, forward_program, fused_program, program, GATE_FLOOR};
+pub use programs::{
+    backward_program, data_parallel_program, forward_program, fused_program, program, GATE_FLOOR,
+};
 pub use spec::{on_device, KernelSpec, CHUNK, SUB, TPU_SLAB};
 
 /// Programs holding one building block each, at a given chunk count, for profiling the kernels

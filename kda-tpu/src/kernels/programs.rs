@@ -444,6 +444,30 @@ pub fn program(s: &KernelSpec, kind: ProgramKind) -> Result<String> {
     Ok(m.to_text())
 }
 
+/// [`program`] for data parallelism over `replicas` devices (one replica each; 0 or 1: the
+/// plain program). Every replica runs the program on its own rows; the gate-parameter
+/// gradients (`da_log`, `ddt_bias`), sums over all tokens, are then all-reduced, so every
+/// device holds the batch's total. Same arguments and results as [`program`].
+pub fn data_parallel_program(s: &KernelSpec, kind: ProgramKind, replicas: usize) -> Result<String> {
+    if replicas <= 1 {
+        return program(s, kind);
+    }
+    let (f, sig) = build("kda", false, s, kind)?;
+    let mut m = Module::new();
+    m.add(f)?;
+    let mut main = FnBuilder::new("main", true);
+    let args = sig.arg_types().into_iter().map(|t| main.arg(t)).collect::<Result<Vec<_>>>()?;
+    let mut outs = main.call("kda", &args, &sig.result_types())?;
+    for name in ["da_log", "ddt_bias"] {
+        if let Some(i) = sig.result_index(name) {
+            outs[i] = main.all_reduce_sum(outs[i], replicas)?;
+        }
+    }
+    main.ret(&outs)?;
+    m.add(main)?;
+    Ok(m.to_text())
+}
+
 /// The forward program. Outputs: `o`, `[final_state]`, and `h` `[L, NT, K, V]` when `keep_h`.
 /// With slabs (`s.slab`, the TPU configuration) it runs as `forward_slabs`; otherwise the
 /// chunk terms are computed for all chunks at once.

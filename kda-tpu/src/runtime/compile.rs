@@ -5,7 +5,9 @@ use std::collections::BTreeMap;
 use std::hash::{Hash, Hasher};
 use std::time::Duration;
 
-use pjrt::protos::xla::{option_override_proto, OptionOverrideProto};
+use pjrt::protos::xla::{
+    device_assignment_proto, option_override_proto, DeviceAssignmentProto, OptionOverrideProto,
+};
 use pjrt::LoadedExecutable;
 use pjrt_sys::PJRT_LoadedExecutable;
 
@@ -26,6 +28,7 @@ pub enum XlaOption {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub struct CompileOptions {
     overrides: BTreeMap<String, XlaOption>,
+    replicas: usize,
 }
 
 impl CompileOptions {
@@ -34,6 +37,17 @@ impl CompileOptions {
         self.overrides.insert(name.into(), value);
         self
     }
+    /// Compiles for `n` replicas, one per device of the runtime (`replica_id` tells them apart;
+    /// collectives name them in their replica groups). The device assignment is the runtime's
+    /// first `n` devices, in order. 0 and 1 both mean one device.
+    pub fn with_replicas(mut self, n: usize) -> Self {
+        self.replicas = n;
+        self
+    }
+    /// How many replicas the program is compiled for (at least 1).
+    pub fn replicas(&self) -> usize {
+        self.replicas.max(1)
+    }
     /// The overrides set so far, by name.
     pub fn xla_options(&self) -> &BTreeMap<String, XlaOption> {
         &self.overrides
@@ -41,8 +55,8 @@ impl CompileOptions {
     /// Everything in these options that can change the compiled code, as text for the on-disk
     /// cache's key: the XLA overrides, and the replica and partition counts, device ordinal,
     /// device assignment and partitioning mode of the build options.
-    pub(crate) fn cache_description(&self) -> String {
-        let pjrt = self.to_pjrt();
+    pub(crate) fn cache_description(&self, device_ids: &[i64]) -> String {
+        let pjrt = self.to_pjrt(device_ids);
         let b = pjrt.proto().executable_build_options.clone().unwrap_or_default();
         format!(
             "overrides={:?} replicas={} partitions={} ordinal={} assignment={:?} spmd={}/{}",
@@ -56,9 +70,23 @@ impl CompileOptions {
         )
     }
 
-    /// pjrt's options: `CompileOptions::new()` plus the overrides.
-    pub(crate) fn to_pjrt(&self) -> pjrt::CompileOptions {
+    /// pjrt's options: `CompileOptions::new()` plus the overrides and, for several replicas,
+    /// their count and the assignment to `device_ids` (the runtime's devices, in order).
+    pub(crate) fn to_pjrt(&self, device_ids: &[i64]) -> pjrt::CompileOptions {
         let mut options = pjrt::CompileOptions::new();
+        if self.replicas() > 1 {
+            let n = self.replicas();
+            let build = options.proto_mut().executable_build_options.get_or_insert_with(Default::default);
+            build.num_replicas = n as i64;
+            build.num_partitions = 1;
+            build.device_assignment = Some(DeviceAssignmentProto {
+                replica_count: n as i32,
+                computation_count: 1,
+                computation_devices: vec![device_assignment_proto::ComputationDevice {
+                    replica_device_ids: device_ids.iter().take(n).copied().collect(),
+                }],
+            });
+        }
         for (name, value) in &self.overrides {
             let value = match value {
                 XlaOption::Bool(b) => option_override_proto::Value::BoolField(*b),

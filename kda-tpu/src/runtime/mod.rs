@@ -62,7 +62,8 @@ use crate::error::{Result, TpuError};
 pub struct Runtime {
     api: Api,
     client: Client,
-    device: Device,
+    /// The devices programs run on: the first `devices` addressable ones; uploads default to 0.
+    devices: Vec<Device>,
     raw: RawApi,
     plugin_path: PathBuf,
     platform: String,
@@ -90,10 +91,25 @@ impl Runtime {
         Self::from_location(&PluginLocation { path, what: "PJRT plugin", hint: "check the path".to_string() })
     }
 
+    /// Loads `$KDA_PJRT_PLUGIN` (else `$KDA_HOME`'s CPU plugin) with `devices` devices: the CPU
+    /// plugin makes exactly that many; other plugins must have at least that many addressable
+    /// devices, else an `Unsupported` error names both numbers.
+    pub fn with_devices(devices: usize) -> Result<Self> {
+        Self::from_location_on(&plugin::default_plugin(), devices)
+    }
+
     pub(crate) fn from_location(loc: &PluginLocation) -> Result<Self> {
+        Self::from_location_on(loc, 1)
+    }
+
+    pub(crate) fn from_location_on(loc: &PluginLocation, devices: usize) -> Result<Self> {
+        if devices == 0 {
+            return Err(TpuError::unsupported("devices", "at least 1 device"));
+        }
         let (api, raw) = plugin::load(loc)?;
+        let cpu_devices = devices as i64;
         guarded("client create", || {
-            // The CPU plugin makes 4 devices by default; ask for 1. It also runs each execution
+            // The CPU plugin makes 4 devices by default; ask for the number wanted. It also runs each execution
             // on the calling thread (`asynchronous = false`): every call here waits for its
             // results anyway, and the scratch is then allocated from the caller's malloc arena
             // (kept warm, see `host_memory`) instead of a pool thread's, where blocks over 64 MB
@@ -104,12 +120,14 @@ impl Runtime {
             // allocate on demand. Any other plugin gets no options.
             let client = Client::builder(&api)
                 .options(vec![
-                    NamedValue::i64("cpu_device_count", 1),
-                    NamedValue::bool("asynchronous", false),
+                    NamedValue::i64("cpu_device_count", cpu_devices),
+                    NamedValue::bool("asynchronous", devices > 1),
                 ])
                 .build()
                 .or_else(|_| {
-                    Client::builder(&api).options(vec![NamedValue::i64("cpu_device_count", 1)]).build()
+                    Client::builder(&api)
+                        .options(vec![NamedValue::i64("cpu_device_count", cpu_devices)])
+                        .build()
                 })
                 .or_else(|_| {
                     Client::builder(&api).options(vec![NamedValue::bool("preallocate", false)]).build()
@@ -121,17 +139,26 @@ impl Runtime {
                         message: m,
                     })
                 })?;
-            let device =
-                client.addressable_devices().into_iter().next().ok_or_else(|| TpuError::PluginLoad {
+            let all = client.addressable_devices();
+            if all.is_empty() {
+                return Err(TpuError::PluginLoad {
                     path: loc.path.display().to_string(),
                     message: "the plugin has no addressable device".to_string(),
-                })?;
+                });
+            }
+            if all.len() < devices {
+                return Err(TpuError::unsupported(
+                    "devices",
+                    format!("at most {} devices on this plugin, {devices} asked for", all.len()),
+                ));
+            }
+            let devices: Vec<Device> = all.into_iter().take(devices).collect();
             let platform = client.platform_name().into_owned();
             tracing::debug!(platform = %platform, plugin = %loc.path.display(), "PJRT runtime ready");
             Ok(Self {
                 api: api.clone(),
                 client,
-                device,
+                devices,
                 raw,
                 plugin_path: loc.path.clone(),
                 platform,
@@ -141,6 +168,11 @@ impl Runtime {
                 disk_hits: Cell::new(0),
             })
         })
+    }
+
+    /// How many devices programs run on (see [`Runtime::with_devices`]).
+    pub fn device_count(&self) -> usize {
+        self.devices.len()
     }
 
     /// The platform name the plugin reports (`cpu`, `tpu`, `cuda`).
@@ -163,6 +195,16 @@ impl Runtime {
 
     /// Compiles StableHLO text; a second call with the same text and options returns the cached one.
     pub fn compile_with(&self, program: &str, options: &CompileOptions) -> Result<Rc<Executable>> {
+        if options.replicas() > self.devices.len() {
+            return Err(TpuError::unsupported(
+                "replicas",
+                format!(
+                    "a program for {} replicas needs as many devices; this runtime has {}",
+                    options.replicas(),
+                    self.devices.len()
+                ),
+            ));
+        }
         let key = CacheKey::new(program, options);
         if let Some(hit) = self.cache.borrow().get(&key).filter(|e| e.text == program) {
             self.cache_hits.set(self.cache_hits.get() + 1);
@@ -170,7 +212,8 @@ impl Runtime {
         }
         let _span = tracing::info_span!("compile", bytes = program.len(), hash = key.text_hash).entered();
         let started = Instant::now();
-        let described = options.cache_description();
+        let ids = self.device_ids();
+        let described = options.cache_description(&ids);
         let load = || {
             let disk = self.disk.as_ref()?;
             let bytes = disk.load(program, &described)?;
@@ -204,7 +247,7 @@ impl Runtime {
                 let loaded = guarded("compile", || {
                     let program = Program::new(ProgramFormat::MLIR, program);
                     self.client
-                        .compile(&program, options.to_pjrt())
+                        .compile(&program, options.to_pjrt(&ids))
                         .map_err(|e| explain(&self.api, &e, |message| TpuError::Compile { message }))
                 })?;
                 if let Some(disk) = &self.disk {
@@ -228,6 +271,50 @@ impl Runtime {
         tracing::debug!(ms = exe.compile_time.as_secs_f64() * 1e3, "compiled");
         self.cache.borrow_mut().insert(key, Rc::clone(&exe));
         Ok(exe)
+    }
+
+    /// The global ids of the runtime's devices, in order (the device assignment of replicas).
+    fn device_ids(&self) -> Vec<i64> {
+        self.devices.iter().map(|d| i64::from(d.description().id())).collect()
+    }
+
+    /// Runs a program compiled for `args.len()` replicas ([`CompileOptions::with_replicas`]):
+    /// `args[d]` are replica `d`'s inputs, on device `d` ([`Runtime::upload_f32_on`] and
+    /// friends); returns each replica's outputs. Inputs stay valid.
+    pub fn execute_replicated(
+        &self,
+        exe: &Executable,
+        args: &[Vec<&DeviceBuffer>],
+    ) -> Result<Vec<Vec<DeviceBuffer>>> {
+        let _span = tracing::info_span!("execute", replicas = args.len()).entered();
+        if args.is_empty() || args.len() > self.devices.len() {
+            return Err(TpuError::unsupported(
+                "replicas",
+                format!("1 to {} replicas on this runtime, {} given", self.devices.len(), args.len()),
+            ));
+        }
+        for a in args {
+            check_inputs(exe, a)?;
+        }
+        let num_outputs = match exe.num_outputs() {
+            Some(n) => n,
+            None => guarded("num outputs", || Ok(exe.loaded.executable().num_outputs()))?,
+        };
+        let ptrs: Vec<Vec<_>> = args.iter().map(|a| a.iter().map(|b| b.raw()).collect()).collect();
+        let outputs = guarded("execute", || {
+            let raw = self.raw.execute_replicated(exe.raw, &ptrs, num_outputs)?;
+            raw.into_iter()
+                .map(|dev| {
+                    dev.into_iter()
+                        .map(|p| DeviceBuffer::wrap(&self.client, pjrt::Buffer::wrap(&self.client, p)))
+                        .collect::<Result<Vec<_>>>()
+                })
+                .collect::<Result<Vec<_>>>()
+        })?;
+        for o in &outputs {
+            check_outputs(exe, o)?;
+        }
+        Ok(outputs)
     }
 
     /// How many compiles were answered from the cache.
@@ -293,26 +380,55 @@ impl Runtime {
         self.upload_vec(data.to_vec(), dims)
     }
 
-    /// Uploads owned f32 data (no copy on the host before the plugin's own).
-    pub(crate) fn upload_f32_vec(&self, data: Vec<f32>, dims: &[i64]) -> Result<DeviceBuffer> {
-        self.upload_vec(data, dims)
+    /// Uploads owned f32 data to device `device` (no copy on the host before the plugin's own).
+    pub(crate) fn upload_f32_vec(&self, device: usize, data: Vec<f32>, dims: &[i64]) -> Result<DeviceBuffer> {
+        self.upload_vec_on(device, data, dims)
     }
-    /// Uploads owned bf16 data (reinterpreted in place as the plugin's bf16 element).
-    pub(crate) fn upload_bf16_vec(&self, data: Vec<half::bf16>, dims: &[i64]) -> Result<DeviceBuffer> {
+    /// Uploads owned bf16 data to device `device` (reinterpreted in place as the plugin's bf16).
+    pub(crate) fn upload_bf16_vec(
+        &self,
+        device: usize,
+        data: Vec<half::bf16>,
+        dims: &[i64],
+    ) -> Result<DeviceBuffer> {
         let bits: Vec<Bf16Bits> = match bytemuck::allocation::try_cast_vec(data) {
             Ok(bits) => bits,
             Err((_, data)) => data.iter().map(|x| Bf16Bits(x.to_bits())).collect(),
         };
-        self.upload_vec(bits, dims)
+        self.upload_vec_on(device, bits, dims)
     }
-    /// Uploads owned i32 data.
-    pub(crate) fn upload_i32_vec(&self, data: Vec<i32>, dims: &[i64]) -> Result<DeviceBuffer> {
-        self.upload_vec(data, dims)
+    /// Uploads owned i32 data to device `device`.
+    pub(crate) fn upload_i32_vec(&self, device: usize, data: Vec<i32>, dims: &[i64]) -> Result<DeviceBuffer> {
+        self.upload_vec_on(device, data, dims)
+    }
+
+    /// Uploads f32 data to device `device` (0 to [`Runtime::device_count`] - 1).
+    pub fn upload_f32_on(&self, device: usize, data: &[f32], dims: &[i64]) -> Result<DeviceBuffer> {
+        self.upload_vec_on(device, data.to_vec(), dims)
+    }
+    /// Uploads i32 data to device `device`.
+    pub fn upload_i32_on(&self, device: usize, data: &[i32], dims: &[i64]) -> Result<DeviceBuffer> {
+        self.upload_vec_on(device, data.to_vec(), dims)
     }
 
     fn upload_vec<E: pjrt::ElemType>(&self, data: Vec<E>, dims: &[i64]) -> Result<DeviceBuffer> {
-        let _span = tracing::info_span!("transfer", to = "device", elements = data.len()).entered();
-        guarded("upload", || upload(&self.client, &self.device, data, dims))
+        self.upload_vec_on(0, data, dims)
+    }
+
+    pub(crate) fn upload_vec_on<E: pjrt::ElemType>(
+        &self,
+        device: usize,
+        data: Vec<E>,
+        dims: &[i64],
+    ) -> Result<DeviceBuffer> {
+        let _span = tracing::info_span!("transfer", to = "device", device, elements = data.len()).entered();
+        let target = self.devices.get(device).ok_or_else(|| {
+            TpuError::unsupported(
+                "device",
+                format!("device {device} of a runtime with {} devices", self.devices.len()),
+            )
+        })?;
+        guarded("upload", || upload(&self.client, target, data, dims))
     }
 
     /// Downloads an f32 buffer (error if it holds another dtype).

@@ -225,6 +225,22 @@ impl RawApi {
         let _: Result<()> = (|| call!(self, PJRT_Executable_Destroy, &mut d))();
     }
 
+    /// How many devices the TPU topology `topology` describes (libtpu, deviceless).
+    pub(crate) fn topology_device_count(&self, topology: &str) -> Result<usize> {
+        let mut t = PJRT_TopologyDescription_Create_Args::new();
+        t.topology_name = topology.as_ptr() as *const c_char;
+        t.topology_name_size = topology.len();
+        call!(self, PJRT_TopologyDescription_Create, &mut t)?;
+        let mut g = PJRT_TopologyDescription_GetDeviceDescriptions_Args::new();
+        g.topology = t.topology;
+        let counted =
+            call!(self, PJRT_TopologyDescription_GetDeviceDescriptions, &mut g).map(|_| g.num_descriptions);
+        let mut d = PJRT_TopologyDescription_Destroy_Args::new();
+        d.topology = t.topology;
+        let _: Result<()> = (|| call!(self, PJRT_TopologyDescription_Destroy, &mut d))();
+        counted
+    }
+
     /// Deviceless compile of MLIR text for `topology`; `f` reads the executable before it is freed.
     pub(crate) fn compile_for_topology<T>(
         &self,
@@ -268,5 +284,66 @@ impl RawApi {
         d.topology = topo;
         let _: Result<()> = (|| call!(self, PJRT_TopologyDescription_Destroy, &mut d))();
         result
+    }
+}
+
+impl RawApi {
+    /// Runs `loaded` once on every device of its device assignment: `args[d]` are device `d`'s
+    /// arguments (on that device), and each device gets its own `num_outputs` result slots
+    /// (pjrt 0.2.0 hands every device the same output array, so all but one device's results
+    /// are lost there). Inputs are never donated. Waits for every device to finish.
+    pub(crate) fn execute_replicated(
+        &self,
+        loaded: *mut PJRT_LoadedExecutable,
+        args: &[Vec<*mut PJRT_Buffer>],
+        num_outputs: usize,
+    ) -> Result<Vec<Vec<*mut PJRT_Buffer>>> {
+        let devices = args.len();
+        let num_args = args.first().map_or(0, Vec::len);
+        if args.iter().any(|a| a.len() != num_args) {
+            return Err(raw_err(
+                "PJRT_LoadedExecutable_Execute",
+                "every device needs the same argument count",
+            ));
+        }
+        let arg_lists: Vec<*const *mut PJRT_Buffer> = args.iter().map(|a| a.as_ptr()).collect();
+        let mut outputs: Vec<Vec<*mut PJRT_Buffer>> =
+            (0..devices).map(|_| vec![std::ptr::null_mut(); num_outputs]).collect();
+        let mut output_lists: Vec<*mut *mut PJRT_Buffer> =
+            outputs.iter_mut().map(|o| o.as_mut_ptr()).collect();
+        let mut events: Vec<*mut PJRT_Event> = vec![std::ptr::null_mut(); devices];
+        let keep: Vec<i64> = (0..num_args as i64).collect();
+        let mut options = PJRT_ExecuteOptions::new();
+        options.non_donatable_input_indices = keep.as_ptr();
+        options.num_non_donatable_input_indices = keep.len();
+        let mut a = PJRT_LoadedExecutable_Execute_Args::new();
+        a.executable = loaded;
+        a.options = &mut options;
+        a.num_devices = devices;
+        a.num_args = num_args;
+        a.argument_lists = arg_lists.as_ptr();
+        a.output_lists = output_lists.as_mut_ptr();
+        a.device_complete_events = events.as_mut_ptr();
+        call!(self, PJRT_LoadedExecutable_Execute, &mut a)?;
+        let mut first_err = Ok(());
+        for event in events.into_iter().filter(|e| !e.is_null()) {
+            let mut wait = PJRT_Event_Await_Args::new();
+            wait.event = event;
+            let waited = call!(self, PJRT_Event_Await, &mut wait);
+            if first_err.is_ok() {
+                first_err = waited;
+            }
+            let mut d = PJRT_Event_Destroy_Args::new();
+            d.event = event;
+            let _: Result<()> = (|| call!(self, PJRT_Event_Destroy, &mut d))();
+        }
+        first_err?;
+        if outputs.iter().flatten().any(|p| p.is_null()) {
+            return Err(raw_err(
+                "PJRT_LoadedExecutable_Execute",
+                "a device returned no buffer for an output",
+            ));
+        }
+        Ok(outputs)
     }
 }
