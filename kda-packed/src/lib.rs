@@ -13,6 +13,7 @@ mod cotangents;
 mod dispatch;
 mod layout;
 mod load;
+mod pieces;
 mod plan;
 mod segment_view;
 mod static_plan;
@@ -28,6 +29,7 @@ pub use load::{
     load_scalar_tensor, load_segments, load_segments_into, load_tensor, load_tensor_with_tables,
     load_with_tables,
 };
+pub use pieces::{Part, PiecePlan};
 pub use plan::{check_chunk_size, ChunkInfo, SegmentInfo, SegmentPlan, CHUNK_SIZES, DEFAULT_CHUNK_SIZE};
 pub use segment_view::{segment_state, segment_tensor, write_segment, write_segment_state};
 pub use static_plan::{StaticCapacity, StaticPlan};

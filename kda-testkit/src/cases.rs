@@ -14,6 +14,10 @@ pub enum Profile {
     HardReset,
     /// Standard, with some beta exactly 0 and some exactly 1.
     BetaEdges,
+    /// Log-decays near 0 (pre-activated g uniform in [-0.02, 0]; raw softplus inputs in
+    /// [-8, -6]): states carry across many chunks, as on a model's slow channels. Context
+    /// parallelism is checked on it, where a piece's entering state then matters.
+    LongMemory,
 }
 
 /// The gate mode of a case.

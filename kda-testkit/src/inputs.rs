@@ -87,7 +87,9 @@ pub fn case_data(case: &Case, dtype: DType) -> Result<CaseData> {
         (CaseGate::Preactivated | CaseGate::Softplus, Profile::StrongDecay) => {
             r.uniform_vec(n * k, -5.0, -4.5)
         }
+        (CaseGate::Preactivated, Profile::LongMemory) => r.uniform_vec(n * k, -0.02, 0.0),
         (CaseGate::Preactivated, _) => r.uniform_vec(n * k, -5.0, 0.0),
+        (_, Profile::LongMemory) => r.uniform_vec(n * k, -8.0, -6.0),
         // Raw gate inputs; the activation maps them into (lb, 0) or (-inf, 0).
         (_, Profile::StrongDecay) => r.uniform_vec(n * k, 3.0, 4.0),
         (_, _) => r.uniform_vec(n * k, -3.0, 3.0),

@@ -22,7 +22,7 @@ pub use aot::{AotReport, CostAnalysis, TpuCompiler, DEFAULT_TOPOLOGY};
 #[cfg(feature = "runtime")]
 pub use backend::{
     CompileCache, DeviceCall, DeviceCotangents, DeviceGate, DeviceGradients, DeviceInputs, DeviceOutputs,
-    DeviceProgram, DeviceTensor, PjrtBackend, PjrtOptions, PjrtResiduals, TransferStats,
+    DeviceProgram, DeviceTensor, PjrtBackend, PjrtOptions, PjrtResiduals, Split, TransferStats,
 };
 pub use error::{Result, TpuError};
 pub use kernels::interface::ProgramKind;

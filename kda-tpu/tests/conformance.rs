@@ -164,3 +164,145 @@ mod data_parallel {
         }
     }
 }
+
+/// Context parallelism (`Split::Context`): every row's chunks cut into one piece per device
+/// (2, 3 or 4), each device holding its piece's tokens only, the pieces' state transitions
+/// exchanged inside the one program. Each case meets section 7's limits against the reference;
+/// the placements of spec section 10 are covered: a segment inside one piece, crossing one
+/// boundary, spanning several pieces, pieces of padding only and empty pieces, with initial
+/// and final states.
+mod context_parallel {
+    use kda_core::{Backend, BackwardStrategy, DType, HostTensor};
+    use kda_testkit::cases::{case, Case, CaseSegments, Profile};
+    use kda_testkit::conformance::{backward_case, Path};
+    use kda_tpu::{PjrtBackend, PjrtOptions, Split};
+    use rstest::rstest;
+
+    use BackwardStrategy::{Rematerialize as Remat, SavedState as Saved};
+    use DType::{BF16, F32};
+    use Path::{Fused, Split as Staged};
+
+    /// Table cases and rows built for the piece boundaries, all with long memory (log-decays
+    /// near 0): a piece's entering state then shapes its outputs, so a wrong exchange fails.
+    fn named(name: &str) -> Case {
+        let packed = |name: &'static str, t: usize, rows: Vec<Vec<usize>>| Case {
+            name,
+            t,
+            b: rows.len(),
+            segments: CaseSegments::Lengths(rows),
+            ..case("packed_rows_differ").expect("case")
+        };
+        let base = named_base(name, packed);
+        Case { profile: Profile::LongMemory, ..base }
+    }
+
+    fn named_base(name: &str, packed: impl Fn(&'static str, usize, Vec<Vec<usize>>) -> Case) -> Case {
+        match name {
+            // 200 tokens: one segment spanning every piece.
+            "span_200" => Case { name: "span_200", t: 200, ..case("fixed_small").expect("case") },
+            // Segments inside a piece, across one boundary, an empty one, trailing padding.
+            "mixed_rows" => packed("mixed_rows", 300, vec![vec![30, 100, 0, 130], vec![200, 64, 10, 0]]),
+            // Fewer chunks than devices: the last pieces hold nothing.
+            "short_row" => packed("short_row", 70, vec![vec![5, 60, 0, 0]]),
+            // K != V (24, 40), batch-first: the exchanged [Q | P] blocks have unequal widths.
+            "k_ne_v_200" => Case { name: "k_ne_v_200", t: 200, ..case("k_ne_v").expect("case") },
+            other => case(other).expect("case"),
+        }
+    }
+
+    fn backend(devices: usize) -> PjrtBackend {
+        PjrtOptions::new()
+            .devices(devices)
+            .split(Split::Context)
+            .build()
+            .expect("PJRT plugin (run `cargo xtask setup`)")
+    }
+
+    #[rstest]
+    #[case::d2_fixed_fused_saved(2, "l2norm_preactivated", F32, Saved, Fused)]
+    #[case::d4_span_fused_remat(4, "span_200", F32, Remat, Fused)]
+    #[case::d3_span_split_saved(3, "span_200", BF16, Saved, Staged)]
+    #[case::d2_mixed_split_remat(2, "mixed_rows", F32, Remat, Staged)]
+    #[case::d3_mixed_fused_saved(3, "mixed_rows", F32, Saved, Fused)]
+    #[case::d4_mixed_split_saved(4, "mixed_rows", BF16, Saved, Staged)]
+    #[case::d4_short_row_fused_saved(4, "short_row", F32, Saved, Fused)]
+    #[case::d2_softplus_split_remat(2, "gate_softplus", F32, Remat, Staged)]
+    #[case::d3_lower_bound_fused_remat(3, "gate_lower_bound_l2norm", BF16, Remat, Fused)]
+    #[case::d2_batch_first_fused_remat(2, "fixed_batch_first_b2", BF16, Remat, Fused)]
+    #[case::d3_segment_ids_split_remat(3, "packed_segment_ids", F32, Remat, Staged)]
+    #[case::d4_k_ne_v_split_saved(4, "k_ne_v_200", F32, Saved, Staged)]
+    fn pieces_over_devices_meet_the_reference(
+        #[case] devices: usize,
+        #[case] name: &str,
+        #[case] dtype: DType,
+        #[case] strategy: BackwardStrategy,
+        #[case] path: Path,
+    ) {
+        match backward_case(&backend(devices), &named(name), dtype, strategy, path) {
+            Ok(report) => eprint!("{report}"),
+            Err(failure) => panic!("conformance failure on {devices} devices:\n{failure}"),
+        }
+    }
+
+    fn rms_ratio(got: &HostTensor, want: &HostTensor) -> f64 {
+        let (g, w) = (got.to_f64_vec(), want.to_f64_vec());
+        let num: f64 = g.iter().zip(&w).map(|(a, b)| (a - b) * (a - b)).sum();
+        let den: f64 = w.iter().map(|b| b * b).sum();
+        if den == 0.0 {
+            num.sqrt()
+        } else {
+            (num / den).sqrt()
+        }
+    }
+
+    /// f32, fused saved-state: o and the final states within RMS ratio 1e-6 of the
+    /// single-device program's, every gradient within max(1e-6, 2x the single-device program's
+    /// own ratio against the reference) of it (spec section 10).
+    #[rstest]
+    #[case::d2_mixed_rows(2, "mixed_rows")]
+    #[case::d4_span_200(4, "span_200")]
+    fn pieces_over_devices_agree_with_one_device(#[case] devices: usize, #[case] name: &str) {
+        let case = named(name);
+        let data = kda_testkit::inputs::case_data(&case, F32).expect("inputs");
+        let one = PjrtBackend::new().expect("PJRT plugin");
+        let (o1, g1) = one.forward_and_vjp(&data.inputs, &data.cotangents, Saved).expect("one device");
+        let (od, gd) =
+            backend(devices).forward_and_vjp(&data.inputs, &data.cotangents, Saved).expect("devices");
+        let reference =
+            kda_testkit::reference::forward_and_vjp(&format!("{name}-f32"), &data).expect("reference");
+        let outputs = [
+            ("o", Some(&od.o), Some(&o1.o)),
+            ("final_state", od.final_state.as_ref(), o1.final_state.as_ref()),
+        ];
+        for (what, got, want) in outputs {
+            if let (Some(g), Some(w)) = (got, want) {
+                let r = rms_ratio(g, w);
+                eprintln!("{name} on {devices} devices: {what} {r:.2e} against one device");
+                assert!(r <= 1e-6, "{what}: RMS ratio {r:.3e} against the single-device program");
+            }
+        }
+        let want = &reference.1;
+        let grads = [
+            ("dq", Some(&gd.dq), Some(&g1.dq), Some(&want.dq)),
+            ("dk", Some(&gd.dk), Some(&g1.dk), Some(&want.dk)),
+            ("dv", Some(&gd.dv), Some(&g1.dv), Some(&want.dv)),
+            ("dg", Some(&gd.dg), Some(&g1.dg), Some(&want.dg)),
+            ("dbeta", Some(&gd.dbeta), Some(&g1.dbeta), Some(&want.dbeta)),
+            ("dh0", gd.dh0.as_ref(), g1.dh0.as_ref(), want.dh0.as_ref()),
+        ];
+        for (what, got, one, reference) in grads {
+            if let (Some(g), Some(w), Some(r)) = (got, one, reference) {
+                let own = rms_ratio(w, r);
+                let limit = (2.0 * own).max(1e-6);
+                let ratio = rms_ratio(g, w);
+                eprintln!(
+                    "{name} on {devices} devices: {what} {ratio:.2e} against one device (limit {limit:.2e})"
+                );
+                assert!(
+                    ratio <= limit,
+                    "{what}: RMS ratio {ratio:.3e} against one device, limit {limit:.3e}"
+                );
+            }
+        }
+    }
+}

@@ -15,6 +15,7 @@ use kda_core::{
 use super::device::{index_tables, DeviceGradients, DeviceOutputs, PjrtResiduals};
 use super::host::{gradtypes, Gradtypes};
 use super::tensor::DeviceTensor;
+use super::worker::Form;
 use super::{e, Arg, PjrtBackend, Upload};
 use crate::kernels::KernelSpec;
 use crate::ProgramKind;
@@ -139,7 +140,7 @@ impl PjrtBackend {
         Ok(self.spec(shard, has_dht)?.with_g_dtype(g_dtype))
     }
 
-    fn split(&self, x: &KdaInputs) -> Result<(Problem, RowPlan, Vec<Problem>)> {
+    fn split_rows(&self, x: &KdaInputs) -> Result<(Problem, RowPlan, Vec<Problem>)> {
         let p = x.view().validate()?;
         kda_core::Backend::supports(self, &p)?;
         x.check_values()?;
@@ -189,7 +190,7 @@ impl PjrtBackend {
         c: &Cotangents,
         strategy: BackwardStrategy,
     ) -> Result<(KdaOutputs, KdaGradients)> {
-        let (p, plan, shards) = self.split(x)?;
+        let (p, plan, shards) = self.split_rows(x)?;
         validate_cotangent_shapes(&p, &c.d_o, c.dht.as_ref())?;
         c.check_values()?;
         let spec = self.shard_spec(x, &shards[0], c.dht.is_some())?;
@@ -200,7 +201,7 @@ impl PjrtBackend {
             a.extend(shard_cotangents(c, &p, plan, d)?.into_iter().map(Arg::Upload));
             args.push(a);
         }
-        let per_device = self.run_kernel_replicated(&spec, ProgramKind::Fused(strategy), args)?;
+        let per_device = self.run_kernel_replicated(&spec, ProgramKind::Fused(strategy), Form::Data, args)?;
         let (mut outs, mut grads) = (Vec::new(), Vec::new());
         for (infos, shard) in per_device.into_iter().zip(&shards) {
             let mut it = self.wrap(infos).into_iter();
@@ -220,7 +221,7 @@ impl PjrtBackend {
         x: &KdaInputs,
         strategy: BackwardStrategy,
     ) -> Result<(KdaOutputs, PjrtResiduals)> {
-        let (p, plan, shards) = self.split(x)?;
+        let (p, plan, shards) = self.split_rows(x)?;
         let spec = self.shard_spec(x, &shards[0], false)?;
         let mut kept = Vec::with_capacity(plan.devices);
         for d in 0..plan.devices {
@@ -233,7 +234,7 @@ impl PjrtBackend {
             a.extend(index_tables(&spec, shard)?.into_iter().map(Arg::Upload));
             args.push(a);
         }
-        let per_device = self.run_kernel_replicated(&spec, ProgramKind::Forward(keep_h), args)?;
+        let per_device = self.run_kernel_replicated(&spec, ProgramKind::Forward(keep_h), Form::Data, args)?;
         let (mut outs, mut parts) = (Vec::new(), Vec::new());
         for ((infos, shard), inputs) in per_device.into_iter().zip(shards).zip(kept) {
             let mut it = self.wrap(infos).into_iter();
@@ -247,6 +248,7 @@ impl PjrtBackend {
                 h,
                 host_types: None,
                 shards: Vec::new(),
+                context: None,
             });
         }
         let out = self.download_outputs_dp(&p, plan, &outs)?;
@@ -258,6 +260,7 @@ impl PjrtBackend {
             h: None,
             host_types: Some(gradtypes(x)),
             shards: parts,
+            context: None,
         };
         Ok((out, res))
     }
@@ -278,7 +281,8 @@ impl PjrtBackend {
             a.extend(shard_cotangents(c, p, plan, d)?.into_iter().map(Arg::Upload));
             args.push(a);
         }
-        let per_device = self.run_kernel_replicated(&spec, ProgramKind::Backward(res.strategy), args)?;
+        let per_device =
+            self.run_kernel_replicated(&spec, ProgramKind::Backward(res.strategy), Form::Data, args)?;
         let mut grads = Vec::new();
         for (infos, shard) in per_device.into_iter().zip(&res.shards) {
             grads.push(self.gradients(&shard.problem, &mut self.wrap(infos).into_iter())?);
@@ -287,7 +291,7 @@ impl PjrtBackend {
     }
 
     /// Uploads host arrays to device `device` and keeps them.
-    fn upload_all_on(&self, uploads: Vec<Upload>, device: usize) -> Result<Vec<DeviceTensor>> {
+    pub(crate) fn upload_all_on(&self, uploads: Vec<Upload>, device: usize) -> Result<Vec<DeviceTensor>> {
         let counters = self.shared().counters.clone();
         let infos = self
             .shared()

@@ -207,6 +207,8 @@ pub struct PjrtResiduals {
     /// Under data parallelism, each device's residuals (its rows); the fields above then
     /// describe the whole batch and hold no tensors.
     pub(crate) shards: Vec<PjrtResiduals>,
+    /// Under context parallelism, how the call's rows were cut into pieces.
+    pub(crate) context: Option<std::sync::Arc<super::context_parallel::ContextPlan>>,
 }
 
 impl Residuals for PjrtResiduals {
@@ -456,7 +458,16 @@ impl PjrtBackend {
         let h = if keep_h { Some(outs.next().ok_or_else(|| too_few("h"))?) } else { None };
         Ok((
             out,
-            PjrtResiduals { problem: p, spec, strategy, inputs, h, host_types: None, shards: Vec::new() },
+            PjrtResiduals {
+                problem: p,
+                spec,
+                strategy,
+                inputs,
+                h,
+                host_types: None,
+                shards: Vec::new(),
+                context: None,
+            },
         ))
     }
 

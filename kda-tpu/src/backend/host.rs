@@ -9,7 +9,7 @@ use kda_core::{
 
 use super::device::{index_tables, DeviceGradients, DeviceOutputs, PjrtResiduals};
 use super::tensor::DeviceTensor;
-use super::{e, Arg, PjrtBackend};
+use super::{e, Arg, PjrtBackend, Split};
 use crate::kernels::KernelSpec;
 
 pub use crate::kernels::ProgramKind;
@@ -107,7 +107,10 @@ impl Backend for PjrtBackend {
 
     fn forward(&self, inputs: &KdaInputs, strategy: BackwardStrategy) -> Result<(KdaOutputs, PjrtResiduals)> {
         if self.device_count() > 1 {
-            return self.forward_dp(inputs, strategy);
+            return match self.split() {
+                Split::Data => self.forward_dp(inputs, strategy),
+                Split::Context => self.forward_cp(inputs, strategy),
+            };
         }
         let dev = self.upload_inputs(inputs)?;
         let (out, mut res) = self.forward_device(&dev, strategy)?;
@@ -116,6 +119,9 @@ impl Backend for PjrtBackend {
     }
 
     fn backward(&self, res: PjrtResiduals, cot: &Cotangents) -> Result<KdaGradients> {
+        if let Some(plan) = res.context.clone() {
+            return self.backward_cp(&res, &plan, cot);
+        }
         if !res.shards.is_empty() {
             return self.backward_dp(&res, cot);
         }
@@ -131,7 +137,10 @@ impl Backend for PjrtBackend {
         strategy: BackwardStrategy,
     ) -> Result<(KdaOutputs, KdaGradients)> {
         if self.device_count() > 1 {
-            return self.forward_and_vjp_dp(inputs, cot, strategy);
+            return match self.split() {
+                Split::Data => self.forward_and_vjp_dp(inputs, cot, strategy),
+                Split::Context => self.forward_and_vjp_cp(inputs, cot, strategy),
+            };
         }
         let dev = self.upload_inputs(inputs)?;
         let p = self.validate_device(&dev, cot.dht.is_some())?.0;

@@ -8,6 +8,7 @@
 //! ran before). A panic inside the plugin bindings becomes an error, and the handle then
 //! refuses every later call (`TpuError::Poisoned`) instead of hanging.
 
+mod context_parallel;
 mod data_parallel;
 mod device;
 mod host;
@@ -23,7 +24,7 @@ use kda_packed::StaticCapacity;
 
 pub use device::{DeviceCotangents, DeviceGate, DeviceGradients, DeviceInputs, DeviceOutputs, PjrtResiduals};
 pub use host::{program_text, DeviceCall, ProgramKind};
-pub use options::{CompileCache, PjrtOptions};
+pub use options::{CompileCache, PjrtOptions, Split};
 pub use tensor::{DeviceProgram, DeviceTensor, TransferStats};
 
 use crate::error::{Result, TpuError};
@@ -66,6 +67,7 @@ use worker::{BufferInfo, Shared, Worker};
 pub struct PjrtBackend {
     shared: Arc<Shared>,
     slab: usize,
+    split: Split,
 }
 
 impl std::fmt::Debug for PjrtBackend {
@@ -191,7 +193,12 @@ impl PjrtBackend {
     pub(crate) fn start(options: PjrtOptions) -> Result<Self> {
         let shared = Shared::start(&options)?;
         let slab = options.slab_choice().unwrap_or(if shared.info.platform == "cpu" { 0 } else { TPU_SLAB });
-        Ok(Self { shared, slab })
+        Ok(Self { shared, slab, split: options.split_choice() })
+    }
+
+    /// How host `Backend` calls spread over several devices ([`PjrtOptions::split`]).
+    pub fn split(&self) -> Split {
+        self.split
     }
 
     /// This handle with fused programs in slabs of `chunks` chunk positions (0: all chunks at
@@ -417,13 +424,14 @@ impl PjrtBackend {
         &self,
         spec: &KernelSpec,
         kind: ProgramKind,
+        form: worker::Form,
         args: Vec<Vec<Arg>>,
     ) -> kda_core::Result<Vec<Vec<BufferInfo>>> {
         let options = self.compile_options(kind).with_replicas(args.len());
         let (spec, counters) = (spec.clone(), self.shared.counters.clone());
         self.shared
             .call("kernel", move |w| {
-                let (exe, _) = w.kernel(&spec, kind, &options)?;
+                let (exe, _) = w.kernel_form(&spec, kind, &options, form)?;
                 run_replicated(w, &counters, &exe, args)
             })
             .map_err(e)

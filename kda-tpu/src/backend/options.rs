@@ -18,6 +18,18 @@ pub enum CompileCache {
     Off,
 }
 
+/// How the host `Backend` calls of a handle with several devices spread a batch over them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum Split {
+    /// Data parallelism: whole rows per device, gate-parameter gradients all-reduced.
+    #[default]
+    Data,
+    /// Context parallelism (spec section 10): every row's chunks cut into one contiguous piece
+    /// per device; each device holds only its piece's tokens, and the programs exchange the
+    /// pieces' state transitions.
+    Context,
+}
+
 /// How a [`PjrtBackend`] is built: the plugin, the compile cache, host-memory tuning and the
 /// program configuration. Every field has a default; nothing here changes the process until
 /// [`PjrtOptions::build`].
@@ -39,6 +51,7 @@ pub struct PjrtOptions {
     retain_host_memory: bool,
     slab: Option<usize>,
     devices: Option<usize>,
+    split: Split,
 }
 
 impl PjrtOptions {
@@ -79,15 +92,26 @@ impl PjrtOptions {
     /// Drives `n` devices of the plugin (default 1): the CPU plugin makes `n` devices; other
     /// plugins need at least `n` addressable devices (else an `Unsupported` error naming both
     /// numbers). The host `Backend` calls then spread each batch's rows over the devices (data
-    /// parallelism, see [`crate::PjrtBackend`]); device-API calls run on device 0.
+    /// parallelism, or [`PjrtOptions::split`]); device-API calls run on device 0.
     pub fn devices(mut self, n: usize) -> Self {
         self.devices = Some(n);
+        self
+    }
+
+    /// How the host `Backend` calls spread a batch over the devices (default [`Split::Data`]).
+    pub fn split(mut self, split: Split) -> Self {
+        self.split = split;
         self
     }
 
     /// Starts the handle: a worker thread loads the plugin and owns the client.
     pub fn build(self) -> Result<PjrtBackend> {
         PjrtBackend::start(self)
+    }
+
+    /// The split asked for.
+    pub(crate) fn split_choice(&self) -> Split {
+        self.split
     }
 
     /// The slab size asked for, if any.

@@ -28,8 +28,8 @@ pub(crate) struct Worker {
     pub(crate) rt: Runtime,
     buffers: HashMap<u64, DeviceBuffer>,
     next_id: u64,
-    /// Kernel programs by (spec, kind, replicas).
-    pub(crate) programs: HashMap<(String, ProgramKind, usize), Rc<Executable>>,
+    /// Kernel programs by (spec, kind, replicas, form).
+    pub(crate) programs: HashMap<(String, ProgramKind, usize, Form), Rc<Executable>>,
     /// Programs compiled for a caller ([`super::DeviceProgram`]), by id.
     pub(crate) user_programs: HashMap<u64, Rc<Executable>>,
 }
@@ -69,16 +69,42 @@ impl Worker {
         kind: ProgramKind,
         slab_options: &crate::runtime::CompileOptions,
     ) -> Result<(Rc<Executable>, bool)> {
+        self.kernel_form(spec, kind, slab_options, Form::Data)
+    }
+
+    /// [`Worker::kernel`] in the form `form` (data- or context-parallel over the replicas of
+    /// `options`).
+    pub(crate) fn kernel_form(
+        &mut self,
+        spec: &KernelSpec,
+        kind: ProgramKind,
+        slab_options: &crate::runtime::CompileOptions,
+        form: Form,
+    ) -> Result<(Rc<Executable>, bool)> {
         let replicas = slab_options.replicas();
-        let key = (format!("{spec:?}"), kind, replicas);
+        let key = (format!("{spec:?}"), kind, replicas, form);
         if let Some(x) = self.programs.get(&key) {
             return Ok((x.clone(), true));
         }
-        let text = crate::kernels::data_parallel_program(spec, kind, replicas)?;
+        let text = match form {
+            Form::Data => crate::kernels::data_parallel_program(spec, kind, replicas)?,
+            Form::Context => {
+                crate::kernels::context_parallel::context_parallel_program(spec, kind, replicas)?
+            }
+        };
         let exe = self.rt.compile_with(&text, slab_options)?;
         self.programs.insert(key, exe.clone());
         Ok((exe, false))
     }
+}
+
+/// How a kernel program spreads over its replicas (one replica: the plain program either way).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Form {
+    /// Rows per device; gate-parameter gradients all-reduced.
+    Data,
+    /// Pieces of every row per device; states and `dh` exchanged (spec section 10).
+    Context,
 }
 
 /// A buffer as the caller sees it: its id in the worker and its type.

@@ -1,6 +1,7 @@
 //! The chunked KDA programs (spec section 4) as StableHLO, built with [`crate::hlo`].
 
 pub mod compose;
+pub mod context_parallel;
 pub mod interface;
 mod intra;
 mod ops;

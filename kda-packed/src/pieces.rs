@@ -1,0 +1,173 @@
+//! Context-parallel pieces: each row's aligned chunks (every segment starts a chunk) split into
+//! D contiguous pieces, one per device, as token ranges. A piece boundary inside a segment falls
+//! on one of that segment's chunk boundaries, so each piece, loaded as a packed problem of its
+//! own, chunks its tokens exactly as the whole row does.
+
+use std::ops::Range;
+
+use kda_core::{Result, SegmentTable};
+
+/// The part of one segment that a piece holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Part {
+    /// The segment's slot in its row.
+    pub segment: usize,
+    /// Its tokens in the row (empty for an empty segment).
+    pub tokens: Range<usize>,
+    /// Whether the segment starts here (else it continues from the previous piece).
+    pub starts: bool,
+    /// Whether the segment ends here (else it carries into the next piece).
+    pub ends: bool,
+}
+
+/// Every row's pieces over D devices, and the static size of a piece's local problem.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PiecePlan {
+    /// `parts[b][d]`: what device `d` holds of row `b`, in token order.
+    pub parts: Vec<Vec<Vec<Part>>>,
+    /// Tokens per local row (the largest piece; at least 1).
+    pub t: usize,
+    /// Segment slots per local row (the most parts of a piece; at least 1).
+    pub n: usize,
+}
+
+impl PiecePlan {
+    /// Splits the rows of `table` into `devices` pieces of `ceil(chunks / devices)` aligned
+    /// chunks of `chunk` tokens (the last pieces may be shorter or empty). An empty segment goes
+    /// to the piece holding the chunk position it sits at.
+    pub fn new(table: &SegmentTable, devices: usize, chunk: usize) -> Self {
+        let devices = devices.max(1);
+        let mut parts = Vec::with_capacity(table.b());
+        for row in table.rows() {
+            let chunks: Vec<usize> = row.iter().map(|r| r.len().div_ceil(chunk)).collect();
+            let total: usize = chunks.iter().sum();
+            let per = total.div_ceil(devices).max(1);
+            let mut pieces: Vec<Vec<Part>> = vec![Vec::new(); devices];
+            let mut offset = 0;
+            for (segment, (r, &c)) in row.iter().zip(&chunks).enumerate() {
+                if c == 0 {
+                    let d = (offset / per).min(devices - 1);
+                    pieces[d].push(Part { segment, tokens: r.clone(), starts: true, ends: true });
+                    continue;
+                }
+                let mut j = 0;
+                while j < c {
+                    let d = (offset + j) / per;
+                    let take = ((d + 1) * per - (offset + j)).min(c - j);
+                    let start = r.start + j * chunk;
+                    let end = (r.start + (j + take) * chunk).min(r.end);
+                    pieces[d].push(Part { segment, tokens: start..end, starts: j == 0, ends: j + take == c });
+                    j += take;
+                }
+                offset += c;
+            }
+            parts.push(pieces);
+        }
+        let piece_len = |p: &Vec<Part>| p.iter().map(|x| x.tokens.len()).sum::<usize>();
+        let t = parts.iter().flatten().map(piece_len).max().unwrap_or(0).max(1);
+        let n = parts.iter().flatten().map(Vec::len).max().unwrap_or(0).max(1);
+        PiecePlan { parts, t, n }
+    }
+
+    /// Device `d`'s local segment table: its parts side by side from token 0, then empty slots
+    /// up to `n`.
+    pub fn local_table(&self, d: usize) -> Result<SegmentTable> {
+        let rows = self
+            .parts
+            .iter()
+            .map(|pieces| {
+                let mut pos = 0;
+                let mut ranges: Vec<Range<usize>> = pieces[d]
+                    .iter()
+                    .map(|p| {
+                        let r = pos..pos + p.tokens.len();
+                        pos = r.end;
+                        r
+                    })
+                    .collect();
+                ranges.resize(self.n, pos..pos);
+                ranges
+            })
+            .collect();
+        SegmentTable::from_ranges(self.t, rows)
+    }
+
+    /// Device `d`'s token moves `(row, row token, local token, len)`, one per non-empty part.
+    pub fn moves(&self, d: usize) -> Vec<(usize, usize, usize, usize)> {
+        let mut out = Vec::new();
+        for (b, pieces) in self.parts.iter().enumerate() {
+            let mut pos = 0;
+            for p in &pieces[d] {
+                if !p.tokens.is_empty() {
+                    out.push((b, p.tokens.start, pos, p.tokens.len()));
+                }
+                pos += p.tokens.len();
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rstest::rstest;
+
+    fn table(t: usize, rows: &[&[usize]]) -> SegmentTable {
+        let ranges = rows
+            .iter()
+            .map(|lens| {
+                let mut pos = 0;
+                lens.iter()
+                    .map(|&l| {
+                        let r = pos..pos + l;
+                        pos += l;
+                        r
+                    })
+                    .collect()
+            })
+            .collect();
+        SegmentTable::from_ranges(t, ranges).unwrap()
+    }
+
+    /// (segment, start, end, starts, ends) per part, per device, for one row.
+    type Want = Vec<Vec<(usize, usize, usize, bool, bool)>>;
+
+    #[rstest]
+    #[case::fixed_even_split(&[256], 2, vec![vec![(0, 0, 128, true, false)], vec![(0, 128, 256, false, true)]])]
+    #[case::segment_spans_three_pieces(&[200], 4, vec![
+        vec![(0, 0, 64, true, false)], vec![(0, 64, 128, false, false)],
+        vec![(0, 128, 192, false, false)], vec![(0, 192, 200, false, true)]])]
+    #[case::boundary_on_a_segment_end(&[64, 100], 3, vec![
+        vec![(0, 0, 64, true, true)], vec![(1, 64, 128, true, false)], vec![(1, 128, 164, false, true)]])]
+    #[case::segments_inside_and_across(&[30, 100, 10], 2, vec![
+        vec![(0, 0, 30, true, true), (1, 30, 94, true, false)],
+        vec![(1, 94, 130, false, true), (2, 130, 140, true, true)]])]
+    #[case::more_devices_than_chunks(&[40], 3, vec![vec![(0, 0, 40, true, true)], vec![], vec![]])]
+    #[case::empty_segment_stays_in_order(&[64, 0, 64], 2, vec![
+        vec![(0, 0, 64, true, true)], vec![(1, 64, 64, true, true), (2, 64, 128, true, true)]])]
+    fn rows_split_on_chunk_boundaries(#[case] lens: &[usize], #[case] devices: usize, #[case] want: Want) {
+        let t: usize = lens.iter().sum::<usize>().max(1);
+        let plan = PiecePlan::new(&table(t, &[lens]), devices, 64);
+        let got: Want = plan.parts[0]
+            .iter()
+            .map(|ps| {
+                ps.iter().map(|p| (p.segment, p.tokens.start, p.tokens.end, p.starts, p.ends)).collect()
+            })
+            .collect();
+        assert_eq!(got, want);
+        for d in 0..devices {
+            let local = plan.local_table(d).unwrap();
+            assert_eq!((local.t(), local.n()), (plan.t, plan.n));
+        }
+    }
+
+    #[test]
+    fn local_rows_hold_their_parts_from_token_zero() {
+        let plan = PiecePlan::new(&table(140, &[&[30, 100, 10], &[140, 0, 0]]), 2, 64);
+        assert_eq!((plan.t, plan.n), (128, 3));
+        assert_eq!(plan.moves(1), vec![(0, 94, 0, 36), (0, 130, 36, 10), (1, 128, 0, 12)]);
+        let local = plan.local_table(1).unwrap();
+        assert_eq!(local.rows()[0], vec![0..36, 36..46, 46..46]);
+    }
+}

@@ -1,0 +1,418 @@
+//! Context parallelism for the host `Backend` calls ([`super::Split::Context`]): every row's
+//! aligned chunks cut into one contiguous piece per device ([`kda_packed::PiecePlan`]), each
+//! device given only its piece's tokens as a packed problem of its own, and one program per
+//! call ([`crate::kernels::context_parallel`]) that hands each piece its true entering state
+//! and ending `dh`. Results go back to the caller's token and segment positions.
+
+use std::sync::Arc;
+
+use kda_core::{
+    validate_cotangent_shapes, BackwardStrategy, Cotangents, DType, HostTensor, KdaError, KdaGradients,
+    KdaInputs, KdaOutputs, Layout, Problem, Result, TensorData,
+};
+use kda_packed::PiecePlan;
+
+use super::device::{index_tables, DeviceGradients, DeviceOutputs, PjrtResiduals};
+use super::host::{gradtypes, Gradtypes};
+use super::worker::Form;
+use super::{Arg, HostData, PjrtBackend, Upload};
+use crate::kernels::{KernelSpec, CHUNK};
+use crate::ProgramKind;
+
+/// `(row, source token, destination token, tokens)`.
+type Move = (usize, usize, usize, usize);
+
+/// `(H, B, T, W)` of a per-token tensor (`W`: elements per head and token).
+fn geometry(shape: &[usize], layout: Layout) -> (usize, usize, usize, usize) {
+    let w: usize = shape[3.min(shape.len())..].iter().product();
+    match layout {
+        Layout::HeadFirst => (shape[0], shape[1], shape[2], w),
+        Layout::BatchFirst => (shape[2], shape[0], shape[1], w),
+    }
+}
+
+/// Copies token runs of `src` into `dst` (same dtype and layout; T may differ).
+fn copy_tokens(src: &HostTensor, dst: &mut HostTensor, layout: Layout, moves: &[Move]) -> Result<()> {
+    let (h, b, ts, w) = geometry(src.shape(), layout);
+    let (_, _, td, _) = geometry(dst.shape(), layout);
+    fn run<T: Copy>(
+        s: &[T],
+        d: &mut [T],
+        layout: Layout,
+        g: (usize, usize, usize, usize, usize),
+        moves: &[Move],
+    ) {
+        let (h, b, ts, td, w) = g;
+        for &(row, from, to, len) in moves {
+            match layout {
+                Layout::HeadFirst => {
+                    for hh in 0..h {
+                        let si = ((hh * b + row) * ts + from) * w;
+                        let di = ((hh * b + row) * td + to) * w;
+                        d[di..di + len * w].copy_from_slice(&s[si..si + len * w]);
+                    }
+                }
+                Layout::BatchFirst => {
+                    let (si, di) = ((row * ts + from) * h * w, (row * td + to) * h * w);
+                    d[di..di + len * h * w].copy_from_slice(&s[si..si + len * h * w]);
+                }
+            }
+        }
+    }
+    let g = (h, b, ts, td, w);
+    match (src.data(), dst.elements_mut()) {
+        (TensorData::F32(s), kda_core::ElementsMut::F32(d)) => run(s, d, layout, g, moves),
+        (TensorData::BF16(s), kda_core::ElementsMut::BF16(d)) => run(s, d, layout, g, moves),
+        (TensorData::F64(s), kda_core::ElementsMut::F64(d)) => run(s, d, layout, g, moves),
+        _ => return Err(KdaError::dtype("tokens", src.dtype().to_string(), dst.dtype().to_string())),
+    }
+    Ok(())
+}
+
+/// Copies state slots `(row, source slot, destination slot)` of `[B, N, H, K, V]` tensors.
+fn copy_slots(src: &HostTensor, dst: &mut HostTensor, slots: &[(usize, usize, usize)]) -> Result<()> {
+    let (ns, nd) = (src.shape()[1], dst.shape()[1]);
+    let block: usize = src.shape()[2..].iter().product();
+    fn run<T: Copy>(
+        s: &[T],
+        d: &mut [T],
+        ns: usize,
+        nd: usize,
+        block: usize,
+        slots: &[(usize, usize, usize)],
+    ) {
+        for &(row, from, to) in slots {
+            let (si, di) = ((row * ns + from) * block, (row * nd + to) * block);
+            d[di..di + block].copy_from_slice(&s[si..si + block]);
+        }
+    }
+    match (src.data(), dst.elements_mut()) {
+        (TensorData::F32(s), kda_core::ElementsMut::F32(d)) => run(s, d, ns, nd, block, slots),
+        (TensorData::F64(s), kda_core::ElementsMut::F64(d)) => run(s, d, ns, nd, block, slots),
+        (TensorData::BF16(s), kda_core::ElementsMut::BF16(d)) => run(s, d, ns, nd, block, slots),
+        _ => return Err(KdaError::dtype("states", src.dtype().to_string(), dst.dtype().to_string())),
+    }
+    Ok(())
+}
+
+/// Everything the devices' local problems are built from, kept with a forward's residuals.
+#[derive(Debug)]
+pub(crate) struct ContextPlan {
+    pieces: PiecePlan,
+    /// Each device's local problem (its own segment table; the same dims everywhere).
+    locals: Vec<Problem>,
+    /// The local programs' spec.
+    spec: KernelSpec,
+}
+
+impl ContextPlan {
+    fn devices(&self) -> usize {
+        self.locals.len()
+    }
+
+    /// `(row, global slot, local slot)` of device `d`'s parts that start (`starts`) or end
+    /// their segment.
+    fn slots(&self, d: usize, starts: bool) -> Vec<(usize, usize, usize)> {
+        let mut out = Vec::new();
+        for (b, pieces) in self.pieces.parts.iter().enumerate() {
+            for (i, p) in pieces[d].iter().enumerate() {
+                if (starts && p.starts) || (!starts && p.ends) {
+                    out.push((b, p.segment, i));
+                }
+            }
+        }
+        out
+    }
+
+    /// Device `d`'s `cont` `[B]`, `carry` `[B, N]` and `piece` `[D]` (see `CP_ARGS`).
+    fn cp_args(&self, d: usize) -> Vec<Upload> {
+        let (b, n) = (self.pieces.parts.len(), self.pieces.n);
+        let mut cont = vec![0f32; b];
+        let mut carry = vec![0f32; b * n];
+        for (row, pieces) in self.pieces.parts.iter().enumerate() {
+            let parts = &pieces[d];
+            if parts.first().is_some_and(|p| !p.starts) {
+                cont[row] = 1.0;
+            }
+            if let Some((i, _)) = parts.iter().enumerate().next_back().filter(|(_, p)| !p.ends) {
+                carry[row * n + i] = 1.0;
+            }
+        }
+        let mut piece = vec![0f32; self.devices()];
+        piece[d] = 1.0;
+        vec![
+            Upload { data: HostData::F32(cont), dims: vec![b as i64] },
+            Upload { data: HostData::F32(carry), dims: vec![b as i64, n as i64] },
+            Upload { data: HostData::F32(piece), dims: vec![self.devices() as i64] },
+        ]
+    }
+
+    /// A per-token tensor of the call moved to device `d`'s local rows (zeros elsewhere).
+    fn local_tokens(&self, t: &HostTensor, layout: Layout, d: usize) -> Result<HostTensor> {
+        let mut shape = t.shape().to_vec();
+        shape[if layout == Layout::HeadFirst { 2 } else { 1 }] = self.pieces.t;
+        let mut out = HostTensor::try_zeros(&shape, t.dtype())?;
+        copy_tokens(t, &mut out, layout, &self.pieces.moves(d))?;
+        Ok(out)
+    }
+
+    /// A state tensor of the call (`[B, N, H, K, V]`) as device `d`'s local slots: the slots of
+    /// the parts that start (or end) their segment; zeros in the others.
+    fn local_states(
+        &self,
+        t: Option<&HostTensor>,
+        d: usize,
+        starts: bool,
+        p: &Problem,
+    ) -> Result<HostTensor> {
+        let dims = p.dims;
+        let mut out = HostTensor::try_zeros(&[dims.b, self.pieces.n, dims.h, dims.k, dims.v], DType::F32)?;
+        if let Some(t) = t {
+            let t = if t.dtype() == DType::F32 { t.clone() } else { t.cast(DType::F32) };
+            copy_slots(&t, &mut out, &self.slots(d, starts))?;
+        }
+        Ok(out)
+    }
+}
+
+impl PjrtBackend {
+    fn context_plan(&self, x: &KdaInputs, has_dht: bool) -> Result<(Problem, Arc<ContextPlan>)> {
+        let p = x.view().validate()?;
+        kda_core::Backend::supports(self, &p)?;
+        x.check_values()?;
+        let devices = self.device_count();
+        let pieces = PiecePlan::new(&p.segments, devices, CHUNK);
+        let mut locals = Vec::with_capacity(devices);
+        for d in 0..devices {
+            let mut q = p.clone();
+            q.dims.t = pieces.t;
+            q.dims.n = pieces.n;
+            q.segments = pieces.local_table(d)?;
+            q.has_initial_state = true;
+            q.output_final_state = true;
+            q.beta_shape[if p.layout == Layout::HeadFirst { 2 } else { 1 }] = pieces.t;
+            locals.push(q);
+        }
+        let g_dtype = if x.g.dtype() == DType::BF16 { DType::BF16 } else { DType::F32 };
+        let spec = self.spec(&locals[0], has_dht)?.with_g_dtype(g_dtype);
+        Ok((p, Arc::new(ContextPlan { pieces, locals, spec })))
+    }
+
+    /// Device `d`'s inputs in the programs' order (`h0`: the starting segments' states).
+    fn local_inputs(&self, x: &KdaInputs, p: &Problem, plan: &ContextPlan, d: usize) -> Result<Vec<Upload>> {
+        let lay = p.layout;
+        let tok = |t: &HostTensor| plan.local_tokens(t, lay, d);
+        let beta = tok(&x.beta)?;
+        let beta = if beta.dtype() == p.dtype { beta } else { beta.cast(p.dtype) };
+        let mut ups = vec![
+            Upload::owned(tok(&x.q)?),
+            Upload::owned(tok(&x.k)?),
+            Upload::owned(tok(&x.v)?),
+            Upload::owned(tok(&x.g)?),
+            Upload::owned(beta),
+            Upload::owned(plan.local_states(x.initial_state.as_ref(), d, true, p)?),
+        ];
+        if let Some((a_log, dt)) = x.gate.params() {
+            let a_log = a_log.ok_or_else(|| KdaError::missing("a_log", "an in-kernel gate needs a_log"))?;
+            ups.push(Upload::f32(a_log));
+            ups.extend(dt.map(Upload::f32));
+        }
+        Ok(ups)
+    }
+
+    fn local_cotangents(
+        &self,
+        c: &Cotangents,
+        p: &Problem,
+        plan: &ContextPlan,
+        d: usize,
+    ) -> Result<Vec<Upload>> {
+        let d_o = plan.local_tokens(&c.d_o, p.layout, d)?;
+        let d_o = if d_o.dtype() == p.dtype { d_o } else { d_o.cast(p.dtype) };
+        Ok(vec![Upload::owned(d_o), Upload::owned(plan.local_states(c.dht.as_ref(), d, false, p)?)])
+    }
+
+    fn gather_outputs(&self, p: &Problem, plan: &ContextPlan, outs: &[DeviceOutputs]) -> Result<KdaOutputs> {
+        let d = p.dims;
+        let mut o = HostTensor::try_zeros(&p.layout.token_shape(d.h, d.b, d.t, d.v), p.dtype)?;
+        let mut fin = HostTensor::try_zeros(&d.state_shape(), DType::F32)?;
+        for (dev, out) in outs.iter().enumerate() {
+            let host = self.download_outputs(out)?;
+            let back: Vec<Move> = plan.pieces.moves(dev).iter().map(|&(b, g, l, n)| (b, l, g, n)).collect();
+            copy_tokens(&host.o, &mut o, p.layout, &back)?;
+            if let Some(f) = &host.final_state {
+                let back: Vec<_> = plan.slots(dev, false).iter().map(|&(b, g, l)| (b, l, g)).collect();
+                copy_slots(f, &mut fin, &back)?;
+            }
+        }
+        Ok(KdaOutputs { o, final_state: p.output_final_state.then_some(fin) })
+    }
+
+    fn gather_gradients(
+        &self,
+        p: &Problem,
+        plan: &ContextPlan,
+        types: Option<Gradtypes>,
+        grads: &[DeviceGradients],
+    ) -> Result<KdaGradients> {
+        let host = grads.iter().map(|g| self.download_gradients(g, types)).collect::<Result<Vec<_>>>()?;
+        let first = host.first().ok_or_else(|| KdaError::backend("gather", "one device or more", "none"))?;
+        let d = p.dims;
+        let token = |f: fn(&KdaGradients) -> &HostTensor, width: usize| -> Result<HostTensor> {
+            let mut shape = p.layout.token_shape(d.h, d.b, d.t, width);
+            if width == 0 {
+                shape = p.beta_shape.clone();
+            }
+            let mut out = HostTensor::try_zeros(&shape, f(first).dtype())?;
+            for (dev, g) in host.iter().enumerate() {
+                let back: Vec<Move> =
+                    plan.pieces.moves(dev).iter().map(|&(b, gl, l, n)| (b, l, gl, n)).collect();
+                copy_tokens(f(g), &mut out, p.layout, &back)?;
+            }
+            Ok(out)
+        };
+        let dh0 = if p.has_initial_state {
+            let mut out = HostTensor::try_zeros(&d.state_shape(), DType::F32)?;
+            for (dev, g) in host.iter().enumerate() {
+                if let Some(t) = &g.dh0 {
+                    let back: Vec<_> = plan.slots(dev, true).iter().map(|&(b, gl, l)| (b, l, gl)).collect();
+                    copy_slots(t, &mut out, &back)?;
+                }
+            }
+            Some(out)
+        } else {
+            None
+        };
+        Ok(KdaGradients {
+            dq: token(|g| &g.dq, d.k)?,
+            dk: token(|g| &g.dk, d.k)?,
+            dv: token(|g| &g.dv, d.v)?,
+            dg: token(|g| &g.dg, d.k)?,
+            dbeta: token(|g| &g.dbeta, 0)?,
+            dh0,
+            // All-reduced in the program.
+            da_log: first.da_log.clone(),
+            ddt_bias: first.ddt_bias.clone(),
+        })
+    }
+
+    /// The fused forward+VJP with every row split into one piece per device.
+    pub(crate) fn forward_and_vjp_cp(
+        &self,
+        x: &KdaInputs,
+        c: &Cotangents,
+        strategy: BackwardStrategy,
+    ) -> Result<(KdaOutputs, KdaGradients)> {
+        let (p, plan) = self.context_plan(x, true)?;
+        validate_cotangent_shapes(&p, &c.d_o, c.dht.as_ref())?;
+        c.check_values()?;
+        let mut args = Vec::with_capacity(plan.devices());
+        for (d, local) in plan.locals.iter().enumerate() {
+            let mut a: Vec<Arg> = self.local_inputs(x, &p, &plan, d)?.into_iter().map(Arg::Upload).collect();
+            a.extend(index_tables(&plan.spec, local)?.into_iter().map(Arg::Upload));
+            a.extend(self.local_cotangents(c, &p, &plan, d)?.into_iter().map(Arg::Upload));
+            a.extend(plan.cp_args(d).into_iter().map(Arg::Upload));
+            args.push(a);
+        }
+        let per_device =
+            self.run_kernel_replicated(&plan.spec, ProgramKind::Fused(strategy), Form::Context, args)?;
+        let (mut outs, mut grads) = (Vec::new(), Vec::new());
+        for (infos, local) in per_device.into_iter().zip(&plan.locals) {
+            let mut it = self.wrap(infos).into_iter();
+            outs.push(self.outputs(local, &mut it)?);
+            grads.push(self.gradients(local, &mut it)?);
+        }
+        let types = Some(gradtypes(x));
+        Ok((self.gather_outputs(&p, &plan, &outs)?, self.gather_gradients(&p, &plan, types, &grads)?))
+    }
+
+    /// The forward with every row split into pieces; each device keeps its piece's residuals
+    /// (its inputs, with the entering states the program found, and the saved states).
+    pub(crate) fn forward_cp(
+        &self,
+        x: &KdaInputs,
+        strategy: BackwardStrategy,
+    ) -> Result<(KdaOutputs, PjrtResiduals)> {
+        let (p, plan) = self.context_plan(x, false)?;
+        let mut kept = Vec::with_capacity(plan.devices());
+        for d in 0..plan.devices() {
+            kept.push(self.upload_all_on(self.local_inputs(x, &p, &plan, d)?, d)?);
+        }
+        let keep_h = strategy == BackwardStrategy::SavedState;
+        let mut args = Vec::with_capacity(plan.devices());
+        for (d, (inputs, local)) in kept.iter().zip(&plan.locals).enumerate() {
+            let mut a: Vec<Arg> = inputs.iter().map(|t| Arg::Id(t.id())).collect();
+            a.extend(index_tables(&plan.spec, local)?.into_iter().map(Arg::Upload));
+            a.extend(plan.cp_args(d).into_iter().map(Arg::Upload));
+            args.push(a);
+        }
+        let per_device =
+            self.run_kernel_replicated(&plan.spec, ProgramKind::Forward(keep_h), Form::Context, args)?;
+        let (mut outs, mut parts) = (Vec::new(), Vec::new());
+        for ((infos, local), mut inputs) in per_device.into_iter().zip(&plan.locals).zip(kept) {
+            let mut it = self.wrap(infos).into_iter();
+            outs.push(self.outputs(local, &mut it)?);
+            let h = if keep_h { it.next() } else { None };
+            let h0_eff = it
+                .next()
+                .ok_or_else(|| {
+                    KdaError::backend("forward", "the entering states as the last output", "none")
+                })?
+                .reshaped(&[local.dims.b, local.dims.n, local.dims.h, local.dims.k, local.dims.v])?;
+            // The backward reads the entering states the forward found, in place of `h0`.
+            inputs[5] = h0_eff;
+            parts.push(PjrtResiduals {
+                problem: local.clone(),
+                spec: plan.spec.clone(),
+                strategy,
+                inputs,
+                h,
+                host_types: None,
+                shards: Vec::new(),
+                context: None,
+            });
+        }
+        let out = self.gather_outputs(&p, &plan, &outs)?;
+        let res = PjrtResiduals {
+            problem: p,
+            spec: plan.spec.clone(),
+            strategy,
+            inputs: Vec::new(),
+            h: None,
+            host_types: Some(gradtypes(x)),
+            shards: parts,
+            context: Some(plan),
+        };
+        Ok((out, res))
+    }
+
+    /// The backward of [`PjrtBackend::forward_cp`]'s residuals.
+    pub(crate) fn backward_cp(
+        &self,
+        res: &PjrtResiduals,
+        plan: &ContextPlan,
+        c: &Cotangents,
+    ) -> Result<KdaGradients> {
+        let p = &res.problem;
+        validate_cotangent_shapes(p, &c.d_o, c.dht.as_ref())?;
+        c.check_values()?;
+        let mut spec = plan.spec.clone();
+        spec.has_dht = true;
+        let mut args = Vec::with_capacity(plan.devices());
+        for (d, shard) in res.shards.iter().enumerate() {
+            let mut a: Vec<Arg> = shard.inputs.iter().map(|t| Arg::Id(t.id())).collect();
+            a.extend(index_tables(&spec, &shard.problem)?.into_iter().map(Arg::Upload));
+            a.extend(shard.h.iter().map(|t| Arg::Id(t.id())));
+            a.extend(self.local_cotangents(c, p, plan, d)?.into_iter().map(Arg::Upload));
+            a.extend(plan.cp_args(d).into_iter().map(Arg::Upload));
+            args.push(a);
+        }
+        let per_device =
+            self.run_kernel_replicated(&spec, ProgramKind::Backward(res.strategy), Form::Context, args)?;
+        let mut grads = Vec::new();
+        for (infos, shard) in per_device.into_iter().zip(&res.shards) {
+            grads.push(self.gradients(&shard.problem, &mut self.wrap(infos).into_iter())?);
+        }
+        self.gather_gradients(p, plan, res.host_types, &grads)
+    }
+}

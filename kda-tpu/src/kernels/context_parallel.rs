@@ -1,0 +1,271 @@
+//! Context parallelism (spec section 10): each of D devices holds one piece of every row's
+//! chunks as a small packed problem of its own (host-built: `backend::context_parallel`), and
+//! one program, compiled for D replicas, gives each piece its true entering state and, for the
+//! backward, its true ending `dh`.
+//!
+//! A piece's local problem has one segment slot per segment part it holds. Slot 0 may continue a
+//! segment from the previous piece (`cont`); one slot may carry its segment into the next piece
+//! (`carry`, a one-hot over the slots). The host puts zeros in those slots of `h0` and `dht`;
+//! the program fills them:
+//!
+//! 1. The piece's transition `S_out = P S_in + Q`: the forward run once more on `v` padded with K
+//!    zero columns, from `[h0 | 0]` and, in a continuation slot 0, `[0 | I]`; the carry slot's
+//!    final state is then `[Q | P]` (spec section 10).
+//! 2. An all-gather of every piece's `[Q | P]`, and the prefix `S_{j+1} = P_j S_j + Q_j`:
+//!    device d's entering state is `S_d`, written into its slot 0.
+//! 3. Backward: the backward run once more on `do` padded with K zero columns, from `dht` with
+//!    `[0 | I]` in the carry slot; slot 0's `dh0` is then `[R | P^T]`. An all-gather and the
+//!    suffix `G_j = P_{j+1}^T G_{j+1} + R_{j+1}` give each device its ending `dh`, written into
+//!    its carry slot of `dht`.
+//! 4. The ordinary program on the piece; the gate-parameter gradients are all-reduced.
+//!
+//! The extra runs cost about one more forward (and backward) at width V + K per piece; the
+//! exchange is `D x B x H x K x (V + K)` floats per direction, independent of T.
+
+use kda_core::BackwardStrategy;
+
+use super::interface::{ProgramKind, ProgramSignature};
+use super::programs::build;
+use super::spec::KernelSpec;
+use crate::hlo::{ElemType, FnBuilder, Module, TensorType, Value};
+use crate::Result;
+
+/// The extra arguments of a context-parallel program, after the kernel's own: `cont` `[B]`,
+/// `carry` `[B, N]`, `piece` `[D]` (f32, 0/1).
+pub const CP_ARGS: [&str; 3] = ["cont", "carry", "piece"];
+
+/// The spec of the transition runs: `v` (and `o`, states) K columns wider.
+fn augmented(s: &KernelSpec) -> KernelSpec {
+    KernelSpec { v: s.v + s.k, ..s.clone() }
+}
+
+/// The identity `[K, K]` in f32.
+fn identity(b: &mut FnBuilder, k: i64) -> Result<Value> {
+    let ty = TensorType::new(ElemType::I32, &[k, k]);
+    let (r, c) = (b.iota(ty.clone(), 0)?, b.iota(ty, 1)?);
+    let eq = b.compare(crate::hlo::Cmp::Eq, r, c)?;
+    let f = TensorType::new(ElemType::F32, &[k, k]);
+    let (one, zero) = (b.constant_f32(1.0, f.clone())?, b.constant_f32(0.0, f)?);
+    b.select(eq, one, zero)
+}
+
+/// `w[b, n] * block[b, h, k, c]` broadcast to a state-shaped `[B, N, H, K, C]`.
+fn place(b: &mut FnBuilder, w: Value, block: Value, n: i64) -> Result<Value> {
+    let (bb, h, k, c) = (block.dims()[0], block.dims()[1], block.dims()[2], block.dims()[3]);
+    let dims = [bb, n, h, k, c];
+    let wb = b.broadcast_in_dim(w, &dims, &[0, 1])?;
+    let xb = b.broadcast_in_dim(block, &dims, &[0, 2, 3, 4])?;
+    b.mul(wb, xb)
+}
+
+/// `I` placed by `w[b, n]`: `[B, N, H, K, K]`.
+fn placed_identity(b: &mut FnBuilder, w: Value, s: &KernelSpec) -> Result<Value> {
+    let (bb, n, h, k) = (s.b as i64, s.n as i64, s.h as i64, s.k as i64);
+    let eye = identity(b, k)?;
+    let dims = [bb, n, h, k, k];
+    let wb = b.broadcast_in_dim(w, &dims, &[0, 1])?;
+    let eb = b.broadcast_in_dim(eye, &dims, &[3, 4])?;
+    b.mul(wb, eb)
+}
+
+/// Slot 0 of `[B, N]` weighted by `cont[b]`.
+fn slot0(b: &mut FnBuilder, cont: Value, n: i64) -> Result<Value> {
+    let bb = cont.dims()[0];
+    let dims = [bb, n];
+    let c = b.broadcast_in_dim(cont, &dims, &[0])?;
+    let i = b.iota(TensorType::new(ElemType::I32, &dims), 1)?;
+    let z = b.constant_i32(0, TensorType::new(ElemType::I32, &dims))?;
+    let first = b.compare(crate::hlo::Cmp::Eq, i, z)?;
+    let zero = b.constant_f32(0.0, TensorType::new(ElemType::F32, &dims))?;
+    b.select(first, c, zero)
+}
+
+/// `sum_n w[b, n] * x[b, n, ...]`: the weighted slot of a state-shaped tensor, `[B, H, K, C]`.
+fn pick(b: &mut FnBuilder, w: Value, x: Value) -> Result<Value> {
+    let wb = b.broadcast_in_dim(w, x.dims(), &[0, 1])?;
+    let m = b.mul(wb, x)?;
+    b.reduce_sum(m, &[1])
+}
+
+/// Pads the last axis of `x` with `extra` zeros.
+fn pad_last(b: &mut FnBuilder, x: Value, extra: i64) -> Result<Value> {
+    let r = x.rank();
+    let zero = b.constant_f32(0.0, TensorType::scalar(ElemType::F32))?;
+    let zero = if x.elem() == ElemType::F32 { zero } else { b.convert(zero, x.elem())? };
+    let mut high = vec![0; r];
+    high[r - 1] = extra;
+    b.pad(x, zero, &vec![0; r], &high, &vec![0; r])
+}
+
+/// The all-gathered `[D, B, H, K, V + K]` of every device's `[B, H, K, V + K]`.
+fn exchange(b: &mut FnBuilder, x: Value, devices: usize) -> Result<Value> {
+    let mut dims = vec![1];
+    dims.extend_from_slice(x.dims());
+    let x1 = b.reshape(x, &dims)?;
+    b.all_gather(x1, 0, devices)
+}
+
+/// Device j's `[B, H, K, C]` block of columns `cols` of a gathered exchange.
+fn block(b: &mut FnBuilder, g: Value, j: usize, cols: (i64, i64)) -> Result<Value> {
+    let d = g.dims().to_vec();
+    let s = b.slice(g, &[j as i64, 0, 0, 0, cols.0], &[j as i64 + 1, d[1], d[2], d[3], cols.1], &[1; 5])?;
+    b.reshape(s, &[d[1], d[2], d[3], cols.1 - cols.0])
+}
+
+/// `sum_d piece[d] * x_d`.
+fn select_piece(b: &mut FnBuilder, piece: Value, xs: &[Value]) -> Result<Value> {
+    let mut acc: Option<Value> = None;
+    for (d, x) in xs.iter().enumerate() {
+        let w = b.slice(piece, &[d as i64], &[d as i64 + 1], &[1])?;
+        let w = b.reshape(w, &[])?;
+        let wb = b.broadcast_in_dim(w, x.dims(), &[])?;
+        let term = b.mul(wb, *x)?;
+        acc = Some(match acc {
+            Some(a) => b.add(a, term)?,
+            None => term,
+        });
+    }
+    acc.ok_or_else(|| crate::TpuError::builder("context_parallel", "no devices"))
+}
+
+/// Calls `f` (a kernel function of `sig`) with the arguments by name.
+fn call_named(
+    b: &mut FnBuilder,
+    f: &str,
+    sig: &ProgramSignature,
+    get: &dyn Fn(&str) -> Option<Value>,
+) -> Result<Vec<Value>> {
+    let args = sig
+        .args
+        .iter()
+        .map(|p| {
+            get(p.name).ok_or_else(|| {
+                crate::TpuError::builder("context_parallel", format!("no value for `{}`", p.name))
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    b.call(f, &args, &sig.result_types())
+}
+
+/// The context-parallel program `kind` of the local spec `s` (packed, with `h0`, final states
+/// and, for backward and fused programs, `dht`) for `devices` replicas. Arguments: the kernel
+/// program's, then [`CP_ARGS`]. Results: the kernel program's; a forward also returns the
+/// entering states it used (`h0` with slot 0 filled), which its backward takes as `h0`.
+pub fn context_parallel_program(s: &KernelSpec, kind: ProgramKind, devices: usize) -> Result<String> {
+    let aug = augmented(s);
+    let (k, v, n) = (s.k as i64, s.v as i64, s.n as i64);
+    let mut m = Module::new();
+    let fwd_aug_kind = ProgramKind::Forward(false);
+    let bwd_aug_kind = ProgramKind::Backward(BackwardStrategy::Rematerialize);
+    let main_sig = ProgramSignature::of(s, kind);
+    let (f, _) = build("kda", false, s, kind)?;
+    m.add(f)?;
+    let wants_forward = !matches!(kind, ProgramKind::Backward(_));
+    let wants_backward = !matches!(kind, ProgramKind::Forward(_));
+    let fwd_aug_sig = ProgramSignature::of(&aug, fwd_aug_kind);
+    let bwd_aug_sig = ProgramSignature::of(&aug, bwd_aug_kind);
+    if wants_forward {
+        let (f, _) = build("kda_transition", false, &aug, fwd_aug_kind)?;
+        m.add(f)?;
+    }
+    if wants_backward {
+        let (f, _) = build("kda_dh_transition", false, &aug, bwd_aug_kind)?;
+        m.add(f)?;
+    }
+
+    let mut b = FnBuilder::new("main", true);
+    let mut named: Vec<(&'static str, Value)> = Vec::new();
+    for p in &main_sig.args {
+        named.push((p.name, b.arg(p.ty.clone())?));
+    }
+    let f32 = |d: &[i64]| TensorType::new(ElemType::F32, d);
+    let cont = b.arg(f32(&[s.b as i64]))?;
+    let carry = b.arg(f32(&[s.b as i64, n]))?;
+    let piece = b.arg(f32(&[devices as i64]))?;
+    let get =
+        |named: &[(&'static str, Value)], name: &str| named.iter().find(|(n, _)| *n == name).map(|(_, v)| *v);
+    let h0 = get(&named, "h0").ok_or_else(|| crate::TpuError::builder("context_parallel", "needs h0"))?;
+    let v_in = get(&named, "v").ok_or_else(|| crate::TpuError::builder("context_parallel", "needs v"))?;
+    let v_aug = pad_last(&mut b, v_in, k)?;
+    let first = slot0(&mut b, cont, n)?;
+
+    // 1-2: the entering state of each piece (a backward program gets it in `h0`).
+    let h0_eff = if wants_forward {
+        let eye = placed_identity(&mut b, first, s)?;
+        let h0_aug = b.concatenate(&[h0, eye], 4)?;
+        let outs = call_named(&mut b, "kda_transition", &fwd_aug_sig, &|name| match name {
+            "v" => Some(v_aug),
+            "h0" => Some(h0_aug),
+            other => get(&named, other),
+        })?;
+        let fs = outs[fwd_aug_sig.result_index("final_state").unwrap_or(1)];
+        let qp = pick(&mut b, carry, fs)?;
+        let all = exchange(&mut b, qp, devices)?;
+        let mut states = vec![b.constant_f32(0.0, f32(&[s.b as i64, s.h as i64, k, v]))?];
+        for j in 0..devices.saturating_sub(1) {
+            let q = block(&mut b, all, j, (0, v))?;
+            let p = block(&mut b, all, j, (v, v + k))?;
+            let ps = b.batch_matmul(p, states[j], false, false)?;
+            states.push(b.add(ps, q)?);
+        }
+        let s_in = select_piece(&mut b, piece, &states)?;
+        let placed = place(&mut b, first, s_in, n)?;
+        b.add(h0, placed)?
+    } else {
+        h0
+    };
+
+    // 3: the ending dh of each piece.
+    let dht_eff = if wants_backward {
+        let dht =
+            get(&named, "dht").ok_or_else(|| crate::TpuError::builder("context_parallel", "needs dht"))?;
+        let d_o =
+            get(&named, "do").ok_or_else(|| crate::TpuError::builder("context_parallel", "needs do"))?;
+        let do_aug = pad_last(&mut b, d_o, k)?;
+        let h0_aug = pad_last(&mut b, h0_eff, k)?;
+        let eye = placed_identity(&mut b, carry, s)?;
+        let dht_aug = b.concatenate(&[dht, eye], 4)?;
+        let outs = call_named(&mut b, "kda_dh_transition", &bwd_aug_sig, &|name| match name {
+            "v" => Some(v_aug),
+            "h0" => Some(h0_aug),
+            "do" => Some(do_aug),
+            "dht" => Some(dht_aug),
+            other => get(&named, other),
+        })?;
+        let dh0 = outs[bwd_aug_sig
+            .result_index("dh0")
+            .ok_or_else(|| crate::TpuError::builder("context_parallel", "the transition has no dh0"))?];
+        let rp = pick(&mut b, first, dh0)?;
+        let all = exchange(&mut b, rp, devices)?;
+        let mut ends = vec![b.constant_f32(0.0, f32(&[s.b as i64, s.h as i64, k, v]))?; devices];
+        for j in (0..devices.saturating_sub(1)).rev() {
+            let r = block(&mut b, all, j + 1, (0, v))?;
+            let pt = block(&mut b, all, j + 1, (v, v + k))?;
+            let pg = b.batch_matmul(pt, ends[j + 1], false, false)?;
+            ends[j] = b.add(pg, r)?;
+        }
+        let dh_out = select_piece(&mut b, piece, &ends)?;
+        let placed = place(&mut b, carry, dh_out, n)?;
+        Some(b.add(dht, placed)?)
+    } else {
+        None
+    };
+
+    // 4: the piece's own program.
+    let mut outs = call_named(&mut b, "kda", &main_sig, &|name| match name {
+        "h0" => Some(h0_eff),
+        "dht" => dht_eff,
+        other => get(&named, other),
+    })?;
+    for name in ["da_log", "ddt_bias"] {
+        if let Some(i) = main_sig.result_index(name) {
+            outs[i] = b.all_reduce_sum(outs[i], devices)?;
+        }
+    }
+    if let ProgramKind::Forward(_) = kind {
+        outs.push(h0_eff);
+    }
+    b.ret(&outs)?;
+    m.add(b)?;
+    Ok(m.to_text())
+}
