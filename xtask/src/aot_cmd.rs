@@ -21,6 +21,15 @@ options:
   --shape LIST         primary, primary-packed, secondary, secondary-packed, or all
                        (default primary); spec section 8
   --dtype f32|bf16|both  input dtype (default bf16)
+  --devices N          compile the context-parallel programs for N devices (replicas) and
+                       report the memory per device (default 1: the single-device programs);
+                       on tpu7x:2x2x1 libtpu counts 8 devices, one per TensorCore
+  --heads N            override the shape's heads H
+  --t N                override the shape's tokens per row T (packed shapes keep their
+                       segment count, rebalanced over the new T)
+  --segments N         packed: N balanced segments per row (0: fixed length)
+  --json PATH          also write one JSON record per compile (program, shape, dtype,
+                       devices, h, t, segments, peak_bytes, temp_bytes, gflop)
   --libtpu PATH        libtpu to load (default $KDA_LIBTPU, else the one setup installed)
   -h, --help           show this text
 
@@ -134,6 +143,16 @@ pub struct AotOptions {
     pub dtypes: Vec<DType>,
     /// libtpu to load instead of the default.
     pub libtpu: Option<String>,
+    /// Devices of the context-parallel programs (1: the single-device programs).
+    pub devices: usize,
+    /// Overrides of the named shape: heads, tokens per row, segments per row.
+    pub heads: Option<usize>,
+    /// Tokens per row.
+    pub t: Option<usize>,
+    /// Balanced segments per row (0: fixed length).
+    pub segments: Option<usize>,
+    /// Where to write the JSON records.
+    pub json: Option<String>,
 }
 
 impl Default for AotOptions {
@@ -144,6 +163,11 @@ impl Default for AotOptions {
             shapes: vec![Shape::Primary],
             dtypes: vec![DType::BF16],
             libtpu: None,
+            devices: 1,
+            heads: None,
+            t: None,
+            segments: None,
+            json: None,
         }
     }
 }
@@ -178,10 +202,49 @@ pub fn parse_args(args: &[String]) -> Result<Option<AotOptions>, String> {
             }
             "--dtype" => o.dtypes = cli::dtypes(flag, &flags.value(flag)?)?,
             "--libtpu" => o.libtpu = Some(flags.value(flag)?),
+            "--devices" => o.devices = positive(flag, &flags.value(flag)?)?,
+            "--heads" => o.heads = Some(positive(flag, &flags.value(flag)?)?),
+            "--t" => o.t = Some(positive(flag, &flags.value(flag)?)?),
+            "--segments" => {
+                let v = flags.value(flag)?;
+                o.segments = Some(v.parse().map_err(|_| format!("`{flag}` needs a count, got `{v}`"))?);
+            }
+            "--json" => o.json = Some(flags.value(flag)?),
             _ => return Err(format!("unknown argument `{flag}`")),
         }
     }
     Ok(Some(o))
+}
+
+fn positive(flag: &str, v: &str) -> Result<usize, String> {
+    match v.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("`{flag}` needs a positive whole number, got `{v}`")),
+    }
+}
+
+impl AotOptions {
+    /// `shape`'s case with the overrides applied.
+    pub fn case(&self, shape: Shape) -> kda_testkit::Case {
+        let mut c = shape.case();
+        if let Some(h) = self.heads {
+            c.h = h;
+        }
+        let count = |c: &kda_testkit::Case| match &c.segments {
+            kda_testkit::CaseSegments::Fixed => 0,
+            kda_testkit::CaseSegments::Lengths(r) | kda_testkit::CaseSegments::SegmentIds(r) => r[0].len(),
+        };
+        let segments = self.segments.unwrap_or(count(&c));
+        if let Some(t) = self.t {
+            c.t = t;
+        }
+        c.segments = if segments == 0 {
+            kda_testkit::CaseSegments::Fixed
+        } else {
+            kda_testkit::CaseSegments::Lengths(vec![kda_testkit::cases::balanced(c.t, segments); c.b])
+        };
+        c
+    }
 }
 
 fn program_names() -> String {
@@ -251,7 +314,21 @@ mod tests {
         assert_eq!((o.topology.as_str(), o.dtypes.as_slice()), (topology, dtypes));
     }
 
+    #[test]
+    fn shape_overrides_rebalance_segments() {
+        let o = parse_args(&args("--devices 4 --t 32768 --heads 16 --json out.json")).unwrap().unwrap();
+        assert_eq!((o.devices, o.json.as_deref()), (4, Some("out.json")));
+        let c = o.case(Shape::SecondaryPacked);
+        assert_eq!((c.h, c.t), (16, 32768));
+        let kda_testkit::CaseSegments::Lengths(rows) = &c.segments else { panic!("packed") };
+        assert_eq!((rows[0].len(), rows[0].iter().sum::<usize>()), (25, 32768));
+        let fixed = parse_args(&args("--segments 0")).unwrap().unwrap().case(Shape::SecondaryPacked);
+        assert_eq!(fixed.segments, kda_testkit::CaseSegments::Fixed);
+    }
+
     #[rstest]
+    #[case("--devices 0", "positive whole number")]
+    #[case("--t x", "positive whole number")]
     #[case("--program fused", "got `fused`")]
     #[case("--shape tertiary", "got `tertiary`")]
     #[case("--dtype f16", "expected f32, bf16 or both")]

@@ -37,7 +37,38 @@ options:
   --strategy saved-state|remat    backward residual strategy (default saved-state)
   --l2norm                        L2-normalise q and k inside the kernel
   --output-final-state            write ht even without h0
+  --gate softplus|lower-bound=LB  compute the gate in the kernel from g (the raw gate input),
+                                  a_log.npy [H] and, if present, dt_bias.npy [H*K]; writes
+                                  da_log and ddt_bias with the other gradients
+  --devices N                     pjrt: split every row into N pieces over N devices (context
+                                  parallelism; on the CPU plugin, N CPU devices); default 1
   -h, --help                      show this text";
+
+/// `--gate`: how `g` becomes the log-decay.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum GateChoice {
+    /// `g` is the log-decay.
+    Preactivated,
+    /// In-kernel softplus gate.
+    Softplus,
+    /// In-kernel lower-bound gate with this bound.
+    LowerBound(f64),
+}
+
+impl GateChoice {
+    /// Parses `softplus` or `lower-bound=LB` (LB finite and negative).
+    pub fn parse(v: &str) -> Option<Self> {
+        match v {
+            "softplus" => Some(GateChoice::Softplus),
+            "preactivated" => Some(GateChoice::Preactivated),
+            _ => v
+                .strip_prefix("lower-bound=")
+                .and_then(|lb| lb.parse::<f64>().ok())
+                .filter(|lb| lb.is_finite() && *lb < 0.0)
+                .map(GateChoice::LowerBound),
+        }
+    }
+}
 
 /// Everything `run` needs besides the backend.
 #[derive(Debug, Clone, PartialEq)]
@@ -58,6 +89,10 @@ pub struct RunOptions {
     pub l2norm: bool,
     /// Return (and write) final states even without `h0`.
     pub output_final_state: bool,
+    /// The gate.
+    pub gate: GateChoice,
+    /// Devices for context parallelism (pjrt only; 1: one device).
+    pub devices: usize,
 }
 
 impl RunOptions {
@@ -72,6 +107,8 @@ impl RunOptions {
             strategy: BackwardStrategy::SavedState,
             l2norm: false,
             output_final_state: false,
+            gate: GateChoice::Preactivated,
+            devices: 1,
         }
     }
 }
@@ -159,10 +196,26 @@ pub fn parse_args(args: &[String]) -> Result<Option<(String, RunOptions)>, Strin
                 let v = &take_value(flag)?;
                 opts.strategy = BackwardStrategy::parse(v).ok_or_else(|| bad("saved-state or remat", v))?;
             }
+            "--gate" => {
+                let v = &take_value(flag)?;
+                opts.gate =
+                    GateChoice::parse(v).ok_or_else(|| bad("softplus or lower-bound=LB (LB < 0)", v))?;
+            }
+            "--devices" => {
+                let v = &take_value(flag)?;
+                opts.devices = v
+                    .parse()
+                    .ok()
+                    .filter(|&n: &usize| n > 0)
+                    .ok_or_else(|| bad("a device count of 1 or more", v))?;
+            }
             _ => return Err(format!("unknown argument `{flag}`")),
         }
     }
     let backend = backend.ok_or(format!("`--backend` is required (available: {})", BACKENDS.join(", ")))?;
+    if opts.devices > 1 && backend != "pjrt" {
+        return Err(format!("`--devices {}` needs `--backend pjrt`", opts.devices));
+    }
     opts.inputs = inputs.ok_or("`--inputs DIR` is required")?;
     opts.out = out.ok_or("`--out DIR` is required")?;
     Ok(Some((backend, opts)))
@@ -177,7 +230,12 @@ pub fn run(args: &[String]) -> Result<(), String> {
     let summary = match backend.as_str() {
         "ref" => run_with(&kda_ref::RefBackend, &opts),
         #[cfg(feature = "pjrt")]
-        "pjrt" => kda_tpu::PjrtBackend::new().and_then(|b| run_with(&b, &opts)),
+        "pjrt" => kda_tpu::PjrtOptions::new()
+            .devices(opts.devices)
+            .split(kda_tpu::Split::Context)
+            .build()
+            .map_err(kda_core::KdaError::from)
+            .and_then(|b| run_with(&b, &opts)),
         #[cfg(not(feature = "pjrt"))]
         "pjrt" => {
             let mut all = vec!["run".to_string()];
@@ -195,7 +253,9 @@ pub fn run(args: &[String]) -> Result<(), String> {
 /// Puts the input file's path on an error the contract raised about an argument.
 fn name_file(e: KdaError, dir: &Path) -> KdaError {
     let file = match e.arg() {
-        "q" | "k" | "v" | "g" | "beta" | "do" | "dht" | "cu_seqlens" => e.arg().to_string(),
+        "q" | "k" | "v" | "g" | "beta" | "do" | "dht" | "cu_seqlens" | "a_log" | "dt_bias" => {
+            e.arg().to_string()
+        }
         "initial_state" => "h0".to_string(),
         "K" => return e.with_arg(format!("K (last axis of {})", dir.join("q.npy").display())),
         _ => return e,
@@ -343,6 +403,14 @@ pub fn run_with<B: Backend>(backend: &B, opts: &RunOptions) -> Result<Summary, K
         tensor(dir, "beta", &beta, opts.dtype)?,
     )
     .with_config(config);
+    if opts.gate != GateChoice::Preactivated {
+        let a_log = tensor(dir, "a_log", &need("a_log")?, state_dtype)?;
+        let dt_bias = load(dir, "dt_bias")?.map(|a| tensor(dir, "dt_bias", &a, state_dtype)).transpose()?;
+        inputs.gate = match opts.gate {
+            GateChoice::LowerBound(lb) => kda_core::GateMode::lower_bound(lb, a_log, dt_bias),
+            _ => kda_core::GateMode::softplus(a_log, dt_bias),
+        };
+    }
     inputs.segments = segments;
     let h0_rank = h0.as_ref().map(|s| s.1);
     inputs.initial_state = h0.map(|s| s.0);

@@ -365,6 +365,10 @@ fn errors_name_the_file(#[case] breaks: Break, #[case] needles: &[&str]) {
 #[case::bad_scale(&["--scale", "nan"], "a finite number")]
 #[case::missing_value(&["--inputs"], "`--inputs` needs a value")]
 #[case::no_inputs_dir(&["--backend", "ref", "--inputs", "/nonexistent/kda", "--out", "b"], "no such directory")]
+#[case::bad_gate(&["--gate", "sigmoid"], "softplus or lower-bound=LB")]
+#[case::positive_lower_bound(&["--gate", "lower-bound=2"], "softplus or lower-bound=LB")]
+#[case::zero_devices(&["--devices", "0"], "a device count of 1 or more")]
+#[case::devices_need_pjrt(&["--backend", "ref", "--devices", "2", "--inputs", "a", "--out", "b"], "needs `--backend pjrt`")]
 fn argument_errors(#[case] args: &[&str], #[case] needle: &str) {
     let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
     let err = run_cmd::run(&args).expect_err("must fail");
@@ -425,5 +429,43 @@ fn pjrt_backend_agrees_with_reference() {
         let a = agreement(&got, &want.data.floats().expect("floats"));
         let limit = rms_limit(Quantity::of(name), DType::F32);
         assert!(a.finite && a.rms_ratio <= limit, "{name}: {a:?} (limit {limit})");
+    }
+}
+
+/// `--gate softplus` and `--gate lower-bound=LB` read `a_log.npy` and `dt_bias.npy`, compute the
+/// gate in the kernel and write `da_log` and `ddt_bias` equal to the reference's.
+#[rstest]
+#[case::softplus("softplus", kda_core::GateKind::Softplus)]
+#[case::lower_bound("lower-bound=-5", kda_core::GateKind::LowerBound(-5.0))]
+fn in_kernel_gate_reads_its_parameters_and_writes_their_gradients(
+    #[case] flag: &str,
+    #[case] kind: kda_core::GateKind,
+) {
+    let f = Fixture::new(Spec { h0_rank: None, ..Spec::fixed(Layout::BatchFirst) }, 13);
+    let Spec { h, k, .. } = f.spec;
+    let mut rng = kda_testkit::Rng::new(17);
+    let (a_log, dt_bias) = (rng.uniform_vec(h, -1.0, 0.5), rng.uniform_vec(h * k, -0.5, 0.5));
+    write(&f.dir.inputs(), "a_log", &[h], NpyData::F64(a_log.clone()));
+    write(&f.dir.inputs(), "dt_bias", &[h * k], NpyData::F64(dt_bias.clone()));
+    let (inp, out) = (f.dir.inputs().display().to_string(), f.dir.out().display().to_string());
+    let args = ["--backend", "ref", "--inputs", &inp, "--out", &out, "--gate", flag];
+    run_cmd::run(&args.map(String::from)).expect("run");
+
+    let tok = |n| f.get(n, DType::F32).expect("token input");
+    let (a, d) = (
+        HostTensor::from_f64_as(&[h], &a_log, DType::F32).expect("a_log"),
+        HostTensor::from_f64_as(&[h * k], &dt_bias, DType::F32).expect("dt_bias"),
+    );
+    let gate = match kind {
+        kda_core::GateKind::LowerBound(lb) => kda_core::GateMode::lower_bound(lb, a, Some(d)),
+        _ => kda_core::GateMode::softplus(a, Some(d)),
+    };
+    let inputs = KdaInputs::new(tok("q"), tok("k"), tok("v"), tok("g"), tok("beta")).with_gate(gate);
+    let cot = Cotangents { d_o: tok("do"), dht: None };
+    let (_, grads) =
+        kda_ref::RefBackend.forward_and_vjp(&inputs, &cot, BackwardStrategy::SavedState).expect("reference");
+    for (name, want) in [("da_log", grads.da_log), ("ddt_bias", grads.ddt_bias)] {
+        let want = want.unwrap_or_else(|| panic!("the reference returns {name}"));
+        assert_eq!(read(&f.dir.out(), name).data, NpyData::F32(want.to_f32_vec()), "{name}");
     }
 }

@@ -15,8 +15,8 @@ use kda_packed::PiecePlan;
 use super::device::{index_tables, DeviceGradients, DeviceOutputs, PjrtResiduals};
 use super::host::{gradtypes, Gradtypes};
 use super::worker::Form;
-use super::{Arg, HostData, PjrtBackend, Upload};
-use crate::kernels::{KernelSpec, CHUNK};
+use super::{e, Arg, HostData, PjrtBackend, Upload};
+use crate::kernels::KernelSpec;
 use crate::ProgramKind;
 
 /// `(row, source token, destination token, tokens)`.
@@ -180,21 +180,11 @@ impl PjrtBackend {
         let p = x.view().validate()?;
         kda_core::Backend::supports(self, &p)?;
         x.check_values()?;
-        let devices = self.device_count();
-        let pieces = PiecePlan::new(&p.segments, devices, CHUNK);
-        let mut locals = Vec::with_capacity(devices);
-        for d in 0..devices {
-            let mut q = p.clone();
-            q.dims.t = pieces.t;
-            q.dims.n = pieces.n;
-            q.segments = pieces.local_table(d)?;
-            q.has_initial_state = true;
-            q.output_final_state = true;
-            q.beta_shape[if p.layout == Layout::HeadFirst { 2 } else { 1 }] = pieces.t;
-            locals.push(q);
-        }
+        let (pieces, locals) =
+            crate::kernels::context_parallel::local_problems(&p, self.device_count()).map_err(e)?;
         let g_dtype = if x.g.dtype() == DType::BF16 { DType::BF16 } else { DType::F32 };
-        let spec = self.spec(&locals[0], has_dht)?.with_g_dtype(g_dtype);
+        let spec = crate::kernels::context_parallel::local_spec(&locals[0], has_dht, self.slab(), g_dtype)
+            .map_err(e)?;
         Ok((p, Arc::new(ContextPlan { pieces, locals, spec })))
     }
 

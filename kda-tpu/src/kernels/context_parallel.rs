@@ -22,7 +22,8 @@
 //! The extra runs cost about one more forward (and backward) at width V + K per piece; the
 //! exchange is `D x B x H x K x (V + K)` floats per direction, independent of T.
 
-use kda_core::BackwardStrategy;
+use kda_core::{BackwardStrategy, DType, Layout, Problem};
+use kda_packed::{PiecePlan, StaticCapacity};
 
 use super::interface::{ProgramKind, ProgramSignature};
 use super::programs::build;
@@ -33,6 +34,33 @@ use crate::Result;
 /// The extra arguments of a context-parallel program, after the kernel's own: `cont` `[B]`,
 /// `carry` `[B, N]`, `piece` `[D]` (f32, 0/1).
 pub const CP_ARGS: [&str; 3] = ["cont", "carry", "piece"];
+
+/// Every row of `p` cut into `devices` pieces, and each device's local problem: its piece's
+/// tokens as a packed row from token 0 (one slot per segment part, up to the plan's N), with
+/// initial and final states (the program fills the continuation and carry slots).
+pub fn local_problems(p: &Problem, devices: usize) -> Result<(PiecePlan, Vec<Problem>)> {
+    let pieces = PiecePlan::new(&p.segments, devices, super::CHUNK);
+    let mut locals = Vec::with_capacity(devices);
+    for d in 0..devices {
+        let mut q = p.clone();
+        q.dims.t = pieces.t;
+        q.dims.n = pieces.n;
+        q.segments = pieces.local_table(d)?;
+        q.has_initial_state = true;
+        q.output_final_state = true;
+        q.beta_shape[if p.layout == Layout::HeadFirst { 2 } else { 1 }] = pieces.t;
+        locals.push(q);
+    }
+    Ok((pieces, locals))
+}
+
+/// The spec every device's context-parallel program is built from (any device's local
+/// problem: they share their dims), with `g` in `g_dtype` and slabs of `slab` chunks.
+pub fn local_spec(local: &Problem, has_dht: bool, slab: usize, g_dtype: DType) -> Result<KernelSpec> {
+    let d = local.dims;
+    let chunks = StaticCapacity::new(d.b, d.t, d.n, super::CHUNK)?.chunks();
+    Ok(KernelSpec::new(local, Some(chunks), has_dht).with_slab(slab).with_g_dtype(g_dtype))
+}
 
 /// The spec of the transition runs: `v` (and `o`, states) K columns wider.
 fn augmented(s: &KernelSpec) -> KernelSpec {

@@ -1,6 +1,6 @@
 //! The compiling side of `cargo xtask aot`.
 
-use super::{compile_aot, err, kind, zero_inputs};
+use super::{compile_aot_replicas, err, kind, problem_of};
 use crate::aot_cmd::AotOptions;
 use crate::bench::Memory;
 use kda_testkit::CaseSegments;
@@ -33,8 +33,12 @@ pub fn run(o: &AotOptions) -> Result<(), String> {
     let (major, minor) = tpu.plugin_version();
     println!("topology {} | libtpu PJRT API {major}.{minor} | MB = 10^6 bytes", o.topology);
     let mut rows = Vec::new();
+    let mut records = Vec::new();
+    if o.devices > 1 {
+        println!("context-parallel programs for {} devices: the memory figures are per device", o.devices);
+    }
     for &shape in &o.shapes {
-        let case = shape.case();
+        let case = o.case(shape);
         let segments = match &case.segments {
             CaseSegments::Fixed => "fixed".to_string(),
             CaseSegments::Lengths(r) | CaseSegments::SegmentIds(r) => {
@@ -58,14 +62,24 @@ pub fn run(o: &AotOptions) -> Result<(), String> {
             options.iter().map(|x| format!(", {x}")).collect::<String>()
         );
         for &dtype in &o.dtypes {
-            let inputs = zero_inputs(&case, dtype)?;
-            let problem = inputs.validate().map_err(err)?;
-            drop(inputs);
+            let problem = problem_of(&case, dtype)?;
             // The programs a TPU runs: fused ones in slabs (`PjrtBackend` off the CPU plugin).
-            let spec =
-                be.spec(&problem, case.final_state).map_err(err)?.with_slab(kda_tpu::kernels::TPU_SLAB);
+            let slab = kda_tpu::kernels::TPU_SLAB;
+            let spec = be.spec(&problem, case.final_state).map_err(err)?.with_slab(slab);
+            let cp = kda_tpu::kernels::context_parallel::local_problems(&problem, o.devices).map_err(err)?.1;
+            let cp_spec =
+                kda_tpu::kernels::context_parallel::local_spec(&cp[0], true, slab, dtype).map_err(err)?;
             for &program in &o.programs {
-                let text = PjrtBackend::program_text(&spec, kind(program)).map_err(err)?;
+                let text = if o.devices > 1 {
+                    kda_tpu::kernels::context_parallel::context_parallel_program(
+                        &cp_spec,
+                        kind(program),
+                        o.devices,
+                    )
+                    .map_err(err)?
+                } else {
+                    PjrtBackend::program_text(&spec, kind(program)).map_err(err)?
+                };
                 crate::progress::step(
                     "aot",
                     format_args!(
@@ -76,12 +90,13 @@ pub fn run(o: &AotOptions) -> Result<(), String> {
                         o.topology
                     ),
                 );
-                let r = compile_aot(&tpu, &text, &o.topology)
+                let r = compile_aot_replicas(&tpu, &text, &o.topology, o.devices)
                     .map_err(|e| format!("{} {} {dtype}: {e}", program.name(), shape.name()))?;
                 let m = r.memory;
                 let when = if r.cached { " (cached: target/xtask-aot-cache)" } else { "" };
+                let devices = if o.devices > 1 { format!(" | {} devices", o.devices) } else { String::new() };
                 println!(
-                    "\n{} | {} ({about}) | {dtype} | compiled in {:.1} s{when}",
+                    "\n{} | {} ({about}) | {dtype}{devices} | compiled in {:.1} s{when}",
                     program.name(),
                     shape.name(),
                     r.compile_ms / 1e3
@@ -103,6 +118,25 @@ pub fn run(o: &AotOptions) -> Result<(), String> {
                     r.bytes_accessed / 1e9,
                     r.optimal_seconds
                 );
+                records.push(serde_json::json!({
+                    "program": program.name(),
+                    "shape": shape.name(),
+                    "dtype": dtype.to_string(),
+                    "devices": o.devices,
+                    "topology": o.topology,
+                    "h": case.h,
+                    "b": case.b,
+                    "t": case.t,
+                    "k": case.k,
+                    "v": case.v,
+                    "segments": kda_testkit::inputs::slots(&case),
+                    "local_t": if o.devices > 1 { cp[0].dims.t } else { case.t },
+                    "peak_bytes": m.peak,
+                    "temp_bytes": m.temp,
+                    "argument_bytes": m.argument,
+                    "output_bytes": m.output,
+                    "gflop": r.flops / 1e9,
+                }));
                 rows.push(Row {
                     program: program.name(),
                     shape: shape.name(),
@@ -112,6 +146,11 @@ pub fn run(o: &AotOptions) -> Result<(), String> {
                 });
             }
         }
+    }
+    if let Some(path) = &o.json {
+        let text = serde_json::to_string_pretty(&records).map_err(|e| e.to_string())?;
+        std::fs::write(path, text + "\n").map_err(|e| format!("cannot write {path}: {e}"))?;
+        println!("wrote {} records to {path}", records.len());
     }
     if rows.len() > 1 {
         println!(

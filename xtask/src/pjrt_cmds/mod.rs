@@ -7,7 +7,7 @@ pub mod demo;
 
 use crate::aot_cmd::Program;
 use crate::bench::Memory;
-use kda_core::{Backend, BackwardStrategy, DType, GateMode, HostTensor, KdaConfig, KdaInputs, Segments};
+use kda_core::{Backend, BackwardStrategy, DType, KdaConfig, Segments};
 use kda_testkit::{Case, CaseGate, CaseSegments};
 use kda_tpu::{MemoryStats, PjrtBackend, ProgramKind, TpuCompiler};
 use std::path::PathBuf;
@@ -92,13 +92,31 @@ fn fnv1a(parts: &[&[u8]]) -> u64 {
 /// deterministic, so their figures are kept in `<workspace>/target/xtask-aot-cache`, keyed by a
 /// hash of the topology, libtpu's API version and the program text.
 pub fn compile_aot(tpu: &TpuCompiler, text: &str, topology: &str) -> Result<AotFigures, String> {
+    compile_aot_replicas(tpu, text, topology, 1)
+}
+
+/// [`compile_aot`] for a program of `replicas` replicas (one per device; the memory figures are
+/// then per device).
+pub fn compile_aot_replicas(
+    tpu: &TpuCompiler,
+    text: &str,
+    topology: &str,
+    replicas: usize,
+) -> Result<AotFigures, String> {
     let (major, minor) = tpu.plugin_version();
-    let key = fnv1a(&[topology.as_bytes(), format!("{major}.{minor}").as_bytes(), text.as_bytes()]);
+    let replica_key = if replicas > 1 { format!("replicas {replicas}") } else { String::new() };
+    let key = fnv1a(&[
+        topology.as_bytes(),
+        format!("{major}.{minor}").as_bytes(),
+        replica_key.as_bytes(),
+        text.as_bytes(),
+    ]);
     let file = cache_dir().join(format!("{key:016x}-{}.txt", text.len()));
     if let Some(f) = std::fs::read_to_string(&file).ok().and_then(|s| parse_cached(&s)) {
         return Ok(f);
     }
-    let r = tpu.compile(text, topology).map_err(err)?;
+    let options = kda_tpu::CompileOptions::default().with_replicas(replicas);
+    let r = tpu.compile_with(text, topology, &options).map_err(err)?;
     let f = AotFigures {
         memory: memory(&r.memory),
         flops: r.cost.flops,
@@ -175,46 +193,66 @@ pub fn backend_label(be: &PjrtBackend) -> String {
     format!("{} (PJRT API {major}.{minor}, {})", be.name(), file.to_string_lossy())
 }
 
-/// All-zero inputs with the shapes and options of `case`: enough to build its programs' specs
-/// without drawing (large) random tensors.
-pub fn zero_inputs(case: &Case, dtype: DType) -> Result<KdaInputs, String> {
+/// The validated problem of `case` in `dtype` from shapes alone (no tensor is allocated, so a
+/// T of 128K costs nothing).
+pub fn problem_of(case: &Case, dtype: DType) -> Result<kda_core::Problem, String> {
+    struct Meta(Vec<usize>, DType);
+    impl kda_core::TensorMeta for Meta {
+        fn shape(&self) -> &[usize] {
+            &self.0
+        }
+        fn dtype(&self) -> DType {
+            self.1
+        }
+    }
     let (h, b, t, k, v) = (case.h, case.b, case.t, case.k, case.v);
     let lay = case.layout;
-    let tk = lay.token_shape(h, b, t, k);
+    let tk = Meta(lay.token_shape(h, b, t, k).to_vec(), dtype);
+    let (kk, g) = (Meta(tk.0.clone(), dtype), Meta(tk.0.clone(), dtype));
+    let vv = Meta(lay.token_shape(h, b, t, v).to_vec(), dtype);
     let mut ts = lay.scalar_shape(h, b, t).to_vec();
     if case.beta_trailing_one {
         ts.push(1);
     }
-    let z = |shape: &[usize]| HostTensor::zeros(shape, dtype);
-    let gate_params = || (HostTensor::zeros(&[h], DType::F32), Some(HostTensor::zeros(&[h * k], DType::F32)));
+    let beta = Meta(ts, dtype);
+    let h0 = Meta(vec![b, kda_testkit::inputs::slots(case), h, k, v], DType::F32);
+    let (a_log, dt_bias) = (Meta(vec![h], DType::F32), Meta(vec![h * k], DType::F32));
     let gate = match case.gate {
-        CaseGate::Preactivated => GateMode::Preactivated,
-        CaseGate::Softplus => {
-            let (a, dt) = gate_params();
-            GateMode::softplus(a, dt)
-        }
-        CaseGate::LowerBound(lb) => {
-            let (a, dt) = gate_params();
-            GateMode::lower_bound(lb, a, dt)
-        }
+        CaseGate::Preactivated => kda_core::GateKind::Preactivated,
+        CaseGate::Softplus => kda_core::GateKind::Softplus,
+        CaseGate::LowerBound(lb) => kda_core::GateKind::LowerBound(lb),
     };
-    let mut x = KdaInputs::new(z(&tk), z(&tk), z(&lay.token_shape(h, b, t, v)), z(&tk), z(&ts))
-        .with_gate(gate)
-        .with_config(KdaConfig {
-            layout: lay,
-            scale: None,
-            use_qk_l2norm: case.l2norm,
-            output_final_state: case.final_state,
-        });
-    let slots = kda_testkit::inputs::slots(case);
-    if case.initial_state {
-        x = x.with_initial_state(HostTensor::zeros(&[b, slots, h, k, v], DType::F32));
+    let in_kernel = gate != kda_core::GateKind::Preactivated;
+    let segments = segments_of(case);
+    let config = KdaConfig {
+        layout: lay,
+        scale: None,
+        use_qk_l2norm: case.l2norm,
+        output_final_state: case.final_state,
+    };
+    kda_core::InputsView {
+        q: &tk,
+        k: &kk,
+        v: &vv,
+        g: &g,
+        beta: &beta,
+        initial_state: case.initial_state.then_some(&h0),
+        gate,
+        a_log: in_kernel.then_some(&a_log),
+        dt_bias: in_kernel.then_some(&dt_bias),
+        segments: segments.as_ref(),
+        config: &config,
     }
+    .validate()
+    .map_err(err)
+}
+
+/// The segments of `case` (cu_seqlens or segment ids, as the case says).
+fn segments_of(case: &Case) -> Option<Segments> {
     match &case.segments {
-        CaseSegments::Fixed => {}
-        CaseSegments::Lengths(rows) => {
-            let cu = rows
-                .iter()
+        CaseSegments::Fixed => None,
+        CaseSegments::Lengths(rows) => Some(Segments::CuSeqlens(
+            rows.iter()
                 .map(|r| {
                     let mut c = vec![0i64];
                     for &l in r {
@@ -222,14 +260,12 @@ pub fn zero_inputs(case: &Case, dtype: DType) -> Result<KdaInputs, String> {
                     }
                     c
                 })
-                .collect();
-            x = x.with_segments(Segments::CuSeqlens(cu));
-        }
-        CaseSegments::SegmentIds(rows) => {
-            let ids = rows
-                .iter()
+                .collect(),
+        )),
+        CaseSegments::SegmentIds(rows) => Some(Segments::SegmentIds(
+            rows.iter()
                 .map(|r| {
-                    let mut ids = vec![0i64; t];
+                    let mut ids = vec![0i64; case.t];
                     let mut pos = 0;
                     for (i, &l) in r.iter().enumerate() {
                         ids[pos..pos + l].fill(i as i64 + 1);
@@ -237,11 +273,9 @@ pub fn zero_inputs(case: &Case, dtype: DType) -> Result<KdaInputs, String> {
                     }
                     ids
                 })
-                .collect();
-            x = x.with_segments(Segments::SegmentIds(ids));
-        }
+                .collect(),
+        )),
     }
-    Ok(x)
 }
 
 #[cfg(test)]
@@ -261,9 +295,9 @@ mod tests {
         assert_ne!(fnv1a(&[b"ab", b"c"]), fnv1a(&[b"a", b"bc"]));
     }
 
-    /// The zero inputs validate to the same problem as the testkit's drawn ones.
+    /// The problem read from shapes alone is the one the testkit's drawn inputs validate to.
     #[test]
-    fn zero_inputs_match_case_data_problems() {
+    fn shape_problems_match_case_data_problems() {
         let mut cases = benchmark_cases();
         cases.truncate(2);
         cases.extend(
@@ -271,7 +305,7 @@ mod tests {
         );
         for c in cases {
             let want = case_data(&c, DType::BF16).unwrap().inputs.validate().unwrap();
-            let got = zero_inputs(&c, DType::BF16).unwrap().validate().unwrap();
+            let got = problem_of(&c, DType::BF16).unwrap();
             assert_eq!(got, want, "{}", c.name);
         }
     }
