@@ -294,6 +294,8 @@ pub fn benchmark_cases() -> Vec<Case> {
         Case { t: 512, ..Case { name: "bench_scaling_t512", ..primary.clone() } },
         Case { t: 2048, ..Case { name: "bench_scaling_t2048", ..primary.clone() } },
         Case { t: 4096, ..Case { name: "bench_scaling_t4096", ..primary.clone() } },
+        Case { t: 8192, ..Case { name: "bench_scaling_t8192", ..primary.clone() } },
+        Case { t: 16384, ..Case { name: "bench_scaling_t16384", ..primary.clone() } },
     ]
 }
 

@@ -63,7 +63,7 @@ mod data_parallel {
     /// A table case, `softplus_b3` (three rows with an in-kernel softplus gate: the
     /// all-reduced `da_log` and `ddt_bias` sum rows of every device) or `packed_rows_b5` (five
     /// packed rows holding 1 to 5 non-empty segments of N = 5).
-    fn named(name: &str) -> Case {
+    pub(crate) fn named(name: &str) -> Case {
         match name {
             "softplus_b3" => Case {
                 name: "softplus_b3",
@@ -184,7 +184,7 @@ mod context_parallel {
 
     /// Table cases and rows built for the piece boundaries, all with long memory (log-decays
     /// near 0): a piece's entering state then shapes its outputs, so a wrong exchange fails.
-    fn named(name: &str) -> Case {
+    pub(crate) fn named(name: &str) -> Case {
         let packed = |name: &'static str, t: usize, rows: Vec<Vec<usize>>| Case {
             name,
             t,
@@ -210,7 +210,7 @@ mod context_parallel {
         }
     }
 
-    fn backend(devices: usize) -> PjrtBackend {
+    pub(crate) fn backend(devices: usize) -> PjrtBackend {
         PjrtOptions::new()
             .devices(devices)
             .split(Split::Context)
@@ -303,6 +303,61 @@ mod context_parallel {
                     "{what}: RMS ratio {ratio:.3e} against one device, limit {limit:.3e}"
                 );
             }
+        }
+    }
+}
+
+/// The whole product of the parallel factors (`cargo xtask test --full`): devices x case x
+/// strategy x path x dtype, for data and for context parallelism.
+mod full {
+    use kda_core::{BackwardStrategy, DType};
+    use kda_testkit::conformance::{backward_case, Path};
+    use kda_tpu::PjrtOptions;
+    use rstest::rstest;
+
+    #[rstest]
+    fn context_parallel_product(
+        #[values(2, 3, 4)] devices: usize,
+        #[values(
+            "l2norm_preactivated",
+            "span_200",
+            "mixed_rows",
+            "short_row",
+            "k_ne_v_200",
+            "gate_softplus",
+            "packed_segment_ids"
+        )]
+        name: &str,
+        #[values(BackwardStrategy::SavedState, BackwardStrategy::Rematerialize)] strategy: BackwardStrategy,
+        #[values(Path::Fused, Path::Split)] path: Path,
+        #[values(DType::F32, DType::BF16)] dtype: DType,
+    ) {
+        let be = super::context_parallel::backend(devices);
+        if let Err(failure) = backward_case(&be, &super::context_parallel::named(name), dtype, strategy, path)
+        {
+            panic!("conformance failure on {devices} devices:\n{failure}");
+        }
+    }
+
+    #[rstest]
+    fn data_parallel_product(
+        #[values(2, 3, 4)] devices: usize,
+        #[values(
+            "fixed_batch_first_b2",
+            "packed_rows_differ",
+            "packed_segment_ids",
+            "softplus_b3",
+            "packed_rows_b5",
+            "beta_trailing_one"
+        )]
+        name: &str,
+        #[values(BackwardStrategy::SavedState, BackwardStrategy::Rematerialize)] strategy: BackwardStrategy,
+        #[values(Path::Fused, Path::Split)] path: Path,
+        #[values(DType::F32, DType::BF16)] dtype: DType,
+    ) {
+        let be = PjrtOptions::new().devices(devices).build().expect("PJRT plugin (run `cargo xtask setup`)");
+        if let Err(failure) = backward_case(&be, &super::data_parallel::named(name), dtype, strategy, path) {
+            panic!("conformance failure on {devices} devices:\n{failure}");
         }
     }
 }

@@ -23,8 +23,12 @@ suites:
   forward          forward only (no residuals kept), fixed and packed (segments 200,311,77,436)
   backward         forward+VJP, fixed: variants baseline, fused-saved-state, fused-remat
   backward-packed  the same with the four packed segments
-  scaling          the fused saved-state forward+VJP at the primary width (H=8, K=V=128),
-                   fixed length, T = 512, 1024, 2048, 4096: time and memory against T
+  scaling          the fused saved-state forward+VJP at the primary width (H=8, K=V=128; the
+                   secondary's 32 heads do not fit this machine's memory at large T),
+                   T = 1K to 16K: the program alone (time, memory), and calls through the
+                   host API on one device and context-parallel on two CPU devices, fixed
+                   and packed (one segment per 256 tokens). The two devices share the
+                   machine's cores: this shows context parallelism's overhead, not a speed-up
   api              the fused saved-state call, fixed and packed, four ways in alternation:
                    the program alone (fused-saved-state), the device API (device-api), the
                    host API (host-api), and one host copy of its input and output bytes
@@ -98,7 +102,7 @@ impl Suite {
             Suite::Api => {
                 "Call overhead of the fused saved-state forward+VJP, primary shape, fixed and packed"
             }
-            Suite::Scaling => "Forward+VJP against sequence length, primary width, fixed length",
+            Suite::Scaling => "Forward+VJP against sequence length, primary width, on one and two devices",
         }
     }
     /// The benchmark cases (`kda_testkit::benchmark_cases` names) the suite runs.
@@ -108,9 +112,13 @@ impl Suite {
             Suite::Backward => &["bench_primary"],
             Suite::BackwardPacked => &["bench_primary_packed"],
             Suite::Api => &["bench_primary", "bench_primary_packed"],
-            Suite::Scaling => {
-                &["bench_scaling_t512", "bench_primary", "bench_scaling_t2048", "bench_scaling_t4096"]
-            }
+            Suite::Scaling => &[
+                "bench_primary",
+                "bench_scaling_t2048",
+                "bench_scaling_t4096",
+                "bench_scaling_t8192",
+                "bench_scaling_t16384",
+            ],
         }
     }
     /// The variants the suite times.
@@ -364,6 +372,8 @@ pub struct BenchRecord {
     pub times_ms: Vec<f64>,
     /// The programs the variant runs.
     pub programs: Vec<ProgramFigures>,
+    /// Devices the call ran on (context parallelism when more than 1).
+    pub devices: usize,
 }
 
 impl BenchRecord {
@@ -416,7 +426,13 @@ impl BenchRecord {
     }
     fn segments_label(&self) -> String {
         if self.suite == Suite::Scaling {
-            return format!("fixed, T={}", self.shape[2]);
+            let kind = match &self.segments {
+                None => "fixed".to_string(),
+                Some(s) => format!("{} segments", s.len()),
+            };
+            let devices =
+                if self.devices > 1 { format!(", {} devices", self.devices) } else { String::new() };
+            return format!("{kind}, T={}{devices}", self.shape[2]);
         }
         match &self.segments {
             None => "fixed".to_string(),
@@ -695,6 +711,7 @@ pub fn record_json(r: &BenchRecord, info: &RunInfo) -> Json {
         "compile_ms": msec(r.compile_ms()),
         "times_ms": r.times_ms.iter().map(|&x| msec(x)).collect::<Vec<_>>(),
         "programs": programs,
+        "devices": r.devices,
         "date": info.machine.date,
         "commit": info.machine.commit,
         "cpus": info.machine.cpus,
@@ -816,6 +833,7 @@ mod tests {
                     }),
                 })
                 .collect(),
+            devices: 1,
         }
     }
 

@@ -8,11 +8,13 @@ use plotters::prelude::*;
 use crate::bench::{BenchRecord, Suite, Variant};
 
 const SIZE: (u32, u32) = (880, 440);
-const COLORS: [RGBColor; 4] = [
+const COLORS: [RGBColor; 6] = [
     RGBColor(0x44, 0x77, 0xaa),
     RGBColor(0xee, 0x66, 0x77),
     RGBColor(0x22, 0x88, 0x33),
     RGBColor(0xaa, 0xaa, 0xaa),
+    RGBColor(0xcc, 0xbb, 0x44),
+    RGBColor(0x66, 0xcc, 0xee),
 ];
 
 /// Spec section 8: tokamax's Pallas KDA (PR #1103) compiled ahead of time for tpu7x:2x2x1,
@@ -211,15 +213,17 @@ fn tpu_memory(rs: &[&BenchRecord]) -> Option<Chart> {
     Some(bars("tpu7x:2x2x1 compiler peak memory, bf16, primary shape (MB)", "peak MB", &groups, &series))
 }
 
-/// The scaling suite: time, and CPU scratch and tpu7x peak, against T.
+/// The scaling suite: time (the program alone, and calls through the host API on one device
+/// and context-parallel on two), and CPU scratch and tpu7x peak, against T.
 fn scaling(rs: &[&BenchRecord]) -> Vec<(&'static str, Chart)> {
-    let of = |dtype: DType| -> Vec<&BenchRecord> {
+    let pick = |f: &dyn Fn(&BenchRecord) -> bool| -> Vec<&BenchRecord> {
         let mut v: Vec<&BenchRecord> =
-            rs.iter().copied().filter(|r| r.suite == Suite::Scaling && r.dtype == dtype).collect();
+            rs.iter().copied().filter(|r| r.suite == Suite::Scaling && f(r)).collect();
         v.sort_by_key(|r| r.shape[2]);
         v
     };
-    let (f32s, bf16s) = (of(DType::F32), of(DType::BF16));
+    let program = |dtype: DType| pick(&|r| r.variant == Variant::FusedSavedState && r.dtype == dtype);
+    let (f32s, bf16s) = (program(DType::F32), program(DType::BF16));
     if f32s.is_empty() && bf16s.is_empty() {
         return Vec::new();
     }
@@ -232,17 +236,39 @@ fn scaling(rs: &[&BenchRecord]) -> Vec<(&'static str, Chart)> {
         if v.is_empty() {
             continue;
         }
-        time.push((format!("{d} CPU plugin"), pts(v, &|r| Some(r.median_ms()))));
+        time.push((format!("{d} program alone, 1 device"), pts(v, &|r| Some(r.median_ms()))));
         memory.push((format!("{d} CPU scratch"), pts(v, &|r| Some(r.cpu_temp() as f64 / 1e6))));
         let tpu = pts(v, &|r| r.tpu_peak().map(|b| b as f64 / 1e6));
         if !tpu.is_empty() {
             memory.push((format!("{d} tpu7x peak"), tpu));
         }
+        for packed in [false, true] {
+            for devices in [1, 2] {
+                let calls = pick(&|r| {
+                    r.variant == Variant::HostApi
+                        && r.dtype == d
+                        && r.packed() == packed
+                        && r.devices == devices
+                });
+                if !calls.is_empty() {
+                    let what = if packed { "packed" } else { "fixed" };
+                    let name = format!(
+                        "{d} host API, {what}, {devices} device{}",
+                        if devices > 1 { "s" } else { "" }
+                    );
+                    time.push((name, pts(&calls, &|r| Some(r.median_ms()))));
+                }
+            }
+        }
     }
     vec![
         (
             "scaling-time.svg",
-            lines("Fused saved-state forward+VJP, H=8 K=V=128, one device: time", "median ms", &time),
+            lines(
+                "Fused saved-state forward+VJP, H=8 K=V=128: time (2 devices share 2 cores)",
+                "median ms",
+                &time,
+            ),
         ),
         (
             "scaling-memory.svg",

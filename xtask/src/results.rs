@@ -108,6 +108,7 @@ pub fn entry_from_json(j: &Json) -> Result<Entry, String> {
         segments,
         times_ms,
         programs,
+        devices: j.get("devices").and_then(Json::as_u64).map_or(1, |d| d as usize),
     };
     let info = RunInfo {
         machine: Machine {

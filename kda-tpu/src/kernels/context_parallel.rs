@@ -8,19 +8,20 @@
 //! (`carry`, a one-hot over the slots). The host puts zeros in those slots of `h0` and `dht`;
 //! the program fills them:
 //!
-//! 1. The piece's transition `S_out = P S_in + Q`: the forward run once more on `v` padded with K
-//!    zero columns, from `[h0 | 0]` and, in a continuation slot 0, `[0 | I]`; the carry slot's
-//!    final state is then `[Q | P]` (spec section 10).
+//! 1. The piece's transition `S_out = P S_in + Q`: the carry slot's final state of the forward
+//!    run once more from `h0` (zero in a continuation slot 0) is `Q`; run on zero values from
+//!    the identity in a continuation slot 0, it is `P` (spec section 10).
 //! 2. An all-gather of every piece's `[Q | P]`, and the prefix `S_{j+1} = P_j S_j + Q_j`:
 //!    device d's entering state is `S_d`, written into its slot 0.
-//! 3. Backward: the backward run once more on `do` padded with K zero columns, from `dht` with
-//!    `[0 | I]` in the carry slot; slot 0's `dh0` is then `[R | P^T]`. An all-gather and the
-//!    suffix `G_j = P_{j+1}^T G_{j+1} + R_{j+1}` give each device its ending `dh`, written into
-//!    its carry slot of `dht`.
+//! 3. Backward: slot 0's `dh0` of the backward run once more (zero `dht` in the carry slot) is
+//!    `R`; run on zero values and cotangents with the identity as the carry slot's `dht`, it is
+//!    `P^T`. An all-gather and the suffix `G_j = P_{j+1}^T G_{j+1} + R_{j+1}` give each device
+//!    its ending `dh`, written into its carry slot of `dht`.
 //! 4. The ordinary program on the piece; the gate-parameter gradients are all-reduced.
 //!
-//! The extra runs cost about one more forward (and backward) at width V + K per piece; the
-//! exchange is `D x B x H x K x (V + K)` floats per direction, independent of T.
+//! The extra runs cost about one more forward (and backward) at width V + K per piece, in two
+//! runs of widths V and K; the exchange is `D x B x H x K x (V + K)` floats per direction,
+//! independent of T.
 
 use kda_core::{BackwardStrategy, DType, Layout, Problem};
 use kda_packed::{PiecePlan, StaticCapacity};
@@ -60,11 +61,6 @@ pub fn local_spec(local: &Problem, has_dht: bool, slab: usize, g_dtype: DType) -
     let d = local.dims;
     let chunks = StaticCapacity::new(d.b, d.t, d.n, super::CHUNK)?.chunks();
     Ok(KernelSpec::new(local, Some(chunks), has_dht).with_slab(slab).with_g_dtype(g_dtype))
-}
-
-/// The spec of the transition runs: `v` (and `o`, states) K columns wider.
-fn augmented(s: &KernelSpec) -> KernelSpec {
-    KernelSpec { v: s.v + s.k, ..s.clone() }
 }
 
 /// The identity `[K, K]` in f32.
@@ -113,16 +109,6 @@ fn pick(b: &mut FnBuilder, w: Value, x: Value) -> Result<Value> {
     let wb = b.broadcast_in_dim(w, x.dims(), &[0, 1])?;
     let m = b.mul(wb, x)?;
     b.reduce_sum(m, &[1])
-}
-
-/// Pads the last axis of `x` with `extra` zeros.
-fn pad_last(b: &mut FnBuilder, x: Value, extra: i64) -> Result<Value> {
-    let r = x.rank();
-    let zero = b.constant_f32(0.0, TensorType::scalar(ElemType::F32))?;
-    let zero = if x.elem() == ElemType::F32 { zero } else { b.convert(zero, x.elem())? };
-    let mut high = vec![0; r];
-    high[r - 1] = extra;
-    b.pad(x, zero, &vec![0; r], &high, &vec![0; r])
 }
 
 /// The all-gathered `[D, B, H, K, V + K]` of every device's `[B, H, K, V + K]`.
@@ -179,26 +165,39 @@ fn call_named(
 /// and, for backward and fused programs, `dht`) for `devices` replicas. Arguments: the kernel
 /// program's, then [`CP_ARGS`]. Results: the kernel program's; a forward also returns the
 /// entering states it used (`h0` with slot 0 filled), which its backward takes as `h0`.
+///
+/// Each transition is found by two runs of the piece's program rather than one of width V + K:
+/// the value columns (`Q`, `R`) at width V from the piece's own inputs, and the state columns
+/// (`P`, `P^T`) at width K from zero values and cotangents with the identity in the continuation
+/// (carry) slot. Same work, half the live memory of the widest phase.
 pub fn context_parallel_program(s: &KernelSpec, kind: ProgramKind, devices: usize) -> Result<String> {
-    let aug = augmented(s);
     let (k, v, n) = (s.k as i64, s.v as i64, s.n as i64);
+    // The state-column runs: values K wide (the same spec as `s` when K = V).
+    let sk = KernelSpec { v: s.k, ..s.clone() };
+    let same = sk == *s;
     let mut m = Module::new();
-    let fwd_aug_kind = ProgramKind::Forward(false);
-    let bwd_aug_kind = ProgramKind::Backward(BackwardStrategy::Rematerialize);
+    let fwd_kind = ProgramKind::Forward(false);
+    let bwd_kind = ProgramKind::Backward(BackwardStrategy::Rematerialize);
     let main_sig = ProgramSignature::of(s, kind);
     let (f, _) = build("kda", false, s, kind)?;
     m.add(f)?;
     let wants_forward = !matches!(kind, ProgramKind::Backward(_));
     let wants_backward = !matches!(kind, ProgramKind::Forward(_));
-    let fwd_aug_sig = ProgramSignature::of(&aug, fwd_aug_kind);
-    let bwd_aug_sig = ProgramSignature::of(&aug, bwd_aug_kind);
+    let fwd_sig = (ProgramSignature::of(s, fwd_kind), ProgramSignature::of(&sk, fwd_kind));
+    let bwd_sig = (ProgramSignature::of(s, bwd_kind), ProgramSignature::of(&sk, bwd_kind));
+    let fwd_k = if same { "kda_fwd" } else { "kda_fwd_k" };
+    let bwd_k = if same { "kda_bwd" } else { "kda_bwd_k" };
     if wants_forward {
-        let (f, _) = build("kda_transition", false, &aug, fwd_aug_kind)?;
-        m.add(f)?;
+        m.add(build("kda_fwd", false, s, fwd_kind)?.0)?;
+        if !same {
+            m.add(build(fwd_k, false, &sk, fwd_kind)?.0)?;
+        }
     }
     if wants_backward {
-        let (f, _) = build("kda_dh_transition", false, &aug, bwd_aug_kind)?;
-        m.add(f)?;
+        m.add(build("kda_bwd", false, s, bwd_kind)?.0)?;
+        if !same {
+            m.add(build(bwd_k, false, &sk, bwd_kind)?.0)?;
+        }
     }
 
     let mut b = FnBuilder::new("main", true);
@@ -210,24 +209,38 @@ pub fn context_parallel_program(s: &KernelSpec, kind: ProgramKind, devices: usiz
     let cont = b.arg(f32(&[s.b as i64]))?;
     let carry = b.arg(f32(&[s.b as i64, n]))?;
     let piece = b.arg(f32(&[devices as i64]))?;
+    let missing = |what: &str| crate::TpuError::builder("context_parallel", format!("needs {what}"));
     let get =
         |named: &[(&'static str, Value)], name: &str| named.iter().find(|(n, _)| *n == name).map(|(_, v)| *v);
-    let h0 = get(&named, "h0").ok_or_else(|| crate::TpuError::builder("context_parallel", "needs h0"))?;
-    let v_in = get(&named, "v").ok_or_else(|| crate::TpuError::builder("context_parallel", "needs v"))?;
-    let v_aug = pad_last(&mut b, v_in, k)?;
+    let h0 = get(&named, "h0").ok_or_else(|| missing("h0"))?;
+    let v_in = get(&named, "v").ok_or_else(|| missing("v"))?;
+    // Zero values (and cotangents) K wide, for the state-column runs.
+    let zeros_k = {
+        let mut dims = v_in.dims().to_vec();
+        let last = dims.len() - 1;
+        dims[last] = k;
+        let z = b.constant_f32(0.0, f32(&dims))?;
+        if v_in.elem() == ElemType::F32 {
+            z
+        } else {
+            b.convert(z, v_in.elem())?
+        }
+    };
+    let zero_states_k = b.constant_f32(0.0, f32(&[s.b as i64, n, s.h as i64, k, k]))?;
     let first = slot0(&mut b, cont, n)?;
 
     // 1-2: the entering state of each piece (a backward program gets it in `h0`).
     let h0_eff = if wants_forward {
+        let outs = call_named(&mut b, "kda_fwd", &fwd_sig.0, &|name| get(&named, name))?;
+        let q = pick(&mut b, carry, outs[fwd_sig.0.result_index("final_state").unwrap_or(1)])?;
         let eye = placed_identity(&mut b, first, s)?;
-        let h0_aug = b.concatenate(&[h0, eye], 4)?;
-        let outs = call_named(&mut b, "kda_transition", &fwd_aug_sig, &|name| match name {
-            "v" => Some(v_aug),
-            "h0" => Some(h0_aug),
+        let outs = call_named(&mut b, fwd_k, &fwd_sig.1, &|name| match name {
+            "v" => Some(zeros_k),
+            "h0" => Some(eye),
             other => get(&named, other),
         })?;
-        let fs = outs[fwd_aug_sig.result_index("final_state").unwrap_or(1)];
-        let qp = pick(&mut b, carry, fs)?;
+        let p = pick(&mut b, carry, outs[fwd_sig.1.result_index("final_state").unwrap_or(1)])?;
+        let qp = b.concatenate(&[q, p], 3)?;
         let all = exchange(&mut b, qp, devices)?;
         let mut states = vec![b.constant_f32(0.0, f32(&[s.b as i64, s.h as i64, k, v]))?];
         for j in 0..devices.saturating_sub(1) {
@@ -245,25 +258,24 @@ pub fn context_parallel_program(s: &KernelSpec, kind: ProgramKind, devices: usiz
 
     // 3: the ending dh of each piece.
     let dht_eff = if wants_backward {
-        let dht =
-            get(&named, "dht").ok_or_else(|| crate::TpuError::builder("context_parallel", "needs dht"))?;
-        let d_o =
-            get(&named, "do").ok_or_else(|| crate::TpuError::builder("context_parallel", "needs do"))?;
-        let do_aug = pad_last(&mut b, d_o, k)?;
-        let h0_aug = pad_last(&mut b, h0_eff, k)?;
-        let eye = placed_identity(&mut b, carry, s)?;
-        let dht_aug = b.concatenate(&[dht, eye], 4)?;
-        let outs = call_named(&mut b, "kda_dh_transition", &bwd_aug_sig, &|name| match name {
-            "v" => Some(v_aug),
-            "h0" => Some(h0_aug),
-            "do" => Some(do_aug),
-            "dht" => Some(dht_aug),
+        let dht = get(&named, "dht").ok_or_else(|| missing("dht"))?;
+        let dh0_of = |sig: &ProgramSignature| {
+            sig.result_index("dh0").ok_or_else(|| crate::TpuError::builder("context_parallel", "no dh0"))
+        };
+        let outs = call_named(&mut b, "kda_bwd", &bwd_sig.0, &|name| match name {
+            "h0" => Some(h0_eff),
             other => get(&named, other),
         })?;
-        let dh0 = outs[bwd_aug_sig
-            .result_index("dh0")
-            .ok_or_else(|| crate::TpuError::builder("context_parallel", "the transition has no dh0"))?];
-        let rp = pick(&mut b, first, dh0)?;
+        let r = pick(&mut b, first, outs[dh0_of(&bwd_sig.0)?])?;
+        let eye = placed_identity(&mut b, carry, s)?;
+        let outs = call_named(&mut b, bwd_k, &bwd_sig.1, &|name| match name {
+            "v" | "do" => Some(zeros_k),
+            "h0" => Some(zero_states_k),
+            "dht" => Some(eye),
+            other => get(&named, other),
+        })?;
+        let pt = pick(&mut b, first, outs[dh0_of(&bwd_sig.1)?])?;
+        let rp = b.concatenate(&[r, pt], 3)?;
         let all = exchange(&mut b, rp, devices)?;
         let mut ends = vec![b.constant_f32(0.0, f32(&[s.b as i64, s.h as i64, k, v]))?; devices];
         for j in (0..devices.saturating_sub(1)).rev() {

@@ -114,6 +114,7 @@ impl Measure<'_> {
             segments,
             times_ms,
             programs: figures,
+            devices: 1,
         };
         crate::progress::step(
             "bench",
@@ -196,8 +197,63 @@ fn measure_api(
             segments: segments.clone(),
             times_ms,
             programs: Vec::new(),
+            devices: 1,
         })
         .collect())
+}
+
+/// The scaling suite's calls through the host API on one device and, context-parallel, on two
+/// (`cp`): fixed length and packed (one segment per 256 tokens), timed in alternation.
+fn measure_devices(
+    be: &PjrtBackend,
+    cp: &PjrtBackend,
+    case: &Case,
+    dtype: DType,
+    iterations: usize,
+) -> Result<Vec<BenchRecord>, String> {
+    use kda_core::Backend;
+    let strategy = BackwardStrategy::SavedState;
+    let packed = Case {
+        segments: CaseSegments::Lengths(vec![kda_testkit::cases::balanced(case.t, case.t / 256)]),
+        ..case.clone()
+    };
+    let mut out = Vec::new();
+    for c in [case, &packed] {
+        let data = case_data(c, dtype).map_err(err)?;
+        let label = format!("{} {} {dtype}", c.name, if c.is_packed() { "packed" } else { "fixed" });
+        crate::progress::step("bench", format_args!("{label}: host API on 1 and 2 devices, compiling..."));
+        let mut times = [Vec::with_capacity(iterations), Vec::with_capacity(iterations)];
+        for round in 0..=iterations {
+            for (i, b) in [be, cp].into_iter().enumerate() {
+                let t = Instant::now();
+                drop(b.forward_and_vjp(&data.inputs, &data.cotangents, strategy).map_err(err)?);
+                if round > 0 {
+                    times[i].push(ms(t.elapsed()));
+                }
+            }
+            if round == 0 {
+                crate::progress::step("bench", format_args!("{label}: timing {iterations} rounds..."));
+            }
+        }
+        let segments = match &c.segments {
+            CaseSegments::Fixed => None,
+            CaseSegments::Lengths(rows) | CaseSegments::SegmentIds(rows) => rows.first().cloned(),
+        };
+        for (devices, times_ms) in [1, 2].into_iter().zip(times) {
+            out.push(BenchRecord {
+                suite: Suite::Scaling,
+                variant: Variant::HostApi,
+                dtype,
+                case: case.name.to_string(),
+                shape: [c.h, c.b, c.t, c.k, c.v],
+                segments: segments.clone(),
+                times_ms,
+                programs: Vec::new(),
+                devices,
+            });
+        }
+    }
+    Ok(out)
 }
 
 /// Host-API fused calls per second from 1, 2 and 8 threads sharing one handle (each thread
@@ -253,6 +309,22 @@ pub fn run(opts: &BenchOptions, args: &[String]) -> Result<(), String> {
         None
     };
     let be = super::timing_backend()?;
+    let cp = if opts.suites.contains(&Suite::Scaling) {
+        crate::progress::step(
+            "bench",
+            format_args!("starting a second handle with 2 CPU devices (context parallel)..."),
+        );
+        Some(
+            kda_tpu::PjrtOptions::new()
+                .devices(2)
+                .split(kda_tpu::Split::Context)
+                .retain_host_memory(true)
+                .build()
+                .map_err(err)?,
+        )
+    } else {
+        None
+    };
     let info = RunInfo {
         machine,
         command: format!("cargo xtask bench {}", args.join(" ")),
@@ -292,6 +364,10 @@ pub fn run(opts: &BenchOptions, args: &[String]) -> Result<(), String> {
                 let m = Measure { be: &be, tpu: tpu.as_ref(), call: &call, iterations: opts.iterations };
                 for variant in suite.variants(opts.baseline) {
                     records.push(m.run(suite, variant, &case, dtype)?);
+                }
+                if let (Suite::Scaling, Some(cp)) = (suite, &cp) {
+                    drop(call);
+                    records.extend(measure_devices(&be, cp, &case, dtype, opts.iterations)?);
                 }
             }
         }
