@@ -37,3 +37,13 @@ impl FnBuilder {
         self.push_op1(op, "stablehlo.all_gather", &[v], &attrs, TensorType::new(v.elem(), &dims))
     }
 }
+
+impl FnBuilder {
+    /// `values` unchanged, with a scheduling fence: nothing that reads a result starts before
+    /// every one of `values` is computed (`stablehlo.optimization_barrier`). Sequences
+    /// independent phases whose intermediates would otherwise be live together.
+    pub fn optimization_barrier(&mut self, values: &[Value]) -> Result<Vec<Value>> {
+        let types: Vec<TensorType> = values.iter().map(Value::ty).collect();
+        self.push_op("optimization_barrier", "stablehlo.optimization_barrier", values, &[], "", &types)
+    }
+}

@@ -37,16 +37,26 @@ use crate::Result;
 pub const CP_ARGS: [&str; 3] = ["cont", "carry", "piece"];
 
 /// Every row of `p` cut into `devices` pieces, and each device's local problem: its piece's
-/// tokens as a packed row from token 0 (one slot per segment part, up to the plan's N), with
-/// initial and final states (the program fills the continuation and carry slots).
+/// tokens from token 0 with initial and final states (the program fills the continuation and
+/// carry slots). A fixed-length batch stays fixed length when every piece is full, or when its
+/// gate is pre-activated (a zero token with `g = 0` and `beta = 0` leaves the state as it is, so
+/// a short last piece is padded exactly); otherwise a piece is a packed row with one slot per
+/// segment part. The fixed form needs no index gathers and less scratch.
 pub fn local_problems(p: &Problem, devices: usize) -> Result<(PiecePlan, Vec<Problem>)> {
     let pieces = PiecePlan::new(&p.segments, devices, super::CHUNK);
+    let full = pieces
+        .parts
+        .iter()
+        .flatten()
+        .all(|parts| parts.iter().map(|x| x.tokens.len()).sum::<usize>() == pieces.t);
+    let fixed = !p.segments.is_packed() && (full || p.gate == kda_core::GateKind::Preactivated);
     let mut locals = Vec::with_capacity(devices);
     for d in 0..devices {
         let mut q = p.clone();
         q.dims.t = pieces.t;
         q.dims.n = pieces.n;
-        q.segments = pieces.local_table(d)?;
+        q.segments =
+            if fixed { kda_core::SegmentTable::fixed(p.dims.b, pieces.t) } else { pieces.local_table(d)? };
         q.has_initial_state = true;
         q.output_final_state = true;
         q.beta_shape[if p.layout == Layout::HeadFirst { 2 } else { 1 }] = pieces.t;
@@ -59,8 +69,11 @@ pub fn local_problems(p: &Problem, devices: usize) -> Result<(PiecePlan, Vec<Pro
 /// problem: they share their dims), with `g` in `g_dtype` and slabs of `slab` chunks.
 pub fn local_spec(local: &Problem, has_dht: bool, slab: usize, g_dtype: DType) -> Result<KernelSpec> {
     let d = local.dims;
-    let chunks = StaticCapacity::new(d.b, d.t, d.n, super::CHUNK)?.chunks();
-    Ok(KernelSpec::new(local, Some(chunks), has_dht).with_slab(slab).with_g_dtype(g_dtype))
+    let chunks = match local.segments.is_packed() {
+        true => Some(StaticCapacity::new(d.b, d.t, d.n, super::CHUNK)?.chunks()),
+        false => None,
+    };
+    Ok(KernelSpec::new(local, chunks, has_dht).with_slab(slab).with_g_dtype(g_dtype))
 }
 
 /// The identity `[K, K]` in f32.
@@ -161,7 +174,7 @@ fn call_named(
     b.call(f, &args, &sig.result_types())
 }
 
-/// The context-parallel program `kind` of the local spec `s` (packed, with `h0`, final states
+/// The context-parallel program `kind` of the local spec `s` (with `h0`, final states
 /// and, for backward and fused programs, `dht`) for `devices` replicas. Arguments: the kernel
 /// program's, then [`CP_ARGS`]. Results: the kernel program's; a forward also returns the
 /// entering states it used (`h0` with slot 0 filled), which its backward takes as `h0`.
@@ -234,8 +247,11 @@ pub fn context_parallel_program(s: &KernelSpec, kind: ProgramKind, devices: usiz
         let outs = call_named(&mut b, "kda_fwd", &fwd_sig.0, &|name| get(&named, name))?;
         let q = pick(&mut b, carry, outs[fwd_sig.0.result_index("final_state").unwrap_or(1)])?;
         let eye = placed_identity(&mut b, first, s)?;
+        // One run after the other: their intermediates are never live together.
+        let fenced = b.optimization_barrier(&[q, zeros_k, eye])?;
+        let (q, zk, eye) = (fenced[0], fenced[1], fenced[2]);
         let outs = call_named(&mut b, fwd_k, &fwd_sig.1, &|name| match name {
-            "v" => Some(zeros_k),
+            "v" => Some(zk),
             "h0" => Some(eye),
             other => get(&named, other),
         })?;
@@ -268,9 +284,11 @@ pub fn context_parallel_program(s: &KernelSpec, kind: ProgramKind, devices: usiz
         })?;
         let r = pick(&mut b, first, outs[dh0_of(&bwd_sig.0)?])?;
         let eye = placed_identity(&mut b, carry, s)?;
+        let fenced = b.optimization_barrier(&[r, zeros_k, zero_states_k, eye])?;
+        let (r, zk, zs, eye) = (fenced[0], fenced[1], fenced[2], fenced[3]);
         let outs = call_named(&mut b, bwd_k, &bwd_sig.1, &|name| match name {
-            "v" | "do" => Some(zeros_k),
-            "h0" => Some(zero_states_k),
+            "v" | "do" => Some(zk),
+            "h0" => Some(zs),
             "dht" => Some(eye),
             other => get(&named, other),
         })?;
@@ -291,11 +309,18 @@ pub fn context_parallel_program(s: &KernelSpec, kind: ProgramKind, devices: usiz
         None
     };
 
-    // 4: the piece's own program.
+    // 4: the piece's own program, after the transitions (fenced: not interleaved with them).
+    let mut fence: Vec<Value> = named.iter().map(|(_, v)| *v).collect();
+    fence.push(h0_eff);
+    fence.extend(dht_eff);
+    let fenced = b.optimization_barrier(&fence)?;
+    let main_named: Vec<(&'static str, Value)> =
+        named.iter().map(|(n, _)| *n).zip(fenced.iter().copied()).collect();
+    let (h0_main, dht_main) = (fenced[named.len()], dht_eff.map(|_| fenced[named.len() + 1]));
     let mut outs = call_named(&mut b, "kda", &main_sig, &|name| match name {
-        "h0" => Some(h0_eff),
-        "dht" => dht_eff,
-        other => get(&named, other),
+        "h0" => Some(h0_main),
+        "dht" => dht_main,
+        other => get(&main_named, other),
     })?;
     for name in ["da_log", "ddt_bias"] {
         if let Some(i) = main_sig.result_index(name) {
