@@ -87,15 +87,9 @@ mod data_parallel {
         }
     }
 
+    /// The spec's RMS ratio of `got` against `want` (the testkit's metric).
     fn rms_ratio(got: &HostTensor, want: &HostTensor) -> f64 {
-        let (g, w) = (got.to_f64_vec(), want.to_f64_vec());
-        let num: f64 = g.iter().zip(&w).map(|(a, b)| (a - b) * (a - b)).sum();
-        let den: f64 = w.iter().map(|b| b * b).sum();
-        if den == 0.0 {
-            num.sqrt()
-        } else {
-            (num / den).sqrt()
-        }
+        kda_testkit::metrics::agreement(got, &want.to_f64_vec()).rms_ratio
     }
 
     #[rstest]
@@ -244,15 +238,9 @@ mod context_parallel {
         }
     }
 
+    /// The spec's RMS ratio of `got` against `want` (the testkit's metric).
     fn rms_ratio(got: &HostTensor, want: &HostTensor) -> f64 {
-        let (g, w) = (got.to_f64_vec(), want.to_f64_vec());
-        let num: f64 = g.iter().zip(&w).map(|(a, b)| (a - b) * (a - b)).sum();
-        let den: f64 = w.iter().map(|b| b * b).sum();
-        if den == 0.0 {
-            num.sqrt()
-        } else {
-            (num / den).sqrt()
-        }
+        kda_testkit::metrics::agreement(got, &want.to_f64_vec()).rms_ratio
     }
 
     /// f32, fused saved-state: o and the final states within RMS ratio 1e-6 of the
