@@ -44,6 +44,41 @@ mod mixed_dtypes {
     }
 }
 
+/// The suite compiles at `$KDA_XLA_OPT_LEVEL` (0 under `cargo xtask test`: XLA's HLO passes as
+/// always, unoptimized CPU code generation); these cases compile at XLA's default level 3, the
+/// one users run, and meet the same limits: the forward and the fused forward+VJP, fixed and
+/// packed, both strategies, both dtypes, the in-kernel gate.
+mod optimized_codegen {
+    use kda_core::{BackwardStrategy, DType};
+    use kda_testkit::conformance::{backward, forward, Path};
+    use kda_tpu::{PjrtOptions, XlaOption};
+    use rstest::rstest;
+
+    use BackwardStrategy::{Rematerialize as Remat, SavedState as Saved};
+    use DType::{BF16, F32};
+
+    #[rstest]
+    #[case::fixed_batch_first_f32_saved("fixed_batch_first_b2", F32, Saved)]
+    #[case::packed_bf16_remat("packed_lengths_1_63_64_65_0", BF16, Remat)]
+    #[case::in_kernel_gate_bf16_saved("gate_lower_bound_l2norm", BF16, Saved)]
+    fn level_3_meets_the_limits(
+        #[case] name: &str,
+        #[case] dtype: DType,
+        #[case] strategy: BackwardStrategy,
+    ) {
+        let be = PjrtOptions::new()
+            .xla_option("xla_backend_optimization_level", XlaOption::Int(3))
+            .build()
+            .expect("PJRT plugin (run `cargo xtask setup`)");
+        for report in [forward(&be, name, dtype), backward(&be, name, dtype, strategy, Path::Fused)] {
+            match report {
+                Ok(report) => eprint!("{report}"),
+                Err(failure) => panic!("conformance failure at level 3:\n{failure}"),
+            }
+        }
+    }
+}
+
 /// Data parallelism (`PjrtOptions::devices`): the batch's rows spread over 2, 3 and 4 CPU
 /// devices, one program compiled for that many replicas, the gate-parameter gradients
 /// all-reduced in it. Each case meets section 7's limits against the reference and agrees with
@@ -156,6 +191,89 @@ mod data_parallel {
                 _ => panic!("{what}: present on one side only"),
             }
         }
+    }
+}
+
+/// The device API with one shard per device (`upload_inputs_on`, `*_data_parallel`): each
+/// device's results stay there and equal, bitwise, the rows the host call returns for the same
+/// spread; `da_log` and `ddt_bias` are the whole batch's sums on every device. Misplaced or
+/// misshapen shards are errors that name the device.
+mod device_shards {
+    use kda_core::{Backend, BackwardStrategy, Cotangents, DType, HostTensor, KdaInputs};
+    use kda_tpu::{PjrtBackend, PjrtOptions};
+
+    /// Row `r` of a case's inputs and cotangents (head-first: the batch is axis 1).
+    fn row(x: &KdaInputs, c: &Cotangents, r: usize) -> (KdaInputs, Cotangents) {
+        let take = |t: &HostTensor, axis: usize| t.slice_padded(axis, r, 1).expect("row");
+        let inputs = KdaInputs {
+            q: take(&x.q, 1),
+            k: take(&x.k, 1),
+            v: take(&x.v, 1),
+            g: take(&x.g, 1),
+            beta: take(&x.beta, 1),
+            initial_state: x.initial_state.as_ref().map(|t| take(t, 0)),
+            ..x.clone()
+        };
+        let cot = Cotangents { d_o: take(&c.d_o, 1), dht: c.dht.as_ref().map(|t| take(t, 0)) };
+        (inputs, cot)
+    }
+
+    fn host(be: &PjrtBackend, t: &kda_tpu::DeviceTensor) -> HostTensor {
+        be.download(t).expect("download")
+    }
+
+    #[test]
+    fn shards_on_their_devices_match_the_host_call() {
+        let devices = 3;
+        let case = super::data_parallel::named("softplus_b3");
+        assert_eq!(case.layout, kda_core::Layout::HeadFirst);
+        let data = kda_testkit::inputs::case_data(&case, DType::F32).expect("inputs");
+        let be = PjrtOptions::new().devices(devices).build().expect("PJRT plugin (run `cargo xtask setup`)");
+        let (o_host, g_host) = be
+            .forward_and_vjp(&data.inputs, &data.cotangents, BackwardStrategy::SavedState)
+            .expect("host call");
+        let (mut xs, mut cs) = (Vec::new(), Vec::new());
+        for d in 0..devices {
+            let (x, c) = row(&data.inputs, &data.cotangents, d);
+            let p = x.view().validate().expect("valid row");
+            xs.push(be.upload_inputs_on(d, &x).expect("upload"));
+            cs.push(be.upload_cotangents_on(d, &c, &p).expect("upload"));
+        }
+        let per_device =
+            be.forward_and_vjp_data_parallel(&xs, &cs, BackwardStrategy::SavedState).expect("device call");
+        for (d, (out, grads)) in per_device.iter().enumerate() {
+            assert_eq!(out.o.device(), d);
+            assert_eq!(grads.dq.device(), d);
+            assert_eq!(host(&be, &out.o), o_host.o.slice_padded(1, d, 1).unwrap(), "o of device {d}");
+            assert_eq!(host(&be, &grads.dk), g_host.dk.slice_padded(1, d, 1).unwrap(), "dk of device {d}");
+            let da = grads.da_log.as_ref().expect("da_log");
+            assert_eq!(Some(host(&be, da)), g_host.da_log.clone(), "da_log of device {d}");
+        }
+
+        // The forward and backward pair agrees with the fused call.
+        let fwd = be.forward_data_parallel(&xs, BackwardStrategy::Rematerialize).expect("forward");
+        let res: Vec<_> = fwd.into_iter().map(|(_, r)| r).collect();
+        let grads = be.backward_data_parallel(&res, &cs).expect("backward");
+        for (d, g) in grads.iter().enumerate() {
+            let r = kda_testkit::metrics::agreement(
+                &host(&be, &g.dv),
+                &g_host.dv.slice_padded(1, d, 1).unwrap().to_f64_vec(),
+            )
+            .rms_ratio;
+            assert!(r <= 1e-6, "dv of device {d}: RMS ratio {r:.2e} against the fused host call");
+        }
+
+        // Errors: a shard missing, a shard on the wrong device, one-device calls off device 0.
+        let err =
+            be.forward_and_vjp_data_parallel(&xs[..2], &cs[..2], BackwardStrategy::SavedState).unwrap_err();
+        assert!(err.to_string().contains("one shard per device (3)"), "{err}");
+        let swapped = [xs[1].clone(), xs[0].clone(), xs[2].clone()];
+        let err = be.forward_data_parallel(&swapped, BackwardStrategy::SavedState).unwrap_err();
+        assert!(err.to_string().contains("device 0") && err.to_string().contains("device 1"), "{err}");
+        let err = be.forward_device(&xs[1], BackwardStrategy::SavedState).unwrap_err();
+        assert!(err.to_string().contains("device 1"), "{err}");
+        let err = be.upload_inputs_on(devices, &row(&data.inputs, &data.cotangents, 0).0).unwrap_err();
+        assert!(err.to_string().contains("below 3"), "{err}");
     }
 }
 

@@ -282,12 +282,13 @@ fn forward_scheduler_override_reaches_the_cpu_compiler() {
     use kda_tpu::{PjrtBackend, ProgramKind};
     let be = PjrtBackend::new().expect("PJRT plugin (run `cargo xtask setup`)");
     let fwd = ProgramKind::Forward(false);
-    assert!(be.compile_options(ProgramKind::Fused(BackwardStrategy::SavedState)).xla_options().is_empty());
+    let scheduler = |kind| be.compile_options(kind).xla_options().contains_key("xla_cpu_scheduler_type");
+    assert!(!scheduler(ProgramKind::Fused(BackwardStrategy::SavedState)));
     if be.platform() != "cpu" {
-        assert!(be.compile_options(fwd).xla_options().is_empty(), "other plugins get XLA's defaults");
+        assert!(!scheduler(fwd), "other plugins get XLA's defaults");
         return;
     }
-    assert!(be.compile_options(fwd).xla_options().contains_key("xla_cpu_scheduler_type"));
+    assert!(scheduler(fwd));
     let case = kda_testkit::benchmark_cases().into_iter().find(|c| c.name == "bench_primary").unwrap();
     let data = kda_testkit::case_data(&case, DType::F32).unwrap();
     let call = be.upload_call(&data.inputs, None).unwrap();
@@ -374,4 +375,29 @@ fn aot_compile_of_four_replicas_fits_tpu7x_2x2x1() {
     let four = tpu.compile_with(COLLECTIVES_4, DEFAULT_TOPOLOGY, &CompileOptions::default().with_replicas(4));
     let report = four.unwrap();
     assert!(report.memory.peak_bytes > 0, "{report:?}");
+}
+
+/// `PjrtOptions::xla_option` reaches every kernel program's compile options, over
+/// `$KDA_XLA_OPT_LEVEL` when both name the optimization level.
+#[test]
+fn xla_options_reach_every_kernel_compile() {
+    use kda_core::BackwardStrategy;
+    use kda_tpu::{PjrtOptions, ProgramKind};
+    let be = PjrtOptions::new()
+        .xla_option("xla_backend_optimization_level", XlaOption::Int(2))
+        .build()
+        .expect("PJRT plugin (run `cargo xtask setup`)");
+    let kinds = [
+        ProgramKind::Forward(false),
+        ProgramKind::Backward(BackwardStrategy::SavedState),
+        ProgramKind::Fused(BackwardStrategy::Rematerialize),
+    ];
+    for kind in kinds {
+        let options = be.compile_options(kind);
+        assert_eq!(
+            options.xla_options().get("xla_backend_optimization_level"),
+            Some(&XlaOption::Int(2)),
+            "{kind:?}"
+        );
+    }
 }

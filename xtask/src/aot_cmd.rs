@@ -25,11 +25,12 @@ options:
                        report the memory per device (default 1: the single-device programs);
                        on tpu7x:2x2x1 libtpu counts 8 devices, one per TensorCore
   --heads N            override the shape's heads H
+  --b N, --k N, --v N  override the shape's batch rows B and head widths K and V
   --t N                override the shape's tokens per row T (packed shapes keep their
                        segment count, rebalanced over the new T)
   --segments N         packed: N balanced segments per row (0: fixed length)
   --json PATH          also write one JSON record per compile (program, shape, dtype,
-                       devices, h, t, segments, peak_bytes, temp_bytes, gflop)
+                       devices, h, b, t, k, v, segments, peak_bytes, temp_bytes, gflop)
   --libtpu PATH        libtpu to load (default $KDA_LIBTPU, else the one setup installed)
   -h, --help           show this text
 
@@ -145,10 +146,16 @@ pub struct AotOptions {
     pub libtpu: Option<String>,
     /// Devices of the context-parallel programs (1: the single-device programs).
     pub devices: usize,
-    /// Overrides of the named shape: heads, tokens per row, segments per row.
+    /// Overrides of the named shape: heads, tokens per row, rows, widths, segments per row.
     pub heads: Option<usize>,
     /// Tokens per row.
     pub t: Option<usize>,
+    /// Batch rows.
+    pub b: Option<usize>,
+    /// Key and query width.
+    pub k: Option<usize>,
+    /// Value width.
+    pub v: Option<usize>,
     /// Balanced segments per row (0: fixed length).
     pub segments: Option<usize>,
     /// Where to write the JSON records.
@@ -166,6 +173,9 @@ impl Default for AotOptions {
             devices: 1,
             heads: None,
             t: None,
+            b: None,
+            k: None,
+            v: None,
             segments: None,
             json: None,
         }
@@ -202,9 +212,12 @@ pub fn parse_args(args: &[String]) -> Result<Option<AotOptions>, String> {
             }
             "--dtype" => o.dtypes = cli::dtypes(flag, &flags.value(flag)?)?,
             "--libtpu" => o.libtpu = Some(flags.value(flag)?),
-            "--devices" => o.devices = positive(flag, &flags.value(flag)?)?,
-            "--heads" => o.heads = Some(positive(flag, &flags.value(flag)?)?),
-            "--t" => o.t = Some(positive(flag, &flags.value(flag)?)?),
+            "--devices" => o.devices = cli::positive(flag, &flags.value(flag)?)?,
+            "--heads" => o.heads = Some(cli::positive(flag, &flags.value(flag)?)?),
+            "--t" => o.t = Some(cli::positive(flag, &flags.value(flag)?)?),
+            "--b" => o.b = Some(cli::positive(flag, &flags.value(flag)?)?),
+            "--k" => o.k = Some(cli::positive(flag, &flags.value(flag)?)?),
+            "--v" => o.v = Some(cli::positive(flag, &flags.value(flag)?)?),
             "--segments" => {
                 let v = flags.value(flag)?;
                 o.segments = Some(v.parse().map_err(|_| format!("`{flag}` needs a count, got `{v}`"))?);
@@ -214,13 +227,6 @@ pub fn parse_args(args: &[String]) -> Result<Option<AotOptions>, String> {
         }
     }
     Ok(Some(o))
-}
-
-fn positive(flag: &str, v: &str) -> Result<usize, String> {
-    match v.parse::<usize>() {
-        Ok(n) if n > 0 => Ok(n),
-        _ => Err(format!("`{flag}` needs a positive whole number, got `{v}`")),
-    }
 }
 
 impl AotOptions {
@@ -238,6 +244,9 @@ impl AotOptions {
         if let Some(t) = self.t {
             c.t = t;
         }
+        c.b = self.b.unwrap_or(c.b);
+        c.k = self.k.unwrap_or(c.k);
+        c.v = self.v.unwrap_or(c.v);
         c.segments = if segments == 0 {
             kda_testkit::CaseSegments::Fixed
         } else {
@@ -324,11 +333,17 @@ mod tests {
         assert_eq!((rows[0].len(), rows[0].iter().sum::<usize>()), (25, 32768));
         let fixed = parse_args(&args("--segments 0")).unwrap().unwrap().case(Shape::SecondaryPacked);
         assert_eq!(fixed.segments, kda_testkit::CaseSegments::Fixed);
+        let o = parse_args(&args("--b 3 --k 64 --v 32 --segments 5")).unwrap().unwrap();
+        let c = o.case(Shape::Secondary);
+        assert_eq!((c.b, c.k, c.v), (3, 64, 32));
+        let kda_testkit::CaseSegments::Lengths(rows) = &c.segments else { panic!("packed") };
+        assert_eq!((rows.len(), rows[0].len()), (3, 5), "one balanced row per batch row");
     }
 
     #[rstest]
     #[case("--devices 0", "positive whole number")]
     #[case("--t x", "positive whole number")]
+    #[case("--k 0", "positive whole number")]
     #[case("--program fused", "got `fused`")]
     #[case("--shape tertiary", "got `tertiary`")]
     #[case("--dtype f16", "expected f32, bf16 or both")]

@@ -80,6 +80,14 @@ pub fn dtypes(flag: &str, value: &str) -> Result<Vec<kda_core::DType>, String> {
     }
 }
 
+/// A count of 1 or more given to `flag`.
+pub fn positive(flag: &str, v: &str) -> Result<usize, String> {
+    match v.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("`{flag}` needs a positive whole number, got `{v}`")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -201,14 +201,7 @@ pub fn parse_args(args: &[String]) -> Result<Option<(String, RunOptions)>, Strin
                 opts.gate =
                     GateChoice::parse(v).ok_or_else(|| bad("softplus or lower-bound=LB (LB < 0)", v))?;
             }
-            "--devices" => {
-                let v = &take_value(flag)?;
-                opts.devices = v
-                    .parse()
-                    .ok()
-                    .filter(|&n: &usize| n > 0)
-                    .ok_or_else(|| bad("a device count of 1 or more", v))?;
-            }
+            "--devices" => opts.devices = crate::cli::positive(flag, &take_value(flag)?)?,
             _ => return Err(format!("unknown argument `{flag}`")),
         }
     }

@@ -147,6 +147,23 @@ pub fn with_run_files(cmd: &mut Command) {
     cmd.env("KDA_REFERENCE_CACHE", run_dir().join("reference"));
 }
 
+/// The XLA backend optimization level the suite compiles kernel programs with, unless
+/// `$KDA_XLA_OPT_LEVEL` says otherwise: 0, like cargo's unoptimized test profile. The programs
+/// and XLA's HLO passes are the same as at the default level 3; only the CPU code generation is
+/// unoptimized, which compiles about 3x faster (compiles are most of the suite's time) and
+/// runs slower. The conformance suite's `optimized_codegen` tests run a covering set at level 3.
+pub const TEST_OPT_LEVEL: &str = "0";
+
+/// kda-tpu's `OPT_LEVEL_ENV` (xtask builds without kda-tpu unless its `pjrt` feature is on).
+const OPT_LEVEL_ENV: &str = "KDA_XLA_OPT_LEVEL";
+
+/// Sets `$KDA_XLA_OPT_LEVEL` for the suite (see [`TEST_OPT_LEVEL`]) unless the caller set it.
+fn with_test_codegen(cmd: &mut Command) {
+    if std::env::var_os(OPT_LEVEL_ENV).is_none() {
+        cmd.env(OPT_LEVEL_ENV, TEST_OPT_LEVEL);
+    }
+}
+
 /// Runs the suite (or one shard, or the tests named), then prints the summary.
 pub fn test(args: &[String]) -> Result<(), String> {
     let Some(opts) = parse_args(args).map_err(|e| format!("xtask test: {e}\n\n{USAGE}"))? else {
@@ -167,6 +184,7 @@ pub fn test(args: &[String]) -> Result<(), String> {
     let mut cmd = cargo(&paths, &a.iter().map(String::as_str).collect::<Vec<_>>());
     let stats_file = new_run()?;
     with_run_files(&mut cmd);
+    with_test_codegen(&mut cmd);
     let junit = root().join("target").join("nextest").join("default").join("junit.xml");
     let _ = std::fs::remove_file(&junit);
     let mut summary = Summary::default();
@@ -186,6 +204,7 @@ pub fn test(args: &[String]) -> Result<(), String> {
         }
         let mut cmd = cargo(&paths, &doc);
         with_run_files(&mut cmd);
+        with_test_codegen(&mut cmd);
         let (ok, counts) = run_counting(cmd, "doctests")?;
         summary.failed_steps += usize::from(!ok);
         summary.counted = counts;
@@ -369,6 +388,8 @@ impl Summary {
             "  XLA compiles    {} ({:.0} s of compile time over all processes), compile-cache hits {}",
             c.compiles, c.compile_seconds, c.hits
         );
+        let level = std::env::var(OPT_LEVEL_ENV).unwrap_or_else(|_| TEST_OPT_LEVEL.to_string());
+        println!("  XLA codegen     optimization level {level} (${OPT_LEVEL_ENV}; XLA's default is 3)");
         let mut slow: Vec<&TestTime> = self.tests.iter().collect();
         slow.sort_by(|a, b| b.seconds.total_cmp(&a.seconds));
         if !slow.is_empty() {

@@ -367,7 +367,7 @@ fn errors_name_the_file(#[case] breaks: Break, #[case] needles: &[&str]) {
 #[case::no_inputs_dir(&["--backend", "ref", "--inputs", "/nonexistent/kda", "--out", "b"], "no such directory")]
 #[case::bad_gate(&["--gate", "sigmoid"], "softplus or lower-bound=LB")]
 #[case::positive_lower_bound(&["--gate", "lower-bound=2"], "softplus or lower-bound=LB")]
-#[case::zero_devices(&["--devices", "0"], "a device count of 1 or more")]
+#[case::zero_devices(&["--devices", "0"], "`--devices` needs a positive whole number")]
 #[case::devices_need_pjrt(&["--backend", "ref", "--devices", "2", "--inputs", "a", "--out", "b"], "needs `--backend pjrt`")]
 fn argument_errors(#[case] args: &[&str], #[case] needle: &str) {
     let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();

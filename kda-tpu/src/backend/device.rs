@@ -123,7 +123,7 @@ impl DeviceInputs {
     }
 
     /// The program arguments before the index tables, in signature order, with their names.
-    fn args(&self) -> Vec<(&'static str, &DeviceTensor)> {
+    pub(crate) fn args(&self) -> Vec<(&'static str, &DeviceTensor)> {
         let mut a =
             vec![("q", &self.q), ("k", &self.k), ("v", &self.v), ("g", &self.g), ("beta", &self.beta)];
         if let Some(h0) = &self.initial_state {
@@ -255,6 +255,13 @@ impl PjrtBackend {
     /// Validates host inputs (values included) and copies them to the device: per-token tensors
     /// tagged with the config's layout, `beta` in q's dtype, states and gate parameters in f32.
     pub fn upload_inputs(&self, x: &KdaInputs) -> kda_core::Result<DeviceInputs> {
+        self.upload_inputs_on(0, x)
+    }
+
+    /// [`PjrtBackend::upload_inputs`] to device `device` of the handle (one shard of a
+    /// data-parallel batch, see [`PjrtBackend::forward_and_vjp_data_parallel`]).
+    pub fn upload_inputs_on(&self, device: usize, x: &KdaInputs) -> kda_core::Result<DeviceInputs> {
+        self.check_device_index(device)?;
         let p = x.view().validate()?;
         kda_core::Backend::supports(self, &p)?;
         let of: fn(&HostTensor) -> Upload = Upload::of;
@@ -267,7 +274,7 @@ impl PjrtBackend {
             ups.push((a_log, f32));
             ups.extend(dt.map(|t| (t, f32)));
         }
-        let mut t = self.upload_each(ups, || x.check_values())?.into_iter();
+        let mut t = self.upload_each(device, ups, || x.check_values())?.into_iter();
         let mut next =
             || t.next().ok_or_else(|| KdaError::backend("upload", "one tensor per upload", "too few"));
         let lay = p.layout;
@@ -310,11 +317,22 @@ impl PjrtBackend {
     /// Validates host cotangents against a problem and copies them to the device (`do` in the
     /// problem's dtype, `dht` in f32).
     pub fn upload_cotangents(&self, c: &Cotangents, p: &Problem) -> kda_core::Result<DeviceCotangents> {
+        self.upload_cotangents_on(0, c, p)
+    }
+
+    /// [`PjrtBackend::upload_cotangents`] to device `device` of the handle.
+    pub fn upload_cotangents_on(
+        &self,
+        device: usize,
+        c: &Cotangents,
+        p: &Problem,
+    ) -> kda_core::Result<DeviceCotangents> {
+        self.check_device_index(device)?;
         validate_cotangent_shapes(p, &c.d_o, c.dht.as_ref())?;
         let f32: fn(&HostTensor) -> Upload = Upload::f32;
         let mut ups = vec![(&c.d_o, cast_to(p.dtype))];
         ups.extend(c.dht.as_ref().map(|t| (t, f32)));
-        let mut t = self.upload_each(ups, || c.check_values())?.into_iter();
+        let mut t = self.upload_each(device, ups, || c.check_values())?.into_iter();
         let d_o = t.next().ok_or_else(|| KdaError::backend("upload", "do", "nothing"))?.with_layout(p.layout);
         Ok(DeviceCotangents { d_o, dht: t.next() })
     }
@@ -326,9 +344,20 @@ impl PjrtBackend {
         x: &DeviceInputs,
         has_dht: bool,
     ) -> kda_core::Result<(Problem, KernelSpec)> {
+        self.validate_device_on(0, x, has_dht)
+    }
+
+    /// [`PjrtBackend::validate_device`] for inputs that must all live on device `device`.
+    pub(crate) fn validate_device_on(
+        &self,
+        device: usize,
+        x: &DeviceInputs,
+        has_dht: bool,
+    ) -> kda_core::Result<(Problem, KernelSpec)> {
         let args = x.args();
         for (name, t) in &args {
             t.check_owner(self.shared(), name).map_err(e)?;
+            check_on(t, name, device)?;
         }
         for (name, t) in &args[..5] {
             if let Some(l) = t.layout() {
@@ -389,7 +418,21 @@ impl PjrtBackend {
     }
 
     fn check_cotangents(&self, p: &Problem, c: &DeviceCotangents) -> kda_core::Result<()> {
+        self.check_cotangents_on(0, p, c)
+    }
+
+    /// [`PjrtBackend::check_cotangents`] for cotangents that must live on device `device`.
+    pub(crate) fn check_cotangents_on(
+        &self,
+        device: usize,
+        p: &Problem,
+        c: &DeviceCotangents,
+    ) -> kda_core::Result<()> {
         c.d_o.check_owner(self.shared(), "do").map_err(e)?;
+        check_on(&c.d_o, "do", device)?;
+        if let Some(t) = &c.dht {
+            check_on(t, "dht", device)?;
+        }
         let d_o = c.d_o.meta("do").map_err(e)?;
         let dht = match &c.dht {
             Some(t) => {
@@ -481,6 +524,7 @@ impl PjrtBackend {
         self.check_cotangents(p, c)?;
         for t in res.inputs.iter().chain(res.h.iter()) {
             t.check_owner(self.shared(), "residuals").map_err(e)?;
+            check_on(t, "residuals", 0)?;
         }
         let mut spec = res.spec.clone();
         spec.has_dht = c.dht.is_some();
@@ -565,4 +609,21 @@ impl PjrtBackend {
 
 fn too_few(name: &str) -> KdaError {
     KdaError::backend("execute", "a program output per result", format!("no output for {name}"))
+}
+
+/// A tensor of a call that runs on device `device`: anywhere else is an error naming both.
+pub(crate) fn check_on(t: &DeviceTensor, arg: &str, device: usize) -> kda_core::Result<()> {
+    if t.device() == device {
+        return Ok(());
+    }
+    let hint = if device == 0 {
+        " (one-device calls run there; per-device tensors go to the *_data_parallel calls)"
+    } else {
+        " (its shard's device)"
+    };
+    Err(KdaError::value(
+        arg,
+        format!("a tensor on device {device}{hint}"),
+        format!("a tensor on device {}", t.device()),
+    ))
 }

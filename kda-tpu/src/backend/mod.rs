@@ -13,9 +13,11 @@ mod data_parallel;
 mod device;
 mod host;
 mod options;
+mod sharded;
 mod tensor;
 mod worker;
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -68,6 +70,7 @@ pub struct PjrtBackend {
     shared: Arc<Shared>,
     slab: usize,
     split: Split,
+    xla: Arc<BTreeMap<String, XlaOption>>,
 }
 
 impl std::fmt::Debug for PjrtBackend {
@@ -191,9 +194,10 @@ impl PjrtBackend {
     }
 
     pub(crate) fn start(options: PjrtOptions) -> Result<Self> {
+        let xla = Arc::new(options.xla_choice()?);
         let shared = Shared::start(&options)?;
         let slab = options.slab_choice().unwrap_or(if shared.info.platform == "cpu" { 0 } else { TPU_SLAB });
-        Ok(Self { shared, slab, split: options.split_choice() })
+        Ok(Self { shared, slab, split: options.split_choice(), xla })
     }
 
     /// How host `Backend` calls spread over several devices ([`PjrtOptions::split`]).
@@ -251,9 +255,12 @@ impl PjrtBackend {
     /// concurrency-optimized one: at the primary shape that measured the forward 5-9% faster
     /// (medians of five alternating runs' medians, f32 19.4 -> 17.7 and 20.1 -> 19.1 ms) and its
     /// scratch smaller (f32 34.5 -> 26.3 MB); the fused programs measured 1-3% slower with it, so
-    /// they keep the default. Other plugins get XLA's defaults.
+    /// they keep the default. Other plugins get XLA's defaults. The options of
+    /// [`PjrtOptions::xla_option`] (and `$KDA_XLA_OPT_LEVEL`) come on top.
     pub fn compile_options(&self, kind: ProgramKind) -> CompileOptions {
-        compile_options(&self.shared.info.platform, kind)
+        self.xla.iter().fold(compile_options(&self.shared.info.platform, kind), |o, (name, value)| {
+            o.with_xla_option(name.clone(), value.clone())
+        })
     }
 
     /// Compiles the programs `kinds` of `spec` now, so the first call does not pay for it.
@@ -293,9 +300,10 @@ impl PjrtBackend {
     /// while the worker hands the previous one to the plugin: on two or more cores the host
     /// copy that owned uploads need costs little wall time.
     /// `meanwhile` runs on this thread after the last job is sent (value checks); its error
-    /// wins, and the uploaded tensors are then freed.
+    /// wins, and the uploaded tensors are then freed. The tensors go to device `device`.
     pub(crate) fn upload_each<'t>(
         &self,
+        device: usize,
         items: impl IntoIterator<Item = (&'t HostTensor, fn(&HostTensor) -> Upload)>,
         meanwhile: impl FnOnce() -> kda_core::Result<()>,
     ) -> kda_core::Result<Vec<DeviceTensor>> {
@@ -305,8 +313,8 @@ impl PjrtBackend {
             pending.push(
                 self.shared
                     .submit("upload", move |w| {
-                        let buf = w.upload(&counters, u)?;
-                        Ok(w.keep(buf))
+                        let buf = w.upload_on(&counters, u, device)?;
+                        Ok(w.keep_on(buf, device))
                     })
                     .map_err(e)?,
             );

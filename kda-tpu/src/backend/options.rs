@@ -1,10 +1,18 @@
 //! [`PjrtOptions`]: everything a handle is built from, in one place.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use super::PjrtBackend;
 use crate::error::Result;
-use crate::runtime::{host_memory, plugin, Runtime};
+use crate::runtime::{host_memory, plugin, Runtime, XlaOption};
+
+/// The environment variable that sets the XLA backend optimization level of kernel compiles
+/// (`xla_backend_optimization_level`, 0 to 3) when [`PjrtOptions::xla_option`] does not.
+pub const OPT_LEVEL_ENV: &str = "KDA_XLA_OPT_LEVEL";
+
+/// XLA's name for the backend (LLVM, on the CPU plugin) optimization level.
+const OPT_LEVEL: &str = "xla_backend_optimization_level";
 
 /// Where compiled programs are kept between processes.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -52,6 +60,7 @@ pub struct PjrtOptions {
     slab: Option<usize>,
     devices: Option<usize>,
     split: Split,
+    xla: BTreeMap<String, XlaOption>,
 }
 
 impl PjrtOptions {
@@ -104,6 +113,16 @@ impl PjrtOptions {
         self
     }
 
+    /// Adds an XLA debug option to every kernel program this handle compiles (part of the
+    /// compile cache's key). `xla_backend_optimization_level` defaults to `$KDA_XLA_OPT_LEVEL`
+    /// when that is set (else XLA's default, 3): level 0 compiles the CPU plugin's programs about
+    /// 3x faster and runs them slower, with the same HLO passes, which is what `cargo xtask
+    /// test` uses; benchmarks and the demo keep XLA's default.
+    pub fn xla_option(mut self, name: impl Into<String>, value: XlaOption) -> Self {
+        self.xla.insert(name.into(), value);
+        self
+    }
+
     /// Starts the handle: a worker thread loads the plugin and owns the client.
     pub fn build(self) -> Result<PjrtBackend> {
         PjrtBackend::start(self)
@@ -112,6 +131,17 @@ impl PjrtOptions {
     /// The split asked for.
     pub(crate) fn split_choice(&self) -> Split {
         self.split
+    }
+
+    /// The XLA options of every kernel compile: those asked for, and the optimization level
+    /// from `$KDA_XLA_OPT_LEVEL` unless one was asked for (a value other than 0 to 3 is an error
+    /// naming the variable).
+    pub(crate) fn xla_choice(&self) -> Result<BTreeMap<String, XlaOption>> {
+        let mut xla = self.xla.clone();
+        if let (false, Ok(text)) = (xla.contains_key(OPT_LEVEL), std::env::var(OPT_LEVEL_ENV)) {
+            xla.insert(OPT_LEVEL.to_string(), XlaOption::Int(opt_level(&text)?));
+        }
+        Ok(xla)
     }
 
     /// The slab size asked for, if any.
@@ -141,5 +171,32 @@ impl PjrtOptions {
             tracing::debug!(kept, "host memory retention for the CPU plugin");
         }
         Ok(rt)
+    }
+}
+
+/// Reads an optimization level (0 to 3) given in `$KDA_XLA_OPT_LEVEL`.
+fn opt_level(text: &str) -> Result<i64> {
+    text.trim().parse::<i64>().ok().filter(|l| (0..=3).contains(l)).ok_or_else(|| {
+        crate::TpuError::contract(kda_core::KdaError::value(OPT_LEVEL_ENV, "0, 1, 2 or 3", text.to_string()))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rstest::rstest;
+
+    #[rstest]
+    #[case::zero("0", Some(0))]
+    #[case::three_with_spaces(" 3\n", Some(3))]
+    #[case::four("4", None)]
+    #[case::negative("-1", None)]
+    #[case::word("fast", None)]
+    fn opt_level_accepts_zero_to_three(#[case] text: &str, #[case] want: Option<i64>) {
+        match (opt_level(text), want) {
+            (Ok(got), Some(want)) => assert_eq!(got, want),
+            (Err(e), None) => assert!(e.to_string().contains(OPT_LEVEL_ENV), "{e}"),
+            (got, want) => panic!("{text:?}: got {got:?}, want {want:?}"),
+        }
     }
 }
