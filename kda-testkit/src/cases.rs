@@ -296,6 +296,7 @@ pub fn benchmark_cases() -> Vec<Case> {
         Case { t: 4096, ..Case { name: "bench_scaling_t4096", ..primary.clone() } },
         Case { t: 8192, ..Case { name: "bench_scaling_t8192", ..primary.clone() } },
         Case { t: 16384, ..Case { name: "bench_scaling_t16384", ..primary.clone() } },
+        Case { t: 32768, ..Case { name: "bench_scaling_t32768", ..primary.clone() } },
     ]
 }
 

@@ -24,11 +24,13 @@ suites:
   backward         forward+VJP, fixed: variants baseline, fused-saved-state, fused-remat
   backward-packed  the same with the four packed segments
   scaling          the fused saved-state forward+VJP at the primary width (H=8, K=V=128; the
-                   secondary's 32 heads do not fit this machine's memory at large T),
-                   T = 1K to 16K: the program alone (time, memory), and calls through the
+                   secondary's 32 heads do not fit a small machine's memory at large T),
+                   T = 1K to 32K: the program alone (time, memory), and calls through the
                    host API on one device and context-parallel on two CPU devices, fixed
-                   and packed (one segment per 256 tokens). The two devices share the
-                   machine's cores: this shows context parallelism's overhead, not a speed-up
+                   and packed (one segment per 256 tokens), with each call's memory per
+                   device: CPU, and tpu7x for the same programs on 1 and 4 devices. The
+                   two CPU devices share the machine's cores: this shows context
+                   parallelism's overhead, not a speed-up
   api              the fused saved-state call, fixed and packed, four ways in alternation:
                    the program alone (fused-saved-state), the device API (device-api), the
                    host API (host-api), and one host copy of its input and output bytes
@@ -118,6 +120,7 @@ impl Suite {
                 "bench_scaling_t4096",
                 "bench_scaling_t8192",
                 "bench_scaling_t16384",
+                "bench_scaling_t32768",
             ],
         }
     }
@@ -328,8 +331,10 @@ impl Memory {
 /// A deviceless TPU compile's figures for one program.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TpuFigures {
-    /// Memory statistics.
+    /// Memory statistics (per device when `devices` > 1).
     pub memory: Memory,
+    /// Devices (replicas) the program was compiled for.
+    pub devices: usize,
     /// Cost analysis `flops`.
     pub flops: f64,
     /// Cost analysis `bytes accessed`.
@@ -420,6 +425,10 @@ impl BenchRecord {
         let peaks: Option<Vec<i64>> = self.programs.iter().map(|p| p.tpu.map(|t| t.memory.peak)).collect();
         peaks.and_then(|v| v.into_iter().max())
     }
+    /// The devices of the tpu7x figures (per-device memory when more than 1).
+    pub fn tpu_devices(&self) -> usize {
+        self.programs.iter().filter_map(|p| p.tpu.map(|t| t.devices)).max().unwrap_or(1)
+    }
     /// tpu7x flops, summed over the programs; `None` without AOT figures.
     pub fn tpu_flops(&self) -> Option<f64> {
         self.programs.iter().map(|p| p.tpu.map(|t| t.flops)).sum()
@@ -502,7 +511,10 @@ fn row_cells(r: &BenchRecord) -> [String; 11] {
         format!("{:.2}", r.compile_ms() / 1e3),
         mb(r.cpu_peak()),
         mb(r.cpu_temp()),
-        opt_mb(r.tpu_peak()),
+        match r.tpu_devices() {
+            1 => opt_mb(r.tpu_peak()),
+            n => format!("{} (D={n})", opt_mb(r.tpu_peak())),
+        },
         opt_gflop(r.tpu_flops()),
     ]
 }
@@ -685,6 +697,7 @@ pub fn record_json(r: &BenchRecord, info: &RunInfo) -> Json {
                 "cpu_memory": p.cpu.json(),
                 "tpu7x": p.tpu.map(|t| json!({
                     "memory": t.memory.json(),
+                    "devices": t.devices,
                     "flops": t.flops,
                     "bytes_accessed": t.bytes_accessed,
                     "compile_ms": msec(t.compile_ms),
@@ -827,6 +840,7 @@ mod tests {
                     cpu: Memory { peak: cpu, ..Memory::default() },
                     tpu: tpu.map(|p| TpuFigures {
                         memory: Memory { peak: p, ..Memory::default() },
+                        devices: 1,
                         flops: 2e9,
                         bytes_accessed: 1e8,
                         compile_ms: 900.0,

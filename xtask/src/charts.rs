@@ -237,11 +237,10 @@ fn scaling(rs: &[&BenchRecord]) -> Vec<(&'static str, Chart)> {
             continue;
         }
         time.push((format!("{d} program alone, 1 device"), pts(v, &|r| Some(r.median_ms()))));
-        memory.push((format!("{d} CPU scratch"), pts(v, &|r| Some(r.cpu_temp() as f64 / 1e6))));
-        let tpu = pts(v, &|r| r.tpu_peak().map(|b| b as f64 / 1e6));
-        if !tpu.is_empty() {
-            memory.push((format!("{d} tpu7x peak"), tpu));
-        }
+        memory.push((
+            format!("{d} CPU scratch, fixed, 1 device"),
+            pts(v, &|r| Some(r.cpu_temp() as f64 / 1e6)),
+        ));
         for packed in [false, true] {
             for devices in [1, 2] {
                 let calls = pick(&|r| {
@@ -250,13 +249,24 @@ fn scaling(rs: &[&BenchRecord]) -> Vec<(&'static str, Chart)> {
                         && r.packed() == packed
                         && r.devices == devices
                 });
-                if !calls.is_empty() {
-                    let what = if packed { "packed" } else { "fixed" };
-                    let name = format!(
-                        "{d} host API, {what}, {devices} device{}",
-                        if devices > 1 { "s" } else { "" }
-                    );
-                    time.push((name, pts(&calls, &|r| Some(r.median_ms()))));
+                if calls.is_empty() {
+                    continue;
+                }
+                let what = if packed { "packed" } else { "fixed" };
+                let plural = |n: usize| if n > 1 { "s" } else { "" };
+                let name = format!("{d} host API, {what}, {devices} device{}", plural(devices));
+                time.push((name, pts(&calls, &|r| Some(r.median_ms()))));
+                // Memory per device of the call's program: CPU at this device count, tpu7x at
+                // the device count of its figures.
+                let cpu = pts(&calls, &|r| (!r.programs.is_empty()).then(|| r.cpu_peak() as f64 / 1e6));
+                if !cpu.is_empty() {
+                    let name =
+                        format!("{d} CPU peak per device, {what}, {devices} device{}", plural(devices));
+                    memory.push((name, cpu));
+                }
+                let tpu = pts(&calls, &|r| r.tpu_peak().map(|b| b as f64 / 1e6));
+                if let Some(n) = calls.iter().find(|r| r.tpu_peak().is_some()).map(|r| r.tpu_devices()) {
+                    memory.push((format!("{d} tpu7x peak per device, {what}, {n} device{}", plural(n)), tpu));
                 }
             }
         }
@@ -272,7 +282,7 @@ fn scaling(rs: &[&BenchRecord]) -> Vec<(&'static str, Chart)> {
         ),
         (
             "scaling-memory.svg",
-            lines("Fused saved-state forward+VJP, H=8 K=V=128, one device: memory", "MB", &memory),
+            lines("Fused saved-state forward+VJP, H=8 K=V=128: memory per device", "MB", &memory),
         ),
     ]
 }

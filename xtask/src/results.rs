@@ -51,12 +51,14 @@ fn program(j: &Json) -> Result<ProgramFigures, String> {
         "forward" => "forward",
         "backward" => "backward",
         "fused" => "fused",
+        "context-parallel fused" => "context-parallel fused",
         other => return Err(format!("unknown program `{other}`")),
     };
     let tpu = match field(j, "tpu7x")? {
         Json::Null => None,
         t => Some(TpuFigures {
             memory: memory(field(t, "memory")?)?,
+            devices: t.get("devices").and_then(Json::as_u64).map_or(1, |d| d as usize),
             flops: number(t, "flops")?,
             bytes_accessed: number(t, "bytes_accessed")?,
             compile_ms: number(t, "compile_ms")?,

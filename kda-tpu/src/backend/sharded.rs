@@ -86,6 +86,30 @@ impl PjrtBackend {
     /// The fused forward+VJP on one shard per device: `xs[d]` and `cs[d]` on device `d`
     /// ([`PjrtBackend::upload_inputs_on`]); returns each device's outputs and gradients, there.
     /// `da_log` and `ddt_bias` are the sums over every shard, on every device.
+    ///
+    /// ```
+    /// use kda_core::{BackwardStrategy, Cotangents, HostTensor, KdaInputs};
+    /// use kda_tpu::PjrtOptions;
+    ///
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let backend = PjrtOptions::new().devices(2).build()?; // the CPU plugin makes 2 devices
+    /// let x = |d: &[usize], v: f32| HostTensor::from_f32(d, vec![v; d.iter().product()]);
+    /// let (mut xs, mut cs) = (Vec::new(), Vec::new());
+    /// for device in 0..2 {
+    ///     // This device's rows: [B, T, H, K] = [1, 64, 2, 16] (batch-first).
+    ///     let v = 0.1 * (device + 1) as f32;
+    ///     let inputs = KdaInputs::new(x(&[1, 64, 2, 16], v)?, x(&[1, 64, 2, 16], v)?, x(&[1, 64, 2, 16], v)?,
+    ///                                 x(&[1, 64, 2, 16], -0.1)?, x(&[1, 64, 2], 0.5)?);
+    ///     let problem = inputs.view().validate()?;
+    ///     let cot = Cotangents { d_o: x(&[1, 64, 2, 16], 1.0)?, dht: None };
+    ///     xs.push(backend.upload_inputs_on(device, &inputs)?);
+    ///     cs.push(backend.upload_cotangents_on(device, &cot, &problem)?);
+    /// }
+    /// let results = backend.forward_and_vjp_data_parallel(&xs, &cs, BackwardStrategy::SavedState)?;
+    /// assert_eq!(results[1].1.dq.device(), 1); // device 1's gradients stay on device 1
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn forward_and_vjp_data_parallel(
         &self,
         xs: &[DeviceInputs],

@@ -1,6 +1,6 @@
 //! The measuring side of `cargo xtask bench`.
 
-use super::{backend_label, compile_aot, err, memory, ms};
+use super::{backend_label, compile_aot, compile_aot_replicas, err, memory, ms};
 use crate::bench::{
     console_table, write_json, BenchOptions, BenchRecord, ProgramFigures, RunInfo, Suite, TpuFigures,
     Variant, TOPOLOGY,
@@ -69,6 +69,7 @@ impl Measure<'_> {
                     }
                     Some(TpuFigures {
                         memory: f.memory,
+                        devices: 1,
                         flops: f.flops,
                         bytes_accessed: f.bytes_accessed,
                         compile_ms: f.compile_ms,
@@ -202,11 +203,95 @@ fn measure_api(
         .collect())
 }
 
+/// The tpu7x devices of the context-parallel memory figures: the four chips of one
+/// `tpu7x:2x2x1` host, as in spec section 10's targets.
+const TPU_CP_DEVICES: usize = 4;
+
+/// The figures of one program for the TPU: compiled deviceless for `replicas` devices.
+fn tpu_figures(tpu: &TpuCompiler, text: &str, replicas: usize, label: &str) -> Result<TpuFigures, String> {
+    crate::progress::step(
+        "bench",
+        format_args!("{label}: compiling for {TOPOLOGY}, {replicas} device(s) (minutes for several)..."),
+    );
+    let f = compile_aot_replicas(tpu, text, TOPOLOGY, replicas)
+        .map_err(|e| format!("{label}: {TOPOLOGY} compile for {replicas} devices: {e}"))?;
+    Ok(TpuFigures {
+        memory: f.memory,
+        devices: replicas,
+        flops: f.flops,
+        bytes_accessed: f.bytes_accessed,
+        compile_ms: f.compile_ms,
+    })
+}
+
+/// Memory per device of the scaling suite's calls: the fused saved-state program on one device
+/// (CPU, and tpu7x for one device) and its context-parallel form (CPU for `cp`'s devices,
+/// tpu7x for [`TPU_CP_DEVICES`]), in the record form.
+fn device_memory(
+    be: &PjrtBackend,
+    cp: &PjrtBackend,
+    tpu: Option<&TpuCompiler>,
+    data: &kda_testkit::CaseData,
+    dtype: DType,
+    label: &str,
+) -> Result<[ProgramFigures; 2], String> {
+    use kda_tpu::kernels::context_parallel::{context_parallel_program, local_problems, local_spec};
+    use kda_tpu::kernels::TPU_SLAB;
+    let kind = ProgramKind::Fused(BackwardStrategy::SavedState);
+    let has_dht = data.cotangents.dht.is_some();
+    let problem = data.inputs.view().validate().map_err(err)?;
+    let spec = be.spec(&problem, has_dht).map_err(err)?;
+    let cp_text = |devices: usize, slab: usize| -> Result<String, String> {
+        let locals = local_problems(&problem, devices).map_err(err)?.1;
+        let s = local_spec(&locals[0], has_dht, slab, dtype).map_err(err)?;
+        context_parallel_program(&s, kind, devices).map_err(err)
+    };
+    let single_cpu = memory(&be.memory_stats(&spec, kind).map_err(err)?);
+    let n = cp.device_count();
+    crate::progress::step(
+        "bench",
+        format_args!("{label}: compiling the context-parallel program for {n} CPU devices..."),
+    );
+    let rt = kda_tpu::Runtime::with_devices(n).map_err(err)?;
+    let t = Instant::now();
+    let exe = rt.compile_with(&cp_text(n, 0)?, &cp.compile_options(kind).with_replicas(n)).map_err(err)?;
+    let cp_compile_ms = ms(t.elapsed());
+    let cp_cpu = memory(&rt.memory_stats(&exe).map_err(err)?);
+    let (single_tpu, cp_tpu) = match tpu {
+        None => (None, None),
+        Some(c) => {
+            let text = PjrtBackend::program_text(&spec.clone().with_slab(TPU_SLAB), kind).map_err(err)?;
+            let single = tpu_figures(c, &text, 1, label)?;
+            let many = tpu_figures(c, &cp_text(TPU_CP_DEVICES, TPU_SLAB)?, TPU_CP_DEVICES, label)?;
+            (Some(single), Some(many))
+        }
+    };
+    let kind_text = format!("{kind:?}");
+    Ok([
+        ProgramFigures {
+            name: "fused",
+            kind: kind_text.clone(),
+            compile_ms: 0.0,
+            cpu: single_cpu,
+            tpu: single_tpu,
+        },
+        ProgramFigures {
+            name: "context-parallel fused",
+            kind: kind_text,
+            compile_ms: cp_compile_ms,
+            cpu: cp_cpu,
+            tpu: cp_tpu,
+        },
+    ])
+}
+
 /// The scaling suite's calls through the host API on one device and, context-parallel, on two
-/// (`cp`): fixed length and packed (one segment per 256 tokens), timed in alternation.
+/// (`cp`): fixed length and packed (one segment per 256 tokens), timed in alternation, with
+/// their programs' memory per device ([`device_memory`]).
 fn measure_devices(
     be: &PjrtBackend,
     cp: &PjrtBackend,
+    tpu: Option<&TpuCompiler>,
     case: &Case,
     dtype: DType,
     iterations: usize,
@@ -239,7 +324,8 @@ fn measure_devices(
             CaseSegments::Fixed => None,
             CaseSegments::Lengths(rows) | CaseSegments::SegmentIds(rows) => rows.first().cloned(),
         };
-        for (devices, times_ms) in [1, 2].into_iter().zip(times) {
+        let figures = device_memory(be, cp, tpu, &data, dtype, &label)?;
+        for ((devices, times_ms), program) in [1, 2].into_iter().zip(times).zip(figures) {
             out.push(BenchRecord {
                 suite: Suite::Scaling,
                 variant: Variant::HostApi,
@@ -248,7 +334,7 @@ fn measure_devices(
                 shape: [c.h, c.b, c.t, c.k, c.v],
                 segments: segments.clone(),
                 times_ms,
-                programs: Vec::new(),
+                programs: vec![program],
                 devices,
             });
         }
@@ -367,7 +453,7 @@ pub fn run(opts: &BenchOptions, args: &[String]) -> Result<(), String> {
                 }
                 if let (Suite::Scaling, Some(cp)) = (suite, &cp) {
                     drop(call);
-                    records.extend(measure_devices(&be, cp, &case, dtype, opts.iterations)?);
+                    records.extend(measure_devices(&be, cp, tpu.as_ref(), &case, dtype, opts.iterations)?);
                 }
             }
         }
