@@ -243,7 +243,8 @@ fn device_memory(
     let spec = be.spec(&problem, has_dht).map_err(err)?;
     let cp_text = |devices: usize, slab: usize| -> Result<String, String> {
         let locals = local_problems(&problem, devices).map_err(err)?.1;
-        let s = local_spec(&locals[0], has_dht, slab, dtype).map_err(err)?;
+        // A piece always takes `dht` (its carry slot's ending `dh` comes in through it).
+        let s = local_spec(&locals[0], true, slab, dtype).map_err(err)?;
         context_parallel_program(&s, kind, devices).map_err(err)
     };
     let single_cpu = memory(&be.memory_stats(&spec, kind).map_err(err)?);
