@@ -356,6 +356,30 @@ mod context_parallel {
         }
     }
 
+    /// The TPU configuration on the CPU plugin: programs in slabs of 1 chunk position, whose
+    /// backward transitions run the slabbed fused remat program.
+    #[rstest]
+    #[case::d2_mixed_fused_saved(2, "mixed_rows", F32, Saved, Fused)]
+    #[case::d3_span_split_remat(3, "span_200", BF16, Remat, Staged)]
+    fn pieces_in_slabs_meet_the_reference(
+        #[case] devices: usize,
+        #[case] name: &str,
+        #[case] dtype: DType,
+        #[case] strategy: BackwardStrategy,
+        #[case] path: Path,
+    ) {
+        let be = PjrtOptions::new()
+            .devices(devices)
+            .split(Split::Context)
+            .slab(1)
+            .build()
+            .expect("PJRT plugin (run `cargo xtask setup`)");
+        match backward_case(&be, &named(name), dtype, strategy, path) {
+            Ok(report) => eprint!("{report}"),
+            Err(failure) => panic!("conformance failure on {devices} devices in slabs:\n{failure}"),
+        }
+    }
+
     /// The spec's RMS ratio of `got` against `want` (the testkit's metric).
     fn rms_ratio(got: &HostTensor, want: &HostTensor) -> f64 {
         kda_testkit::metrics::agreement(got, &want.to_f64_vec()).rms_ratio

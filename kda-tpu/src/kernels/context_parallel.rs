@@ -190,7 +190,13 @@ pub fn context_parallel_program(s: &KernelSpec, kind: ProgramKind, devices: usiz
     let same = sk == *s;
     let mut m = Module::new();
     let fwd_kind = ProgramKind::Forward(false);
-    let bwd_kind = ProgramKind::Backward(BackwardStrategy::Rematerialize);
+    // The backward transition runs: in slabs (the TPU configuration) the fused remat program,
+    // whose backward re-runs one slab at a time; the standalone backward program computes every
+    // chunk's terms at once, which at long pieces peaked well above the piece's own program.
+    let bwd_kind = match s.in_slabs() {
+        true => ProgramKind::Fused(BackwardStrategy::Rematerialize),
+        false => ProgramKind::Backward(BackwardStrategy::Rematerialize),
+    };
     let main_sig = ProgramSignature::of(s, kind);
     let (f, _) = build("kda", false, s, kind)?;
     m.add(f)?;
