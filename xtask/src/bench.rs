@@ -56,6 +56,7 @@ options:
                         replace its old ones in bench/results.json next to it, and every
                         section and the SVG charts in charts/ are rendered from that file
   --no-markdown         write no markdown, results or charts
+  --render              run nothing: re-render every section and chart from bench/results.json
   -h, --help            show this text";
 
 /// The TPU topology of the AOT figures (the JSON fields are named after it).
@@ -209,6 +210,8 @@ pub struct BenchOptions {
     pub json: Option<PathBuf>,
     /// The markdown file; `None` writes none.
     pub markdown: Option<PathBuf>,
+    /// Only re-render the markdown sections and charts from the results file.
+    pub render: bool,
 }
 
 /// The default markdown file: `docs/performance.md` in the workspace.
@@ -228,6 +231,7 @@ pub fn parse_args(args: &[String]) -> Result<Option<BenchOptions>, String> {
         aot: true,
         json: None,
         markdown: Some(default_markdown()),
+        render: false,
     };
     let mut baseline_flag = None;
     let mut flags = cli::Flags::new(args);
@@ -266,8 +270,16 @@ pub fn parse_args(args: &[String]) -> Result<Option<BenchOptions>, String> {
             "--json" => opts.json = Some(PathBuf::from(flags.value(flag)?)),
             "--markdown" => opts.markdown = Some(PathBuf::from(flags.value(flag)?)),
             "--no-markdown" => opts.markdown = None,
+            "--render" => opts.render = true,
             _ => return Err(format!("unknown argument `{flag}`")),
         }
+    }
+    if opts.render {
+        return match (suites, &opts.markdown) {
+            (None, Some(_)) => Ok(Some(opts)),
+            (Some(_), _) => Err("`--render` runs nothing: leave out `--suite`".to_string()),
+            (_, None) => Err("`--render` writes the markdown: leave out `--no-markdown`".to_string()),
+        };
     }
     opts.suites =
         suites.ok_or("`--suite` is required (forward, backward, backward-packed, api, scaling or all)")?;
@@ -285,6 +297,12 @@ pub fn bench(args: &[String]) -> Result<(), String> {
         println!("{USAGE}");
         return Ok(());
     };
+    if let (true, Some(markdown)) = (opts.render, &opts.markdown) {
+        for written in crate::results::update(markdown, Vec::new())? {
+            println!("bench: wrote {}", written.display());
+        }
+        return Ok(());
+    }
     #[cfg(feature = "pjrt")]
     {
         crate::pjrt_cmds::bench::run(&opts, args)
@@ -580,7 +598,57 @@ pub fn markdown_section(suite: Suite, records: &[BenchRecord], info: &RunInfo) -
     if suite == Suite::Api {
         out += &format!("\n{}", api_summary(records));
     }
+    if suite == Suite::Scaling {
+        out += &format!("\n{}", scaling_summary(records));
+    }
     out + &end + "\n"
+}
+
+/// The `scaling` suite's ratios per T, fixed and packed: host-API time on two CPU devices
+/// against one, and the tpu7x peak per device of the context-parallel program (D = 4) against
+/// the single-device program at the same T and at T / 4 (spec section 10's targets: 30% and,
+/// fixed length, 1.2x).
+pub fn scaling_summary(records: &[BenchRecord]) -> String {
+    let mut out = String::from(
+        "Memory columns of the host-api rows: the call's program, per device (CPU at the row's device \
+         count; tpu7x for the devices in parentheses, the context-parallel program for 4 of \
+         tpu7x:2x2x1's devices). Two CPU devices share the machine's cores: the time ratio is \
+         context parallelism's overhead here, not a speed-up.\n\n\
+         | T | rows | host API, 2 devices / 1 | tpu7x D=4 / D=1, same T | tpu7x D=4 / D=1 at T/4 |\n\
+         |---:|---|---:|---:|---:|\n",
+    );
+    let call = |t: usize, packed: bool, devices: usize| {
+        records.iter().find(|r| {
+            r.variant == Variant::HostApi && r.shape[2] == t && r.packed() == packed && r.devices == devices
+        })
+    };
+    let mut ts: Vec<usize> =
+        records.iter().filter(|r| r.variant == Variant::HostApi).map(|r| r.shape[2]).collect();
+    ts.sort_unstable();
+    ts.dedup();
+    let ratio = |a: Option<f64>, b: Option<f64>, pct: bool| match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 && pct => format!("{:.1}%", 100.0 * a / b),
+        (Some(a), Some(b)) if b > 0.0 => format!("{:.2}x", a / b),
+        _ => "-".to_string(),
+    };
+    let peak = |r: Option<&BenchRecord>| r.and_then(BenchRecord::tpu_peak).map(|b| b as f64);
+    for &t in &ts {
+        for packed in [false, true] {
+            let (one, two) = (call(t, packed, 1), call(t, packed, 2));
+            if one.is_none() && two.is_none() {
+                continue;
+            }
+            let rows = two.or(one).map_or(String::new(), |r| r.segments_label());
+            let rows = rows.split(", T=").next().unwrap_or_default().to_string();
+            out += &format!(
+                "| {t} | {rows} | {} | {} | {} |\n",
+                ratio(two.map(BenchRecord::median_ms), one.map(BenchRecord::median_ms), false),
+                ratio(peak(two), peak(one), true),
+                ratio(peak(two), peak(call(t / 4, packed, 1)), false),
+            );
+        }
+    }
+    out
 }
 
 /// The `api` suite's ratios per case and dtype, from medians of one run: the device API
@@ -798,9 +866,17 @@ mod tests {
     #[case("--suite forward --baseline", "backward suites only")]
     #[case("--suite forward --no-aot=1", "takes no value")]
     #[case("--suite forward --fast", "unknown argument `--fast`")]
+    #[case("--render --suite forward", "leave out `--suite`")]
+    #[case("--render --no-markdown", "leave out `--no-markdown`")]
     fn rejects_bad_flags(#[case] line: &str, #[case] want: &str) {
         let err = parse_args(&args(line)).unwrap_err();
         assert!(err.contains(want), "{line}: {err}");
+    }
+
+    #[test]
+    fn render_needs_no_suite() {
+        let o = parse_args(&args("--render")).unwrap().unwrap();
+        assert!(o.render && o.suites.is_empty() && o.markdown.is_some());
     }
 
     #[test]

@@ -8,13 +8,17 @@ use plotters::prelude::*;
 use crate::bench::{BenchRecord, Suite, Variant};
 
 const SIZE: (u32, u32) = (880, 440);
-const COLORS: [RGBColor; 6] = [
+const COLORS: [RGBColor; 10] = [
     RGBColor(0x44, 0x77, 0xaa),
     RGBColor(0xee, 0x66, 0x77),
     RGBColor(0x22, 0x88, 0x33),
     RGBColor(0xaa, 0xaa, 0xaa),
     RGBColor(0xcc, 0xbb, 0x44),
     RGBColor(0x66, 0xcc, 0xee),
+    RGBColor(0xaa, 0x33, 0x77),
+    RGBColor(0x33, 0x22, 0x88),
+    RGBColor(0x88, 0x22, 0x55),
+    RGBColor(0x99, 0x99, 0x33),
 ];
 
 /// Spec section 8: tokamax's Pallas KDA (PR #1103) compiled ahead of time for tpu7x:2x2x1,
