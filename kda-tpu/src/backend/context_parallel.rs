@@ -351,16 +351,7 @@ impl PjrtBackend {
                 .reshaped(&[local.dims.b, local.dims.n, local.dims.h, local.dims.k, local.dims.v])?;
             // The backward reads the entering states the forward found, in place of `h0`.
             inputs[5] = h0_eff;
-            parts.push(PjrtResiduals {
-                problem: local.clone(),
-                spec: plan.spec.clone(),
-                strategy,
-                inputs,
-                h,
-                host_types: None,
-                shards: Vec::new(),
-                context: None,
-            });
+            parts.push(PjrtResiduals::one_device(local.clone(), plan.spec.clone(), strategy, inputs, h));
         }
         let out = self.gather_outputs(&p, &plan, &outs)?;
         let res = PjrtResiduals {

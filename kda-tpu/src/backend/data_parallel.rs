@@ -240,16 +240,7 @@ impl PjrtBackend {
             let mut it = self.wrap(infos).into_iter();
             outs.push(self.outputs(&shard, &mut it)?);
             let h = if keep_h { it.next() } else { None };
-            parts.push(PjrtResiduals {
-                problem: shard,
-                spec: spec.clone(),
-                strategy,
-                inputs,
-                h,
-                host_types: None,
-                shards: Vec::new(),
-                context: None,
-            });
+            parts.push(PjrtResiduals::one_device(shard, spec.clone(), strategy, inputs, h));
         }
         let out = self.download_outputs_dp(&p, plan, &outs)?;
         let res = PjrtResiduals {

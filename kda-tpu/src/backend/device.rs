@@ -221,6 +221,18 @@ impl Residuals for PjrtResiduals {
 }
 
 impl PjrtResiduals {
+    /// The residuals of one device's program: its problem and spec, the inputs it read and,
+    /// saved-state, its per-chunk states.
+    pub(crate) fn one_device(
+        problem: Problem,
+        spec: KernelSpec,
+        strategy: BackwardStrategy,
+        inputs: Vec<DeviceTensor>,
+        h: Option<DeviceTensor>,
+    ) -> Self {
+        Self { problem, spec, strategy, inputs, h, host_types: None, shards: Vec::new(), context: None }
+    }
+
     /// Bytes held on the device by these residuals (inputs shared with the caller included).
     pub fn device_bytes(&self) -> usize {
         let own: usize = self.inputs.iter().chain(self.h.iter()).map(DeviceTensor::size_bytes).sum();
@@ -499,19 +511,7 @@ impl PjrtBackend {
         let mut outs = self.wrap(infos).into_iter();
         let out = self.outputs(&p, &mut outs)?;
         let h = if keep_h { Some(outs.next().ok_or_else(|| too_few("h"))?) } else { None };
-        Ok((
-            out,
-            PjrtResiduals {
-                problem: p,
-                spec,
-                strategy,
-                inputs,
-                h,
-                host_types: None,
-                shards: Vec::new(),
-                context: None,
-            },
-        ))
+        Ok((out, PjrtResiduals::one_device(p, spec, strategy, inputs, h)))
     }
 
     /// The backward from a forward's residuals (borrowed: a second backward may reuse them).

@@ -162,16 +162,7 @@ impl PjrtBackend {
                 let out = self.outputs(&p, &mut it)?;
                 let h = if keep_h { it.next() } else { None };
                 let inputs = x.args().into_iter().map(|(_, t)| t.clone()).collect();
-                let res = PjrtResiduals {
-                    problem: p,
-                    spec: spec.clone(),
-                    strategy,
-                    inputs,
-                    h,
-                    host_types: None,
-                    shards: Vec::new(),
-                    context: None,
-                };
+                let res = PjrtResiduals::one_device(p, spec.clone(), strategy, inputs, h);
                 Ok((out, res))
             })
             .collect()
