@@ -108,6 +108,40 @@ fn lengths(rows: &[&[usize]]) -> CaseSegments {
     CaseSegments::Lengths(rows.iter().map(|r| r.to_vec()).collect())
 }
 
+/// The cases of the gate-gradient accuracy check (see
+/// [`crate::conformance::gate_gradients`]): the strong-decay profile (log-decay near -5 on every
+/// token and channel) with initial states and `dht`, where the gate gradients have the least room
+/// in f32. `strong_decay_rows` (pre-activated, two chunks and a tail) checks `dg` row by row;
+/// the others add the in-kernel gates at K = 256 and on packed segments of 1, 63, 0 and 30
+/// tokens (and a row of 40 and 60).
+pub fn strong_decay_gate_case(name: &str) -> Option<Case> {
+    let strong = |c: Case| Case { profile: Profile::StrongDecay, ..c };
+    let edges = lengths(&[&[1, 63, 0, 30], &[40, 60, 0, 0]]);
+    Some(strong(match name {
+        "strong_decay_rows" => Case::base("strong_decay_rows", 2, 1, 150, 32, 32),
+        "strong_decay_k256_softplus" => {
+            Case { gate: CaseGate::Softplus, ..Case::base("strong_decay_k256_softplus", 1, 1, 130, 256, 32) }
+        }
+        "strong_decay_k256_lower_bound_l2norm" => Case {
+            gate: CaseGate::LowerBound(-5.0),
+            l2norm: true,
+            ..Case::base("strong_decay_k256_lower_bound_l2norm", 1, 1, 130, 256, 32)
+        },
+        "strong_decay_packed_edges_softplus" => Case {
+            gate: CaseGate::Softplus,
+            segments: edges,
+            ..Case::base("strong_decay_packed_edges_softplus", 2, 2, 100, 16, 16)
+        },
+        "strong_decay_packed_edges_lower_bound_l2norm" => Case {
+            gate: CaseGate::LowerBound(-5.0),
+            l2norm: true,
+            segments: edges,
+            ..Case::base("strong_decay_packed_edges_lower_bound_l2norm", 2, 2, 100, 16, 16)
+        },
+        _ => return None,
+    }))
+}
+
 /// Balanced lengths: `n` segments summing to `t`, the first `t % n` one token longer.
 /// `n = 0` gives no segments (an empty list) rather than a division by zero.
 pub fn balanced(t: usize, n: usize) -> Vec<usize> {

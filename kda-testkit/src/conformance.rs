@@ -230,12 +230,34 @@ pub fn backward_case<B: Backend>(
     strategy: BackwardStrategy,
     path: Path,
 ) -> Result<Report, String> {
+    let run = run_backward(backend, case, dtype, strategy, path)?;
+    let mut checks = output_checks(&run.out, &run.reference.0, &run.data, &run.problem)?;
+    checks.extend(gradient_checks(&run.grads, &run.reference.1, &run.data, &run.problem)?);
+    Report { label: run.label, checks }.into_result()
+}
+
+/// One forward+VJP of a case with its reference.
+struct BackwardRun {
+    label: String,
+    data: CaseData,
+    problem: Problem,
+    reference: reference::Reference,
+    out: KdaOutputs,
+    grads: KdaGradients,
+}
+
+fn run_backward<B: Backend>(
+    backend: &B,
+    case: &Case,
+    dtype: DType,
+    strategy: BackwardStrategy,
+    path: Path,
+) -> Result<BackwardRun, String> {
     let name = case.name;
-    let (_, data, p) = setup_case(backend, case.clone(), dtype)?;
+    let (_, data, problem) = setup_case(backend, case.clone(), dtype)?;
     let reference = reference::forward_and_vjp(&format!("{name}-{dtype}"), &data)?;
-    let (want_out, want) = (&reference.0, &reference.1);
     let what = format!(" {} {:?}", strategy.name(), path).to_lowercase();
-    let lbl = label(backend, name, dtype, &what);
+    let label = label(backend, name, dtype, &what);
     let (out, grads) = match path {
         Path::Fused => backend.forward_and_vjp(&data.inputs, &data.cotangents, strategy),
         Path::Split => backend.forward(&data.inputs, strategy).and_then(|(out, res)| {
@@ -250,10 +272,45 @@ pub fn backward_case<B: Backend>(
             Ok((out, backend.backward(res, &data.cotangents)?))
         }),
     }
-    .map_err(|e| format!("{lbl}: failed: {e}"))?;
-    let mut checks = output_checks(&out, want_out, &data, &p)?;
-    checks.extend(gradient_checks(&grads, want, &data, &p)?);
-    Report { label: lbl, checks }.into_result()
+    .map_err(|e| format!("{label}: failed: {e}"))?;
+    Ok(BackwardRun { label, data, problem, reference, out, grads })
+}
+
+/// The gate gradients of a [`strong_decay_gate_case`](crate::cases::strong_decay_gate_case)
+/// in f32: `dg` row by row (each token's `K` channels against that row of the reference,
+/// relative to the row's own size, at the spec's `dg` target) and `da_log` and `ddt_bias` at
+/// [`GATE_PARAMETER_STRONG_DECAY_F32`](crate::tolerance::GATE_PARAMETER_STRONG_DECAY_F32),
+/// besides every check of [`backward_case`].
+pub fn gate_gradients<B: Backend>(
+    backend: &B,
+    name: &str,
+    strategy: BackwardStrategy,
+    path: Path,
+) -> Result<Report, String> {
+    let case =
+        crate::cases::strong_decay_gate_case(name).ok_or_else(|| format!("no gate case named {name}"))?;
+    let run = run_backward(backend, &case, DType::F32, strategy, path)?;
+    let (p, want) = (&run.problem, &run.reference.1);
+    let mut checks = output_checks(&run.out, &run.reference.0, &run.data, p)?;
+    checks.extend(gradient_checks(&run.grads, want, &run.data, p)?);
+    for c in &mut checks {
+        if c.name == "da_log" || c.name == "ddt_bias" {
+            c.limit = crate::tolerance::GATE_PARAMETER_STRONG_DECAY_F32;
+        }
+    }
+    let rows = crate::metrics::worst_row_ratio(&run.grads.dg, &want.dg.to_f64_vec(), p.dims.k);
+    checks.push(Check {
+        name: "dg (worst row)".into(),
+        agreement: crate::metrics::Agreement {
+            rms_ratio: rows,
+            max_abs: f64::NAN,
+            max_ulp: 0,
+            finite: rows.is_finite(),
+        },
+        limit: rms_limit(Quantity::GateGradient, DType::F32),
+        padding_max_abs: 0.0,
+    });
+    Report { label: run.label, checks }.into_result()
 }
 
 /// Mixed dtypes on case `name`: `q, k, v, beta` and `do` in `dtype`, `g` in `g_dtype` (say bf16

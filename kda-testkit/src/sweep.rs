@@ -270,9 +270,11 @@ fn index<T: PartialEq>(all: &[T], x: &T) -> usize {
     all.iter().position(|y| y == x).unwrap_or(0)
 }
 
-/// The case of one sweep point (its name, which seeds its inputs, spells out the point).
-pub fn sweep_case(shape: SweepShape, gate: SweepGate, dtype: DType, profile: Profile) -> Case {
+/// The case of one sweep point. Its name, which seeds its inputs, spells out the whole point,
+/// the variant included, so every point of the product draws inputs of its own.
+pub fn sweep_case(point: &SweepPoint) -> Case {
     use SweepShape as S;
+    let SweepPoint { shape, gate, dtype, variant, profile } = *point;
     let (si, gi) = (index(&SHAPES, &shape), index(&GATES, &gate));
     let rows = |r: &[&[usize]]| CaseSegments::Lengths(r.iter().map(|x| x.to_vec()).collect());
     let (h, b, t, k, v, layout, segments) = match shape {
@@ -298,7 +300,7 @@ pub fn sweep_case(shape: SweepShape, gate: SweepGate, dtype: DType, profile: Pro
     // Rotations: states on 3 of every 4 shape and gate pairs, beta [.., 1] on every third.
     let rot = si + gi;
     let dt = if dtype == DType::BF16 { "bf16" } else { "f32" };
-    let name = format!("sweep_{shape:?}_{gate:?}_{dt}_{profile:?}").to_lowercase();
+    let name = format!("sweep_{shape:?}_{gate:?}_{dt}_{variant:?}_{profile:?}").to_lowercase();
     Case {
         name: Box::leak(name.into_boxed_str()),
         h,
@@ -320,7 +322,7 @@ pub fn sweep_case(shape: SweepShape, gate: SweepGate, dtype: DType, profile: Pro
 
 /// Runs one sweep point on `backend`: forward+VJP in its variant against the reference.
 pub fn run<B: Backend>(backend: &B, point: SweepPoint) -> Result<Report, String> {
-    let case = sweep_case(point.shape, point.gate, point.dtype, point.profile);
+    let case = sweep_case(&point);
     let (strategy, path) = point.variant.parts();
     backward_case(backend, &case, point.dtype, strategy, path)
 }

@@ -88,9 +88,15 @@ fn strong_decay_keeps_the_log_decay_near_minus_five(
     #[case] highest: f64,
 ) {
     use kda_core::{GateMode, Layout};
-    use kda_testkit::sweep::{sweep_case, SweepShape};
+    use kda_testkit::sweep::{sweep_case, SweepPoint, SweepShape, SweepVariant};
     for shape in [SweepShape::K96V160, SweepShape::K256V32, SweepShape::PackedRows] {
-        let c = sweep_case(shape, gate, kda_core::DType::F32, kda_testkit::Profile::StrongDecay);
+        let c = sweep_case(&SweepPoint {
+            shape,
+            gate,
+            dtype: kda_core::DType::F32,
+            variant: SweepVariant::SavedStateFused,
+            profile: kda_testkit::Profile::StrongDecay,
+        });
         let x = case_data(&c, kda_core::DType::F32).unwrap().inputs;
         let raw = x.g.to_f64_vec();
         let head = |i: usize| match c.layout {
@@ -125,18 +131,18 @@ fn sweep_points_are_distinct_and_valid() {
     assert_eq!(all.len(), 1280);
     let mut names = std::collections::BTreeSet::new();
     for p in &all {
-        let c = sweep_case(p.shape, p.gate, p.dtype, p.profile);
-        // One case (inputs) per point but for the variant, which only picks the programs.
+        let c = sweep_case(p);
+        // One case (inputs) per point, the variant included.
         names.insert(c.name);
         let data = case_data(&c, p.dtype).unwrap();
         let problem = data.inputs.validate().unwrap_or_else(|e| panic!("{}: {e}", c.name));
         data.cotangents.validate(&problem).unwrap();
     }
-    assert_eq!(names.len() * 4, all.len(), "the cases must be distinct but for the variant");
+    assert_eq!(names.len(), all.len(), "every point must have inputs of its own");
     for (tier, points) in [("pairwise", PAIRWISE.to_vec()), ("full", all)] {
         let mut seen = std::collections::BTreeSet::new();
         for p in &points {
-            let c = sweep_case(p.shape, p.gate, p.dtype, p.profile);
+            let c = sweep_case(p);
             seen.insert((format!("{:?}", p.gate), c.initial_state, c.final_state, c.is_packed()));
         }
         for gate in &GATES {

@@ -44,6 +44,60 @@ mod mixed_dtypes {
     }
 }
 
+/// The gate gradients under strong decay (`kda_testkit::cases::strong_decay_gate_case`), f32:
+/// `dg` row by row against each row's own size, `da_log` and `ddt_bias` at 1e-4, with initial
+/// states and `dht`, fixed (K = 256) and packed (segments of 1, 63, 0 and 30 tokens), in the CPU
+/// configuration and in slabs (the TPU configuration), both strategies, split and fused. Every
+/// program forms `dg` in one function, so one case per configuration covers them.
+mod gate_gradients {
+    use kda_core::BackwardStrategy;
+    use kda_testkit::conformance::{gate_gradients, Path};
+    use rstest::rstest;
+
+    use BackwardStrategy::{Rematerialize as Remat, SavedState as Saved};
+
+    /// `strong_decay_rows` on every configuration; each in-kernel gate case on one of them.
+    #[rstest]
+    #[case::rows_saved_fused("strong_decay_rows", false, Saved, Path::Fused)]
+    #[case::rows_remat_split("strong_decay_rows", false, Remat, Path::Split)]
+    #[case::rows_slabs_saved_split("strong_decay_rows", true, Saved, Path::Split)]
+    #[case::rows_slabs_remat_fused("strong_decay_rows", true, Remat, Path::Fused)]
+    #[case::k256_softplus_saved_fused("strong_decay_k256_softplus", false, Saved, Path::Fused)]
+    #[case::k256_lower_bound_slabs_remat_fused(
+        "strong_decay_k256_lower_bound_l2norm",
+        true,
+        Remat,
+        Path::Fused
+    )]
+    #[case::packed_edges_softplus_slabs_saved_split(
+        "strong_decay_packed_edges_softplus",
+        true,
+        Saved,
+        Path::Split
+    )]
+    #[case::packed_edges_lower_bound_remat_split(
+        "strong_decay_packed_edges_lower_bound_l2norm",
+        false,
+        Remat,
+        Path::Split
+    )]
+    fn under_strong_decay(
+        #[case] name: &str,
+        #[case] slabs: bool,
+        #[case] strategy: BackwardStrategy,
+        #[case] path: Path,
+    ) {
+        let mut be = kda_tpu::PjrtBackend::new().expect("PJRT plugin (run `cargo xtask setup`)");
+        if slabs {
+            be = be.with_slab(kda_tpu::kernels::TPU_SLAB);
+        }
+        match gate_gradients(&be, name, strategy, path) {
+            Ok(report) => eprint!("{report}"),
+            Err(failure) => panic!("gate gradient failure:\n{failure}"),
+        }
+    }
+}
+
 /// The suite compiles at `$KDA_XLA_OPT_LEVEL` (0 under `cargo xtask test`: XLA's HLO passes as
 /// always, unoptimized CPU code generation); these cases compile at XLA's default level 3, the
 /// one users run, and meet the same limits: the forward and the fused forward+VJP, fixed and

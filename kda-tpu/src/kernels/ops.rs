@@ -48,20 +48,57 @@ pub fn keep(b: &mut FnBuilder, mask: Value, x: Value) -> Result<Value> {
     b.select(m, x, z)
 }
 
-/// Inclusive (or, with `reverse`, suffix) cumulative sum along axis 1 of `[N, n, D]`, as a
-/// matmul with a triangular matrix of ones (fast on every backend).
-pub fn cumsum_rows(b: &mut FnBuilder, x: Value, reverse: bool) -> Result<Value> {
-    let (nb, n) = (x.dims()[0], x.dims()[1]);
-    // tri[t, s] = 1 where s <= t (prefix) or s >= t (suffix).
-    let it = TensorType::new(ElemType::I32, &[n, n]);
-    let t = b.iota(it.clone(), 0)?;
-    let s = b.iota(it, 1)?;
-    let m = b.compare(if reverse { Cmp::Ge } else { Cmp::Le }, s, t)?;
-    let one = splat(b, 1.0, &[n, n])?;
-    let zero = splat(b, 0.0, &[n, n])?;
-    let tri = b.select(m, one, zero)?;
-    let tri = b.broadcast_in_dim(tri, &[nb, n, n], &[1, 2])?;
-    b.batch_matmul(tri, x, false, false)
+/// Which rows of a part [`row_sums`] adds into row `t`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scan {
+    /// Rows `s >= t` (a reverse cumulative sum).
+    Suffix,
+    /// Rows `s < t` (row 0 gets 0).
+    ExclusivePrefix,
+    /// Every row (the part may have any number of rows).
+    Every,
+}
+
+/// `sum_p Scan_p(x_p)` for parts `x_p` `[N, n_p, D]` (the scanned ones with `n` rows): `[N, n,
+/// D]`, as one matmul of the parts stacked along axis 1 with a 0/1 matrix `[n, sum n_p]` (fast
+/// on every backend; one product and no adds of the partial sums).
+pub fn row_sums(b: &mut FnBuilder, n: i64, parts: &[(Value, Scan)]) -> Result<Value> {
+    let mut blocks = Vec::new();
+    let mut xs = Vec::new();
+    for &(x, scan) in parts {
+        let np = x.dims()[1];
+        let block = match scan {
+            Scan::Every => splat(b, 1.0, &[n, np])?,
+            Scan::Suffix | Scan::ExclusivePrefix => {
+                // block[t, s] = 1 where row s is summed into row t.
+                let it = TensorType::new(ElemType::I32, &[n, np]);
+                let t = b.iota(it.clone(), 0)?;
+                let s = b.iota(it, 1)?;
+                let cmp = if scan == Scan::Suffix { Cmp::Ge } else { Cmp::Lt };
+                let m = b.compare(cmp, s, t)?;
+                let one = splat(b, 1.0, &[n, np])?;
+                let zero = splat(b, 0.0, &[n, np])?;
+                b.select(m, one, zero)?
+            }
+        };
+        blocks.push(block);
+        xs.push(x);
+    }
+    let (mat, x) =
+        if xs.len() == 1 { (blocks[0], xs[0]) } else { (b.concatenate(&blocks, 1)?, b.concatenate(&xs, 1)?) };
+    let nb = x.dims()[0];
+    let cols = mat.dims()[1];
+    let mat = b.broadcast_in_dim(mat, &[nb, n, cols], &[1, 2])?;
+    b.batch_matmul(mat, x, false, false)
+}
+
+/// The diagonal of square matrices `[N, n, n]` as `[N, n, 1]`.
+pub fn diagonal(b: &mut FnBuilder, m: Value) -> Result<Value> {
+    let d = m.dims().to_vec();
+    let eye = index_mask(b, &d, 1, Cmp::Eq, 2)?;
+    let on = keep(b, eye, m)?;
+    let s = b.reduce_sum(on, &[2])?;
+    b.reshape(s, &[d[0], d[1], 1])
 }
 
 /// Sum over the last axis, keeping it as size 1.

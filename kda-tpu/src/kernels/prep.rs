@@ -150,11 +150,13 @@ pub fn gate_backward(
             (b.mul(dg, d)?, b.mul(dg, g)?)
         }
         GateKind::LowerBound(lb) => {
-            // g = lb sigmoid(a z): dg/dz = lb s (1 - s) a, dg/da_log = lb s (1 - s) a z.
+            // g = lb sigmoid(a z): dg/dz = lb s (1 - s) a, dg/da_log = lb s (1 - s) a z, with
+            // 1 - s formed as sigmoid(-a z): near saturation 1 - s would keep only the few bits
+            // of s below 1.
             let az = b.mul(p.a, z)?;
             let sg = b.logistic(az)?;
-            let one = splat(b, 1.0, sg.dims())?;
-            let om = b.sub(one, sg)?;
+            let naz = b.neg(az)?;
+            let om = b.logistic(naz)?;
             let ds = b.mul(sg, om)?;
             let ds = b.mul_const(ds, lb as f32)?;
             let dsa = b.mul(ds, p.a)?;

@@ -3,7 +3,7 @@
 
 use super::interface::{ProgramKind, ProgramSignature};
 use super::intra::{chunk_terms, rowdot, ChunkTerms};
-use super::ops::{causal_mask, cumsum_rows, i32t, keep, splat, stored_transposes};
+use super::ops::{causal_mask, diagonal, i32t, keep, row_sums, splat, stored_transposes, Scan};
 use super::prep::{self, GateParams};
 use super::recurrence::{
     run_grads, run_grads_window, run_output, run_states, run_states_window, ChunkTables,
@@ -263,8 +263,14 @@ struct ChunkGrads {
     dbeta: Value,
 }
 
-/// The chunk-parallel backward (spec section 4, steps 1-4) from the chunk inputs
-/// `[q, k, v, beta]`, the chunk terms, `[h, v_new, dh, dv_new]` (flat `[N, ..]`) and `dO`.
+/// The chunk-parallel backward from the chunk inputs `[q, k, v, beta]`, the chunk terms,
+/// `[h, v_new, dh, dv_new]` (flat `[N, ..]`) and `dO`.
+///
+/// The gate gradient is formed so that no exact cancellation is left to f32 (docs/design.md,
+/// "The backward and the gate gradient"): the `kg` and whole-chunk-decay terms enter as an
+/// exclusive prefix sum and a per-row constant, not as a last-row total that a suffix sum
+/// cancels, and the diagonal of `Aqk` (whose gate terms cancel exactly) goes to `dq` and `dk`
+/// directly.
 fn chunk_grads(
     b: &mut FnBuilder,
     s: &KernelSpec,
@@ -279,16 +285,18 @@ fn chunk_grads(
     let dqg = b.batch_matmul(doc, h, false, true)?;
     let dqg = b.mul_const(dqg, scale)?;
     let mut dq = b.mul(dqg, dc.eg)?;
+    // `dgg`: the gradient with respect to the in-chunk cumulative gate G_t, summed from row t
+    // on at the end. The kg and exp(G_last) terms are kept apart (see below).
     let mut dgg = b.mul(dqg, ct.qg)?;
     let dkg = b.batch_matmul(vn, dh, false, true)?;
     let mut dk = b.mul(dkg, dc.eg_rest)?;
+    // kg_t = k_t exp(G_last - G_t): -t2_t at G_t and +t2_t at G_last, so token s gets the sum of
+    // t2 over the rows before it (an exclusive prefix sum, every term decayed to the chunk end).
     let t2 = b.mul(dkg, ct.kg)?;
-    dgg = b.sub(dgg, t2)?;
-    let mut dlast = b.reduce_sum(t2, &[1])?;
+    // exp(G_last) S0: the same term for every token of the chunk.
     let hd = b.mul(h, dh)?;
     let hd = b.reduce_sum(hd, &[2])?;
     let hd = b.mul(hd, dc.eg_last)?;
-    dlast = b.add(dlast, hd)?;
     // Through the WY solve: u = A (beta v), w = A (beta k exp(G)), v_new = u - w S0.
     // dw = -dv_new S0^T; the sign is carried into the uses of A^T dw below (nw = -A^T dw), so
     // no negated copy is stored.
@@ -314,11 +322,19 @@ fn chunk_grads(
     let dl = keep(b, strict, dl)?;
     let t = rowdot(b, dl, ct.kk)?;
     dbeta = b.add(dbeta, t)?;
-    // Intra-chunk terms through Aqk and L.
+    // Intra-chunk terms through Aqk and L. Aqk's diagonal, scale q_t . k_t, has no decay: its
+    // cotangent d_t = scale dO_t . v_new_t goes to dq and dk here, and m1 is strictly causal.
     let da = b.batch_matmul(doc, vn, false, true)?;
-    let causal = causal_mask(b, da.dims(), 1, 2, false)?;
-    let m1 = keep(b, causal, da)?;
+    let m1 = keep(b, strict, da)?;
     let m1 = b.mul_const(m1, scale)?;
+    // Read off `da` (a fresh `dO . v_new` would raise the tpu7x peak of the fused remat
+    // program in slabs by one token-sized buffer).
+    let diag = diagonal(b, da)?;
+    let diag = b.mul_const(diag, scale)?;
+    let t = b.mul_bcast(k, diag)?;
+    dq = b.add(dq, t)?;
+    let t = b.mul_bcast(q, diag)?;
+    dk = b.add(dk, t)?;
     let m2 = b.mul_bcast(dl, beta)?;
     let rs = row_sides(b, dc, &[m1, m2], k)?;
     let cc = col_side_sum(b, dc, &[(m1, q), (m2, k)], !s.in_slabs())?;
@@ -335,12 +351,22 @@ fn chunk_grads(
     dgg = b.add(dgg, t)?;
     let t = b.mul(k, cc)?;
     dgg = b.sub(dgg, t)?;
+    // dg_s = sum_{t >= s} dgg_t + sum_{t < s} t2_t + hd. On the CPU plugin as one product over
+    // the three stacked (its scratch stays as without the prefix sum; two products and adds
+    // take 7% more); in slabs (TPU) as two products and adds, since the stacked operand keeps
+    // one more token-sized buffer live at the tpu7x peak of the fused remat program.
     let n = dgg.dims()[0];
-    let dlast = b.reshape(dlast, &[n, 1, s.k as i64])?;
-    let zero = b.constant_f32(0.0, TensorType::new(ElemType::F32, &[]))?;
-    let dlast = b.pad(dlast, zero, &[0, CHUNK as i64 - 1, 0], &[0, 0, 0], &[0, 0, 0])?;
-    dgg = b.add(dgg, dlast)?;
-    let dg = cumsum_rows(b, dgg, true)?;
+    let dg = if s.in_slabs() {
+        let suffix = row_sums(b, CHUNK as i64, &[(dgg, Scan::Suffix)])?;
+        let before = row_sums(b, CHUNK as i64, &[(t2, Scan::ExclusivePrefix)])?;
+        let dg = b.add(suffix, before)?;
+        let hd = b.broadcast_in_dim(hd, dg.dims(), &[0, 2])?;
+        b.add(dg, hd)?
+    } else {
+        let hd = b.reshape(hd, &[n, 1, s.k as i64])?;
+        let rows = [(dgg, Scan::Suffix), (t2, Scan::ExclusivePrefix), (hd, Scan::Every)];
+        row_sums(b, CHUNK as i64, &rows)?
+    };
     Ok(ChunkGrads { dq, dk, dv, dg, dbeta })
 }
 

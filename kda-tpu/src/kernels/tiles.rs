@@ -339,9 +339,8 @@ fn tiles_from_diagonals(b: &mut FnBuilder, diag: Option<Value>, subs: &[Value; 3
     b.reshape(m, &[n, nt, B4, B4])
 }
 
-/// The diagonal `[N, 16, 4]` and sub-diagonals `[N, 16, 4 - d]` (d = 1..3) of tiles
-/// `[N, 16, 4, 4]`.
-fn tile_diagonals(b: &mut FnBuilder, tiles: Value) -> Result<(Value, [Value; 3])> {
+/// The strictly causal sub-diagonals `[N, 16, 4 - d]` (d = 1..3) of tiles `[N, 16, 4, 4]`.
+fn tile_subdiagonals(b: &mut FnBuilder, tiles: Value) -> Result<[Value; 3]> {
     let (n, nt) = (tiles.dims()[0], tiles.dims()[1]);
     let flat = b.reshape(tiles, &[n, nt, B4 * B4])?;
     let line = |b: &mut FnBuilder, d: i64| -> Result<Value> {
@@ -350,8 +349,7 @@ fn tile_diagonals(b: &mut FnBuilder, tiles: Value) -> Result<(Value, [Value; 3])
             .collect::<Result<_>>()?;
         b.concatenate(&at, 2)
     };
-    let diag = line(b, 0)?;
-    Ok((diag, [line(b, 1)?, line(b, 2)?, line(b, 3)?]))
+    Ok([line(b, 1)?, line(b, 2)?, line(b, 3)?])
 }
 
 /// Pads axis 2 of `[N, 16, 4 - d, K]` back to 4 rows: `low` zero rows before, the rest after.
@@ -459,8 +457,8 @@ pub fn grams(b: &mut FnBuilder, dc: &Decay, xs: [Value; 2], y: Value) -> Result<
     Ok([out[0], out[1]])
 }
 
-/// Row sides `R_t = sum_{j <= t} M[t, j] x_j exp(G_t - G_j)` for several causal `M`
-/// `[N, C, C]` and one `x` `[N, C, K]`: `[N, C, K]` each.
+/// Row sides `R_t = sum_{j < t} M[t, j] x_j exp(G_t - G_j)` for several strictly causal `M`
+/// `[N, C, C]` (the diagonal is not read) and one `x` `[N, C, K]`: `[N, C, K]` each.
 pub fn row_sides(b: &mut FnBuilder, dc: &Decay, mats: &[Value], x: Value) -> Result<Vec<Value>> {
     let (n, k) = (x.dims()[0], x.dims()[2]);
     // Level 1.
@@ -515,15 +513,18 @@ pub fn row_sides(b: &mut FnBuilder, dc: &Decay, mats: &[Value], x: Value) -> Res
         let t2 = with_zero_first(b, t, 2)?; // [N, 4, 16, K]
         let t2 = b.reshape(t2, &[n, C, k])?;
         let d4 = diag_tiles4(b, d16)?;
-        let (dd, subs) = tile_diagonals(b, d4)?;
-        let dd = over_k(b, dd, x4.dims())?;
-        let mut t3 = b.mul(dd, x4)?;
+        let subs = tile_subdiagonals(b, d4)?;
+        let mut t3: Option<Value> = None;
         for (d, (&m, &xd)) in subs.iter().zip(&xe).enumerate() {
             let m = over_k(b, m, xd.dims())?;
             let term = b.mul(m, xd)?; // lands on row j + d
             let term = pad_rows(b, term, d as i64 + 1)?;
-            t3 = b.add(t3, term)?;
+            t3 = Some(match t3 {
+                Some(a) => b.add(a, term)?,
+                None => term,
+            });
         }
+        let t3 = t3.map_or_else(|| splat(b, 0.0, x4.dims()), Ok)?;
         let t3 = b.reshape(t3, &[n, C, k])?;
         let s = b.add(t1, t2)?;
         out.push(b.add(s, t3)?);
@@ -531,8 +532,9 @@ pub fn row_sides(b: &mut FnBuilder, dc: &Decay, mats: &[Value], x: Value) -> Res
     Ok(out)
 }
 
-/// Column side summed over pairs: `sum_p sum_{t >= j} M_p[t, j] y_p,t exp(G_t - G_j)`,
-/// `[N, C, K]`, for causal `M_p` `[N, C, C]` and `y_p` `[N, C, K]`. The products contract over
+/// Column side summed over pairs: `sum_p sum_{t > j} M_p[t, j] y_p,t exp(G_t - G_j)`,
+/// `[N, C, K]`, for strictly causal `M_p` `[N, C, C]` (the diagonal is not read) and `y_p`
+/// `[N, C, K]`. The products contract over
 /// `M`'s rows. With `stored` (the CPU configuration) they run as ordinary products on `M^T`
 /// ([`stored_transposes`]): the CPU plugin's transposed-operand products are slower. Without it
 /// (slabs, for TPU) they stay transposed-operand products, which TPUs take natively and which
@@ -614,9 +616,7 @@ pub fn col_side_sum(b: &mut FnBuilder, dc: &Decay, pairs: &[(Value, Value)], sto
     for (&d16, &(_, y)) in d16s.iter().zip(pairs) {
         let y4 = b.reshape(y, &[n, NB * NB, B4, k])?;
         let d4 = diag_tiles4(b, d16)?;
-        let (dd, subs) = tile_diagonals(b, d4)?;
-        let dd = over_k(b, dd, y4.dims())?;
-        let mut s = b.mul(dd, y4)?;
+        let subs = tile_subdiagonals(b, d4)?;
         for (d, &m) in subs.iter().enumerate() {
             let d = d as i64 + 1;
             let yt = b.slice_axis(y4, 2, d, B4)?; // row j + d
@@ -625,12 +625,11 @@ pub fn col_side_sum(b: &mut FnBuilder, dc: &Decay, pairs: &[(Value, Value)], sto
             let term = b.mul(m, yt)?;
             let term = b.mul(term, f)?; // lands on column j
             let term = pad_rows(b, term, 0)?;
-            s = b.add(s, term)?;
+            t3 = Some(match t3 {
+                Some(a) => b.add(a, term)?,
+                None => term,
+            });
         }
-        t3 = Some(match t3 {
-            Some(a) => b.add(a, s)?,
-            None => s,
-        });
     }
     let (c1, c2, t3) = match (c1, c2, t3) {
         (Some(a), Some(c), Some(t)) => (a, c, t),
