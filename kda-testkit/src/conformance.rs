@@ -231,8 +231,7 @@ pub fn backward_case<B: Backend>(
     path: Path,
 ) -> Result<Report, String> {
     let run = run_backward(backend, case, dtype, strategy, path)?;
-    let mut checks = output_checks(&run.out, &run.reference.0, &run.data, &run.problem)?;
-    checks.extend(gradient_checks(&run.grads, &run.reference.1, &run.data, &run.problem)?);
+    let checks = run.checks()?;
     Report { label: run.label, checks }.into_result()
 }
 
@@ -244,6 +243,15 @@ struct BackwardRun {
     reference: reference::Reference,
     out: KdaOutputs,
     grads: KdaGradients,
+}
+
+impl BackwardRun {
+    /// The outputs and every gradient against the reference, at the spec's limits.
+    fn checks(&self) -> Result<Vec<Check>, String> {
+        let mut checks = output_checks(&self.out, &self.reference.0, &self.data, &self.problem)?;
+        checks.extend(gradient_checks(&self.grads, &self.reference.1, &self.data, &self.problem)?);
+        Ok(checks)
+    }
 }
 
 fn run_backward<B: Backend>(
@@ -290,15 +298,14 @@ pub fn gate_gradients<B: Backend>(
     let case =
         crate::cases::strong_decay_gate_case(name).ok_or_else(|| format!("no gate case named {name}"))?;
     let run = run_backward(backend, &case, DType::F32, strategy, path)?;
-    let (p, want) = (&run.problem, &run.reference.1);
-    let mut checks = output_checks(&run.out, &run.reference.0, &run.data, p)?;
-    checks.extend(gradient_checks(&run.grads, want, &run.data, p)?);
+    let mut checks = run.checks()?;
     for c in &mut checks {
         if c.name == "da_log" || c.name == "ddt_bias" {
             c.limit = crate::tolerance::GATE_PARAMETER_STRONG_DECAY_F32;
         }
     }
-    let rows = crate::metrics::worst_row_ratio(&run.grads.dg, &want.dg.to_f64_vec(), p.dims.k);
+    let want = run.reference.1.dg.to_f64_vec();
+    let rows = crate::metrics::worst_row_ratio(&run.grads.dg, &want, run.problem.dims.k);
     checks.push(Check {
         name: "dg (worst row)".into(),
         agreement: crate::metrics::Agreement {

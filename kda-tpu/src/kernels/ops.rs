@@ -71,14 +71,10 @@ pub fn row_sums(b: &mut FnBuilder, n: i64, parts: &[(Value, Scan)]) -> Result<Va
             Scan::Every => splat(b, 1.0, &[n, np])?,
             Scan::Suffix | Scan::ExclusivePrefix => {
                 // block[t, s] = 1 where row s is summed into row t.
-                let it = TensorType::new(ElemType::I32, &[n, np]);
-                let t = b.iota(it.clone(), 0)?;
-                let s = b.iota(it, 1)?;
                 let cmp = if scan == Scan::Suffix { Cmp::Ge } else { Cmp::Lt };
-                let m = b.compare(cmp, s, t)?;
+                let m = index_mask(b, &[n, np], 1, cmp, 0)?;
                 let one = splat(b, 1.0, &[n, np])?;
-                let zero = splat(b, 0.0, &[n, np])?;
-                b.select(m, one, zero)?
+                keep(b, m, one)?
             }
         };
         blocks.push(block);
