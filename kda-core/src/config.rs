@@ -5,39 +5,39 @@ use crate::tensor::HostTensor;
 
 /// How the per-channel log-decay `g` is produced (spec section 2).
 #[derive(Debug, Clone, PartialEq, Default)]
-pub enum GateMode {
+pub enum GateMode<T = HostTensor> {
     /// `g` is already `ln(alpha)` (the default).
     #[default]
     Preactivated,
     /// `g = -exp(a_log[h]) * softplus(x + dt_bias[h, :])`, with `x` passed as `g`.
     Softplus {
         /// `[H]`, required.
-        a_log: Option<HostTensor>,
+        a_log: Option<T>,
         /// `[H*K]`, optional.
-        dt_bias: Option<HostTensor>,
+        dt_bias: Option<T>,
     },
     /// `g = lb * sigmoid(exp(a_log[h]) * (x + dt_bias[h, :]))` with `lb` in `[-5, 0)`.
     LowerBound {
         /// The lower bound of the gate.
         lb: f64,
         /// `[H]`, required.
-        a_log: Option<HostTensor>,
+        a_log: Option<T>,
         /// `[H*K]`, optional.
-        dt_bias: Option<HostTensor>,
+        dt_bias: Option<T>,
     },
 }
 
-impl GateMode {
+impl<T> GateMode<T> {
     /// The in-kernel softplus gate.
-    pub fn softplus(a_log: HostTensor, dt_bias: Option<HostTensor>) -> Self {
+    pub fn softplus(a_log: T, dt_bias: Option<T>) -> Self {
         GateMode::Softplus { a_log: Some(a_log), dt_bias }
     }
     /// The in-kernel lower-bound gate.
-    pub fn lower_bound(lb: f64, a_log: HostTensor, dt_bias: Option<HostTensor>) -> Self {
+    pub fn lower_bound(lb: f64, a_log: T, dt_bias: Option<T>) -> Self {
         GateMode::LowerBound { lb, a_log: Some(a_log), dt_bias }
     }
     /// `a_log` and `dt_bias` when the gate is computed in the kernel.
-    pub fn params(&self) -> Option<(Option<&HostTensor>, Option<&HostTensor>)> {
+    pub fn params(&self) -> Option<(Option<&T>, Option<&T>)> {
         match self {
             GateMode::Preactivated => None,
             GateMode::Softplus { a_log, dt_bias } | GateMode::LowerBound { a_log, dt_bias, .. } => {

@@ -21,7 +21,7 @@ pub use config::{BackwardStrategy, GateKind, GateMode, KdaConfig, L2NORM_EPS, MA
 pub use dtype::DType;
 pub use error::{ErrorKind, ErrorSource, KdaError, Result};
 pub use half::bf16;
-pub use io::{Cotangents, KdaGradients, KdaInputs, KdaOutputs};
+pub use io::{Cotangents, KdaGradients, KdaInputs, KdaOutputs, Tensors};
 pub use problem::{validate_cotangent_shapes, InputsView, Problem, TensorMeta};
 pub use segments::{SegmentTable, Segments};
 pub use shape::{fmt_shape, shape, Layout, ProblemDims, Shape};

@@ -220,9 +220,9 @@ impl<T: TensorMeta> InputsView<'_, T> {
     }
 }
 
-impl KdaInputs {
+impl<T: TensorMeta> KdaInputs<T> {
     /// The call's tensors by reference, for the shape and dtype rules.
-    pub fn view(&self) -> InputsView<'_, HostTensor> {
+    pub fn view(&self) -> InputsView<'_, T> {
         let (a_log, dt_bias) = self.gate.params().unwrap_or((None, None));
         InputsView {
             q: &self.q,
@@ -238,7 +238,9 @@ impl KdaInputs {
             config: &self.config,
         }
     }
+}
 
+impl KdaInputs {
     /// Checks every rule of the contract and returns the validated problem.
     pub fn validate(&self) -> Result<Problem> {
         let problem = self.view().validate()?;

@@ -8,7 +8,7 @@
 use kda_core::{BackwardStrategy, Cotangents, DType, HostTensor, KdaConfig, KdaInputs, Layout};
 use kda_testkit::{agreement, Rng};
 use kda_tpu::hlo::{ElemType, FnBuilder, Module, Precision, TensorType};
-use kda_tpu::kernels::compose::{add_function, ProgramConfig};
+use kda_tpu::kernels::compose::{add_function, KdaFunction};
 use kda_tpu::kernels::interface::index_tables;
 use kda_tpu::{DeviceTensor, KernelSpec, PjrtBackend, ProgramKind};
 
@@ -33,11 +33,12 @@ fn kda_inputs(q: HostTensor, k: HostTensor, v: HostTensor, g: HostTensor, beta: 
 
 /// The layer program: arguments `x [T, DM]`, `W [DM, 3HK]`, `g [1, T, H, K]`, `beta [1, T, H]`,
 /// `C [1, T, H, K]`, then the KDA index tables; results `L` (scalar) and `dW [DM, 3HK]`.
-fn layer_program(spec: &KernelSpec) -> Result<(String, Vec<&'static str>), Error> {
+fn layer_program(spec: &KernelSpec) -> Result<(String, Vec<&'static str>, KdaFunction), Error> {
     let f32t = |d: &[usize]| TensorType::new(ElemType::F32, &d.iter().map(|&x| x as i64).collect::<Vec<_>>());
     let mut module = Module::named("kda_layer")?;
     let kind = ProgramKind::Fused(BackwardStrategy::SavedState);
-    let sig = add_function(&mut module, "kda_fused", spec, kind, ProgramConfig::Cpu)?;
+    let kda = add_function(&mut module, "kda_fused", spec, kind)?;
+    let sig = &kda.signature;
 
     let mut b = FnBuilder::new("main", true);
     b.set_dot_precision(Precision::Highest);
@@ -92,7 +93,7 @@ fn layer_program(spec: &KernelSpec) -> Result<(String, Vec<&'static str>), Error
     let dw = b.dot_general(x, dp, &[], &[], &[0], &[0], ElemType::F32)?; // [DM, 3HK]
     b.ret(&[loss, dw])?;
     module.add(b)?;
-    Ok((module.to_text(), tables.iter().map(|(n, _)| *n).collect()))
+    Ok((module.to_text(), tables.iter().map(|(n, _)| *n).collect(), kda))
 }
 
 /// `a [m, n] x b [n, p]` in f64.
@@ -130,7 +131,7 @@ fn main() -> Result<(), Error> {
     let zeros = |d: &[usize]| HostTensor::zeros(d, DType::F32);
     let like = kda_inputs(zeros(&shape), zeros(&shape), zeros(&shape), zeros(&shape), zeros(&[1, T, H]));
     let spec = KernelSpec::of_inputs(&like, false)?;
-    let (text, table_names) = layer_program(&spec)?;
+    let (text, table_names, kda) = layer_program(&spec)?;
     let tables = index_tables(&spec, like.segments.as_ref())?;
     let names: Vec<&str> = tables.iter().map(|t| t.name).collect();
     assert_eq!(names, table_names, "index tables in signature order");
@@ -147,20 +148,19 @@ fn main() -> Result<(), Error> {
     let be = PjrtBackend::new()?;
     let program = be.compile_program(&text)?;
     let t32 = |d: &[usize], v: &[f64]| HostTensor::from_f32(d, f32s(v));
-    let mut args: Vec<DeviceTensor> = vec![
-        be.upload(&t32(&[T, DM], &x)?)?,
-        be.upload(&t32(&[DM, 3 * HK], &w)?)?,
-        be.upload(&t32(&shape, &g)?)?,
-        be.upload(&t32(&[1, T, H], &beta)?)?,
-        be.upload(&t32(&shape, &c)?)?,
+    let host_args = vec![
+        t32(&[T, DM], &x)?,
+        t32(&[DM, 3 * HK], &w)?,
+        t32(&shape, &g)?,
+        t32(&[1, T, H], &beta)?,
+        t32(&shape, &c)?,
     ];
-    for t in &tables {
-        let dims: Vec<usize> = t.dims.iter().map(|&d| d as usize).collect();
-        args.push(be.upload_i32(&t.data, &dims)?);
-    }
+    let mut args: Vec<DeviceTensor> = be.to_device(&host_args, 0)?;
+    // The layer computes q, k, v itself: the binder gives the KDA function's index tables alone.
+    args.extend(be.bind(&kda, &[], like.segments.as_ref(), 0)?);
     let before = be.transfer_stats();
-    let outs = be.execute(&program, &args.iter().collect::<Vec<_>>())?;
-    let host = be.download_all(&[&outs[0], &outs[1]])?;
+    let outs = be.execute(&program, &args)?;
+    let host = be.to_host(&outs)?;
     let crossed = be.transfer_stats().since(before);
     let loss = host[0].get_f64(0);
     let dw = host[1].to_f32_vec();

@@ -21,8 +21,8 @@ pub mod runtime;
 pub use aot::{AotReport, CostAnalysis, TpuCompiler, DEFAULT_TOPOLOGY};
 #[cfg(feature = "runtime")]
 pub use backend::{
-    CompileCache, DeviceCall, DeviceCotangents, DeviceGate, DeviceGradients, DeviceInputs, DeviceOutputs,
-    DeviceProgram, DeviceTensor, PjrtBackend, PjrtOptions, PjrtResiduals, Split, TransferStats,
+    CallCotangents, CallInputs, CompileCache, DeviceCotangents, DeviceGradients, DeviceInputs, DeviceOutputs,
+    DeviceProgram, DeviceTensor, HostSide, PjrtBackend, PjrtOptions, PjrtResiduals, Split, TransferStats,
 };
 pub use error::{Result, TpuError};
 pub use kernels::interface::ProgramKind;

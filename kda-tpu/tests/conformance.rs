@@ -27,7 +27,7 @@ mod mixed_dtypes {
     /// `a_log`'s, `ddt_bias` in `dt_bias`'s (here bf16 beside an f32 `a_log`).
     #[test]
     fn gate_parameter_gradients_keep_their_dtypes() {
-        use kda_core::{Backend, BackwardStrategy, GateMode};
+        use kda_core::{BackwardStrategy, GateMode};
         let be = kda_tpu::PjrtBackend::new().expect("PJRT plugin (run `cargo xtask setup`)");
         let case = kda_testkit::cases::case("gate_softplus").expect("case");
         let mut data = kda_testkit::inputs::case_data(&case, DType::F32).expect("inputs");
@@ -139,7 +139,7 @@ mod optimized_codegen {
 /// the single-device program within section 10's (RMS ratio 1e-6 for f32 outputs and
 /// gradients). Devices beyond the batch's rows hold padding rows only (B = 2 on 3 or 4 devices).
 mod data_parallel {
-    use kda_core::{Backend, BackwardStrategy, DType, HostTensor};
+    use kda_core::{BackwardStrategy, DType, HostTensor};
     use kda_testkit::cases::{case, Case, CaseGate, CaseSegments};
     use kda_testkit::conformance::{backward_case, Path};
     use kda_tpu::{PjrtBackend, PjrtOptions};
@@ -248,13 +248,14 @@ mod data_parallel {
     }
 }
 
-/// The device API with one shard per device (`upload_inputs_on`, `*_data_parallel`): each
-/// device's results stay there and equal, bitwise, the rows the host call returns for the same
-/// spread; `da_log` and `ddt_bias` are the whole batch's sums on every device. Misplaced or
-/// misshapen shards are errors that name the device.
+/// The device API with one shard per device (`to_device(.., d)`, then the same calls on the
+/// shards): each device's results stay there and equal, bitwise, the rows the host call returns
+/// for the same spread; `da_log` and `ddt_bias` are the whole batch's sums on every device.
+/// Misplaced or misshapen shards are errors that name the device.
 mod device_shards {
-    use kda_core::{Backend, BackwardStrategy, Cotangents, DType, HostTensor, KdaInputs};
-    use kda_tpu::{PjrtBackend, PjrtOptions};
+    use kda_core::{BackwardStrategy, Cotangents, DType, HostTensor, KdaInputs};
+    use kda_tpu::{DeviceCotangents, PjrtBackend, PjrtOptions};
+    use rstest::rstest;
 
     /// Row `r` of a case's inputs and cotangents (head-first: the batch is axis 1).
     fn row(x: &KdaInputs, c: &Cotangents, r: usize) -> (KdaInputs, Cotangents) {
@@ -273,7 +274,7 @@ mod device_shards {
     }
 
     fn host(be: &PjrtBackend, t: &kda_tpu::DeviceTensor) -> HostTensor {
-        be.download(t).expect("download")
+        be.to_host(t).expect("download")
     }
 
     #[test]
@@ -289,13 +290,11 @@ mod device_shards {
         let (mut xs, mut cs) = (Vec::new(), Vec::new());
         for d in 0..devices {
             let (x, c) = row(&data.inputs, &data.cotangents, d);
-            let p = x.view().validate().expect("valid row");
-            xs.push(be.upload_inputs_on(d, &x).expect("upload"));
-            cs.push(be.upload_cotangents_on(d, &c, &p).expect("upload"));
+            xs.push(be.to_device(&x, d).expect("upload"));
+            cs.push(be.to_device(&c, d).expect("upload"));
         }
-        let per_device =
-            be.forward_and_vjp_data_parallel(&xs, &cs, BackwardStrategy::SavedState).expect("device call");
-        for (d, (out, grads)) in per_device.iter().enumerate() {
+        let (outs, grads) = be.forward_and_vjp(&xs, &cs, BackwardStrategy::SavedState).expect("device call");
+        for (d, (out, grads)) in outs.iter().zip(&grads).enumerate() {
             assert_eq!(out.o.device(), d);
             assert_eq!(grads.dq.device(), d);
             assert_eq!(host(&be, &out.o), o_host.o.slice_padded(1, d, 1).unwrap(), "o of device {d}");
@@ -305,9 +304,8 @@ mod device_shards {
         }
 
         // The forward and backward pair agrees with the fused call.
-        let fwd = be.forward_data_parallel(&xs, BackwardStrategy::Rematerialize).expect("forward");
-        let res: Vec<_> = fwd.into_iter().map(|(_, r)| r).collect();
-        let grads = be.backward_data_parallel(&res, &cs).expect("backward");
+        let (_, res) = be.forward(&xs, BackwardStrategy::Rematerialize).expect("forward");
+        let grads = be.backward(&res, &cs).expect("backward");
         for (d, g) in grads.iter().enumerate() {
             let r = kda_testkit::metrics::agreement(
                 &host(&be, &g.dv),
@@ -317,17 +315,53 @@ mod device_shards {
             assert!(r <= 1e-6, "dv of device {d}: RMS ratio {r:.2e} against the fused host call");
         }
 
-        // Errors: a shard missing, a shard on the wrong device, one-device calls off device 0.
-        let err =
-            be.forward_and_vjp_data_parallel(&xs[..2], &cs[..2], BackwardStrategy::SavedState).unwrap_err();
+        // Errors: a shard missing, a shard on the wrong device, a device the handle lacks.
+        let err = be.forward_and_vjp(&xs[..2], &cs[..2], BackwardStrategy::SavedState).unwrap_err();
         assert!(err.to_string().contains("one shard per device (3)"), "{err}");
         let swapped = [xs[1].clone(), xs[0].clone(), xs[2].clone()];
-        let err = be.forward_data_parallel(&swapped, BackwardStrategy::SavedState).unwrap_err();
+        let err = be.forward(&swapped[..], BackwardStrategy::SavedState).unwrap_err();
         assert!(err.to_string().contains("device 0") && err.to_string().contains("device 1"), "{err}");
-        let err = be.forward_device(&xs[1], BackwardStrategy::SavedState).unwrap_err();
-        assert!(err.to_string().contains("device 1"), "{err}");
-        let err = be.upload_inputs_on(devices, &row(&data.inputs, &data.cotangents, 0).0).unwrap_err();
+        let err = be.to_device(&row(&data.inputs, &data.cotangents, 0).0, devices).unwrap_err();
         assert!(err.to_string().contains("below 3"), "{err}");
+
+        // A one-device call runs on whichever device its tensors are: device 1's row there.
+        let (out, _) = be.forward(&xs[1], BackwardStrategy::SavedState).expect("one call on device 1");
+        assert_eq!(out.o.device(), 1);
+        assert_eq!(host(&be, &out.o), o_host.o.slice_padded(1, 1, 1).unwrap(), "o of device 1 alone");
+    }
+
+    /// The device training loop: each shard's `o` fed back as its own `do` (flat program
+    /// results reshaped on their device), for both strategies; the gradients are bitwise those
+    /// of the same residuals' backward from the host copy of `o`.
+    #[rstest]
+    #[case::saved_state(BackwardStrategy::SavedState)]
+    #[case::remat(BackwardStrategy::Rematerialize)]
+    fn shards_take_their_own_outputs_as_cotangents(#[case] strategy: BackwardStrategy) {
+        let devices = 3;
+        let case = super::data_parallel::named("softplus_b3");
+        let data = kda_testkit::inputs::case_data(&case, DType::F32).expect("inputs");
+        let be = PjrtOptions::new().devices(devices).build().expect("PJRT plugin (run `cargo xtask setup`)");
+        let xs: Vec<_> = (0..devices)
+            .map(|d| be.to_device(&row(&data.inputs, &data.cotangents, d).0, d).expect("upload"))
+            .collect();
+        let (outs, res) = be.forward(&xs, strategy).expect("forward");
+        let cots: Vec<DeviceCotangents> =
+            outs.iter().map(|o| Cotangents { d_o: o.o.clone(), dht: None }).collect();
+        let grads = be.backward(&res, &cots).expect("backward from do = o");
+        let o_host: Vec<HostTensor> = outs.iter().map(|o| host(&be, &o.o)).collect();
+        let d_o = HostTensor::concat(&o_host, 1).expect("whole batch");
+        let want = be.backward(&res, &Cotangents { d_o, dht: None }).expect("backward from host do");
+        for (d, g) in grads.iter().enumerate() {
+            assert_eq!(g.dq.device(), d);
+            assert_eq!(host(&be, &g.dq), want.dq.slice_padded(1, d, 1).unwrap(), "dq of device {d}");
+            assert_eq!(host(&be, &g.dg), want.dg.slice_padded(1, d, 1).unwrap(), "dg of device {d}");
+        }
+        // The same loop on one device (device 2), its residuals borrowed twice.
+        let (out, res) = be.forward(&xs[2], strategy).expect("forward on device 2");
+        let a = be.backward(&res, &Cotangents { d_o: out.o.clone(), dht: None }).expect("backward");
+        let b = be.backward(&res, &Cotangents { d_o: host(&be, &out.o), dht: None }).expect("backward");
+        assert_eq!(a.dq.device(), 2);
+        assert_eq!(host(&be, &a.dq), b.dq, "device do and host do give the same bits");
     }
 }
 
@@ -338,7 +372,7 @@ mod device_shards {
 /// boundary, spanning several pieces, pieces of padding only and empty pieces, with initial
 /// and final states.
 mod context_parallel {
-    use kda_core::{Backend, BackwardStrategy, DType, HostTensor};
+    use kda_core::{BackwardStrategy, DType, HostTensor};
     use kda_testkit::cases::{case, Case, CaseSegments, Profile};
     use kda_testkit::conformance::{backward_case, Path};
     use kda_tpu::{PjrtBackend, PjrtOptions, Split};

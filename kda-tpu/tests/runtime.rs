@@ -279,10 +279,12 @@ fn aot_rejects_v7x_spelling() {
 #[test]
 fn forward_scheduler_override_reaches_the_cpu_compiler() {
     use kda_core::{BackwardStrategy, DType};
+    use kda_tpu::backend::harness;
     use kda_tpu::{PjrtBackend, ProgramKind};
     let be = PjrtBackend::new().expect("PJRT plugin (run `cargo xtask setup`)");
-    let fwd = ProgramKind::Forward(false);
-    let scheduler = |kind| be.compile_options(kind).xla_options().contains_key("xla_cpu_scheduler_type");
+    let fwd = ProgramKind::Forward(BackwardStrategy::Rematerialize);
+    let scheduler =
+        |kind| harness::compile_options(&be, kind).xla_options().contains_key("xla_cpu_scheduler_type");
     assert!(!scheduler(ProgramKind::Fused(BackwardStrategy::SavedState)));
     if be.platform() != "cpu" {
         assert!(!scheduler(fwd), "other plugins get XLA's defaults");
@@ -291,10 +293,10 @@ fn forward_scheduler_override_reaches_the_cpu_compiler() {
     assert!(scheduler(fwd));
     let case = kda_testkit::benchmark_cases().into_iter().find(|c| c.name == "bench_primary").unwrap();
     let data = kda_testkit::case_data(&case, DType::F32).unwrap();
-    let call = be.upload_call(&data.inputs, None).unwrap();
-    let text = PjrtBackend::program_text(call.spec(), fwd).unwrap();
+    let call = harness::DeviceCall::upload(&be, &data.inputs, None).unwrap();
+    let text = kda_tpu::kernels::program(call.spec(), fwd).unwrap();
     let rt = runtime();
-    let tuned = rt.compile_with(&text, &be.compile_options(fwd)).unwrap();
+    let tuned = rt.compile_with(&text, &harness::compile_options(&be, fwd)).unwrap();
     let plain = rt.compile_with(&text, &CompileOptions::default()).unwrap();
     let (t, p) = (rt.memory_stats(&tuned).unwrap().temp_bytes, rt.memory_stats(&plain).unwrap().temp_bytes);
     eprintln!("forward scratch: {t} bytes with the override, {p} without");
@@ -382,18 +384,19 @@ fn aot_compile_of_four_replicas_fits_tpu7x_2x2x1() {
 #[test]
 fn xla_options_reach_every_kernel_compile() {
     use kda_core::BackwardStrategy;
+    use kda_tpu::backend::harness;
     use kda_tpu::{PjrtOptions, ProgramKind};
     let be = PjrtOptions::new()
         .xla_option("xla_backend_optimization_level", XlaOption::Int(2))
         .build()
         .expect("PJRT plugin (run `cargo xtask setup`)");
     let kinds = [
-        ProgramKind::Forward(false),
+        ProgramKind::Forward(BackwardStrategy::Rematerialize),
         ProgramKind::Backward(BackwardStrategy::SavedState),
         ProgramKind::Fused(BackwardStrategy::Rematerialize),
     ];
     for kind in kinds {
-        let options = be.compile_options(kind);
+        let options = harness::compile_options(&be, kind);
         assert_eq!(
             options.xla_options().get("xla_backend_optimization_level"),
             Some(&XlaOption::Int(2)),

@@ -5,6 +5,7 @@
 //! fixed, 110 MB packed): the compiler's figures are deterministic for one libtpu, so this is a
 //! regression check, not a timing.
 
+use kda_core::BackwardStrategy;
 use kda_core::{BackwardStrategy as S, DType};
 use kda_testkit::{benchmark_cases, case_data};
 use kda_tpu::kernels::TPU_SLAB;
@@ -14,8 +15,8 @@ use rstest::rstest;
 const MB: f64 = 1e6;
 
 #[rstest]
-#[case::forward_fixed("bench_primary", ProgramKind::Forward(false), None)]
-#[case::forward_packed("bench_primary_packed", ProgramKind::Forward(false), None)]
+#[case::forward_fixed("bench_primary", ProgramKind::Forward(BackwardStrategy::Rematerialize), None)]
+#[case::forward_packed("bench_primary_packed", ProgramKind::Forward(BackwardStrategy::Rematerialize), None)]
 #[case::fused_saved_state_fixed("bench_primary", ProgramKind::Fused(S::SavedState), Some(80.0))]
 #[case::fused_saved_state_packed("bench_primary_packed", ProgramKind::Fused(S::SavedState), Some(110.0))]
 #[case::fused_remat_fixed("bench_primary", ProgramKind::Fused(S::Rematerialize), Some(80.0))]
@@ -31,7 +32,7 @@ fn primary_program_compiles_for_tpu7x(
     // The CPU plugin only plans the packed capacity here; nothing runs on it.
     let cpu = PjrtBackend::new().expect("PJRT CPU plugin (run `cargo xtask setup`)");
     let spec = cpu.spec(&problem, data.cotangents.dht.is_some()).expect("spec").with_slab(TPU_SLAB);
-    let text = PjrtBackend::program_text(&spec, kind).expect("program");
+    let text = kda_tpu::kernels::program(&spec, kind).expect("program");
     let tpu = TpuCompiler::load().unwrap_or_else(|e| panic!("no libtpu ({e}); run `cargo xtask setup`"));
     let report = tpu.compile(&text, DEFAULT_TOPOLOGY).expect("tpu7x compile");
     let m = &report.memory;

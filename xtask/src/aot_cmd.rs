@@ -45,9 +45,9 @@ programs:
 /// One program of a spec (maps onto `kda_tpu::ProgramKind`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Program {
-    /// `Forward(false)`.
+    /// `Forward(Rematerialize)`.
     Forward,
-    /// `Forward(true)`.
+    /// `Forward(SavedState)`.
     ForwardSavedState,
     /// `Fused(SavedState)`.
     FusedSavedState,

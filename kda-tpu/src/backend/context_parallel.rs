@@ -12,12 +12,14 @@ use kda_core::{
 };
 use kda_packed::PiecePlan;
 
-use super::device::{index_tables, DeviceGradients, DeviceOutputs, PjrtResiduals};
-use super::host::{gradtypes, Gradtypes};
-use super::worker::Form;
-use super::{e, Arg, HostData, PjrtBackend, Upload};
+use super::call::Part;
+use super::io::{DeviceGradients, DeviceOutputs};
+use super::launch::Arg;
+use super::options::Split;
+use super::residuals::{Gradtypes, Held, PjrtResiduals};
+use super::{e, HostData, PjrtBackend, Upload};
+use crate::kernels::context_parallel::CP_ARGS;
 use crate::kernels::KernelSpec;
-use crate::ProgramKind;
 
 /// `(row, source token, destination token, tokens)`.
 type Move = (usize, usize, usize, usize);
@@ -125,7 +127,7 @@ impl ContextPlan {
     }
 
     /// Device `d`'s `cont` `[B]`, `carry` `[B, N]` and `piece` `[D]` (see `CP_ARGS`).
-    fn cp_args(&self, d: usize) -> Vec<Upload> {
+    fn cp_args(&self, d: usize) -> Vec<(&'static str, Arg)> {
         let (b, n) = (self.pieces.parts.len(), self.pieces.n);
         let mut cont = vec![0f32; b];
         let mut carry = vec![0f32; b * n];
@@ -140,11 +142,12 @@ impl ContextPlan {
         }
         let mut piece = vec![0f32; self.devices()];
         piece[d] = 1.0;
-        vec![
+        let ups = [
             Upload { data: HostData::F32(cont), dims: vec![b as i64] },
             Upload { data: HostData::F32(carry), dims: vec![b as i64, n as i64] },
             Upload { data: HostData::F32(piece), dims: vec![self.devices() as i64] },
-        ]
+        ];
+        CP_ARGS.into_iter().zip(ups.into_iter().map(Arg::Upload)).collect()
     }
 
     /// A per-token tensor of the call moved to device `d`'s local rows (zeros elsewhere).
@@ -178,34 +181,40 @@ impl ContextPlan {
 impl PjrtBackend {
     fn context_plan(&self, x: &KdaInputs, has_dht: bool) -> Result<(Problem, Arc<ContextPlan>)> {
         let p = x.view().validate()?;
-        kda_core::Backend::supports(self, &p)?;
+        super::call::supported(&p)?;
         x.check_values()?;
         let (pieces, locals) =
             crate::kernels::context_parallel::local_problems(&p, self.device_count()).map_err(e)?;
         let g_dtype = if x.g.dtype() == DType::BF16 { DType::BF16 } else { DType::F32 };
-        let spec = crate::kernels::context_parallel::local_spec(&locals[0], has_dht, self.slab(), g_dtype)
+        let spec = crate::kernels::context_parallel::local_spec(&locals[0], has_dht, self.slab, g_dtype)
             .map_err(e)?;
         Ok((p, Arc::new(ContextPlan { pieces, locals, spec })))
     }
 
-    /// Device `d`'s inputs in the programs' order (`h0`: the starting segments' states).
-    fn local_inputs(&self, x: &KdaInputs, p: &Problem, plan: &ContextPlan, d: usize) -> Result<Vec<Upload>> {
+    /// Device `d`'s inputs by program name (`h0`: the starting segments' states).
+    fn local_inputs(
+        &self,
+        x: &KdaInputs,
+        p: &Problem,
+        plan: &ContextPlan,
+        d: usize,
+    ) -> Result<Vec<(&'static str, Upload)>> {
         let lay = p.layout;
         let tok = |t: &HostTensor| plan.local_tokens(t, lay, d);
         let beta = tok(&x.beta)?;
         let beta = if beta.dtype() == p.dtype { beta } else { beta.cast(p.dtype) };
         let mut ups = vec![
-            Upload::owned(tok(&x.q)?),
-            Upload::owned(tok(&x.k)?),
-            Upload::owned(tok(&x.v)?),
-            Upload::owned(tok(&x.g)?),
-            Upload::owned(beta),
-            Upload::owned(plan.local_states(x.initial_state.as_ref(), d, true, p)?),
+            ("q", Upload::owned(tok(&x.q)?)),
+            ("k", Upload::owned(tok(&x.k)?)),
+            ("v", Upload::owned(tok(&x.v)?)),
+            ("g", Upload::owned(tok(&x.g)?)),
+            ("beta", Upload::owned(beta)),
+            ("h0", Upload::owned(plan.local_states(x.initial_state.as_ref(), d, true, p)?)),
         ];
         if let Some((a_log, dt)) = x.gate.params() {
             let a_log = a_log.ok_or_else(|| KdaError::missing("a_log", "an in-kernel gate needs a_log"))?;
-            ups.push(Upload::f32(a_log));
-            ups.extend(dt.map(Upload::f32));
+            ups.push(("a_log", Upload::f32(a_log)));
+            ups.extend(dt.map(|t| ("dt_bias", Upload::f32(t))));
         }
         Ok(ups)
     }
@@ -216,18 +225,18 @@ impl PjrtBackend {
         p: &Problem,
         plan: &ContextPlan,
         d: usize,
-    ) -> Result<Vec<Upload>> {
+    ) -> Result<Vec<(&'static str, Arg)>> {
         let d_o = plan.local_tokens(&c.d_o, p.layout, d)?;
         let d_o = if d_o.dtype() == p.dtype { d_o } else { d_o.cast(p.dtype) };
-        Ok(vec![Upload::owned(d_o), Upload::owned(plan.local_states(c.dht.as_ref(), d, false, p)?)])
+        let dht = plan.local_states(c.dht.as_ref(), d, false, p)?;
+        Ok(vec![("do", Arg::Upload(Upload::owned(d_o))), ("dht", Arg::Upload(Upload::owned(dht)))])
     }
 
     fn gather_outputs(&self, p: &Problem, plan: &ContextPlan, outs: &[DeviceOutputs]) -> Result<KdaOutputs> {
         let d = p.dims;
         let mut o = HostTensor::try_zeros(&p.layout.token_shape(d.h, d.b, d.t, d.v), p.dtype)?;
         let mut fin = HostTensor::try_zeros(&d.state_shape(), DType::F32)?;
-        for (dev, out) in outs.iter().enumerate() {
-            let host = self.download_outputs(out)?;
+        for (dev, host) in self.to_host(&outs.to_vec())?.iter().enumerate() {
             let back: Vec<Move> = plan.pieces.moves(dev).iter().map(|&(b, g, l, n)| (b, l, g, n)).collect();
             copy_tokens(&host.o, &mut o, p.layout, &back)?;
             if let Some(f) = &host.final_state {
@@ -245,7 +254,8 @@ impl PjrtBackend {
         types: Option<Gradtypes>,
         grads: &[DeviceGradients],
     ) -> Result<KdaGradients> {
-        let host = grads.iter().map(|g| self.download_gradients(g, types)).collect::<Result<Vec<_>>>()?;
+        let host: Vec<KdaGradients> =
+            self.to_host(&grads.to_vec())?.into_iter().map(|g| Gradtypes::apply(types, g)).collect();
         let first = host.first().ok_or_else(|| KdaError::backend("gather", "one device or more", "none"))?;
         let d = p.dims;
         let token = |f: fn(&KdaGradients) -> &HostTensor, width: usize| -> Result<HostTensor> {
@@ -296,75 +306,42 @@ impl PjrtBackend {
         let (p, plan) = self.context_plan(x, true)?;
         validate_cotangent_shapes(&p, &c.d_o, c.dht.as_ref())?;
         c.check_values()?;
-        let mut args = Vec::with_capacity(plan.devices());
+        let mut parts = Vec::with_capacity(plan.devices());
         for (d, local) in plan.locals.iter().enumerate() {
-            let mut a: Vec<Arg> = self.local_inputs(x, &p, &plan, d)?.into_iter().map(Arg::Upload).collect();
-            a.extend(index_tables(&plan.spec, local)?.into_iter().map(Arg::Upload));
-            a.extend(self.local_cotangents(c, &p, &plan, d)?.into_iter().map(Arg::Upload));
-            a.extend(plan.cp_args(d).into_iter().map(Arg::Upload));
-            args.push(a);
+            let mut args: Vec<(&'static str, Arg)> =
+                self.local_inputs(x, &p, &plan, d)?.into_iter().map(|(n, u)| (n, Arg::Upload(u))).collect();
+            args.extend(self.local_cotangents(c, &p, &plan, d)?);
+            args.extend(plan.cp_args(d));
+            parts.push(Part { device: d, problem: local.clone(), args });
         }
-        let per_device =
-            self.run_kernel_replicated(&plan.spec, ProgramKind::Fused(strategy), Form::Context, args)?;
-        let (mut outs, mut grads) = (Vec::new(), Vec::new());
-        for (infos, local) in per_device.into_iter().zip(&plan.locals) {
-            let mut it = self.wrap(infos).into_iter();
-            outs.push(self.outputs(local, &mut it)?);
-            grads.push(self.gradients(local, &mut it)?);
-        }
-        let types = Some(gradtypes(x));
+        let (outs, grads): (Vec<_>, Vec<_>) =
+            self.fused_parts(&plan.spec, strategy, Split::Context, parts)?.into_iter().unzip();
+        let types = Some(Gradtypes::of(x));
         Ok((self.gather_outputs(&p, &plan, &outs)?, self.gather_gradients(&p, &plan, types, &grads)?))
     }
 
     /// The forward with every row split into pieces; each device keeps its piece's residuals
-    /// (its inputs, with the entering states the program found, and the saved states).
+    /// (its inputs, with the entering states the program found as `h0`, and the saved states).
     pub(crate) fn forward_cp(
         &self,
         x: &KdaInputs,
         strategy: BackwardStrategy,
     ) -> Result<(KdaOutputs, PjrtResiduals)> {
         let (p, plan) = self.context_plan(x, false)?;
-        let mut kept = Vec::with_capacity(plan.devices());
-        for d in 0..plan.devices() {
-            kept.push(self.upload_all_on(self.local_inputs(x, &p, &plan, d)?, d)?);
+        let mut parts = Vec::with_capacity(plan.devices());
+        for (d, local) in plan.locals.iter().enumerate() {
+            let (names, ups): (Vec<_>, Vec<_>) = self.local_inputs(x, &p, &plan, d)?.into_iter().unzip();
+            let kept = self.upload_to(d, ups)?;
+            let mut args: Vec<(&'static str, Arg)> =
+                names.into_iter().zip(kept).map(|(n, t)| (n, Arg::Tensor(t))).collect();
+            args.extend(plan.cp_args(d));
+            parts.push(Part { device: d, problem: local.clone(), args });
         }
-        let keep_h = strategy == BackwardStrategy::SavedState;
-        let mut args = Vec::with_capacity(plan.devices());
-        for (d, (inputs, local)) in kept.iter().zip(&plan.locals).enumerate() {
-            let mut a: Vec<Arg> = inputs.iter().map(|t| Arg::Id(t.id())).collect();
-            a.extend(index_tables(&plan.spec, local)?.into_iter().map(Arg::Upload));
-            a.extend(plan.cp_args(d).into_iter().map(Arg::Upload));
-            args.push(a);
-        }
-        let per_device =
-            self.run_kernel_replicated(&plan.spec, ProgramKind::Forward(keep_h), Form::Context, args)?;
-        let (mut outs, mut parts) = (Vec::new(), Vec::new());
-        for ((infos, local), mut inputs) in per_device.into_iter().zip(&plan.locals).zip(kept) {
-            let mut it = self.wrap(infos).into_iter();
-            outs.push(self.outputs(local, &mut it)?);
-            let h = if keep_h { it.next() } else { None };
-            let h0_eff = it
-                .next()
-                .ok_or_else(|| {
-                    KdaError::backend("forward", "the entering states as the last output", "none")
-                })?
-                .reshaped(&[local.dims.b, local.dims.n, local.dims.h, local.dims.k, local.dims.v])?;
-            // The backward reads the entering states the forward found, in place of `h0`.
-            inputs[5] = h0_eff;
-            parts.push(PjrtResiduals::one_device(local.clone(), plan.spec.clone(), strategy, inputs, h));
-        }
+        let (outs, pieces): (Vec<_>, Vec<_>) =
+            self.forward_parts(&plan.spec, strategy, Split::Context, parts)?.into_iter().unzip();
         let out = self.gather_outputs(&p, &plan, &outs)?;
-        let res = PjrtResiduals {
-            problem: p,
-            spec: plan.spec.clone(),
-            strategy,
-            inputs: Vec::new(),
-            h: None,
-            host_types: Some(gradtypes(x)),
-            shards: parts,
-            context: Some(plan),
-        };
-        Ok((out, res))
+        let (spec, held) = (plan.spec.clone(), Held::Pieces { plan, shards: pieces });
+        Ok((out, PjrtResiduals { problem: p, strategy, spec, host_types: Some(Gradtypes::of(x)), held }))
     }
 
     /// The backward of [`PjrtBackend::forward_cp`]'s residuals.
@@ -377,23 +354,13 @@ impl PjrtBackend {
         let p = &res.problem;
         validate_cotangent_shapes(p, &c.d_o, c.dht.as_ref())?;
         c.check_values()?;
-        let mut spec = plan.spec.clone();
-        spec.has_dht = true;
         let mut args = Vec::with_capacity(plan.devices());
-        for (d, shard) in res.shards.iter().enumerate() {
-            let mut a: Vec<Arg> = shard.inputs.iter().map(|t| Arg::Id(t.id())).collect();
-            a.extend(index_tables(&spec, &shard.problem)?.into_iter().map(Arg::Upload));
-            a.extend(shard.h.iter().map(|t| Arg::Id(t.id())));
-            a.extend(self.local_cotangents(c, p, plan, d)?.into_iter().map(Arg::Upload));
-            a.extend(plan.cp_args(d).into_iter().map(Arg::Upload));
+        for d in 0..plan.devices() {
+            let mut a = self.local_cotangents(c, p, plan, d)?;
+            a.extend(plan.cp_args(d));
             args.push(a);
         }
-        let per_device =
-            self.run_kernel_replicated(&spec, ProgramKind::Backward(res.strategy), Form::Context, args)?;
-        let mut grads = Vec::new();
-        for (infos, shard) in per_device.into_iter().zip(&res.shards) {
-            grads.push(self.gradients(&shard.problem, &mut self.wrap(infos).into_iter())?);
-        }
+        let grads = self.backward_parts(res, Split::Context, args)?;
         self.gather_gradients(p, plan, res.host_types, &grads)
     }
 }

@@ -8,17 +8,16 @@
 //! contribute exactly nothing to any gradient, so the sums match the single-device program's.
 
 use kda_core::{
-    validate_cotangent_shapes, BackwardStrategy, Cotangents, DType, HostTensor, KdaError, KdaGradients,
-    KdaInputs, KdaOutputs, Layout, Problem, Result, SegmentTable,
+    BackwardStrategy, Cotangents, DType, HostTensor, KdaError, KdaGradients, KdaInputs, KdaOutputs, Layout,
+    Problem, Result, SegmentTable, Tensors,
 };
 
-use super::device::{index_tables, DeviceGradients, DeviceOutputs, PjrtResiduals};
-use super::host::{gradtypes, Gradtypes};
-use super::tensor::DeviceTensor;
-use super::worker::Form;
-use super::{e, Arg, PjrtBackend, Upload};
+use super::call::Part;
+use super::launch::{arg_name, Arg};
+use super::options::Split;
+use super::residuals::{Gradtypes, Held, PjrtResiduals};
+use super::{PjrtBackend, Upload};
 use crate::kernels::KernelSpec;
-use crate::ProgramKind;
 
 /// The batch axis of per-token tensors and `beta` in `layout` (states: axis 0).
 fn batch_axis(layout: Layout) -> usize {
@@ -40,7 +39,7 @@ impl RowPlan {
     pub(crate) fn new(b: usize, devices: usize) -> Self {
         Self { devices, per: b.div_ceil(devices), b }
     }
-    fn start(&self, d: usize) -> usize {
+    pub(crate) fn start(&self, d: usize) -> usize {
         d * self.per
     }
     /// How many of device `d`'s rows are real (the rest are padding).
@@ -69,7 +68,7 @@ fn shard_problem(p: &Problem, plan: RowPlan, d: usize) -> Result<Problem> {
     Ok(q)
 }
 
-/// How a tensor travels in `dtype` (as [`PjrtBackend::upload_inputs`] sends it).
+/// How a tensor travels in `dtype`.
 fn in_dtype(t: HostTensor, dtype: DType) -> Upload {
     if t.dtype() == dtype {
         Upload::owned(t)
@@ -78,36 +77,52 @@ fn in_dtype(t: HostTensor, dtype: DType) -> Upload {
     }
 }
 
-/// One device's rows of the call's inputs, in the programs' argument order.
-fn shard_inputs(x: &KdaInputs, p: &Problem, plan: RowPlan, d: usize) -> Result<Vec<Upload>> {
+/// One device's rows of the call's inputs, by program name: per-token tensors and `beta` (in
+/// q's dtype) along the batch axis, initial states along theirs, gate parameters whole (f32).
+fn shard_inputs(x: &KdaInputs, p: &Problem, plan: RowPlan, d: usize) -> Result<Vec<(&'static str, Upload)>> {
     let (ax, start, per) = (batch_axis(p.layout), plan.start(d), plan.per);
-    let rows = |t: &HostTensor, axis: usize| t.slice_padded(axis, start, per);
-    let mut ups = vec![
-        Upload::owned(rows(&x.q, ax)?),
-        Upload::owned(rows(&x.k, ax)?),
-        Upload::owned(rows(&x.v, ax)?),
-        Upload::owned(rows(&x.g, ax)?),
-        in_dtype(rows(&x.beta, ax)?, p.dtype),
-    ];
-    if let Some(h0) = &x.initial_state {
-        ups.push(Upload::f32(&rows(h0, 0)?));
-    }
-    if let Some((a_log, dt)) = x.gate.params() {
-        let a_log = a_log.ok_or_else(|| KdaError::missing("a_log", "an in-kernel gate needs a_log"))?;
-        ups.push(Upload::f32(a_log));
-        ups.extend(dt.map(Upload::f32));
+    let mut ups = Vec::new();
+    for (name, t) in x.named() {
+        let up = match name {
+            "beta" => in_dtype(t.slice_padded(ax, start, per)?, p.dtype),
+            "initial_state" => Upload::f32(&t.slice_padded(0, start, per)?),
+            "a_log" | "dt_bias" => Upload::f32(t),
+            _ => Upload::owned(t.slice_padded(ax, start, per)?),
+        };
+        ups.push((arg_name(name), up));
     }
     Ok(ups)
 }
 
 /// One device's rows of the cotangents: `do` in the problem's dtype, `dht` in f32.
-fn shard_cotangents(c: &Cotangents, p: &Problem, plan: RowPlan, d: usize) -> Result<Vec<Upload>> {
+fn shard_cotangents(
+    c: &Cotangents,
+    p: &Problem,
+    plan: RowPlan,
+    d: usize,
+) -> Result<Vec<(&'static str, Arg)>> {
     let (ax, start, per) = (batch_axis(p.layout), plan.start(d), plan.per);
-    let mut ups = vec![in_dtype(c.d_o.slice_padded(ax, start, per)?, p.dtype)];
+    let mut ups = vec![("do", Arg::Upload(in_dtype(c.d_o.slice_padded(ax, start, per)?, p.dtype)))];
     if let Some(dht) = &c.dht {
-        ups.push(Upload::f32(&dht.slice_padded(0, start, per)?));
+        ups.push(("dht", Arg::Upload(Upload::f32(&dht.slice_padded(0, start, per)?))));
     }
     Ok(ups)
+}
+
+/// The whole batch's problem of shards that share dims (rows joined in device order).
+pub(crate) fn join_problems<'p>(shards: impl Iterator<Item = &'p Problem>) -> Result<Problem> {
+    let shards: Vec<&Problem> = shards.collect();
+    let first = shards.first().ok_or_else(|| KdaError::value("inputs", "one shard per device", "none"))?;
+    let mut p = (*first).clone();
+    let b: usize = shards.iter().map(|s| s.dims.b).sum();
+    p.dims.b = b;
+    p.beta_shape[batch_axis(p.layout)] = b;
+    let rows = shards.iter().flat_map(|s| s.segments.rows().iter().cloned()).collect();
+    p.segments = SegmentTable::from_ranges(p.dims.t, rows)?;
+    if !first.segments.is_packed() {
+        p.segments = SegmentTable::fixed(b, p.dims.t);
+    }
+    Ok(p)
 }
 
 /// Each device's real rows of `parts` (one tensor per device), joined along `axis`.
@@ -129,11 +144,6 @@ fn gather_opt(parts: Vec<Option<HostTensor>>, axis: usize, plan: RowPlan) -> Res
 }
 
 impl PjrtBackend {
-    /// How many devices this handle drives ([`super::PjrtOptions::devices`]).
-    pub fn device_count(&self) -> usize {
-        self.shared().info.devices
-    }
-
     /// The shared spec of every device's program (dims of one shard; g in its own dtype).
     fn shard_spec(&self, x: &KdaInputs, shard: &Problem, has_dht: bool) -> Result<KernelSpec> {
         let g_dtype = if x.g.dtype() == DType::BF16 { DType::BF16 } else { DType::F32 };
@@ -142,31 +152,33 @@ impl PjrtBackend {
 
     fn split_rows(&self, x: &KdaInputs) -> Result<(Problem, RowPlan, Vec<Problem>)> {
         let p = x.view().validate()?;
-        kda_core::Backend::supports(self, &p)?;
+        super::call::supported(&p)?;
         x.check_values()?;
         let plan = RowPlan::new(p.dims.b, self.device_count());
         let shards = (0..plan.devices).map(|d| shard_problem(&p, plan, d)).collect::<Result<Vec<_>>>()?;
         Ok((p, plan, shards))
     }
 
-    fn download_outputs_dp(&self, p: &Problem, plan: RowPlan, outs: &[DeviceOutputs]) -> Result<KdaOutputs> {
-        let (mut o, mut fin) = (Vec::new(), Vec::new());
-        for out in outs {
-            let host = self.download_outputs(out)?;
-            o.push(host.o);
-            fin.push(host.final_state);
-        }
+    fn gather_outputs_rows(
+        &self,
+        p: &Problem,
+        plan: RowPlan,
+        outs: &[super::DeviceOutputs],
+    ) -> Result<KdaOutputs> {
+        let host = self.to_host(&outs.to_vec())?;
+        let (o, fin): (Vec<_>, Vec<_>) = host.into_iter().map(|h| (h.o, h.final_state)).unzip();
         Ok(KdaOutputs { o: gather(o, batch_axis(p.layout), plan)?, final_state: gather_opt(fin, 0, plan)? })
     }
 
-    fn download_gradients_dp(
+    fn gather_gradients_rows(
         &self,
         types: Option<Gradtypes>,
         p: &Problem,
         plan: RowPlan,
-        grads: &[DeviceGradients],
+        grads: &[super::DeviceGradients],
     ) -> Result<KdaGradients> {
-        let host = grads.iter().map(|g| self.download_gradients(g, types)).collect::<Result<Vec<_>>>()?;
+        let host: Vec<KdaGradients> =
+            self.to_host(&grads.to_vec())?.into_iter().map(|g| Gradtypes::apply(types, g)).collect();
         let ax = batch_axis(p.layout);
         let take = |f: fn(&KdaGradients) -> HostTensor| host.iter().map(f).collect::<Vec<_>>();
         let first = host.first().ok_or_else(|| KdaError::backend("gather", "one device or more", "none"))?;
@@ -184,117 +196,66 @@ impl PjrtBackend {
     }
 
     /// The fused forward+VJP with the batch's rows spread over the handle's devices.
-    pub(crate) fn forward_and_vjp_dp(
+    pub(crate) fn forward_and_vjp_rows(
         &self,
         x: &KdaInputs,
         c: &Cotangents,
         strategy: BackwardStrategy,
     ) -> Result<(KdaOutputs, KdaGradients)> {
         let (p, plan, shards) = self.split_rows(x)?;
-        validate_cotangent_shapes(&p, &c.d_o, c.dht.as_ref())?;
+        kda_core::validate_cotangent_shapes(&p, &c.d_o, c.dht.as_ref())?;
         c.check_values()?;
         let spec = self.shard_spec(x, &shards[0], c.dht.is_some())?;
-        let mut args = Vec::with_capacity(plan.devices);
-        for (d, shard) in shards.iter().enumerate() {
-            let mut a: Vec<Arg> = shard_inputs(x, &p, plan, d)?.into_iter().map(Arg::Upload).collect();
-            a.extend(index_tables(&spec, shard)?.into_iter().map(Arg::Upload));
-            a.extend(shard_cotangents(c, &p, plan, d)?.into_iter().map(Arg::Upload));
-            args.push(a);
+        let mut parts = Vec::with_capacity(plan.devices);
+        for (d, shard) in shards.into_iter().enumerate() {
+            let mut args: Vec<(&'static str, Arg)> =
+                shard_inputs(x, &p, plan, d)?.into_iter().map(|(n, u)| (n, Arg::Upload(u))).collect();
+            args.extend(shard_cotangents(c, &p, plan, d)?);
+            parts.push(Part { device: d, problem: shard, args });
         }
-        let per_device = self.run_kernel_replicated(&spec, ProgramKind::Fused(strategy), Form::Data, args)?;
-        let (mut outs, mut grads) = (Vec::new(), Vec::new());
-        for (infos, shard) in per_device.into_iter().zip(&shards) {
-            let mut it = self.wrap(infos).into_iter();
-            outs.push(self.outputs(shard, &mut it)?);
-            grads.push(self.gradients(shard, &mut it)?);
-        }
+        let (outs, grads): (Vec<_>, Vec<_>) =
+            self.fused_parts(&spec, strategy, Split::Data, parts)?.into_iter().unzip();
         Ok((
-            self.download_outputs_dp(&p, plan, &outs)?,
-            self.download_gradients_dp(Some(gradtypes(x)), &p, plan, &grads)?,
+            self.gather_outputs_rows(&p, plan, &outs)?,
+            self.gather_gradients_rows(Some(Gradtypes::of(x)), &p, plan, &grads)?,
         ))
     }
 
     /// The forward with the batch's rows spread over the devices; each device keeps its rows'
     /// residuals.
-    pub(crate) fn forward_dp(
+    pub(crate) fn forward_rows(
         &self,
         x: &KdaInputs,
         strategy: BackwardStrategy,
     ) -> Result<(KdaOutputs, PjrtResiduals)> {
         let (p, plan, shards) = self.split_rows(x)?;
         let spec = self.shard_spec(x, &shards[0], false)?;
-        let mut kept = Vec::with_capacity(plan.devices);
-        for d in 0..plan.devices {
-            kept.push(self.upload_all_on(shard_inputs(x, &p, plan, d)?, d)?);
+        let mut parts = Vec::with_capacity(plan.devices);
+        for (d, shard) in shards.into_iter().enumerate() {
+            let (names, ups): (Vec<_>, Vec<_>) = shard_inputs(x, &p, plan, d)?.into_iter().unzip();
+            let kept = self.upload_to(d, ups)?;
+            let args = names.into_iter().zip(kept).map(|(n, t)| (n, Arg::Tensor(t))).collect();
+            parts.push(Part { device: d, problem: shard, args });
         }
-        let keep_h = strategy == BackwardStrategy::SavedState;
-        let mut args = Vec::with_capacity(plan.devices);
-        for (inputs, shard) in kept.iter().zip(&shards) {
-            let mut a: Vec<Arg> = inputs.iter().map(|t| Arg::Id(t.id())).collect();
-            a.extend(index_tables(&spec, shard)?.into_iter().map(Arg::Upload));
-            args.push(a);
-        }
-        let per_device = self.run_kernel_replicated(&spec, ProgramKind::Forward(keep_h), Form::Data, args)?;
-        let (mut outs, mut parts) = (Vec::new(), Vec::new());
-        for ((infos, shard), inputs) in per_device.into_iter().zip(shards).zip(kept) {
-            let mut it = self.wrap(infos).into_iter();
-            outs.push(self.outputs(&shard, &mut it)?);
-            let h = if keep_h { it.next() } else { None };
-            parts.push(PjrtResiduals::one_device(shard, spec.clone(), strategy, inputs, h));
-        }
-        let out = self.download_outputs_dp(&p, plan, &outs)?;
-        let res = PjrtResiduals {
-            problem: p,
-            spec,
-            strategy,
-            inputs: Vec::new(),
-            h: None,
-            host_types: Some(gradtypes(x)),
-            shards: parts,
-            context: None,
-        };
-        Ok((out, res))
+        let (outs, pieces): (Vec<_>, Vec<_>) =
+            self.forward_parts(&spec, strategy, Split::Data, parts)?.into_iter().unzip();
+        let out = self.gather_outputs_rows(&p, plan, &outs)?;
+        let held = Held::Rows { plan, shards: pieces };
+        Ok((out, PjrtResiduals { problem: p, strategy, spec, host_types: Some(Gradtypes::of(x)), held }))
     }
 
-    /// The backward of [`PjrtBackend::forward_dp`]'s residuals, on the devices that hold them.
-    pub(crate) fn backward_dp(&self, res: &PjrtResiduals, c: &Cotangents) -> Result<KdaGradients> {
+    /// The backward of residuals held one shard of rows per device, from host cotangents.
+    pub(crate) fn backward_rows(
+        &self,
+        res: &PjrtResiduals,
+        plan: RowPlan,
+        c: &Cotangents,
+    ) -> Result<KdaGradients> {
         let p = &res.problem;
-        validate_cotangent_shapes(p, &c.d_o, c.dht.as_ref())?;
+        kda_core::validate_cotangent_shapes(p, &c.d_o, c.dht.as_ref())?;
         c.check_values()?;
-        let plan = RowPlan::new(p.dims.b, res.shards.len());
-        let mut spec = res.spec.clone();
-        spec.has_dht = c.dht.is_some();
-        let mut args = Vec::with_capacity(plan.devices);
-        for (d, shard) in res.shards.iter().enumerate() {
-            let mut a: Vec<Arg> = shard.inputs.iter().map(|t| Arg::Id(t.id())).collect();
-            a.extend(index_tables(&spec, &shard.problem)?.into_iter().map(Arg::Upload));
-            a.extend(shard.h.iter().map(|t| Arg::Id(t.id())));
-            a.extend(shard_cotangents(c, p, plan, d)?.into_iter().map(Arg::Upload));
-            args.push(a);
-        }
-        let per_device =
-            self.run_kernel_replicated(&spec, ProgramKind::Backward(res.strategy), Form::Data, args)?;
-        let mut grads = Vec::new();
-        for (infos, shard) in per_device.into_iter().zip(&res.shards) {
-            grads.push(self.gradients(&shard.problem, &mut self.wrap(infos).into_iter())?);
-        }
-        self.download_gradients_dp(res.host_types, p, plan, &grads)
-    }
-
-    /// Uploads host arrays to device `device` and keeps them.
-    pub(crate) fn upload_all_on(&self, uploads: Vec<Upload>, device: usize) -> Result<Vec<DeviceTensor>> {
-        let counters = self.shared().counters.clone();
-        let infos = self
-            .shared()
-            .call("upload", move |w| {
-                let mut out = Vec::with_capacity(uploads.len());
-                for u in uploads {
-                    let buf = w.upload_on(&counters, u, device)?;
-                    out.push(w.keep_on(buf, device));
-                }
-                Ok(out)
-            })
-            .map_err(e)?;
-        Ok(self.wrap(infos))
+        let args = (0..plan.devices).map(|d| shard_cotangents(c, p, plan, d)).collect::<Result<Vec<_>>>()?;
+        let grads = self.backward_parts(res, Split::Data, args)?;
+        self.gather_gradients_rows(res.host_types, p, plan, &grads)
     }
 }

@@ -8,29 +8,42 @@
 //! ran before). A panic inside the plugin bindings becomes an error, and the handle then
 //! refuses every later call (`TpuError::Poisoned`) instead of hanging.
 
+mod call;
 mod context_parallel;
 mod data_parallel;
-mod device;
-mod host;
+#[cfg(feature = "harness")]
+pub mod harness;
+mod io;
+mod launch;
 mod options;
-mod sharded;
+mod residuals;
 mod tensor;
 mod worker;
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use kda_core::{HostTensor, KdaError, Problem, TensorData};
 use kda_packed::StaticCapacity;
 
-pub use device::{DeviceCotangents, DeviceGate, DeviceGradients, DeviceInputs, DeviceOutputs, PjrtResiduals};
-pub use host::{program_text, DeviceCall, ProgramKind};
+pub use call::{CallCotangents, CallInputs};
+pub use io::{DeviceCotangents, DeviceGradients, DeviceInputs, DeviceOutputs, HostSide};
 pub use options::{CompileCache, PjrtOptions, Split};
+pub use residuals::PjrtResiduals;
 pub use tensor::{DeviceProgram, DeviceTensor, TransferStats};
 
+/// Hooks for this crate's own tests of the handle's guarantees; not part of the API.
+#[doc(hidden)]
+pub mod testing {
+    /// Panics inside the worker, to test what callers see (an error, then a poisoned handle).
+    pub fn inject_worker_panic(backend: &super::PjrtBackend) -> kda_core::Result<()> {
+        backend.inject_worker_panic()
+    }
+}
+
 use crate::error::{Result, TpuError};
-use crate::kernels::{KernelSpec, CHUNK, TPU_SLAB};
+use crate::kernels::{KernelSpec, ProgramKind, CHUNK, TPU_SLAB};
 use crate::runtime::{CompileOptions, XlaOption};
 use crate::{ElementType, MemoryStats};
 use worker::{BufferInfo, Shared, Worker};
@@ -71,6 +84,8 @@ pub struct PjrtBackend {
     slab: usize,
     split: Split,
     xla: Arc<BTreeMap<String, XlaOption>>,
+    /// Index tables already on the devices ([`launch`]), shared by the clones.
+    tables: Arc<Mutex<launch::TableCache>>,
 }
 
 impl std::fmt::Debug for PjrtBackend {
@@ -136,11 +151,6 @@ impl Upload {
 }
 
 impl Worker {
-    /// Uploads one array (counted) and returns the buffer, not yet kept.
-    pub(crate) fn upload(&mut self, counters: &worker::Counters, u: Upload) -> Result<crate::DeviceBuffer> {
-        self.upload_on(counters, u, 0)
-    }
-
     /// Uploads one array (counted) to device `device` of the handle.
     pub(crate) fn upload_on(
         &mut self,
@@ -188,21 +198,12 @@ impl PjrtBackend {
         PjrtOptions::new().build().map_err(e)
     }
 
-    /// The options builder ([`PjrtOptions::build`] makes the handle).
-    pub fn options() -> PjrtOptions {
-        PjrtOptions::new()
-    }
-
     pub(crate) fn start(options: PjrtOptions) -> Result<Self> {
         let xla = Arc::new(options.xla_choice()?);
         let shared = Shared::start(&options)?;
         let slab = options.slab_choice().unwrap_or(if shared.info.platform == "cpu" { 0 } else { TPU_SLAB });
-        Ok(Self { shared, slab, split: options.split_choice(), xla })
-    }
-
-    /// How host `Backend` calls spread over several devices ([`PjrtOptions::split`]).
-    pub fn split(&self) -> Split {
-        self.split
+        let tables = Arc::default();
+        Ok(Self { shared, slab, split: options.split_choice(), xla, tables })
     }
 
     /// This handle with fused programs in slabs of `chunks` chunk positions (0: all chunks at
@@ -213,21 +214,17 @@ impl PjrtBackend {
         self.slab = chunks;
         self
     }
-    /// The slab size of the fused programs (0: no slabs).
-    pub fn slab(&self) -> usize {
-        self.slab
-    }
     /// The platform name the plugin reports (`cpu`, `tpu`, `cuda`).
     pub fn platform(&self) -> &str {
         &self.shared.info.platform
     }
-    /// The plugin file loaded.
-    pub fn plugin_path(&self) -> &Path {
-        &self.shared.info.plugin_path
+    /// The plugin file loaded and its PJRT C API version (major, minor).
+    pub fn plugin(&self) -> (&Path, (i32, i32)) {
+        (&self.shared.info.plugin_path, self.shared.info.plugin_version)
     }
-    /// The plugin's PJRT C API version (major, minor).
-    pub fn plugin_version(&self) -> (i32, i32) {
-        self.shared.info.plugin_version
+    /// How many devices this handle drives ([`PjrtOptions::devices`]).
+    pub fn device_count(&self) -> usize {
+        self.shared.info.devices
     }
     /// Bytes copied each way (and programs run) by this handle and its clones so far.
     pub fn transfer_stats(&self) -> TransferStats {
@@ -245,19 +242,14 @@ impl PjrtBackend {
         Ok(KernelSpec::new(p, packed, has_dht).with_slab(self.slab))
     }
 
-    /// The StableHLO text of a program (see [`program_text`]).
-    pub fn program_text(spec: &KernelSpec, kind: ProgramKind) -> kda_core::Result<String> {
-        program_text(spec, kind).map_err(e)
-    }
-
-    /// The XLA options a kernel program is compiled with. On the CPU plugin the forward
+    /// The XLA options a kernel program is compiled with ([`crate::kernels::program`] text). On the CPU plugin the forward
     /// programs use XLA's memory-optimized scheduler instead of its default
     /// concurrency-optimized one: at the primary shape that measured the forward 5-9% faster
     /// (medians of five alternating runs' medians, f32 19.4 -> 17.7 and 20.1 -> 19.1 ms) and its
     /// scratch smaller (f32 34.5 -> 26.3 MB); the fused programs measured 1-3% slower with it, so
     /// they keep the default. Other plugins get XLA's defaults. The options of
     /// [`PjrtOptions::xla_option`] (and `$KDA_XLA_OPT_LEVEL`) come on top.
-    pub fn compile_options(&self, kind: ProgramKind) -> CompileOptions {
+    pub(crate) fn compile_options(&self, kind: ProgramKind) -> CompileOptions {
         self.xla.iter().fold(compile_options(&self.shared.info.platform, kind), |o, (name, value)| {
             o.with_xla_option(name.clone(), value.clone())
         })
@@ -268,7 +260,9 @@ impl PjrtBackend {
         for &kind in kinds {
             let (spec, options) = (spec.clone(), self.compile_options(kind));
             let _span = tracing::info_span!("kda_prepare", kind = ?kind).entered();
-            self.shared.call("prepare", move |w| w.kernel(&spec, kind, &options).map(|_| ())).map_err(e)?;
+            self.shared
+                .call("prepare", move |w| w.kernel(&spec, kind, &options, Split::Data).map(|_| ()))
+                .map_err(e)?;
         }
         Ok(())
     }
@@ -278,22 +272,10 @@ impl PjrtBackend {
         let (spec, options) = (spec.clone(), self.compile_options(kind));
         self.shared
             .call("memory stats", move |w| {
-                let (exe, _) = w.kernel(&spec, kind, &options)?;
+                let (exe, _) = w.kernel(&spec, kind, &options, Split::Data)?;
                 w.rt.memory_stats(&exe)
             })
             .map_err(e)
-    }
-
-    /// Copies a host tensor to the device (f64 travels as f32); a per-token tensor may then be
-    /// tagged with its layout ([`DeviceTensor::with_layout`]).
-    pub fn upload(&self, t: &HostTensor) -> kda_core::Result<DeviceTensor> {
-        Ok(self.upload_all(vec![Upload::of(t)])?.remove(0))
-    }
-
-    /// Copies an i32 array (an index table of a composed program) to the device.
-    pub fn upload_i32(&self, data: &[i32], dims: &[usize]) -> kda_core::Result<DeviceTensor> {
-        let dims = dims.iter().map(|&d| d as i64).collect();
-        Ok(self.upload_all(vec![Upload::i32(data.to_vec(), dims)])?.remove(0))
     }
 
     /// Uploads host tensors one job each, preparing (copying, casting) the next on this thread
@@ -327,29 +309,33 @@ impl PjrtBackend {
         tensors.into_iter().collect::<Result<Vec<_>>>().map_err(e)
     }
 
-    pub(crate) fn upload_all(&self, uploads: Vec<Upload>) -> kda_core::Result<Vec<DeviceTensor>> {
+    /// Uploads host arrays to device `device` in one call to the worker and keeps them.
+    pub(crate) fn upload_to(
+        &self,
+        device: usize,
+        uploads: Vec<Upload>,
+    ) -> kda_core::Result<Vec<DeviceTensor>> {
         let counters = self.shared.counters.clone();
         let infos = self
             .shared
             .call("upload", move |w| {
                 let mut out = Vec::with_capacity(uploads.len());
                 for u in uploads {
-                    let buf = w.upload(&counters, u)?;
-                    out.push(w.keep(buf));
+                    let buf = w.upload_on(&counters, u, device)?;
+                    out.push(w.keep_on(buf, device));
                 }
                 Ok(out)
             })
             .map_err(e)?;
-        Ok(infos.into_iter().map(|i| DeviceTensor::wrap(&self.shared, i, None)).collect())
+        Ok(self.wrap(infos))
     }
 
-    /// Copies a device tensor to the host.
-    pub fn download(&self, t: &DeviceTensor) -> kda_core::Result<HostTensor> {
-        Ok(self.download_all(&[t])?.remove(0))
+    pub(crate) fn wrap(&self, infos: Vec<BufferInfo>) -> Vec<DeviceTensor> {
+        infos.into_iter().map(|i| DeviceTensor::wrap(&self.shared, i, None)).collect()
     }
 
-    /// Copies several device tensors to the host in one call to the worker.
-    pub fn download_all(&self, ts: &[&DeviceTensor]) -> kda_core::Result<Vec<HostTensor>> {
+    /// Copies device tensors to the host in one call to the worker.
+    pub(crate) fn download_all(&self, ts: &[&DeviceTensor]) -> kda_core::Result<Vec<HostTensor>> {
         for (i, t) in ts.iter().enumerate() {
             t.check_owner(&self.shared, &format!("tensor {i}")).map_err(e)?;
         }
@@ -377,12 +363,12 @@ impl PjrtBackend {
         Ok(DeviceProgram::wrap(&self.shared, id, sig))
     }
 
-    /// Runs a compiled program on device tensors (borrowed: they stay valid); one new tensor
-    /// per result.
+    /// Runs a compiled program on device 0's tensors (borrowed: they stay valid); one new
+    /// tensor per result. [`PjrtBackend::bind`] lays out a KDA function's arguments.
     pub fn execute(
         &self,
         program: &DeviceProgram,
-        args: &[&DeviceTensor],
+        args: &[DeviceTensor],
     ) -> kda_core::Result<Vec<DeviceTensor>> {
         if program.owner_id() != self.shared.id {
             return Err(KdaError::value(
@@ -403,51 +389,14 @@ impl PjrtBackend {
                 let exe = w.user_programs.get(&pid).cloned().ok_or_else(|| TpuError::Execute {
                     message: format!("program {pid} is not held by this handle's worker"),
                 })?;
-                run(w, &counters, &exe, ids.into_iter().map(Arg::Id).collect())
+                let mut outs = launch::run(w, &counters, &exe, vec![(0, ids)], &[])?;
+                Ok(outs.remove(0))
             })
             .map_err(e)?;
-        Ok(infos.into_iter().map(|i| DeviceTensor::wrap(&self.shared, i, None)).collect())
+        Ok(self.wrap(infos))
     }
 
-    /// Runs one kernel program; returns its outputs and whether it was already compiled.
-    pub(crate) fn run_kernel(
-        &self,
-        spec: &KernelSpec,
-        kind: ProgramKind,
-        args: Vec<Arg>,
-    ) -> kda_core::Result<(Vec<BufferInfo>, bool)> {
-        let (spec, options) = (spec.clone(), self.compile_options(kind));
-        let counters = self.shared.counters.clone();
-        self.shared
-            .call("kernel", move |w| {
-                let (exe, cached) = w.kernel(&spec, kind, &options)?;
-                Ok((run(w, &counters, &exe, args)?, cached))
-            })
-            .map_err(e)
-    }
-
-    /// Runs one kernel program compiled for `args.len()` replicas: `args[d]` on device `d`
-    /// (uploads in it go to device `d`); returns each device's outputs.
-    pub(crate) fn run_kernel_replicated(
-        &self,
-        spec: &KernelSpec,
-        kind: ProgramKind,
-        form: worker::Form,
-        args: Vec<Vec<Arg>>,
-    ) -> kda_core::Result<Vec<Vec<BufferInfo>>> {
-        let options = self.compile_options(kind).with_replicas(args.len());
-        let (spec, counters) = (spec.clone(), self.shared.counters.clone());
-        self.shared
-            .call("kernel", move |w| {
-                let (exe, _) = w.kernel_form(&spec, kind, &options, form)?;
-                run_replicated(w, &counters, &exe, args)
-            })
-            .map_err(e)
-    }
-
-    /// Panics inside the worker, to test what callers see (an error, then a poisoned handle).
-    #[doc(hidden)]
-    pub fn inject_worker_panic(&self) -> kda_core::Result<()> {
+    pub(crate) fn inject_worker_panic(&self) -> kda_core::Result<()> {
         self.shared.call("injected panic", |_| -> Result<()> { panic!("injected panic") }).map_err(e)
     }
 
@@ -467,119 +416,4 @@ fn compile_options(platform: &str, kind: ProgramKind) -> CompileOptions {
     } else {
         options
     }
-}
-
-/// A program argument: a kept buffer, or a host array uploaded for this run only.
-pub(crate) enum Arg {
-    Id(u64),
-    Upload(Upload),
-}
-
-/// Executes `exe` on the worker and keeps its outputs.
-fn run(
-    w: &mut Worker,
-    counters: &worker::Counters,
-    exe: &crate::Executable,
-    args: Vec<Arg>,
-) -> Result<Vec<BufferInfo>> {
-    let mut temps = Vec::new();
-    let mut order = Vec::with_capacity(args.len());
-    for a in args {
-        match a {
-            Arg::Id(id) => order.push(Ok(id)),
-            Arg::Upload(u) => {
-                order.push(Err(temps.len()));
-                temps.push(w.upload(counters, u)?);
-            }
-        }
-    }
-    // A buffer stored under other dims than the program reads (a flat KDA result fed back as
-    // an input) goes through a device-side reshape first.
-    let wanted: Vec<Option<Vec<i64>>> = match exe.signature() {
-        Some(sig) => sig.args.iter().map(|a| a.as_ref().map(|t| t.dims.clone())).collect(),
-        None => Vec::new(),
-    };
-    for (i, o) in order.iter_mut().enumerate() {
-        let Ok(id) = *o else { continue };
-        let buf = w.buffer(id)?;
-        let Some(Some(want)) = wanted.get(i) else { continue };
-        let n: i64 = want.iter().product();
-        if buf.dims() != want.as_slice() && buf.num_elements() as i64 == n {
-            let text = reshape_program(buf.dtype(), buf.dims(), want);
-            let reshape = w.rt.compile(&text)?;
-            let mut out = w.rt.execute(&reshape, &[buf])?;
-            *o = Err(temps.len());
-            temps.push(
-                out.pop().ok_or_else(|| TpuError::Execute { message: "reshape returned nothing".into() })?,
-            );
-        }
-    }
-    let mut refs = Vec::with_capacity(order.len());
-    for o in &order {
-        refs.push(match o {
-            Ok(id) => w.buffer(*id)?,
-            Err(i) => &temps[*i],
-        });
-    }
-    let outs = w.rt.execute(exe, &refs)?;
-    counters.executions.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    drop(refs);
-    drop(temps);
-    Ok(outs.into_iter().map(|b| w.keep(b)).collect())
-}
-
-/// Executes `exe` once per device: `args[d]` are device `d`'s (its uploads go there); keeps
-/// every device's outputs on their device.
-fn run_replicated(
-    w: &mut Worker,
-    counters: &worker::Counters,
-    exe: &crate::Executable,
-    args: Vec<Vec<Arg>>,
-) -> Result<Vec<Vec<BufferInfo>>> {
-    let mut temps: Vec<Vec<crate::DeviceBuffer>> = Vec::with_capacity(args.len());
-    let mut orders = Vec::with_capacity(args.len());
-    for (d, device_args) in args.into_iter().enumerate() {
-        let (mut t, mut order) = (Vec::new(), Vec::with_capacity(device_args.len()));
-        for a in device_args {
-            match a {
-                Arg::Id(id) => order.push(Ok(id)),
-                Arg::Upload(u) => {
-                    order.push(Err(t.len()));
-                    t.push(w.upload_on(counters, u, d)?);
-                }
-            }
-        }
-        temps.push(t);
-        orders.push(order);
-    }
-    let outs = {
-        let mut refs = Vec::with_capacity(orders.len());
-        for (d, order) in orders.iter().enumerate() {
-            let mut r = Vec::with_capacity(order.len());
-            for o in order {
-                r.push(match o {
-                    Ok(id) => w.buffer(*id)?,
-                    Err(i) => &temps[d][*i],
-                });
-            }
-            refs.push(r);
-        }
-        w.rt.execute_replicated(exe, &refs)?
-    };
-    counters.executions.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    drop(temps);
-    Ok(outs
-        .into_iter()
-        .enumerate()
-        .map(|(d, bufs)| bufs.into_iter().map(|b| w.keep_on(b, d)).collect())
-        .collect())
-}
-
-/// A program that gives a buffer other dims (same elements, row-major).
-fn reshape_program(dtype: ElementType, from: &[i64], to: &[i64]) -> String {
-    let ty = |dims: &[i64]| crate::TensorType { dtype, dims: dims.to_vec() }.to_string();
-    let (a, b) = (ty(from), ty(to));
-    format!(
-        "module {{\n  func.func public @main(%x: {a}) -> {b} {{\n    %y = stablehlo.reshape %x : ({a}) -> {b}\n    return %y : {b}\n  }}\n}}\n"
-    )
 }

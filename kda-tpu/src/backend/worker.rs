@@ -14,7 +14,7 @@ use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::{JoinHandle, ThreadId};
 
-use super::options::PjrtOptions;
+use super::options::{PjrtOptions, Split};
 use crate::error::{Result, TpuError};
 use crate::kernels::KernelSpec;
 use crate::runtime::{DeviceBuffer, Executable, Runtime};
@@ -28,24 +28,24 @@ pub(crate) struct Worker {
     pub(crate) rt: Runtime,
     buffers: HashMap<u64, DeviceBuffer>,
     next_id: u64,
-    /// Kernel programs by (spec, kind, replicas, form).
-    pub(crate) programs: HashMap<(String, ProgramKind, usize, Form), Rc<Executable>>,
+    /// Kernel programs by (spec, kind, replicas, first device, form).
+    pub(crate) programs: HashMap<(String, ProgramKind, usize, usize, Split), Rc<Executable>>,
     /// Programs compiled for a caller ([`super::DeviceProgram`]), by id.
     pub(crate) user_programs: HashMap<u64, Rc<Executable>>,
 }
 
 impl Worker {
-    /// Keeps `buf` behind a new id.
-    pub(crate) fn keep(&mut self, buf: DeviceBuffer) -> BufferInfo {
-        self.keep_on(buf, 0)
-    }
-
     /// Keeps `buf`, which lives on device `device` of the handle, behind a new id.
     pub(crate) fn keep_on(&mut self, buf: DeviceBuffer, device: usize) -> BufferInfo {
         self.next_id += 1;
         let info = BufferInfo { id: self.next_id, dtype: buf.dtype(), dims: buf.dims().to_vec(), device };
         self.buffers.insert(self.next_id, buf);
         info
+    }
+
+    /// Drops the buffer behind `id` (an argument uploaded for one run).
+    pub(crate) fn forget(&mut self, id: u64) {
+        self.buffers.remove(&id);
     }
 
     /// The buffer behind `id`.
@@ -62,49 +62,30 @@ impl Worker {
         self.next_id
     }
 
-    /// The kernel program of `spec` and `kind`, compiled on first use; `true` when it was cached.
+    /// The kernel program of `spec` and `kind` in the form `split` for the replicas and devices
+    /// of `options`, compiled on first use; `true` when it was cached.
     pub(crate) fn kernel(
         &mut self,
         spec: &KernelSpec,
         kind: ProgramKind,
-        slab_options: &crate::runtime::CompileOptions,
+        options: &crate::runtime::CompileOptions,
+        split: Split,
     ) -> Result<(Rc<Executable>, bool)> {
-        self.kernel_form(spec, kind, slab_options, Form::Data)
-    }
-
-    /// [`Worker::kernel`] in the form `form` (data- or context-parallel over the replicas of
-    /// `options`).
-    pub(crate) fn kernel_form(
-        &mut self,
-        spec: &KernelSpec,
-        kind: ProgramKind,
-        slab_options: &crate::runtime::CompileOptions,
-        form: Form,
-    ) -> Result<(Rc<Executable>, bool)> {
-        let replicas = slab_options.replicas();
-        let key = (format!("{spec:?}"), kind, replicas, form);
+        let replicas = options.replicas();
+        let key = (format!("{spec:?}"), kind, replicas, options.first_device(), split);
         if let Some(x) = self.programs.get(&key) {
             return Ok((x.clone(), true));
         }
-        let text = match form {
-            Form::Data => crate::kernels::data_parallel_program(spec, kind, replicas)?,
-            Form::Context => {
+        let text = match split {
+            Split::Context => {
                 crate::kernels::context_parallel::context_parallel_program(spec, kind, replicas)?
             }
+            _ => crate::kernels::data_parallel_program(spec, kind, replicas)?,
         };
-        let exe = self.rt.compile_with(&text, slab_options)?;
+        let exe = self.rt.compile_with(&text, options)?;
         self.programs.insert(key, exe.clone());
         Ok((exe, false))
     }
-}
-
-/// How a kernel program spreads over its replicas (one replica: the plain program either way).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(crate) enum Form {
-    /// Rows per device; gate-parameter gradients all-reduced.
-    Data,
-    /// Pieces of every row per device; states and `dh` exchanged (spec section 10).
-    Context,
 }
 
 /// A buffer as the caller sees it: its id in the worker and its type.

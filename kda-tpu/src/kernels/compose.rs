@@ -19,7 +19,7 @@
 //! ```
 //! use kda_core::{BackwardStrategy, DType, HostTensor, KdaConfig, KdaInputs};
 //! use kda_tpu::hlo::{FnBuilder, Module};
-//! use kda_tpu::kernels::compose::{add_function, ProgramConfig};
+//! use kda_tpu::kernels::compose::add_function;
 //! use kda_tpu::kernels::interface::index_tables;
 //! use kda_tpu::{KernelSpec, ProgramKind};
 //!
@@ -32,8 +32,8 @@
 //! // The KDA forward as @kda_forward, and a @main that passes its arguments through and
 //! // returns `o` doubled.
 //! let mut module = Module::new();
-//! let kind = ProgramKind::Forward(false);
-//! let sig = add_function(&mut module, "kda_forward", &spec, kind, ProgramConfig::Cpu)?;
+//! let kind = ProgramKind::Forward(BackwardStrategy::Rematerialize);
+//! let sig = add_function(&mut module, "kda_forward", &spec, kind)?.signature;
 //! let mut main = FnBuilder::new("main", true);
 //! let args = sig.args.iter().map(|p| main.arg(p.ty.clone())).collect::<Result<Vec<_>, _>>()?;
 //! let outs = main.call("kda_forward", &args, &sig.result_types())?;
@@ -62,42 +62,31 @@ use super::spec::KernelSpec;
 use crate::hlo::Module;
 use crate::Result;
 
-/// How the program is laid out for its device; the caller chooses (nothing is inferred from a
-/// plugin here).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum ProgramConfig {
-    /// The CPU configuration: no slabs, all chunks' parallel work at once (fastest where memory
-    /// is plentiful).
-    #[default]
-    Cpu,
-    /// The TPU/GPU configuration: fused programs (and the forward) in slabs of this many chunk
-    /// positions ([`KernelSpec::with_slab`]; [`super::TPU_SLAB`] on TPU), bounding the live
-    /// intermediates to one slab's.
-    Slabs(usize),
+/// A KDA program emitted into a caller's module: its function name, the spec and kind it was
+/// built for, and its signature (what [`crate::PjrtBackend::bind`] lays out).
+#[derive(Debug, Clone, PartialEq)]
+pub struct KdaFunction {
+    /// The function's symbol (`@name`).
+    pub name: String,
+    /// The spec it computes (slabs included: the handle's configuration when the spec came
+    /// from [`crate::PjrtBackend::spec`]).
+    pub spec: KernelSpec,
+    /// Which program.
+    pub kind: ProgramKind,
+    /// Its arguments and results, in order.
+    pub signature: ProgramSignature,
 }
 
-impl ProgramConfig {
-    /// `spec` in this configuration.
-    pub fn apply(self, spec: &KernelSpec) -> KernelSpec {
-        match self {
-            ProgramConfig::Cpu => spec.clone().with_slab(0),
-            ProgramConfig::Slabs(n) => spec.clone().with_slab(n),
-        }
-    }
-}
-
-/// Emits program `kind` of `spec` (in `config`) into `module` as the private function `@name`
-/// and returns its signature; call it with `FnBuilder::call(name, &args, &sig.result_types())`
-/// from a function added to `module` afterwards.
+/// Emits program `kind` of `spec` into `module` as the private function `@name`; call it with
+/// `FnBuilder::call(name, &args, &f.signature.result_types())` from a function added to
+/// `module` afterwards.
 pub fn add_function(
     module: &mut Module,
     name: &str,
     spec: &KernelSpec,
     kind: ProgramKind,
-    config: ProgramConfig,
-) -> Result<ProgramSignature> {
-    let spec = config.apply(spec);
-    let (f, sig) = build(name, false, &spec, kind)?;
+) -> Result<KdaFunction> {
+    let (f, signature) = build(name, false, spec, kind)?;
     module.add(f)?;
-    Ok(sig)
+    Ok(KdaFunction { name: name.to_string(), spec: spec.clone(), kind, signature })
 }

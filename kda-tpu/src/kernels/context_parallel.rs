@@ -174,6 +174,22 @@ fn call_named(
     b.call(f, &args, &sig.result_types())
 }
 
+/// The signature of [`context_parallel_program`]: the kernel program's, then [`CP_ARGS`]
+/// (f32 `cont [B]`, `carry [B, N]`, `piece [D]`); a forward also returns `h0`, the entering
+/// states it used.
+pub fn signature(s: &KernelSpec, kind: ProgramKind, devices: usize) -> ProgramSignature {
+    let mut sig = ProgramSignature::of(s, kind);
+    let f32 = |d: &[i64]| TensorType::new(ElemType::F32, d);
+    let (b, n) = (s.b as i64, s.n as i64);
+    for (name, dims) in CP_ARGS.into_iter().zip([vec![b], vec![b, n], vec![devices as i64]]) {
+        sig.args.push(super::interface::Port { name, ty: f32(&dims) });
+    }
+    if let ProgramKind::Forward(_) = kind {
+        sig.results.push(super::interface::Port { name: "h0", ty: f32(&s.state_dims()) });
+    }
+    sig
+}
+
 /// The context-parallel program `kind` of the local spec `s` (with `h0`, final states
 /// and, for backward and fused programs, `dht`) for `devices` replicas. Arguments: the kernel
 /// program's, then [`CP_ARGS`]. Results: the kernel program's; a forward also returns the
@@ -189,7 +205,7 @@ pub fn context_parallel_program(s: &KernelSpec, kind: ProgramKind, devices: usiz
     let sk = KernelSpec { v: s.k, ..s.clone() };
     let same = sk == *s;
     let mut m = Module::new();
-    let fwd_kind = ProgramKind::Forward(false);
+    let fwd_kind = ProgramKind::Forward(BackwardStrategy::Rematerialize);
     // The backward transition runs: in slabs (the TPU configuration) the fused remat program,
     // whose backward re-runs one slab at a time; the standalone backward program computes every
     // chunk's terms at once, which at long pieces peaked well above the piece's own program.

@@ -26,7 +26,7 @@
 //!
 //! `dtype` is read as bf16 for bf16 and as f32 otherwise (f64 host data travels as f32).
 //! Results: the forward returns `o` (`dtype`), `[final_state]` (f32 `[B, N, H, K, V]`, with
-//! `final_state`) and `[h]` (f32 `[L, NT, K, V]`, `Forward(true)`); the backward `dq dk dv dg
+//! `final_state`) and `[h]` (f32 `[L, NT, K, V]`, `Forward(SavedState)`); the backward `dq dk dv dg
 //! dbeta [dh0] [da_log] [ddt_bias]` (each in its input's element type; `dh0` like `h0`,
 //! `da_log` and `ddt_bias` f32); the fused program the forward's `o [final_state]` and then the
 //! backward's results. Per-token results are flat: `o dq dk dv dg` are `[H*B*T, D]` and `dbeta`
@@ -50,8 +50,9 @@ use crate::{Result, TpuError};
 /// Which program of a spec.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ProgramKind {
-    /// Forward; `true` keeps `h` for the saved-state backward.
-    Forward(bool),
+    /// The forward for a backward strategy: `SavedState` also returns `h`, the state
+    /// entering every chunk, for the saved-state backward.
+    Forward(BackwardStrategy),
     /// Backward with a strategy.
     Backward(BackwardStrategy),
     /// Fused forward+VJP with a strategy.
@@ -150,7 +151,8 @@ impl ProgramSignature {
             }
         };
         match kind {
-            ProgramKind::Forward(keep_h) => {
+            ProgramKind::Forward(strategy) => {
+                let keep_h = strategy == BackwardStrategy::SavedState;
                 forward(&mut results);
                 if keep_h {
                     results.push(port("h", f32, &saved_h));
@@ -279,7 +281,7 @@ mod tests {
 
     use super::*;
     use crate::hlo::Module;
-    use crate::kernels::compose::{add_function, ProgramConfig};
+    use crate::kernels::compose::add_function;
     use crate::kernels::program;
 
     /// A small spec: 2 heads, 2 rows of 100 tokens (two chunks), K = 16, V = 8.
@@ -335,8 +337,8 @@ mod tests {
     fn kinds() -> Vec<ProgramKind> {
         use BackwardStrategy::*;
         vec![
-            ProgramKind::Forward(false),
-            ProgramKind::Forward(true),
+            ProgramKind::Forward(BackwardStrategy::Rematerialize),
+            ProgramKind::Forward(BackwardStrategy::SavedState),
             ProgramKind::Backward(SavedState),
             ProgramKind::Backward(Rematerialize),
             ProgramKind::Fused(SavedState),
@@ -417,18 +419,18 @@ mod tests {
         assert_eq!(names, ["o", "dq", "dk", "dv", "dg", "dbeta"]);
         assert_eq!(sig.arg_index("do"), Some(8));
         assert_eq!(sig.arg_index("h"), None);
-        let sig = ProgramSignature::of(&base(false), ProgramKind::Forward(true));
+        let sig = ProgramSignature::of(&base(false), ProgramKind::Forward(BackwardStrategy::SavedState));
         assert_eq!(sig.results[0].ty, TensorType::new(ElemType::F32, &[400, 8]));
         assert_eq!(sig.results[1].ty, TensorType::new(ElemType::F32, &[4, 2, 16, 8]));
     }
 
     #[test]
     fn add_function_emits_a_private_callee_with_the_signature() {
-        for config in [ProgramConfig::Cpu, ProgramConfig::Slabs(1)] {
-            let spec = base(true);
+        for slab in [0, 1] {
+            let spec = base(true).with_slab(slab);
             let kind = ProgramKind::Fused(BackwardStrategy::SavedState);
             let mut m = Module::new();
-            let sig = add_function(&mut m, "kda_vjp", &spec, kind, config).unwrap();
+            let sig = add_function(&mut m, "kda_vjp", &spec, kind).unwrap().signature;
             assert_eq!(sig, ProgramSignature::of(&spec, kind));
             let mut main = crate::hlo::FnBuilder::new("main", true);
             let args: Vec<_> = sig.args.iter().map(|p| main.arg(p.ty.clone()).unwrap()).collect();
@@ -436,19 +438,19 @@ mod tests {
             main.ret(&outs).unwrap();
             m.add(main).unwrap();
             let text = m.to_text();
-            assert!(text.contains("func.func private @kda_vjp("), "{config:?}");
+            assert!(text.contains("func.func private @kda_vjp("), "slab {slab}");
             assert_eq!(text.matches("func.func ").count(), 2, "no helper functions besides the callee");
             assert_eq!(declared(&text, "kda_vjp"), declared(&text, "main"));
             // The function body is the program's: same text apart from the name and visibility.
-            let own = program(&config.apply(&spec), kind).unwrap();
+            let own = program(&spec, kind).unwrap();
             let body = |t: &str, head: &str| -> String {
                 let start = t.find(head).unwrap();
                 let end = start + t[start..].find("\n  }\n").unwrap();
                 t[start..end].split_once('\n').unwrap().1.to_string()
             };
-            assert_eq!(body(&text, "@kda_vjp("), body(&own, "@main("), "{config:?}");
+            assert_eq!(body(&text, "@kda_vjp("), body(&own, "@main("), "slab {slab}");
             // A second function of that name is refused.
-            assert!(add_function(&mut m, "kda_vjp", &spec, kind, config).is_err());
+            assert!(add_function(&mut m, "kda_vjp", &spec, kind).is_err());
         }
     }
 
@@ -517,7 +519,7 @@ mod tests {
             let spec = KernelSpec::of_inputs(&x, false).unwrap();
             assert_eq!(spec.packed_chunks.is_some(), segments.is_some());
             let got = index_tables(&spec, x.segments.as_ref()).unwrap();
-            let sig = ProgramSignature::of(&spec, ProgramKind::Forward(false));
+            let sig = ProgramSignature::of(&spec, ProgramKind::Forward(BackwardStrategy::Rematerialize));
             let want = backend_tables(&x, &spec);
             assert_eq!(got.len(), want.len());
             for (table, (data, dims)) in got.iter().zip(&want) {

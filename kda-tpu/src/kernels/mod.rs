@@ -18,6 +18,24 @@ pub use programs::{
 };
 pub use spec::{on_device, KernelSpec, CHUNK, SUB, TPU_SLAB};
 
+/// The names of the host-built index-table arguments, in signature order.
+pub const TABLE_NAMES: [&str; 5] = ["chunk_first", "chunk_last", "chunk_slot", "slot_token", "token_slot"];
+
+/// The signature of program `kind` of `spec` as the backend runs it on `devices` replicas:
+/// [`ProgramSignature::of`], or in the context-parallel form
+/// [`context_parallel::signature`].
+pub fn signature(
+    spec: &KernelSpec,
+    kind: ProgramKind,
+    context: bool,
+    devices: usize,
+) -> crate::Result<ProgramSignature> {
+    Ok(match context {
+        true => context_parallel::signature(spec, kind, devices),
+        false => ProgramSignature::of(spec, kind),
+    })
+}
+
 /// Programs holding one building block each, at a given chunk count, for profiling the kernels
 /// piece by piece (`examples/parts.rs`). Not part of the stable API.
 #[doc(hidden)]

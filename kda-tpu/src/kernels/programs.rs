@@ -441,7 +441,9 @@ pub(crate) fn build(
     f.set_dot_precision(crate::hlo::Precision::Highest);
     let d = Declared::new(&mut f, s, kind)?;
     let outs = match kind {
-        ProgramKind::Forward(keep_h) => forward_body(&mut f, s, &d, keep_h)?,
+        ProgramKind::Forward(strategy) => {
+            forward_body(&mut f, s, &d, strategy == kda_core::BackwardStrategy::SavedState)?
+        }
         ProgramKind::Backward(strategy) => backward_body(&mut f, s, &d, strategy)?,
         ProgramKind::Fused(strategy) => fused_body(&mut f, s, &d, strategy)?,
     };
@@ -498,7 +500,11 @@ pub fn data_parallel_program(s: &KernelSpec, kind: ProgramKind, replicas: usize)
 /// With slabs (`s.slab`, the TPU configuration) it runs as `forward_slabs`; otherwise the
 /// chunk terms are computed for all chunks at once.
 pub fn forward_program(s: &KernelSpec, keep_h: bool) -> Result<String> {
-    program(s, ProgramKind::Forward(keep_h))
+    let strategy = match keep_h {
+        true => kda_core::BackwardStrategy::SavedState,
+        false => kda_core::BackwardStrategy::Rematerialize,
+    };
+    program(s, ProgramKind::Forward(strategy))
 }
 
 fn forward_body(f: &mut FnBuilder, s: &KernelSpec, d: &Declared, keep_h: bool) -> Result<Vec<Value>> {

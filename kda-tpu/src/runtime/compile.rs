@@ -29,6 +29,7 @@ pub enum XlaOption {
 pub struct CompileOptions {
     overrides: BTreeMap<String, XlaOption>,
     replicas: usize,
+    first_device: usize,
 }
 
 impl CompileOptions {
@@ -43,6 +44,17 @@ impl CompileOptions {
     pub fn with_replicas(mut self, n: usize) -> Self {
         self.replicas = n;
         self
+    }
+    /// Assigns the replicas to the runtime's devices from `device` on (a one-replica program
+    /// for device 3, say); 0, the default, leaves a one-replica program to pjrt's default
+    /// device (the first).
+    pub fn on_devices_from(mut self, device: usize) -> Self {
+        self.first_device = device;
+        self
+    }
+    /// The first device the replicas are assigned to.
+    pub fn first_device(&self) -> usize {
+        self.first_device
     }
     /// How many replicas the program is compiled for (at least 1).
     pub fn replicas(&self) -> usize {
@@ -74,7 +86,7 @@ impl CompileOptions {
     /// their count and the assignment to `device_ids` (the runtime's devices, in order).
     pub(crate) fn to_pjrt(&self, device_ids: &[i64]) -> pjrt::CompileOptions {
         let mut options = pjrt::CompileOptions::new();
-        if self.replicas() > 1 {
+        if self.replicas() > 1 || self.first_device > 0 {
             let n = self.replicas();
             let build = options.proto_mut().executable_build_options.get_or_insert_with(Default::default);
             build.num_replicas = n as i64;
@@ -83,7 +95,7 @@ impl CompileOptions {
                 replica_count: n as i32,
                 computation_count: 1,
                 computation_devices: vec![device_assignment_proto::ComputationDevice {
-                    replica_device_ids: device_ids.iter().take(n).copied().collect(),
+                    replica_device_ids: device_ids.iter().skip(self.first_device).take(n).copied().collect(),
                 }],
             });
         }

@@ -195,7 +195,7 @@ impl Runtime {
 
     /// Compiles StableHLO text; a second call with the same text and options returns the cached one.
     pub fn compile_with(&self, program: &str, options: &CompileOptions) -> Result<Rc<Executable>> {
-        if options.replicas() > self.devices.len() {
+        if options.first_device() + options.replicas() > self.devices.len() {
             return Err(TpuError::unsupported(
                 "replicas",
                 format!(

@@ -78,7 +78,7 @@ pub fn run(o: &AotOptions) -> Result<(), String> {
                     )
                     .map_err(err)?
                 } else {
-                    PjrtBackend::program_text(&spec, kind(program)).map_err(err)?
+                    kda_tpu::kernels::program(&spec, kind(program)).map_err(err)?
                 };
                 crate::progress::step(
                     "aot",

@@ -8,16 +8,20 @@ use crate::bench::{
 use crate::machine::Machine;
 use kda_core::{BackwardStrategy, DType};
 use kda_testkit::{benchmark_cases, case_data, Case, CaseSegments};
-use kda_tpu::{DeviceCall, DeviceTensor, PjrtBackend, ProgramKind, TpuCompiler};
+use kda_tpu::backend::harness::DeviceCall;
+use kda_tpu::{DeviceTensor, PjrtBackend, ProgramKind, TpuCompiler};
 use std::time::Instant;
 
 /// The programs a variant runs, with their names in the report.
 fn programs(variant: Variant) -> Vec<(&'static str, ProgramKind)> {
     use BackwardStrategy::{Rematerialize, SavedState};
     match variant {
-        Variant::Forward => vec![("forward", ProgramKind::Forward(false))],
+        Variant::Forward => vec![("forward", ProgramKind::Forward(BackwardStrategy::Rematerialize))],
         Variant::Baseline => {
-            vec![("forward", ProgramKind::Forward(true)), ("backward", ProgramKind::Backward(SavedState))]
+            vec![
+                ("forward", ProgramKind::Forward(BackwardStrategy::SavedState)),
+                ("backward", ProgramKind::Backward(SavedState)),
+            ]
         }
         Variant::FusedSavedState => vec![("fused", ProgramKind::Fused(SavedState))],
         Variant::FusedRemat => vec![("fused", ProgramKind::Fused(Rematerialize))],
@@ -58,7 +62,7 @@ impl Measure<'_> {
                     );
                     // What a TPU runs: fused programs in slabs (`PjrtBackend` off the CPU plugin).
                     let tpu_spec = spec.clone().with_slab(kda_tpu::kernels::TPU_SLAB);
-                    let text = PjrtBackend::program_text(&tpu_spec, kind).map_err(err)?;
+                    let text = kda_tpu::kernels::program(&tpu_spec, kind).map_err(err)?;
                     let f = compile_aot(c, &text, TOPOLOGY)
                         .map_err(|e| format!("{label}: {TOPOLOGY} compile: {e}"))?;
                     if f.cached {
@@ -85,11 +89,11 @@ impl Measure<'_> {
             match variant {
                 Variant::Baseline => {
                     let (mut fwd, bwd) =
-                        self.be.run_staged(self.call, BackwardStrategy::SavedState).map_err(err)?;
+                        self.call.run_staged(self.be, BackwardStrategy::SavedState).map_err(err)?;
                     fwd.extend(bwd);
                     Ok(fwd)
                 }
-                _ => self.be.run_program(self.call, kind, None).map_err(err),
+                _ => self.call.run(self.be, kind, None).map_err(err),
             }
         };
         crate::progress::step("bench", format_args!("{label}: warm-up run..."));
@@ -140,15 +144,14 @@ fn measure_api(
     data: &kda_testkit::CaseData,
     iterations: usize,
 ) -> Result<Vec<BenchRecord>, String> {
-    use kda_core::Backend;
     let label = format!("{} api {dtype}", case.name);
     let strategy = BackwardStrategy::SavedState;
     let kind = ProgramKind::Fused(strategy);
-    let call = be.upload_call(&data.inputs, Some(&data.cotangents)).map_err(err)?;
+    let call = DeviceCall::upload(be, &data.inputs, Some(&data.cotangents)).map_err(err)?;
     crate::progress::step("bench", format_args!("{label}: compiling the fused program..."));
     be.prepare(call.spec(), &[kind]).map_err(err)?;
-    let x = be.upload_inputs(&data.inputs).map_err(err)?;
-    let c = be.upload_cotangents(&data.cotangents, call.problem()).map_err(err)?;
+    let x = be.to_device(&data.inputs, 0).map_err(err)?;
+    let c = be.to_device(&data.cotangents, 0).map_err(err)?;
     let (outputs, grads) = be.forward_and_vjp(&data.inputs, &data.cotangents, strategy).map_err(err)?;
     let mut host: Vec<&kda_core::HostTensor> = vec![&data.inputs.q, &data.inputs.k, &data.inputs.v];
     host.extend([&data.inputs.g, &data.inputs.beta, &data.cotangents.d_o, &outputs.o]);
@@ -166,8 +169,8 @@ fn measure_api(
         for (i, v) in variants.iter().enumerate() {
             let t = Instant::now();
             match v {
-                Variant::FusedSavedState => drop(be.run_program(&call, kind, None).map_err(err)?),
-                Variant::DeviceApi => drop(be.forward_and_vjp_device(&x, &c, strategy).map_err(err)?),
+                Variant::FusedSavedState => drop(call.run(be, kind, None).map_err(err)?),
+                Variant::DeviceApi => drop(be.forward_and_vjp(&x, &c, strategy).map_err(err)?),
                 Variant::HostApi => {
                     drop(be.forward_and_vjp(&data.inputs, &data.cotangents, strategy).map_err(err)?)
                 }
@@ -255,13 +258,15 @@ fn device_memory(
     );
     let rt = kda_tpu::Runtime::with_devices(n).map_err(err)?;
     let t = Instant::now();
-    let exe = rt.compile_with(&cp_text(n, 0)?, &cp.compile_options(kind).with_replicas(n)).map_err(err)?;
+    let exe = rt
+        .compile_with(&cp_text(n, 0)?, &kda_tpu::backend::harness::compile_options(cp, kind).with_replicas(n))
+        .map_err(err)?;
     let cp_compile_ms = ms(t.elapsed());
     let cp_cpu = memory(&rt.memory_stats(&exe).map_err(err)?);
     let (single_tpu, cp_tpu) = match tpu {
         None => (None, None),
         Some(c) => {
-            let text = PjrtBackend::program_text(&spec.clone().with_slab(TPU_SLAB), kind).map_err(err)?;
+            let text = kda_tpu::kernels::program(&spec.clone().with_slab(TPU_SLAB), kind).map_err(err)?;
             let single = tpu_figures(c, &text, 1, label)?;
             let many = tpu_figures(c, &cp_text(TPU_CP_DEVICES, TPU_SLAB)?, TPU_CP_DEVICES, label)?;
             (Some(single), Some(many))
@@ -297,7 +302,6 @@ fn measure_devices(
     dtype: DType,
     iterations: usize,
 ) -> Result<Vec<BenchRecord>, String> {
-    use kda_core::Backend;
     let strategy = BackwardStrategy::SavedState;
     let packed = Case {
         segments: CaseSegments::Lengths(vec![kda_testkit::cases::balanced(case.t, case.t / 256)]),
@@ -351,7 +355,6 @@ fn threads_throughput(
     data: &kda_testkit::CaseData,
     iterations: usize,
 ) -> Result<(), String> {
-    use kda_core::Backend;
     for n in [1usize, 2, 8] {
         let t = Instant::now();
         std::thread::scope(|scope| -> Result<(), String> {
@@ -447,7 +450,7 @@ pub fn run(opts: &BenchOptions, args: &[String]) -> Result<(), String> {
                     continue;
                 }
                 let cot = (suite != Suite::Forward).then_some(&data.cotangents);
-                let call = be.upload_call(&data.inputs, cot).map_err(err)?;
+                let call = DeviceCall::upload(&be, &data.inputs, cot).map_err(err)?;
                 let m = Measure { be: &be, tpu: tpu.as_ref(), call: &call, iterations: opts.iterations };
                 for variant in suite.variants(opts.baseline) {
                     records.push(m.run(suite, variant, &case, dtype)?);

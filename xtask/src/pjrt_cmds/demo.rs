@@ -3,8 +3,9 @@
 //! same in the TPU configuration (the fused program in slabs).
 
 use super::{backend_label, err, ms};
-use kda_core::{Backend, BackwardStrategy, DType, HostTensor};
+use kda_core::{BackwardStrategy, DType, HostTensor};
 use kda_testkit::{agreement, rms_limit, Quantity};
+use kda_tpu::backend::harness::DeviceCall;
 use kda_tpu::ProgramKind;
 use std::time::Instant;
 
@@ -44,11 +45,11 @@ pub fn run() -> Result<(), String> {
     let (outputs, grads) = result.ok_or("no run")?;
     let api = median(times);
     println!("  forward_and_vjp (Backend API, host transfers included): median {api:.1} ms of {RUNS} runs");
-    let call = be.upload_call(&data.inputs, Some(&data.cotangents)).map_err(err)?;
+    let call = DeviceCall::upload(&be, &data.inputs, Some(&data.cotangents)).map_err(err)?;
     let mut device = Vec::with_capacity(RUNS);
     for _ in 0..RUNS {
         let t = Instant::now();
-        let out = be.run_program(&call, ProgramKind::Fused(strategy), None).map_err(err)?;
+        let out = call.run(&be, ProgramKind::Fused(strategy), None).map_err(err)?;
         device.push(ms(t.elapsed()));
         drop(out);
     }

@@ -26,8 +26,8 @@ pub fn ms(d: Duration) -> f64 {
 /// The backend's `ProgramKind` of a program name.
 pub fn kind(p: Program) -> ProgramKind {
     match p {
-        Program::Forward => ProgramKind::Forward(false),
-        Program::ForwardSavedState => ProgramKind::Forward(true),
+        Program::Forward => ProgramKind::Forward(BackwardStrategy::Rematerialize),
+        Program::ForwardSavedState => ProgramKind::Forward(BackwardStrategy::SavedState),
         Program::FusedSavedState => ProgramKind::Fused(BackwardStrategy::SavedState),
         Program::FusedRemat => ProgramKind::Fused(BackwardStrategy::Rematerialize),
         Program::BackwardSavedState => ProgramKind::Backward(BackwardStrategy::SavedState),
@@ -183,13 +183,13 @@ fn parse_cached(s: &str) -> Option<AotFigures> {
 /// run and page faults take about half the time of a fused call; a training program would turn
 /// it on for the same reason (see `kda_tpu::runtime::host_memory`).
 pub fn timing_backend() -> Result<PjrtBackend, String> {
-    PjrtBackend::options().retain_host_memory(true).build().map_err(|e| e.to_string())
+    kda_tpu::PjrtOptions::new().retain_host_memory(true).build().map_err(|e| e.to_string())
 }
 
 /// `pjrt-cpu (PJRT API 0.115, pjrt_c_api_cpu_plugin.so)`.
 pub fn backend_label(be: &PjrtBackend) -> String {
-    let (major, minor) = be.plugin_version();
-    let file = be.plugin_path().file_name().unwrap_or(be.plugin_path().as_os_str());
+    let (path, (major, minor)) = be.plugin();
+    let file = path.file_name().unwrap_or(path.as_os_str());
     format!("{} (PJRT API {major}.{minor}, {})", be.name(), file.to_string_lossy())
 }
 
