@@ -227,7 +227,6 @@ pub fn run(args: &[String]) -> Result<(), String> {
             .devices(opts.devices)
             .split(kda_tpu::Split::Context)
             .build()
-            .map_err(kda_core::KdaError::from)
             .and_then(|b| run_with(&b, &opts)),
         #[cfg(not(feature = "pjrt"))]
         "pjrt" => {

@@ -195,7 +195,7 @@ impl Worker {
 impl PjrtBackend {
     /// A backend with default [`PjrtOptions`]: `$KDA_PJRT_PLUGIN`, else `$KDA_HOME`'s CPU plugin.
     pub fn new() -> kda_core::Result<Self> {
-        PjrtOptions::new().build().map_err(e)
+        PjrtOptions::new().build()
     }
 
     pub(crate) fn start(options: PjrtOptions) -> Result<Self> {

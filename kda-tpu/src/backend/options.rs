@@ -50,7 +50,7 @@ pub enum Split {
 ///     .compile_cache(CompileCache::Dir("/tmp/kda-cache".into()))
 ///     .retain_host_memory(true) // glibc tuning for the CPU plugin; process-wide, off by default
 ///     .build()?;
-/// # Ok::<(), kda_tpu::TpuError>(())
+/// # Ok::<(), kda_core::KdaError>(())
 /// ```
 #[derive(Debug, Clone, Default)]
 pub struct PjrtOptions {
@@ -123,9 +123,10 @@ impl PjrtOptions {
         self
     }
 
-    /// Starts the handle: a worker thread loads the plugin and owns the client.
-    pub fn build(self) -> Result<PjrtBackend> {
-        PjrtBackend::start(self)
+    /// Starts the handle: a worker thread loads the plugin and owns the client. A failure is a
+    /// `KdaError` whose source is the plugin's `TpuError`.
+    pub fn build(self) -> kda_core::Result<PjrtBackend> {
+        PjrtBackend::start(self).map_err(kda_core::KdaError::from)
     }
 
     /// The split asked for.

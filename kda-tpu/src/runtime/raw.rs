@@ -337,8 +337,17 @@ impl RawApi {
             d.event = event;
             let _: Result<()> = (|| call!(self, PJRT_Event_Destroy, &mut d))();
         }
+        let missing = outputs.iter().flatten().any(|p| p.is_null());
+        if first_err.is_err() || missing {
+            // No caller will own these: free what the plugin did return.
+            for &p in outputs.iter().flatten().filter(|p| !p.is_null()) {
+                let mut d = PJRT_Buffer_Destroy_Args::new();
+                d.buffer = p;
+                let _: Result<()> = (|| call!(self, PJRT_Buffer_Destroy, &mut d))();
+            }
+        }
         first_err?;
-        if outputs.iter().flatten().any(|p| p.is_null()) {
+        if missing {
             return Err(raw_err(
                 "PJRT_LoadedExecutable_Execute",
                 "a device returned no buffer for an output",
