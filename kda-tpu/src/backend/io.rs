@@ -33,9 +33,13 @@ pub(crate) mod sealed {
     /// What [`super::HostSide`] needs of a record, out of the public API.
     pub trait HostRecord {
         /// The shape rules (before anything is copied) and how the tensors travel.
-        fn travel(&self) -> kda_core::Result<Travel>;
+        fn travel(&self) -> kda_core::Result<Travel> {
+            Ok(Travel::default())
+        }
         /// The value rules, run while the tensors are copied.
-        fn check_values(&self) -> kda_core::Result<()>;
+        fn check_values(&self) -> kda_core::Result<()> {
+            Ok(())
+        }
     }
 }
 
@@ -45,14 +49,7 @@ pub(crate) mod sealed {
 pub trait HostSide: Tensors<HostTensor> + sealed::HostRecord {}
 impl<S: Tensors<HostTensor> + sealed::HostRecord> HostSide for S {}
 
-impl sealed::HostRecord for HostTensor {
-    fn travel(&self) -> kda_core::Result<sealed::Travel> {
-        Ok(sealed::Travel::default())
-    }
-    fn check_values(&self) -> kda_core::Result<()> {
-        Ok(())
-    }
-}
+impl sealed::HostRecord for HostTensor {}
 
 impl sealed::HostRecord for KdaInputs {
     fn travel(&self) -> kda_core::Result<sealed::Travel> {
@@ -66,31 +63,14 @@ impl sealed::HostRecord for KdaInputs {
 }
 
 impl sealed::HostRecord for Cotangents {
-    fn travel(&self) -> kda_core::Result<sealed::Travel> {
-        Ok(sealed::Travel::default())
-    }
     fn check_values(&self) -> kda_core::Result<()> {
         Cotangents::check_values(self)
     }
 }
 
-impl sealed::HostRecord for KdaOutputs {
-    fn travel(&self) -> kda_core::Result<sealed::Travel> {
-        Ok(sealed::Travel::default())
-    }
-    fn check_values(&self) -> kda_core::Result<()> {
-        Ok(())
-    }
-}
+impl sealed::HostRecord for KdaOutputs {}
 
-impl sealed::HostRecord for KdaGradients {
-    fn travel(&self) -> kda_core::Result<sealed::Travel> {
-        Ok(sealed::Travel::default())
-    }
-    fn check_values(&self) -> kda_core::Result<()> {
-        Ok(())
-    }
-}
+impl sealed::HostRecord for KdaGradients {}
 
 impl<S: sealed::HostRecord> sealed::HostRecord for Vec<S> {
     fn travel(&self) -> kda_core::Result<sealed::Travel> {
@@ -110,14 +90,15 @@ impl<S: sealed::HostRecord> sealed::HostRecord for Vec<S> {
 /// The record names of per-token tensors (tagged with the inputs' layout).
 const PER_TOKEN: [&str; 5] = ["q", "k", "v", "g", "beta"];
 /// The record names of tensors that live in f32 on the device.
-const F32_ON_DEVICE: [&str; 7] = ["initial_state", "a_log", "dt_bias", "dht", "final_state", "dh0", "da_log"];
+const F32_ON_DEVICE: [&str; 8] =
+    ["initial_state", "a_log", "dt_bias", "dht", "final_state", "dh0", "da_log", "ddt_bias"];
 
 /// How the tensor `name` of a record travels.
 fn travel_of(name: &str, travel: sealed::Travel) -> fn(&HostTensor) -> Upload {
     if name == "beta" && travel.beta == Some(DType::BF16) {
         return |t| if t.dtype() == DType::BF16 { Upload::of(t) } else { Upload::owned(t.cast(DType::BF16)) };
     }
-    if (name == "beta" && travel.beta.is_some()) || F32_ON_DEVICE.contains(&name) || name == "ddt_bias" {
+    if (name == "beta" && travel.beta.is_some()) || F32_ON_DEVICE.contains(&name) {
         return |t| if t.dtype() == DType::F32 { Upload::of(t) } else { Upload::owned(t.cast(DType::F32)) };
     }
     Upload::of
