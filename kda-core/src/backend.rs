@@ -1,4 +1,4 @@
-//! The trait every backend implements (spec section 5).
+//! The trait every backend implements (docs/kda.md, Strategies).
 
 use crate::config::BackwardStrategy;
 use crate::error::Result;

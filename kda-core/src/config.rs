@@ -3,7 +3,7 @@
 use crate::shape::Layout;
 use crate::tensor::HostTensor;
 
-/// How the per-channel log-decay `g` is produced (spec section 2).
+/// How the per-channel log-decay `g` is produced (docs/kda.md, Tensors).
 #[derive(Debug, Clone, PartialEq, Default)]
 pub enum GateMode<T = HostTensor> {
     /// `g` is already `ln(alpha)` (the default).
@@ -85,7 +85,11 @@ pub const L2NORM_EPS: f64 = 1e-6;
 /// The largest key width any backend supports.
 pub const MAX_K: usize = 256;
 
-/// What the forward keeps for the backward (spec section 5).
+/// Tokens per chunk of the chunked algorithm (docs/kda.md, Chunks): the one chunk size of every
+/// program, plan and checkpoint interval in the workspace.
+pub const CHUNK: usize = 64;
+
+/// What the forward keeps for the backward (docs/kda.md, Strategies).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum BackwardStrategy {
     /// Keep the state entering every chunk; the backward never re-runs the recurrence.

@@ -1,10 +1,11 @@
 //! The contract of Kimi Delta Attention kernels: shapes, layouts, dtypes, options, segment
 //! metadata, validated problems, typed errors and the [`Backend`] trait.
 //!
-//! The math and conventions follow `KDA_SPEC.md` (sections 1-3 and 6); every violation of the
+//! The math and conventions are those of `docs/kda.md` (Recurrence, Tensors, Packing, Shapes); every violation of the
 //! contract is a [`KdaError`] that names the argument, what was expected and what came.
 
 #![warn(missing_docs)]
+#![forbid(unsafe_code)]
 
 mod backend;
 mod config;
@@ -17,7 +18,7 @@ mod shape;
 mod tensor;
 
 pub use backend::{Backend, Residuals};
-pub use config::{BackwardStrategy, GateKind, GateMode, KdaConfig, L2NORM_EPS, MAX_K};
+pub use config::{BackwardStrategy, GateKind, GateMode, KdaConfig, CHUNK, L2NORM_EPS, MAX_K};
 pub use dtype::DType;
 pub use error::{ErrorKind, ErrorSource, KdaError, Result};
 pub use half::bf16;

@@ -1,4 +1,4 @@
-//! Validation: the contract of spec sections 2, 3 and 6 turned into typed errors, and the
+//! Validation: the contract of docs/kda.md, Tensors, Packing and Shapes turned into typed errors, and the
 //! validated [`Problem`] that backends work from.
 
 use crate::config::{GateKind, KdaConfig, MAX_K};

@@ -1,4 +1,4 @@
-//! Packed-sequence metadata (spec section 3) and its validated form.
+//! Packed-sequence metadata (docs/kda.md, Packing) and its validated form.
 
 use crate::error::{KdaError, Result};
 use std::ops::Range;

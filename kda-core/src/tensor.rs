@@ -83,10 +83,10 @@ impl HostTensor {
     }
     /// A tensor of `dtype` from f64 values, rounding each to the dtype.
     pub fn from_f64_as(shape: &[usize], data: &[f64], dtype: DType) -> Result<Self> {
-        let data = match dtype {
-            DType::F64 => TensorData::F64(data.to_vec()),
+        let data = match host_dtype(dtype)? {
             DType::F32 => TensorData::F32(data.iter().map(|&x| x as f32).collect()),
             DType::BF16 => TensorData::BF16(data.iter().map(|&x| bf16::from_f64(x)).collect()),
+            _ => TensorData::F64(data.to_vec()),
         };
         Self::new(shape, data)
     }
@@ -94,6 +94,7 @@ impl HostTensor {
     /// than one allocation can: the checked form of [`HostTensor::zeros`] for untrusted shapes.
     pub fn try_zeros(shape: &[usize], dtype: DType) -> Result<Self> {
         let n = element_count(shape)?;
+        let dtype = host_dtype(dtype)?;
         let max = isize::MAX as usize / dtype.size_bytes();
         if n > max {
             return Err(KdaError::unsupported(
@@ -103,9 +104,9 @@ impl HostTensor {
             ));
         }
         let data = match dtype {
-            DType::F64 => TensorData::F64(vec![0.0; n]),
             DType::F32 => TensorData::F32(vec![0.0; n]),
             DType::BF16 => TensorData::BF16(vec![bf16::ZERO; n]),
+            _ => TensorData::F64(vec![0.0; n]),
         };
         Ok(Self { shape: Shape::from_slice(shape), data })
     }
@@ -198,21 +199,22 @@ impl HostTensor {
             TensorData::BF16(v) => v.iter().map(|x| x.to_f32()).collect(),
         }
     }
-    /// The same values in another dtype (round to nearest even when narrowing).
-    pub fn cast(&self, dtype: DType) -> HostTensor {
+    /// The same values in another float dtype (round to nearest even when narrowing); an
+    /// `Unsupported` error for a dtype host tensors do not hold.
+    pub fn cast(&self, dtype: DType) -> Result<HostTensor> {
         if dtype == self.dtype() {
-            return self.clone();
+            return Ok(self.clone());
         }
-        let data = match dtype {
-            DType::F64 => TensorData::F64(self.to_f64_vec()),
+        let data = match host_dtype(dtype)? {
             DType::F32 => TensorData::F32(self.to_f32_vec()),
             DType::BF16 => TensorData::BF16(match &self.data {
                 TensorData::F64(v) => v.iter().map(|&x| bf16::from_f64(x)).collect(),
                 TensorData::F32(v) => v.iter().map(|&x| bf16::from_f32(x)).collect(),
                 TensorData::BF16(v) => v.clone(),
             }),
+            _ => TensorData::F64(self.to_f64_vec()),
         };
-        HostTensor { shape: self.shape.clone(), data }
+        Ok(HostTensor { shape: self.shape.clone(), data })
     }
     /// The same data under another shape with the same element count.
     pub fn reshape(&self, shape: &[usize]) -> Result<HostTensor> {
@@ -366,6 +368,15 @@ impl HostTensor {
             )),
         };
         HostTensor::new(&shape, data)
+    }
+}
+
+/// `Ok(dtype)` for the float dtypes host tensors hold; otherwise an `Unsupported` error.
+fn host_dtype(dtype: DType) -> Result<DType> {
+    if dtype.is_float() {
+        Ok(dtype)
+    } else {
+        Err(KdaError::unsupported("dtype", "a host tensor of f32, bf16 or f64", dtype.to_string()))
     }
 }
 

@@ -1,4 +1,4 @@
-//! Packed (variable-length) batches for Kimi Delta Attention (spec sections 3 and 4): the chunk
+//! Packed (variable-length) batches for Kimi Delta Attention (docs/kda.md, Packing and Chunks): the chunk
 //! plan, segment loading into the chunk-aligned layout and gradient compaction back out of it.
 //!
 //! Every segment starts a new chunk of `C` tokens. The aligned layout of a per-token tensor is
@@ -7,6 +7,7 @@
 //! numbered `b * T + t` in the `i32` index tables that device programs use.
 
 #![warn(missing_docs)]
+#![forbid(unsafe_code)]
 
 mod compact;
 mod cotangents;
@@ -30,7 +31,7 @@ pub use load::{
     load_with_tables,
 };
 pub use pieces::{Part, PiecePlan};
-pub use plan::{check_chunk_size, ChunkInfo, SegmentInfo, SegmentPlan, CHUNK_SIZES, DEFAULT_CHUNK_SIZE};
+pub use plan::{check_chunk_size, ChunkInfo, SegmentInfo, SegmentPlan, CHUNK_SIZES};
 pub use segment_view::{segment_state, segment_tensor, write_segment, write_segment_state};
 pub use static_plan::{StaticCapacity, StaticPlan};
 pub use tables::{IndexTables, SENTINEL};

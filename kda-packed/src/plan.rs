@@ -1,14 +1,11 @@
-//! The exact chunk plan of a packed batch: every segment starts a new chunk (spec section 4).
+//! The exact chunk plan of a packed batch: every segment starts a new chunk (docs/kda.md, Chunks).
 
 use crate::tables::IndexTables;
 use kda_core::{KdaError, Result, SegmentTable, Segments};
 use std::ops::Range;
 
-/// The chunk size of the spec (section 4).
-pub const DEFAULT_CHUNK_SIZE: usize = 64;
-
-/// The chunk sizes this crate plans for (16 and 32 are for tests).
-pub const CHUNK_SIZES: [usize; 3] = [16, 32, 64];
+/// The chunk sizes this crate plans for: [`kda_core::CHUNK`], and 16 and 32 for tests.
+pub const CHUNK_SIZES: [usize; 3] = [16, 32, kda_core::CHUNK];
 
 /// `Ok(c)` when `c` is one of [`CHUNK_SIZES`]; otherwise an `Unsupported` error naming the limit.
 pub fn check_chunk_size(c: usize) -> Result<usize> {

@@ -148,7 +148,7 @@ fn compaction_and_gather_agree_on_tensors(#[case] dtype: DType) {
             let tables = plan.index_tables().expect("tables");
             let gathered = gather_tensor(&tables, layout, &aligned).expect("gather");
             assert_eq!(compacted.shape(), packed.shape());
-            // Bit-exact in every dtype: stronger than the spec's 1e-7 absolute for f32.
+            // Bit-exact in every dtype: stronger than docs/kda.md's 1e-7 absolute for f32.
             assert_eq!(compacted.as_bytes(), gathered.as_bytes(), "bit-exact");
             let via_tables = load_tensor_with_tables(&tables, layout, &packed).expect("table load");
             assert_eq!(via_tables, aligned);

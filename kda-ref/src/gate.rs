@@ -1,4 +1,4 @@
-//! Gate activations (spec section 2) and their derivatives, in f64.
+//! Gate activations (docs/kda.md, Tensors) and their derivatives, in f64.
 
 use kda_core::GateKind;
 

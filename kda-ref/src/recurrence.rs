@@ -1,12 +1,12 @@
-//! The token recurrence of spec section 1 and its exact reverse-mode adjoint, in f64.
+//! The token recurrence of docs/kda.md, Recurrence and its exact reverse-mode adjoint, in f64.
 //!
 //! Per token: `S <- Diag(exp g) S`; `S <- S + beta k (v - S^T k)^T`; `o = S^T (scale q)`.
 //! The state is `K x V`, row-major (row = key channel).
 
 use crate::prepare::Prepared;
 
-/// Tokens between two saved states in the backward (the chunk size of spec section 4).
-pub(crate) const CHECKPOINT_EVERY: usize = 64;
+/// Tokens between two saved states in the backward: one chunk.
+pub(crate) const CHECKPOINT_EVERY: usize = kda_core::CHUNK;
 
 /// One token of one sequence, borrowed from the prepared tensors.
 struct Token<'a> {

@@ -1,4 +1,4 @@
-//! The shared case table: spec section 6 (singleton and shape cases), packed segmentations,
+//! The shared case table: docs/kda.md, Shapes (singleton and shape cases), packed segmentations,
 //! hard numerics and the benchmark shapes. Every backend runs all of it.
 
 use kda_core::Layout;
@@ -300,7 +300,7 @@ pub fn all_cases() -> Vec<Case> {
     CASE_NAMES.iter().filter_map(|n| case(n)).collect()
 }
 
-/// The benchmark shapes of spec section 8 (primary first).
+/// The benchmark shapes of docs/kda.md, Benchmarks (primary first).
 pub fn benchmark_cases() -> Vec<Case> {
     let primary = Case {
         initial_state: false,

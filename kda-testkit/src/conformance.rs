@@ -1,5 +1,5 @@
 //! The conformance suite: a backend's results on a case against `kda-ref` on the same (rounded)
-//! inputs, at the spec's targets. Every failing check names the case, the quantity, the metric,
+//! inputs, at the limits of docs/kda.md. Every failing check names the case, the quantity, the metric,
 //! the measured value and the limit.
 
 use crate::cases::{case, Case};
@@ -246,7 +246,7 @@ struct BackwardRun {
 }
 
 impl BackwardRun {
-    /// The outputs and every gradient against the reference, at the spec's limits.
+    /// The outputs and every gradient against the reference, at the limits of docs/kda.md.
     fn checks(&self) -> Result<Vec<Check>, String> {
         let mut checks = output_checks(&self.out, &self.reference.0, &self.data, &self.problem)?;
         checks.extend(gradient_checks(&self.grads, &self.reference.1, &self.data, &self.problem)?);
@@ -286,7 +286,7 @@ fn run_backward<B: Backend>(
 
 /// The gate gradients of a [`strong_decay_gate_case`](crate::cases::strong_decay_gate_case)
 /// in f32: `dg` row by row (each token's `K` channels against that row of the reference,
-/// relative to the row's own size, at the spec's `dg` target) and `da_log` and `ddt_bias` at
+/// relative to the row's own size, at docs/kda.md's `dg` limit) and `da_log` and `ddt_bias` at
 /// [`GATE_PARAMETER_STRONG_DECAY_F32`](crate::tolerance::GATE_PARAMETER_STRONG_DECAY_F32),
 /// besides every check of [`backward_case`].
 pub fn gate_gradients<B: Backend>(
@@ -332,11 +332,11 @@ pub fn mixed_gate_dtype<B: Backend>(
 ) -> Result<Report, String> {
     let case = find(name)?;
     let mut data = case_data(&case, DType::F32).map_err(|e| e.to_string())?;
-    let to = |t: &HostTensor, d: DType| if t.dtype() == d { t.clone() } else { t.cast(d) };
+    let to = |t: &HostTensor, d: DType| t.cast(d).map_err(|e| e.to_string());
     let x = &mut data.inputs;
-    (x.q, x.k, x.v, x.beta) = (to(&x.q, dtype), to(&x.k, dtype), to(&x.v, dtype), to(&x.beta, dtype));
-    x.g = to(&x.g, g_dtype);
-    data.cotangents.d_o = to(&data.cotangents.d_o, dtype);
+    (x.q, x.k, x.v, x.beta) = (to(&x.q, dtype)?, to(&x.k, dtype)?, to(&x.v, dtype)?, to(&x.beta, dtype)?);
+    x.g = to(&x.g, g_dtype)?;
+    data.cotangents.d_o = to(&data.cotangents.d_o, dtype)?;
     let p = data.inputs.validate().map_err(|e| e.to_string())?;
     backend.supports(&p).map_err(|e| format!("{}: case {name} must be supported: {e}", backend.name()))?;
     let reference = reference::forward_and_vjp(&format!("{name}-{dtype}-g-{g_dtype}"), &data)?;

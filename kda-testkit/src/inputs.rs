@@ -2,7 +2,9 @@
 
 use crate::cases::{Case, CaseGate, CaseSegments, Profile};
 use crate::rng::Rng;
-use kda_core::{Cotangents, DType, GateMode, HostTensor, KdaConfig, KdaInputs, Layout, Result, Segments};
+use kda_core::{
+    Cotangents, DType, GateMode, HostTensor, KdaConfig, KdaInputs, Layout, Result, Segments, Tensors,
+};
 
 /// Inputs and cotangents of one case.
 #[derive(Debug, Clone)]
@@ -76,7 +78,7 @@ pub fn case_data(case: &Case, dtype: DType) -> Result<CaseData> {
     let mut q = r.normal_vec(n * k);
     let mut kk = r.normal_vec(n * k);
     if !case.l2norm {
-        // Well-conditioned inputs (spec section 7): q and k arrive L2-normalised.
+        // Well-conditioned inputs (docs/kda.md, Accuracy): q and k arrive L2-normalised.
         normalise_rows(&mut q, k);
         normalise_rows(&mut kk, k);
     }
@@ -172,24 +174,7 @@ pub fn case_data(case: &Case, dtype: DType) -> Result<CaseData> {
 }
 
 /// The same inputs widened to f64, for the reference.
-pub fn widen(data: &CaseData) -> CaseData {
-    let w = |t: &HostTensor| t.cast(DType::F64);
-    let mut x = data.inputs.clone();
-    x.q = w(&x.q);
-    x.k = w(&x.k);
-    x.v = w(&x.v);
-    x.g = w(&x.g);
-    x.beta = w(&x.beta);
-    x.initial_state = x.initial_state.as_ref().map(w);
-    x.gate = match x.gate {
-        GateMode::Preactivated => GateMode::Preactivated,
-        GateMode::Softplus { a_log, dt_bias } => {
-            GateMode::Softplus { a_log: a_log.as_ref().map(w), dt_bias: dt_bias.as_ref().map(w) }
-        }
-        GateMode::LowerBound { lb, a_log, dt_bias } => {
-            GateMode::LowerBound { lb, a_log: a_log.as_ref().map(w), dt_bias: dt_bias.as_ref().map(w) }
-        }
-    };
-    let c = &data.cotangents;
-    CaseData { inputs: x, cotangents: Cotangents { d_o: w(&c.d_o), dht: c.dht.as_ref().map(w) } }
+pub fn widen(data: &CaseData) -> Result<CaseData> {
+    let mut w = |_: &'static str, t: &HostTensor| t.cast(DType::F64);
+    Ok(CaseData { inputs: data.inputs.try_map(&mut w)?, cotangents: data.cotangents.try_map(&mut w)? })
 }

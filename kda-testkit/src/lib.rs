@@ -1,5 +1,5 @@
-//! The test kit every backend shares: agreement metrics against the f64 reference (spec
-//! section 7), the tolerance table, seeded input profiles, the named case table (spec section 6
+//! The test kit every backend shares: agreement metrics against the f64 reference
+//! (docs/kda.md, Accuracy), the tolerance table, seeded input profiles, the named case table (docs/kda.md, Shapes
 //! and the benchmark shapes) and a conformance suite a backend instantiates with one macro:
 //!
 //! ```text
@@ -7,6 +7,7 @@
 //! ```
 
 #![warn(missing_docs)]
+#![forbid(unsafe_code)]
 
 pub mod cases;
 pub mod conformance;

@@ -1,4 +1,4 @@
-//! Agreement of a result with the f64 reference (spec section 7): RMS ratio, max abs error and
+//! Agreement of a result with the f64 reference (docs/kda.md, Accuracy): RMS ratio, max abs error and
 //! max ULP distance from the reference rounded to f32.
 
 use kda_core::HostTensor;

@@ -1,6 +1,6 @@
 //! The regression sweep: small problems over six independent factors, each point one
-//! forward+VJP checked against `kda-ref` at the spec's targets. The factors are the shape (10:
-//! the singleton ones of spec section 6 among them, fixed and packed), the gate mode (4: with and
+//! forward+VJP checked against `kda-ref` at the limits of docs/kda.md. The factors are the shape (10:
+//! the singleton ones of docs/kda.md, Shapes among them, fixed and packed), the gate mode (4: with and
 //! without the q/k L2 norm), the dtype (2), the backward strategy (2), the path (split or fused:
 //! 2) and the input profile (4).
 //!

@@ -69,7 +69,7 @@ impl Backend for Mutant {
             out.final_state = out.final_state.map(|h| every_slot(&h, h0.shape()[1])).transpose()?;
         }
         match self.0 {
-            Bug::OutputDtype => out.o = out.o.cast(DType::F32),
+            Bug::OutputDtype => out.o = out.o.cast(DType::F32).expect("float cast"),
             Bug::OutputSlightlyOff => out.o = scaled(&out.o, 1.0 + 1e-4),
             _ => {}
         }

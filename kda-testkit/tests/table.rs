@@ -1,4 +1,4 @@
-//! The case table: complete, consistent, and covering spec section 6.
+//! The case table: complete, consistent, and covering docs/kda.md, Shapes.
 
 use kda_core::Layout;
 use kda_testkit::{all_cases, case, case_data, CaseGate, CaseSegments, Profile, CASE_NAMES};
@@ -76,8 +76,8 @@ fn inputs_are_reproducible_from_the_name() {
     );
 }
 
-/// The strong-decay profile puts every activated log-decay near -5 (the edge of the spec's
-/// well-conditioned range, g in [-5, 0]) whatever the gate mode: the raw inputs of an in-kernel
+/// The strong-decay profile puts every activated log-decay near -5 (the edge of the
+/// well-conditioned range of docs/kda.md, Accuracy, g in [-5, 0]) whatever the gate mode: the raw inputs of an in-kernel
 /// gate are drawn so that its activation lands there.
 #[rstest::rstest]
 #[case::preactivated(kda_testkit::sweep::SweepGate::Preactivated, -4.5)]

@@ -7,7 +7,7 @@
 
 use kda_core::{BackwardStrategy, Cotangents, DType, HostTensor, KdaConfig, KdaInputs, Layout};
 use kda_testkit::{agreement, Rng};
-use kda_tpu::hlo::{ElemType, FnBuilder, Module, Precision, TensorType};
+use kda_tpu::hlo::{FnBuilder, Module, Precision, TensorType};
 use kda_tpu::kernels::compose::{add_function, KdaFunction};
 use kda_tpu::kernels::interface::index_tables;
 use kda_tpu::{DeviceTensor, KernelSpec, PjrtBackend, ProgramKind};
@@ -34,7 +34,7 @@ fn kda_inputs(q: HostTensor, k: HostTensor, v: HostTensor, g: HostTensor, beta: 
 /// The layer program: arguments `x [T, DM]`, `W [DM, 3HK]`, `g [1, T, H, K]`, `beta [1, T, H]`,
 /// `C [1, T, H, K]`, then the KDA index tables; results `L` (scalar) and `dW [DM, 3HK]`.
 fn layer_program(spec: &KernelSpec) -> Result<(String, Vec<&'static str>, KdaFunction), Error> {
-    let f32t = |d: &[usize]| TensorType::new(ElemType::F32, &d.iter().map(|&x| x as i64).collect::<Vec<_>>());
+    let f32t = |d: &[usize]| TensorType::new(DType::F32, &d.iter().map(|&x| x as i64).collect::<Vec<_>>());
     let mut module = Module::named("kda_layer")?;
     let kind = ProgramKind::Fused(BackwardStrategy::SavedState);
     let kda = add_function(&mut module, "kda_fused", spec, kind)?;
@@ -51,12 +51,12 @@ fn layer_program(spec: &KernelSpec) -> Result<(String, Vec<&'static str>, KdaFun
     let first_table = sig.arg_index("chunk_first").ok_or("no chunk_first")?;
     let tables: Vec<_> = sig.args[first_table..]
         .iter()
-        .take_while(|p| p.ty.elem == ElemType::I32)
+        .take_while(|p| p.ty.elem == DType::I32)
         .map(|p| Ok((p.name, b.arg(p.ty.clone())?)))
         .collect::<Result<_, kda_tpu::TpuError>>()?;
 
     // q, k, v = split(x W), each [1, T, H, K].
-    let p = b.dot_general(x, w, &[], &[], &[1], &[0], ElemType::F32)?; // [T, 3HK]
+    let p = b.dot_general(x, w, &[], &[], &[1], &[0], DType::F32)?; // [T, 3HK]
     let mut qkv = Vec::new();
     for i in 0..3 {
         let part = b.slice_axis(p, 1, (i * HK) as i64, ((i + 1) * HK) as i64)?;
@@ -90,7 +90,7 @@ fn layer_program(spec: &KernelSpec) -> Result<(String, Vec<&'static str>, KdaFun
         dp.push(b.reshape(d, &[T as i64, HK as i64])?);
     }
     let dp = b.concatenate(&dp, 1)?; // [T, 3HK]
-    let dw = b.dot_general(x, dp, &[], &[], &[0], &[0], ElemType::F32)?; // [DM, 3HK]
+    let dw = b.dot_general(x, dp, &[], &[], &[0], &[0], DType::F32)?; // [DM, 3HK]
     b.ret(&[loss, dw])?;
     module.add(b)?;
     Ok((module.to_text(), tables.iter().map(|(n, _)| *n).collect(), kda))

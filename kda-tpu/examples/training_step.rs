@@ -12,7 +12,7 @@ use kda_core::{
     BackwardStrategy, Cotangents, DType, GateMode, HostTensor, KdaConfig, KdaInputs, Layout, Segments,
 };
 use kda_testkit::{agreement, rms_limit, Quantity, Rng};
-use kda_tpu::hlo::{ElemType, FnBuilder, Module, TensorType};
+use kda_tpu::hlo::{FnBuilder, Module, TensorType};
 use kda_tpu::{DeviceCotangents, PjrtBackend};
 
 type Error = Box<dyn std::error::Error>;
@@ -21,7 +21,7 @@ const STEPS: usize = 4;
 const LR: f32 = 0.05;
 
 fn f32t(dims: &[usize]) -> TensorType {
-    TensorType::new(ElemType::F32, &dims.iter().map(|&d| d as i64).collect::<Vec<_>>())
+    TensorType::new(DType::F32, &dims.iter().map(|&d| d as i64).collect::<Vec<_>>())
 }
 
 /// `0.5 * sum(o^2)` as a program: `o` in, a scalar out.
@@ -132,7 +132,7 @@ fn main() -> Result<(), Error> {
         &inputs,
         &Cotangents { d_o: HostTensor::zeros(&[1, t, h, v], DType::F32), dht: None },
     )?;
-    let cot = Cotangents { d_o: out.o.cast(DType::F32), dht: None };
+    let cot = Cotangents { d_o: out.o.cast(DType::F32).expect("float cast"), dht: None };
     let (_, want) = kda_ref::forward_and_vjp(&inputs, &cot)?;
     let mut ok = true;
     for ((name, got), (_, w)) in grads.named().into_iter().zip(want.named()) {

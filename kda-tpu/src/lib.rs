@@ -6,6 +6,7 @@
 //! program emitters ([`kernels`], with [`kernels::interface`] and [`kernels::compose`] to put a
 //! KDA program into a caller's own module), which build with no libclang, PJRT header or plugin.
 #![warn(missing_docs)]
+#![deny(unsafe_code, clippy::undocumented_unsafe_blocks)]
 
 #[cfg(feature = "runtime")]
 pub mod aot;
@@ -28,10 +29,7 @@ pub use error::{Result, TpuError};
 pub use kernels::interface::ProgramKind;
 pub use kernels::KernelSpec;
 #[cfg(feature = "runtime")]
-pub use runtime::{
-    CompileOptions, DeviceBuffer, ElementType, Executable, MemoryStats, Runtime, Signature, TensorType,
-    XlaOption,
-};
+pub use runtime::{CompileOptions, DeviceBuffer, Executable, MemoryStats, Runtime, Signature, XlaOption};
 
 /// The README's Rust code, compiled and run by `cargo test --doc`.
 #[cfg(all(doctest, feature = "runtime"))]

@@ -34,7 +34,7 @@ mod mixed_dtypes {
         let Some((Some(a_log), Some(dt_bias))) = data.inputs.gate.params() else {
             panic!("gate_softplus has a_log and dt_bias")
         };
-        let gate = GateMode::softplus(a_log.clone(), Some(dt_bias.cast(DType::BF16)));
+        let gate = GateMode::softplus(a_log.clone(), Some(dt_bias.cast(DType::BF16).expect("float cast")));
         data.inputs.gate = gate;
         let (_, grads) = be
             .forward_and_vjp(&data.inputs, &data.cotangents, BackwardStrategy::SavedState)
@@ -135,8 +135,8 @@ mod optimized_codegen {
 
 /// Data parallelism (`PjrtOptions::devices`): the batch's rows spread over 2, 3 and 4 CPU
 /// devices, one program compiled for that many replicas, the gate-parameter gradients
-/// all-reduced in it. Each case meets section 7's limits against the reference and agrees with
-/// the single-device program within section 10's (RMS ratio 1e-6 for f32 outputs and
+/// all-reduced in it. Each case meets the limits of docs/kda.md, Accuracy against the reference and agrees with
+/// the single-device program within docs/kda.md Context parallelism's (RMS ratio 1e-6 for f32 outputs and
 /// gradients). Devices beyond the batch's rows hold padding rows only (B = 2 on 3 or 4 devices).
 mod data_parallel {
     use kda_core::{BackwardStrategy, DType, HostTensor};
@@ -176,7 +176,7 @@ mod data_parallel {
         }
     }
 
-    /// The spec's RMS ratio of `got` against `want` (the testkit's metric).
+    /// The RMS ratio (docs/kda.md, Accuracy) of `got` against `want` (the testkit's metric).
     fn rms_ratio(got: &HostTensor, want: &HostTensor) -> f64 {
         kda_testkit::metrics::agreement(got, &want.to_f64_vec()).rms_ratio
     }
@@ -367,8 +367,8 @@ mod device_shards {
 
 /// Context parallelism (`Split::Context`): every row's chunks cut into one piece per device
 /// (2, 3 or 4), each device holding its piece's tokens only, the pieces' state transitions
-/// exchanged inside the one program. Each case meets section 7's limits against the reference;
-/// the placements of spec section 10 are covered: a segment inside one piece, crossing one
+/// exchanged inside the one program. Each case meets the limits of docs/kda.md, Accuracy against the reference;
+/// the placements of docs/kda.md, Context parallelism are covered: a segment inside one piece, crossing one
 /// boundary, spanning several pieces, pieces of padding only and empty pieces, with initial
 /// and final states.
 mod context_parallel {
@@ -468,14 +468,14 @@ mod context_parallel {
         }
     }
 
-    /// The spec's RMS ratio of `got` against `want` (the testkit's metric).
+    /// The RMS ratio (docs/kda.md, Accuracy) of `got` against `want` (the testkit's metric).
     fn rms_ratio(got: &HostTensor, want: &HostTensor) -> f64 {
         kda_testkit::metrics::agreement(got, &want.to_f64_vec()).rms_ratio
     }
 
     /// f32, fused saved-state: o and the final states within RMS ratio 1e-6 of the
     /// single-device program's, every gradient within max(1e-6, 2x the single-device program's
-    /// own ratio against the reference) of it (spec section 10).
+    /// own ratio against the reference) of it (docs/kda.md, Context parallelism).
     #[rstest]
     #[case::d2_mixed_rows(2, "mixed_rows")]
     #[case::d4_span_200(4, "span_200")]

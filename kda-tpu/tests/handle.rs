@@ -166,7 +166,7 @@ fn device_inputs_are_checked_for_dtype_and_layout() {
     let d = data("fixed_batch_first_b2", DType::F32);
     let x = be.to_device(&d.inputs, 0).expect("upload");
     // beta must be in q's dtype on the device.
-    let bf16_beta = be.to_device(&d.inputs.beta.cast(DType::BF16), 0).expect("upload");
+    let bf16_beta = be.to_device(&d.inputs.beta.cast(DType::BF16).expect("float cast"), 0).expect("upload");
     let bad = kda_tpu::DeviceInputs { beta: bf16_beta, ..x.clone() };
     let err = be.forward(&bad, BackwardStrategy::SavedState).unwrap_err();
     assert_eq!((err.kind(), err.arg()), (ErrorKind::DType, "beta"), "{err}");
@@ -178,7 +178,9 @@ fn device_inputs_are_checked_for_dtype_and_layout() {
     assert_eq!((err.kind(), err.arg()), (ErrorKind::Value, "q"), "{err}");
     // Cotangents in another dtype than q.
     let (out, res) = be.forward(&x, BackwardStrategy::SavedState).expect("forward");
-    let d_o = be.to_device(&be.to_host(&out.o).expect("o").cast(DType::BF16), 0).expect("upload");
+    let d_o = be
+        .to_device(&be.to_host(&out.o).expect("o").cast(DType::BF16).expect("float cast"), 0)
+        .expect("upload");
     let err = be.backward(&res, &DeviceCotangents { d_o, dht: None }).unwrap_err();
     assert_eq!((err.kind(), err.arg()), (ErrorKind::DType, "do"), "{err}");
 }

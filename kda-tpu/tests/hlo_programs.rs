@@ -7,12 +7,13 @@
 mod hlo_support;
 
 use hlo_support::{assert_close, rand_vec, In};
-use kda_tpu::hlo::{Cmp, ElemType, FnBuilder, Module, Precision, TensorType};
+use kda_core::DType;
+use kda_tpu::hlo::{Cmp, FnBuilder, Module, Precision, TensorType};
 use kda_tpu::Result;
 use rstest::rstest;
 
 fn f32t(dims: &[i64]) -> TensorType {
-    TensorType::new(ElemType::F32, dims)
+    TensorType::new(DType::F32, dims)
 }
 
 fn module(f: FnBuilder) -> Result<String> {
@@ -109,12 +110,12 @@ fn batched_dot_f32_and_bf16() -> Result<()> {
     let mut b = FnBuilder::new("main", true);
     let a = b.arg(f32t(&[3, 5, 7]))?;
     let w = b.arg(f32t(&[3, 7, 4]))?;
-    let ab = b.arg(TensorType::new(ElemType::BF16, &[3, 5, 7]))?;
-    let wb = b.arg(TensorType::new(ElemType::BF16, &[3, 7, 4]))?;
+    let ab = b.arg(TensorType::new(DType::BF16, &[3, 5, 7]))?;
+    let wb = b.arg(TensorType::new(DType::BF16, &[3, 7, 4]))?;
     b.set_dot_precision(Precision::Highest);
-    let d = b.dot_general(a, w, &[0], &[0], &[2], &[1], ElemType::F32)?;
+    let d = b.dot_general(a, w, &[0], &[0], &[2], &[1], DType::F32)?;
     b.set_dot_precision(Precision::Default);
-    let db = b.dot_general(ab, wb, &[0], &[0], &[2], &[1], ElemType::F32)?;
+    let db = b.dot_general(ab, wb, &[0], &[0], &[2], &[1], DType::F32)?;
     // a^T-form: at [3,7,5] and wt [3,4,7] with both transposes gives the same product.
     let at = b.transpose(a, &[0, 2, 1])?;
     let wt = b.transpose(w, &[0, 2, 1])?;
@@ -194,8 +195,8 @@ fn reductions_and_cumsum() -> Result<()> {
 fn gathers_and_scatter() -> Result<()> {
     let mut b = FnBuilder::new("main", true);
     let table = b.arg(f32t(&[10, 3, 4]))?;
-    let idx = b.arg(TensorType::new(ElemType::I32, &[6]))?;
-    let bidx = b.arg(TensorType::new(ElemType::I32, &[10, 2]))?;
+    let idx = b.arg(TensorType::new(DType::I32, &[6]))?;
+    let bidx = b.arg(TensorType::new(DType::I32, &[10, 2]))?;
     let rows = b.gather_rows(table, idx)?;
     let ax2 = b.gather_axis(table, 2, idx)?;
     let idx3 = b.slice_axis(bidx, 1, 0, 2)?;
@@ -264,7 +265,7 @@ fn while_loop_with_dynamic_slices() -> Result<()> {
         let row = b.dynamic_slice(x, &[i, zero], &[1, 4])?;
         let acc = b.mul(st[0], row)?;
         let out = b.dynamic_update_slice(st[1], acc, &[i, zero])?;
-        let kk = b.dot_general(row, row, &[], &[], &[0], &[0], ElemType::F32)?;
+        let kk = b.dot_general(row, row, &[], &[], &[0], &[0], DType::F32)?;
         let decayed = b.mul_const(st[2], 0.5)?;
         let s = b.add(decayed, kk)?;
         Ok(vec![acc, out, s])
@@ -300,7 +301,7 @@ fn loop_with_run_time_trip_count(#[case] trips: i32) -> Result<()> {
     // rows at or after `trips` keep their initial value.
     let mut b = FnBuilder::new("main", true);
     let x = b.arg(f32t(&[6, 3]))?;
-    let n = b.arg(TensorType::new(ElemType::I32, &[]))?;
+    let n = b.arg(TensorType::new(DType::I32, &[]))?;
     let acc0 = b.constant_f32(0.0, f32t(&[1, 3]))?;
     let out0 = b.constant_f32(1.0, f32t(&[6, 3]))?;
     let fin = b.for_loop_until(n, &[acc0, out0], |b, i, st| {
@@ -475,7 +476,7 @@ fn shape_ops_match_rust() -> Result<()> {
     let rs = b.reshape(x, &[6, 4])?;
     let sl = b.slice(rs, &[1, 0], &[6, 4], &[2, 3])?;
     let cc = b.concatenate(&[x, bt], 1)?;
-    let z = b.constant_f32(-1.0, TensorType::scalar(ElemType::F32))?;
+    let z = b.constant_f32(-1.0, TensorType::scalar(DType::F32))?;
     let pd = b.pad(v, z, &[1], &[-1], &[1])?;
     let rv = b.reverse(x, &[0, 2])?;
     b.ret(&[bi, bt, tr, sl, cc, pd, rv])?;
@@ -524,7 +525,7 @@ fn select_with_compare_masks() -> Result<()> {
     let mut b = FnBuilder::new("main", true);
     let x = b.arg(f32t(&[6, 6]))?;
     let thr = b.arg(f32t(&[6]))?;
-    let it = TensorType::new(ElemType::I32, &[6, 6]);
+    let it = TensorType::new(DType::I32, &[6, 6]);
     let row = b.iota(it.clone(), 0)?;
     let col = b.iota(it, 1)?;
     let causal = b.compare(Cmp::Le, col, row)?;
@@ -537,8 +538,8 @@ fn select_with_compare_masks() -> Result<()> {
     let neither = b.not(either)?;
     let t = b.constant_bool(true, &[])?;
     let all = b.select(t, x, x)?;
-    let both = b.convert(both, ElemType::I32)?;
-    let neither = b.convert(neither, ElemType::I32)?;
+    let both = b.convert(both, DType::I32)?;
+    let neither = b.convert(neither, DType::I32)?;
     b.ret(&[y, both, neither, all])?;
     let xs = rand_vec(36, 13, -1.0, 1.0);
     let ts = rand_vec(6, 14, -0.5, 0.5);
@@ -556,17 +557,17 @@ fn select_with_compare_masks() -> Result<()> {
 #[test]
 fn bitcast_and_convert() -> Result<()> {
     let mut b = FnBuilder::new("main", true);
-    let bits32 = b.arg(TensorType::new(ElemType::I32, &[5]))?;
+    let bits32 = b.arg(TensorType::new(DType::I32, &[5]))?;
     let x = b.arg(f32t(&[5]))?;
-    let u = b.convert(bits32, ElemType::U16)?;
-    let bf = b.bitcast_convert(u, ElemType::BF16)?;
-    let f = b.convert(bf, ElemType::F32)?;
-    let xb = b.convert(x, ElemType::BF16)?;
-    let back = b.bitcast_convert(xb, ElemType::U16)?;
-    let back32 = b.convert(back, ElemType::I32)?;
-    let half_bf = b.constant_f32(0.5, TensorType::new(ElemType::BF16, &[5]))?;
+    let u = b.convert(bits32, DType::U16)?;
+    let bf = b.bitcast_convert(u, DType::BF16)?;
+    let f = b.convert(bf, DType::F32)?;
+    let xb = b.convert(x, DType::BF16)?;
+    let back = b.bitcast_convert(xb, DType::U16)?;
+    let back32 = b.convert(back, DType::I32)?;
+    let half_bf = b.constant_f32(0.5, TensorType::new(DType::BF16, &[5]))?;
     let scaled = b.mul(bf, half_bf)?;
-    let ints = b.convert(x, ElemType::I32)?;
+    let ints = b.convert(x, DType::I32)?;
     let bmax = b.reduce_max(bf, &[0])?;
     b.ret(&[f, back32, scaled, ints, bmax])?;
     let vals = [1.0f32, -2.5, 3.140625, 1.0e-3, -65504.0];

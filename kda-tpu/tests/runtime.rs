@@ -4,8 +4,8 @@
 use std::rc::Rc;
 
 use half::bf16;
-use kda_core::{ErrorKind, KdaError};
-use kda_tpu::{CompileOptions, ElementType, Runtime, TpuCompiler, TpuError, XlaOption, DEFAULT_TOPOLOGY};
+use kda_core::{DType, ErrorKind, KdaError};
+use kda_tpu::{CompileOptions, Runtime, TpuCompiler, TpuError, XlaOption, DEFAULT_TOPOLOGY};
 use rstest::rstest;
 
 const MATMUL: &str = r#"
@@ -94,7 +94,7 @@ fn f32_matmul_matches_rust() {
     let (da, db) = (rt.upload_f32(&a, &[2, 3]).unwrap(), rt.upload_f32(&b, &[3, 2]).unwrap());
     let out = rt.execute(&exe, &[&da, &db]).unwrap();
     assert_eq!(out.len(), 1);
-    assert_eq!((out[0].dtype(), out[0].dims()), (ElementType::F32, &[2i64, 2][..]));
+    assert_eq!((out[0].dtype(), out[0].dims()), (DType::F32, &[2i64, 2][..]));
     assert_close(&rt.download_f32(&out[0]).unwrap(), &matmul(&a, &b, 2, 3, 2));
 }
 
@@ -103,7 +103,7 @@ fn bf16_round_trip_and_convert() {
     let rt = runtime();
     let x: Vec<bf16> = (0..32).map(|i| bf16::from_f32(i as f32 * 0.37 - 5.0)).collect();
     let dx = rt.upload_bf16(&x, &[4, 8]).unwrap();
-    assert_eq!(dx.dtype(), ElementType::Bf16);
+    assert_eq!(dx.dtype(), DType::BF16);
     assert_eq!(rt.download_bf16(&dx).unwrap(), x);
     let out = rt.execute(&rt.compile(BF16_SCALE).unwrap(), &[&dx]).unwrap();
     let half_x: Vec<bf16> = x.iter().map(|v| bf16::from_f32(v.to_f32() * 0.5)).collect();

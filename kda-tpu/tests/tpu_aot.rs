@@ -1,4 +1,4 @@
-//! The primary-shape programs (spec section 8, bf16, fixed and packed) compile ahead of time for
+//! The primary-shape programs (docs/kda.md, Benchmarks, bf16, fixed and packed) compile ahead of time for
 //! `tpu7x:2x2x1` through the setup's libtpu, in the configuration a TPU runs (fused programs in
 //! slabs of `TPU_SLAB` chunk positions); each test prints the compiler's memory figures, peak
 //! included. The fused programs must stay within the backend issue's memory targets (80 MB

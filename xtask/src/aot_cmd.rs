@@ -19,7 +19,7 @@ options:
                        backward-saved-state, backward-remat, or all (default all);
                        comma-separated lists work
   --shape LIST         primary, primary-packed, secondary, secondary-packed, or all
-                       (default primary); spec section 8
+                       (default primary); docs/kda.md, Benchmarks
   --dtype f32|bf16|both  input dtype (default bf16)
   --devices N          compile the context-parallel programs for N devices (replicas) and
                        report the memory per device (default 1: the single-device programs);
@@ -86,7 +86,7 @@ impl Program {
     }
 }
 
-/// A benchmark shape of spec section 8.
+/// A benchmark shape of docs/kda.md, Benchmarks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Shape {
     /// H=8 B=1 T=1024 K=V=128.

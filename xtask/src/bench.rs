@@ -1,4 +1,4 @@
-//! `cargo xtask bench`: the benchmarks of spec section 8 on the PJRT CPU plugin, with the
+//! `cargo xtask bench`: the benchmarks of docs/kda.md, Benchmarks on the PJRT CPU plugin, with the
 //! compiler's memory figures on CPU and from deviceless `tpu7x:2x2x1` compiles.
 //!
 //! This module parses the flags and renders results (console table, markdown, JSON); the
@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 pub const USAGE: &str = "\
 usage: cargo xtask bench --suite forward|backward|backward-packed|api|scaling|all [options]
 
-Times KDA programs at the primary shape of spec section 8 (H=8 B=1 T=1024 K=V=128) on the PJRT
+Times KDA programs at the primary shape of docs/kda.md, Benchmarks (H=8 B=1 T=1024 K=V=128) on the PJRT
 CPU plugin: inputs uploaded once (host preparation and compiles excluded), one warm-up run,
 then N timed runs; median, min and max. Memory: the compiler's statistics of each program on
 CPU and, unless --no-aot, from a deviceless compile of the same program text for tpu7x:2x2x1.
@@ -606,7 +606,7 @@ pub fn markdown_section(suite: Suite, records: &[BenchRecord], info: &RunInfo) -
 
 /// The `scaling` suite's ratios per T, fixed and packed: host-API time on two CPU devices
 /// against one, and the tpu7x peak per device of the context-parallel program (D = 4) against
-/// the single-device program at the same T and at T / 4 (spec section 10's targets: 30% and,
+/// the single-device program at the same T and at T / 4 (docs/kda.md Context parallelism's targets: 30% and,
 /// fixed length, 1.2x).
 pub fn scaling_summary(records: &[BenchRecord]) -> String {
     let mut out = String::from(
@@ -691,7 +691,7 @@ pub const MARKDOWN_HEADER: &str = "\
 # Benchmarks
 
 Written by `cargo xtask bench` (see `cargo xtask bench --help`) from `bench/results.json`;
-each suite's section holds its latest run and is replaced by the next one. Shapes and variants: spec section 8 (primary shape
+each suite's section holds its latest run and is replaced by the next one. Shapes and variants: docs/kda.md, Benchmarks (primary shape
 H=8, B=1, T=1024, K=V=128; packed = four segments 200, 311, 77, 436 in one row).
 
 - Variants: `forward` (forward program, no residuals kept); `baseline` (staged saved-state: the

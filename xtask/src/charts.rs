@@ -1,5 +1,5 @@
 //! The benchmark charts, drawn as SVG with `plotters` from the records of the results file:
-//! time per variant, tpu7x memory beside the anchors of spec section 8, and time and memory
+//! time per variant, tpu7x memory beside the anchors of docs/kda.md, Benchmarks, and time and memory
 //! against sequence length.
 
 use kda_core::DType;
@@ -21,7 +21,7 @@ const COLORS: [RGBColor; 10] = [
     RGBColor(0x99, 0x99, 0x33),
 ];
 
-/// Spec section 8: tokamax's Pallas KDA (PR #1103) compiled ahead of time for tpu7x:2x2x1,
+/// docs/kda.md, Benchmarks: tokamax's Pallas KDA (PR #1103) compiled ahead of time for tpu7x:2x2x1,
 /// bf16, primary shape, the compiler's peak in MB: (saved state, remat) per program.
 const TOKAMAX_MB: [(&str, f64, f64); 4] = [
     ("forward fixed", 27.3, 29.4),
@@ -29,7 +29,7 @@ const TOKAMAX_MB: [(&str, f64, f64); 4] = [
     ("fwd+VJP fixed", 76.6, 78.7),
     ("fwd+VJP packed", 101.2, 109.1),
 ];
-/// Spec section 8: the seed PR's estimated peak on TPU v7x for its fused forward+VJP (fixed,
+/// docs/kda.md, Benchmarks: the seed PR's estimated peak on TPU v7x for its fused forward+VJP (fixed,
 /// packed), bf16, primary shape.
 const SEED_PR_MB: [f64; 2] = [64.0, 97.7];
 
@@ -179,7 +179,7 @@ fn variant_times(rs: &[&BenchRecord]) -> Option<Chart> {
     Some(bars("Forward+VJP on the CPU plugin, primary shape (median ms)", "median ms", &groups, &series))
 }
 
-/// tpu7x compiler peaks (bf16) of this project's programs beside the spec's anchors.
+/// tpu7x compiler peaks (bf16) of this project's programs beside the anchors of docs/kda.md.
 fn tpu_memory(rs: &[&BenchRecord]) -> Option<Chart> {
     let mb = |r: Option<&BenchRecord>| r.and_then(BenchRecord::tpu_peak).map(|b| b as f64 / 1e6);
     let ours = |variant: Variant, packed: bool| {

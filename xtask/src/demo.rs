@@ -1,4 +1,4 @@
-//! `cargo xtask demo`: KDA forward+VJP at the primary benchmark shape (spec section 8), checked
+//! `cargo xtask demo`: KDA forward+VJP at the primary benchmark shape (docs/kda.md, Benchmarks), checked
 //! against the f64 reference, with timings.
 
 use kda_core::{DType, KdaGradients, KdaInputs, KdaOutputs};
@@ -52,9 +52,9 @@ fn finite_difference_spot_check(
 pub const USAGE: &str = "\
 usage: cargo xtask demo [--ref-only]
 
-KDA forward+VJP at the primary benchmark shape (spec section 8; f32): the f64 reference with a
+KDA forward+VJP at the primary benchmark shape (docs/kda.md, Benchmarks; f32): the f64 reference with a
 finite-difference spot check, then the PJRT backend's fused saved-state forward+VJP on the CPU
-plugin (compile time, median of 5 runs), checked against the reference at the spec's limits.
+plugin (compile time, median of 5 runs), checked against the reference at the limits of docs/kda.md.
 
 options:
   --ref-only   only the reference part (no PJRT build needed)
@@ -102,7 +102,7 @@ pub fn reference() -> Result<Reference, String> {
         case.h, case.b, case.t, case.k, case.v
     );
     let data = case_data(&case, DType::F32).map_err(|e| e.to_string())?;
-    let wide = widen(&data);
+    let wide = widen(&data).map_err(|e| e.to_string())?;
     crate::progress::step("demo", "the f64 reference forward+VJP (single thread)...");
     let t = Instant::now();
     let (outputs, grads) =
@@ -110,10 +110,10 @@ pub fn reference() -> Result<Reference, String> {
     let ms = t.elapsed().as_secs_f64() * 1e3;
     println!("reference forward+VJP: {ms:.0} ms (f64 token recurrence, single thread)");
     println!("f32-rounded reference results vs f64 (RMS ratio, max abs):");
-    let a = agreement(&outputs.o.cast(DType::F32), &outputs.o.to_f64_vec());
+    let a = agreement(&outputs.o.cast(DType::F32).map_err(|e| e.to_string())?, &outputs.o.to_f64_vec());
     println!("  {:>6}: {:.2e}  {:.2e}", "o", a.rms_ratio, a.max_abs);
     for (n, g) in grads.named() {
-        let a = agreement(&g.cast(DType::F32), &g.to_f64_vec());
+        let a = agreement(&g.cast(DType::F32).map_err(|e| e.to_string())?, &g.to_f64_vec());
         println!("  {n:>6}: {:.2e}  {:.2e}", a.rms_ratio, a.max_abs);
     }
     finite_difference_spot_check(&wide.inputs, &wide.cotangents, &grads)?;

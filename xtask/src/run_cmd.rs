@@ -190,7 +190,8 @@ pub fn parse_args(args: &[String]) -> Result<Option<(String, RunOptions)>, Strin
             }
             "--dtype" => {
                 let v = &take_value(flag)?;
-                opts.dtype = DType::parse(v).ok_or_else(|| bad("f32, bf16 or f64", v))?;
+                opts.dtype =
+                    DType::parse(v).filter(|d| d.is_float()).ok_or_else(|| bad("f32, bf16 or f64", v))?;
             }
             "--strategy" => {
                 let v = &take_value(flag)?;

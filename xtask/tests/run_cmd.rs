@@ -400,7 +400,7 @@ fn parses_flags_and_help() {
 }
 
 /// `--backend pjrt` (with the `pjrt` feature): every written result agrees with the reference at
-/// the spec's f32 limits, packed and with states.
+/// the f32 limits of docs/kda.md, packed and with states.
 #[cfg(feature = "pjrt")]
 #[test]
 fn pjrt_backend_agrees_with_reference() {

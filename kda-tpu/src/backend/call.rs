@@ -293,8 +293,8 @@ impl PjrtBackend {
         supported(&p)?;
         let want = |name: &str, t: &DeviceTensor, dtype: DType, why: &str| -> Result<()> {
             match t.dtype() {
-                Some(d) if d == dtype => Ok(()),
-                _ => Err(KdaError::dtype(name, format!("{dtype} ({why})"), t.element_type().to_string())),
+                d if d == dtype => Ok(()),
+                d => Err(KdaError::dtype(name, format!("{dtype} ({why})"), d.to_string())),
             }
         };
         want("beta", &x.beta, p.dtype, "q's dtype on the device")?;
@@ -303,7 +303,7 @@ impl PjrtBackend {
                 want(name, t, DType::F32, "states and gate parameters are f32 on the device")?;
             }
         }
-        let g_dtype = x.g.dtype().unwrap_or(p.dtype);
+        let g_dtype = x.g.dtype();
         if g_dtype == DType::F64 {
             return Err(KdaError::dtype("g", "f32 or bf16", "f64"));
         }
@@ -319,16 +319,12 @@ impl PjrtBackend {
         }
         let meta: Cotangents<Meta> = c.try_map(&mut |name, t| t.meta(name).map_err(e))?;
         validate_cotangent_shapes(p, &meta.d_o, meta.dht.as_ref())?;
-        if c.d_o.dtype() != Some(p.dtype) {
-            return Err(KdaError::dtype(
-                "do",
-                format!("{} like q", p.dtype),
-                c.d_o.element_type().to_string(),
-            ));
+        if c.d_o.dtype() != p.dtype {
+            return Err(KdaError::dtype("do", format!("{} like q", p.dtype), c.d_o.dtype().to_string()));
         }
         if let Some(t) = &c.dht {
-            if t.dtype() != Some(DType::F32) {
-                return Err(KdaError::dtype("dht", "f32", t.element_type().to_string()));
+            if t.dtype() != DType::F32 {
+                return Err(KdaError::dtype("dht", "f32", t.dtype().to_string()));
             }
         }
         Ok(())
@@ -345,10 +341,8 @@ impl PjrtBackend {
         validate_cotangent_shapes(p, &c.d_o, c.dht.as_ref())?;
         let f32: fn(&HostTensor) -> Upload = Upload::f32;
         let d_o: fn(&HostTensor) -> Upload = match p.dtype {
-            DType::BF16 => {
-                |t| if t.dtype() == DType::BF16 { Upload::of(t) } else { Upload::owned(t.cast(DType::BF16)) }
-            }
-            _ => |t| if t.dtype() == DType::F32 { Upload::of(t) } else { Upload::owned(t.cast(DType::F32)) },
+            DType::BF16 => |t| Upload::cast(t, DType::BF16),
+            _ => |t| Upload::cast(t, DType::F32),
         };
         let mut ups = vec![(&c.d_o, d_o)];
         ups.extend(c.dht.as_ref().map(|t| (t, f32)));
@@ -453,7 +447,7 @@ impl CallInputs for KdaInputs {
             b.fused_parts(&spec, strategy, Split::Data, vec![Part { device: 0, problem: p, args }])?;
         let (out, grads) =
             results.pop().ok_or_else(|| KdaError::backend("fused", "one device's results", "none"))?;
-        Ok((b.to_host(&out)?, Gradtypes::apply(Some(Gradtypes::of(x)), b.to_host(&grads)?)))
+        Ok((b.to_host(&out)?, Gradtypes::apply(Some(Gradtypes::of(x)), b.to_host(&grads)?)?))
     }
 }
 
@@ -578,7 +572,7 @@ impl CallCotangents for Cotangents {
                 let g = grads
                     .first()
                     .ok_or_else(|| KdaError::backend("backward", "one device's results", "none"))?;
-                Ok(Gradtypes::apply(res.host_types, b.to_host(g)?))
+                Gradtypes::apply(res.host_types, b.to_host(g)?)
             }
             Held::Rows { plan, .. } => b.backward_rows(res, *plan, c),
             Held::Pieces { plan, .. } => b.backward_cp(res, plan, c),

@@ -171,7 +171,7 @@ impl ContextPlan {
         let dims = p.dims;
         let mut out = HostTensor::try_zeros(&[dims.b, self.pieces.n, dims.h, dims.k, dims.v], DType::F32)?;
         if let Some(t) = t {
-            let t = if t.dtype() == DType::F32 { t.clone() } else { t.cast(DType::F32) };
+            let t = t.cast(DType::F32)?;
             copy_slots(&t, &mut out, &self.slots(d, starts))?;
         }
         Ok(out)
@@ -202,13 +202,12 @@ impl PjrtBackend {
         let lay = p.layout;
         let tok = |t: &HostTensor| plan.local_tokens(t, lay, d);
         let beta = tok(&x.beta)?;
-        let beta = if beta.dtype() == p.dtype { beta } else { beta.cast(p.dtype) };
         let mut ups = vec![
             ("q", Upload::owned(tok(&x.q)?)),
             ("k", Upload::owned(tok(&x.k)?)),
             ("v", Upload::owned(tok(&x.v)?)),
             ("g", Upload::owned(tok(&x.g)?)),
-            ("beta", Upload::owned(beta)),
+            ("beta", Upload::owned_as(beta, p.dtype)),
             ("h0", Upload::owned(plan.local_states(x.initial_state.as_ref(), d, true, p)?)),
         ];
         if let Some((a_log, dt)) = x.gate.params() {
@@ -227,9 +226,11 @@ impl PjrtBackend {
         d: usize,
     ) -> Result<Vec<(&'static str, Arg)>> {
         let d_o = plan.local_tokens(&c.d_o, p.layout, d)?;
-        let d_o = if d_o.dtype() == p.dtype { d_o } else { d_o.cast(p.dtype) };
         let dht = plan.local_states(c.dht.as_ref(), d, false, p)?;
-        Ok(vec![("do", Arg::Upload(Upload::owned(d_o))), ("dht", Arg::Upload(Upload::owned(dht)))])
+        Ok(vec![
+            ("do", Arg::Upload(Upload::owned_as(d_o, p.dtype))),
+            ("dht", Arg::Upload(Upload::owned(dht))),
+        ])
     }
 
     fn gather_outputs(&self, p: &Problem, plan: &ContextPlan, outs: &[DeviceOutputs]) -> Result<KdaOutputs> {
@@ -254,8 +255,11 @@ impl PjrtBackend {
         types: Option<Gradtypes>,
         grads: &[DeviceGradients],
     ) -> Result<KdaGradients> {
-        let host: Vec<KdaGradients> =
-            self.to_host(&grads.to_vec())?.into_iter().map(|g| Gradtypes::apply(types, g)).collect();
+        let host: Vec<KdaGradients> = self
+            .to_host(&grads.to_vec())?
+            .into_iter()
+            .map(|g| Gradtypes::apply(types, g))
+            .collect::<Result<_>>()?;
         let first = host.first().ok_or_else(|| KdaError::backend("gather", "one device or more", "none"))?;
         let d = p.dims;
         let token = |f: fn(&KdaGradients) -> &HostTensor, width: usize| -> Result<HostTensor> {

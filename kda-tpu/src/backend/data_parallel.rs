@@ -68,15 +68,6 @@ fn shard_problem(p: &Problem, plan: RowPlan, d: usize) -> Result<Problem> {
     Ok(q)
 }
 
-/// How a tensor travels in `dtype`.
-fn in_dtype(t: HostTensor, dtype: DType) -> Upload {
-    if t.dtype() == dtype {
-        Upload::owned(t)
-    } else {
-        Upload::owned(t.cast(dtype))
-    }
-}
-
 /// One device's rows of the call's inputs, by program name: per-token tensors and `beta` (in
 /// q's dtype) along the batch axis, initial states along theirs, gate parameters whole (f32).
 fn shard_inputs(x: &KdaInputs, p: &Problem, plan: RowPlan, d: usize) -> Result<Vec<(&'static str, Upload)>> {
@@ -84,7 +75,7 @@ fn shard_inputs(x: &KdaInputs, p: &Problem, plan: RowPlan, d: usize) -> Result<V
     let mut ups = Vec::new();
     for (name, t) in x.named() {
         let up = match name {
-            "beta" => in_dtype(t.slice_padded(ax, start, per)?, p.dtype),
+            "beta" => Upload::owned_as(t.slice_padded(ax, start, per)?, p.dtype),
             "initial_state" => Upload::f32(&t.slice_padded(0, start, per)?),
             "a_log" | "dt_bias" => Upload::f32(t),
             _ => Upload::owned(t.slice_padded(ax, start, per)?),
@@ -102,7 +93,7 @@ fn shard_cotangents(
     d: usize,
 ) -> Result<Vec<(&'static str, Arg)>> {
     let (ax, start, per) = (batch_axis(p.layout), plan.start(d), plan.per);
-    let mut ups = vec![("do", Arg::Upload(in_dtype(c.d_o.slice_padded(ax, start, per)?, p.dtype)))];
+    let mut ups = vec![("do", Arg::Upload(Upload::owned_as(c.d_o.slice_padded(ax, start, per)?, p.dtype)))];
     if let Some(dht) = &c.dht {
         ups.push(("dht", Arg::Upload(Upload::f32(&dht.slice_padded(0, start, per)?))));
     }
@@ -177,8 +168,11 @@ impl PjrtBackend {
         plan: RowPlan,
         grads: &[super::DeviceGradients],
     ) -> Result<KdaGradients> {
-        let host: Vec<KdaGradients> =
-            self.to_host(&grads.to_vec())?.into_iter().map(|g| Gradtypes::apply(types, g)).collect();
+        let host: Vec<KdaGradients> = self
+            .to_host(&grads.to_vec())?
+            .into_iter()
+            .map(|g| Gradtypes::apply(types, g))
+            .collect::<Result<_>>()?;
         let ax = batch_axis(p.layout);
         let take = |f: fn(&KdaGradients) -> HostTensor| host.iter().map(f).collect::<Vec<_>>();
         let first = host.first().ok_or_else(|| KdaError::backend("gather", "one device or more", "none"))?;

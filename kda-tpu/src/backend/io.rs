@@ -96,10 +96,10 @@ const F32_ON_DEVICE: [&str; 8] =
 /// How the tensor `name` of a record travels.
 fn travel_of(name: &str, travel: sealed::Travel) -> fn(&HostTensor) -> Upload {
     if name == "beta" && travel.beta == Some(DType::BF16) {
-        return |t| if t.dtype() == DType::BF16 { Upload::of(t) } else { Upload::owned(t.cast(DType::BF16)) };
+        return |t| Upload::cast(t, DType::BF16);
     }
     if (name == "beta" && travel.beta.is_some()) || F32_ON_DEVICE.contains(&name) {
-        return |t| if t.dtype() == DType::F32 { Upload::of(t) } else { Upload::owned(t.cast(DType::F32)) };
+        return |t| Upload::cast(t, DType::F32);
     }
     Upload::of
 }

@@ -15,7 +15,8 @@ use super::{e, HostData, PjrtBackend, Upload};
 use crate::error::{Result, TpuError};
 use crate::kernels::{KernelSpec, Port, ProgramKind, ProgramSignature, TABLE_NAMES};
 use crate::runtime::CompileOptions;
-use crate::{ElementType, Executable};
+use crate::Executable;
+use kda_core::DType;
 
 /// A program argument: a tensor on the device, or a host array uploaded for this run only.
 pub(crate) enum Arg {
@@ -214,20 +215,20 @@ impl PjrtBackend {
                         format!("a tensor on device {}", t.device()),
                     ));
                 }
-                (t.element_type(), t.num_elements() as i64, fmt_shape(t.shape()))
+                (t.dtype(), t.num_elements() as i64, fmt_shape(t.shape()))
             }
             Arg::Upload(u) => {
                 let dtype = match u.data {
-                    HostData::F32(_) => ElementType::F32,
-                    HostData::Bf16(_) => ElementType::Bf16,
-                    HostData::I32(_) => ElementType::I32,
+                    HostData::F32(_) => DType::F32,
+                    HostData::Bf16(_) => DType::BF16,
+                    HostData::I32(_) => DType::I32,
                 };
                 let dims: Vec<usize> = u.dims.iter().map(|&d| d as usize).collect();
                 (dtype, u.dims.iter().product(), fmt_shape(&dims))
             }
         };
-        if dtype.name() != port.ty.elem.mlir() {
-            return Err(KdaError::dtype(name, port.ty.elem.mlir(), dtype.name()));
+        if dtype.name() != port.ty.elem.name() {
+            return Err(KdaError::dtype(name, port.ty.elem.name(), dtype.name()));
         }
         if n != want_n {
             let dims: Vec<usize> = port.ty.dims.iter().map(|&d| d as usize).collect();
@@ -384,12 +385,12 @@ impl Worker {
     /// The program that gives a buffer other dims on `device` (same elements, row-major).
     fn reshape_program(
         &mut self,
-        dtype: ElementType,
+        dtype: DType,
         from: &[i64],
         to: &[i64],
         device: usize,
     ) -> Result<std::rc::Rc<Executable>> {
-        let ty = |dims: &[i64]| crate::TensorType { dtype, dims: dims.to_vec() }.to_string();
+        let ty = |dims: &[i64]| crate::hlo::TensorType::new(dtype, dims).to_string();
         let (a, b) = (ty(from), ty(to));
         let text = format!(
             "module {{\n  func.func public @main(%x: {a}) -> {b} {{\n    %y = stablehlo.reshape %x : ({a}) -> {b}\n    return %y : {b}\n  }}\n}}\n"

@@ -24,7 +24,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use kda_core::{HostTensor, KdaError, Problem, TensorData};
+use kda_core::{bf16, DType, HostTensor, KdaError, Problem, TensorData, CHUNK};
 use kda_packed::StaticCapacity;
 
 pub use call::{CallCotangents, CallInputs};
@@ -43,9 +43,9 @@ pub mod testing {
 }
 
 use crate::error::{Result, TpuError};
-use crate::kernels::{KernelSpec, ProgramKind, CHUNK, TPU_SLAB};
+use crate::kernels::{KernelSpec, ProgramKind, TPU_SLAB};
 use crate::runtime::{CompileOptions, XlaOption};
-use crate::{ElementType, MemoryStats};
+use crate::MemoryStats;
 use worker::{BufferInfo, Shared, Worker};
 
 /// The PJRT backend: a handle on one device of one plugin. `Send + Sync + Clone`: clones share
@@ -137,6 +137,28 @@ impl Upload {
         let dims = t.shape().iter().map(|&d| d as i64).collect();
         Upload { data: HostData::F32(t.to_f32_vec()), dims }
     }
+    /// A host tensor as it travels in `dtype`: bf16, or f32 for any other dtype.
+    pub(crate) fn cast(t: &HostTensor, dtype: DType) -> Self {
+        let dims = t.shape().iter().map(|&d| d as i64).collect();
+        let data = match (dtype, t.data()) {
+            (DType::BF16, TensorData::BF16(x)) => HostData::Bf16(x.clone()),
+            (DType::BF16, TensorData::F32(x)) => {
+                HostData::Bf16(x.iter().map(|&v| bf16::from_f32(v)).collect())
+            }
+            (DType::BF16, TensorData::F64(x)) => {
+                HostData::Bf16(x.iter().map(|&v| bf16::from_f64(v)).collect())
+            }
+            _ => HostData::F32(t.to_f32_vec()),
+        };
+        Upload { data, dims }
+    }
+    /// [`Upload::cast`] of an owned tensor, moving its data when it already has the dtype.
+    pub(crate) fn owned_as(t: HostTensor, dtype: DType) -> Self {
+        match (dtype, t.dtype()) {
+            (DType::BF16, DType::BF16) | (DType::F32, DType::F32) => Self::owned(t),
+            _ => Self::cast(&t, dtype),
+        }
+    }
     pub(crate) fn i32(data: Vec<i32>, dims: Vec<i64>) -> Self {
         Upload { data: HostData::I32(data), dims }
     }
@@ -177,8 +199,8 @@ impl Worker {
         let buf = self.buffer(id)?;
         let bytes = buf.num_elements() * buf.dtype().size_bytes();
         let t = match buf.dtype() {
-            ElementType::Bf16 => HostTensor::from_bf16(shape, self.rt.download_bf16(buf)?),
-            ElementType::F32 => HostTensor::from_f32(shape, self.rt.download_f32(buf)?),
+            DType::BF16 => HostTensor::from_bf16(shape, self.rt.download_bf16(buf)?),
+            DType::F32 => HostTensor::from_f32(shape, self.rt.download_f32(buf)?),
             other => {
                 return Err(TpuError::Transfer {
                     what: "download".to_string(),

@@ -32,7 +32,7 @@ pub enum Split {
     /// Data parallelism: whole rows per device, gate-parameter gradients all-reduced.
     #[default]
     Data,
-    /// Context parallelism (spec section 10): every row's chunks cut into one contiguous piece
+    /// Context parallelism (docs/kda.md, Context parallelism): every row's chunks cut into one contiguous piece
     /// per device; each device holds only its piece's tokens, and the programs exchange the
     /// pieces' state transitions.
     Context,

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use kda_core::{BackwardStrategy, DType, HostTensor, KdaGradients, KdaInputs, Problem, Residuals};
+use kda_core::{BackwardStrategy, DType, HostTensor, KdaGradients, KdaInputs, Problem, Residuals, Result};
 
 use super::context_parallel::ContextPlan;
 use super::data_parallel::RowPlan;
@@ -89,21 +89,20 @@ impl Gradtypes {
     }
 
     /// Casts downloaded gradients to their inputs' dtypes.
-    pub(crate) fn apply(types: Option<Self>, mut grads: KdaGradients) -> KdaGradients {
-        let Some(x) = types else { return grads };
-        let cast = |t: &mut HostTensor, to: DType| {
-            if t.dtype() != to {
-                *t = t.cast(to);
-            }
+    pub(crate) fn apply(types: Option<Self>, mut grads: KdaGradients) -> Result<KdaGradients> {
+        let Some(x) = types else { return Ok(grads) };
+        let cast = |t: &mut HostTensor, to: DType| -> Result<()> {
+            *t = t.cast(to)?;
+            Ok(())
         };
-        cast(&mut grads.dg, x.g);
-        cast(&mut grads.dbeta, x.beta);
+        cast(&mut grads.dg, x.g)?;
+        cast(&mut grads.dbeta, x.beta)?;
         if let Some(t) = &mut grads.da_log {
-            cast(t, x.gate);
+            cast(t, x.gate)?;
         }
         if let Some(t) = &mut grads.ddt_bias {
-            cast(t, x.dt_bias);
+            cast(t, x.dt_bias)?;
         }
-        grads
+        Ok(grads)
     }
 }

@@ -8,7 +8,6 @@ use kda_core::{fmt_shape, DType, KdaError, Layout, TensorMeta};
 
 use super::worker::{BufferInfo, Shared};
 use crate::error::{Result, TpuError};
-use crate::ElementType;
 
 /// A tensor on the device of a [`crate::PjrtBackend`]: element type, dims, the layout of a
 /// per-token tensor, and the handle and device it lives on. Cloning is cheap (the device
@@ -27,7 +26,7 @@ pub struct DeviceTensor {
 
 struct Inner {
     id: u64,
-    dtype: ElementType,
+    dtype: DType,
     shape: Vec<usize>,
     device: usize,
     owner: Arc<Shared>,
@@ -65,8 +64,9 @@ impl DeviceTensor {
     /// The same device memory seen with `shape` (same element count; no copy here: a program
     /// that reads it under other dims gets a device-side reshape).
     pub fn reshaped(&self, shape: &[usize]) -> kda_core::Result<Self> {
-        let n: usize = shape.iter().product();
-        if n != self.num_elements() {
+        let n = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+        if n != Some(self.num_elements()) {
+            let n = n.map_or_else(|| "more than usize::MAX".to_string(), |n| n.to_string());
             return Err(KdaError::shape(
                 "reshape",
                 format!("{} elements", self.num_elements()),
@@ -82,7 +82,7 @@ impl DeviceTensor {
     }
 
     /// The element type.
-    pub fn element_type(&self) -> ElementType {
+    pub fn dtype(&self) -> DType {
         self.inner.dtype
     }
     /// The dims, row-major.
@@ -106,16 +106,6 @@ impl DeviceTensor {
     pub fn size_bytes(&self) -> usize {
         self.num_elements() * self.inner.dtype.size_bytes()
     }
-    /// The float dtype (`None` for integer tensors such as index tables).
-    pub fn dtype(&self) -> Option<DType> {
-        match self.inner.dtype {
-            ElementType::F32 => Some(DType::F32),
-            ElementType::Bf16 => Some(DType::BF16),
-            ElementType::F64 => Some(DType::F64),
-            _ => None,
-        }
-    }
-
     pub(crate) fn id(&self) -> u64 {
         self.inner.id
     }
@@ -134,9 +124,10 @@ impl DeviceTensor {
 
     /// Shape and float dtype for validation; an integer tensor is a dtype error naming `arg`.
     pub(crate) fn meta(&self, arg: &str) -> Result<Meta> {
-        let dtype = self.dtype().ok_or_else(|| {
-            TpuError::Contract(KdaError::dtype(arg, "f32 or bf16", self.inner.dtype.to_string()))
-        })?;
+        let dtype = self.inner.dtype;
+        if !dtype.is_float() {
+            return Err(TpuError::Contract(KdaError::dtype(arg, "f32 or bf16", dtype.to_string())));
+        }
         Ok(Meta { shape: self.shape.clone(), dtype })
     }
 }

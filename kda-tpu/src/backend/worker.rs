@@ -92,7 +92,7 @@ impl Worker {
 #[derive(Debug, Clone)]
 pub(crate) struct BufferInfo {
     pub(crate) id: u64,
-    pub(crate) dtype: crate::ElementType,
+    pub(crate) dtype: kda_core::DType,
     pub(crate) dims: Vec<i64>,
     pub(crate) device: usize,
 }

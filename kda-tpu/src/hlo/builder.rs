@@ -76,7 +76,7 @@ impl FnBuilder {
     pub fn scratch_f32(&mut self, dims: &[i64]) -> Result<Value> {
         self.scratch += 1;
         let fill = self.scratch as f32;
-        self.constant_f32(fill, TensorType::new(super::types::ElemType::F32, dims))
+        self.constant_f32(fill, TensorType::new(super::types::DType::F32, dims))
     }
 
     /// The precision `dot_general` currently emits.

@@ -3,7 +3,8 @@
 use super::builder::{CallRecord, FnBuilder};
 use super::emit::{check_symbol, fmt_types};
 use super::error::{err, Result};
-use super::types::{Cmp, ElemType, TensorType, Value};
+use super::types::{Cmp, TensorType, Value};
+use kda_core::DType;
 
 impl FnBuilder {
     /// `stablehlo.while`: `cond` maps the loop values to a `tensor<i1>`, `body` to new values of
@@ -23,7 +24,7 @@ impl FnBuilder {
         let types: Vec<TensorType> = init.iter().map(Value::ty).collect();
         let (cond_text, pred) = self.region(op, &types, |b, args| Ok(vec![cond(b, args)?]))?;
         if let [p] = pred.as_slice() {
-            if p.rank() != 0 || p.elem() != ElemType::I1 {
+            if p.rank() != 0 || p.elem() != DType::I1 {
                 return Err(err(op, format!("cond returned {}, want tensor<i1>", p.ty())));
             }
         }
@@ -71,7 +72,7 @@ impl FnBuilder {
     {
         let op = "for_loop_until";
         self.check_operand(op, &trips)?;
-        if trips.rank() != 0 || trips.elem() != ElemType::I32 {
+        if trips.rank() != 0 || trips.elem() != DType::I32 {
             return Err(err(op, format!("trip count is {}, want tensor<i32>", trips.ty())));
         }
         self.counted_loop(|_| Ok(trips), init, body)

@@ -4,7 +4,8 @@ use std::collections::BTreeMap;
 
 use super::builder::FnBuilder;
 use super::error::{err, Result};
-use super::types::{ElemType, TensorType};
+use super::types::TensorType;
+use kda_core::DType;
 
 /// `t1, t2, ...` (operand type lists inside parentheses).
 pub(crate) fn fmt_types(types: &[TensorType]) -> String {
@@ -40,14 +41,14 @@ fn join(xs: &[i64]) -> String {
 
 /// An exact, deterministic float literal for a splat of `elem`: shortest round-trip decimal
 /// with a mantissa dot (`1.0e-2`), or the bit pattern in hex for inf/nan.
-pub(crate) fn fmt_float(x: f32, elem: ElemType) -> String {
+pub(crate) fn fmt_float(x: f32, elem: DType) -> String {
     if x.is_finite() {
         let s = format!("{x:e}");
         match s.split_once('e') {
             Some((m, e)) if !m.contains('.') => format!("{m}.0e{e}"),
             _ => s,
         }
-    } else if elem == ElemType::BF16 {
+    } else if elem == DType::BF16 {
         format!("0x{:04X}", (x.to_bits() >> 16) as u16 | if x.is_nan() { 0x40 } else { 0 })
     } else {
         format!("0x{:08X}", x.to_bits())

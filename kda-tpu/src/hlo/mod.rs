@@ -15,7 +15,7 @@ mod types;
 
 pub use builder::FnBuilder;
 pub use emit::Module;
-pub use types::{Cmp, ElemType, Precision, TensorType, Value, MAX_RANK};
+pub use types::{Cmp, Precision, TensorType, Value, MAX_RANK};
 
 #[cfg(test)]
 mod tests;

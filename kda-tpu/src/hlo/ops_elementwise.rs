@@ -4,7 +4,8 @@
 use super::builder::FnBuilder;
 use super::emit::fmt_float;
 use super::error::{err, Result};
-use super::types::{Cmp, ElemType, TensorType, Value};
+use super::types::{Cmp, TensorType, Value};
+use kda_core::DType;
 
 /// Which element types an elementwise op accepts.
 #[derive(Clone, Copy)]
@@ -22,10 +23,10 @@ enum Kind {
 fn check_kind(op: &str, kind: Kind, v: &Value) -> Result<()> {
     let e = v.elem();
     let ok = match kind {
-        Kind::Numeric => e != ElemType::I1,
+        Kind::Numeric => e != DType::I1,
         Kind::Float => e.is_float(),
-        Kind::Logical => matches!(e, ElemType::I1 | ElemType::I32 | ElemType::U16),
-        Kind::Signed => matches!(e, ElemType::F32 | ElemType::BF16 | ElemType::I32),
+        Kind::Logical => matches!(e, DType::I1 | DType::I32 | DType::U16),
+        Kind::Signed => matches!(e, DType::F32 | DType::BF16 | DType::I32),
     };
     if ok {
         Ok(())
@@ -47,8 +48,8 @@ impl FnBuilder {
     /// Splat constant of an integer type (`i32`, or `ui16` for 0..=65535).
     pub fn constant_i32(&mut self, value: i32, ty: TensorType) -> Result<Value> {
         let ok = match ty.elem {
-            ElemType::I32 => true,
-            ElemType::U16 => (0..=u16::MAX as i32).contains(&value),
+            DType::I32 => true,
+            DType::U16 => (0..=u16::MAX as i32).contains(&value),
             _ => false,
         };
         if !ok {
@@ -60,19 +61,19 @@ impl FnBuilder {
 
     /// Splat boolean constant of type `tensor<dims x i1>`.
     pub fn constant_bool(&mut self, value: bool, dims: &[i64]) -> Result<Value> {
-        let ty = TensorType::new(ElemType::I1, dims);
+        let ty = TensorType::new(DType::I1, dims);
         let attr = format!("value = dense<{value}> : {ty}");
         self.push_op1("constant_bool", "stablehlo.constant", &[], &attr, ty)
     }
 
     /// Scalar `tensor<i32>` constant (indices for `dynamic_slice`, loop counters).
     pub fn scalar_i32(&mut self, value: i32) -> Result<Value> {
-        self.constant_i32(value, TensorType::scalar(ElemType::I32))
+        self.constant_i32(value, TensorType::scalar(DType::I32))
     }
 
     /// `stablehlo.iota`: counts 0, 1, ... along `dim`, constant along the other dims.
     pub fn iota(&mut self, ty: TensorType, dim: usize) -> Result<Value> {
-        if dim >= ty.rank() || ty.elem == ElemType::I1 {
+        if dim >= ty.rank() || ty.elem == DType::I1 {
             return Err(err("iota", format!("dim {dim} / element type invalid for {ty}")));
         }
         let attr = format!("iota_dimension = {dim} : i64");
@@ -180,15 +181,15 @@ impl FnBuilder {
             return Err(err(op, format!("operand types differ: {} vs {}", a.ty(), b.ty())));
         }
         let ct = match a.elem() {
-            ElemType::F32 | ElemType::BF16 => "FLOAT",
-            ElemType::I32 => "SIGNED",
-            ElemType::I1 | ElemType::U16 => "UNSIGNED",
+            DType::F32 | DType::BF16 | DType::F64 => "FLOAT",
+            DType::I32 => "SIGNED",
+            DType::I1 | DType::U16 => "UNSIGNED",
         };
         let attr = format!(
             "comparison_direction = #stablehlo<comparison_direction {}>, compare_type = #stablehlo<comparison_type {ct}>",
             dir.mlir()
         );
-        self.push_op1(op, "stablehlo.compare", &[a, b], &attr, a.ty().with_elem(ElemType::I1))
+        self.push_op1(op, "stablehlo.compare", &[a, b], &attr, a.ty().with_elem(DType::I1))
     }
 
     /// `pred ? a : b` elementwise; `pred` is i1 with the dims of `a` or a scalar.
@@ -197,20 +198,20 @@ impl FnBuilder {
         if a.elem() != b.elem() || a.dims() != b.dims() {
             return Err(err(op, format!("branch types differ: {} vs {}", a.ty(), b.ty())));
         }
-        if pred.elem() != ElemType::I1 || (pred.rank() != 0 && pred.dims() != a.dims()) {
+        if pred.elem() != DType::I1 || (pred.rank() != 0 && pred.dims() != a.dims()) {
             return Err(err(op, format!("pred {} must be i1 of dims {:?} or a scalar", pred.ty(), a.dims())));
         }
         self.push_op1(op, "stablehlo.select", &[pred, a, b], "", a.ty())
     }
 
     /// Element type conversion (rounds to nearest even for f32 -> bf16).
-    pub fn convert(&mut self, v: Value, elem: ElemType) -> Result<Value> {
+    pub fn convert(&mut self, v: Value, elem: DType) -> Result<Value> {
         self.push_op1("convert", "stablehlo.convert", &[v], "", v.ty().with_elem(elem))
     }
 
     /// Reinterprets bits as another element type of the same width (u16 <-> bf16, i32 <-> f32).
-    pub fn bitcast_convert(&mut self, v: Value, elem: ElemType) -> Result<Value> {
-        if v.elem().bit_width() != elem.bit_width() || elem == ElemType::I1 {
+    pub fn bitcast_convert(&mut self, v: Value, elem: DType) -> Result<Value> {
+        if v.elem().bit_width() != elem.bit_width() || elem == DType::I1 {
             return Err(err("bitcast_convert", format!("{} to {elem}: widths differ", v.ty())));
         }
         self.push_op1("bitcast_convert", "stablehlo.bitcast_convert", &[v], "", v.ty().with_elem(elem))

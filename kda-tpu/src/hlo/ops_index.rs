@@ -4,14 +4,15 @@
 use super::builder::FnBuilder;
 use super::emit::{fmt_array, fmt_list};
 use super::error::{err, Result};
-use super::types::{ElemType, TensorType, Value};
+use super::types::{TensorType, Value};
+use kda_core::DType;
 
 /// Checks `indices` are `rank` scalar i32 values.
 fn check_start_indices(op: &str, v: &Value, indices: &[Value]) -> Result<()> {
     if indices.len() != v.rank() {
         return Err(err(op, format!("{} start indices for {}", indices.len(), v.ty())));
     }
-    if let Some(bad) = indices.iter().find(|i| i.rank() != 0 || i.elem() != ElemType::I32) {
+    if let Some(bad) = indices.iter().find(|i| i.rank() != 0 || i.elem() != DType::I32) {
         return Err(err(op, format!("start index {} must be tensor<i32>", bad.ty())));
     }
     Ok(())
@@ -67,7 +68,7 @@ impl FnBuilder {
     pub fn gather_axis(&mut self, v: Value, axis: usize, indices: Value) -> Result<Value> {
         let op = "gather_axis";
         let r = v.rank();
-        if axis >= r || indices.elem() != ElemType::I32 || indices.rank() == 0 {
+        if axis >= r || indices.elem() != DType::I32 || indices.rank() == 0 {
             return Err(err(op, format!("axis {axis} / indices {} invalid for {}", indices.ty(), v.ty())));
         }
         let batched = indices.rank() > 1;
@@ -116,12 +117,12 @@ impl FnBuilder {
         let r = table.rank();
         let ok = r >= 1
             && indices.rank() == 1
-            && indices.elem() == ElemType::I32
+            && indices.elem() == DType::I32
             && updates.elem() == table.elem()
             && updates.rank() == r
             && updates.dims()[0] == indices.dims()[0]
             && updates.dims()[1..] == table.dims()[1..]
-            && table.elem() != ElemType::I1;
+            && table.elem() != DType::I1;
         if !ok {
             return Err(err(
                 op,

@@ -4,7 +4,8 @@ use super::builder::FnBuilder;
 use super::emit::fmt_list;
 use super::error::{err, Result};
 use super::ops_shape::valid_axes;
-use super::types::{ElemType, Precision, TensorType, Value};
+use super::types::{Precision, TensorType, Value};
+use kda_core::DType;
 
 impl FnBuilder {
     /// `stablehlo.dot_general`; result dims are batch, lhs free, rhs free (in operand order).
@@ -18,14 +19,14 @@ impl FnBuilder {
         batch_rhs: &[i64],
         contract_lhs: &[i64],
         contract_rhs: &[i64],
-        out_elem: ElemType,
+        out_elem: DType,
     ) -> Result<Value> {
         let op = "dot_general";
         let shapes = || format!("lhs {} rhs {}", lhs.ty(), rhs.ty());
-        if lhs.elem() != rhs.elem() || lhs.elem() == ElemType::I1 {
+        if lhs.elem() != rhs.elem() || lhs.elem() == DType::I1 {
             return Err(err(op, format!("element types must match and be numeric: {}", shapes())));
         }
-        let out_ok = if lhs.elem().is_float() { out_elem.is_float() } else { out_elem == ElemType::I32 };
+        let out_ok = if lhs.elem().is_float() { out_elem.is_float() } else { out_elem == DType::I32 };
         if !out_ok {
             return Err(err(op, format!("result element {out_elem} invalid for {}", shapes())));
         }
@@ -117,7 +118,7 @@ impl FnBuilder {
                 ),
             ));
         }
-        let out = if a.elem().is_float() { ElemType::F32 } else { a.elem() };
+        let out = if a.elem().is_float() { DType::F32 } else { a.elem() };
         self.dot_general(a, b, &batch, &batch, &[ca], &[cb], out)
     }
 

@@ -5,7 +5,8 @@ use super::builder::FnBuilder;
 use super::emit::fmt_array;
 use super::error::{err, Result};
 use super::ops_shape::valid_axes;
-use super::types::{ElemType, TensorType, Value};
+use super::types::{TensorType, Value};
+use kda_core::DType;
 
 /// The binary op of a reduction region.
 #[derive(Clone, Copy)]
@@ -17,23 +18,23 @@ pub(super) enum Combiner {
 
 impl FnBuilder {
     /// Scalar identity of `combiner` for `elem`.
-    fn identity(&mut self, op: &str, combiner: Combiner, elem: ElemType) -> Result<Value> {
+    fn identity(&mut self, op: &str, combiner: Combiner, elem: DType) -> Result<Value> {
         let ty = TensorType::scalar(elem);
         match (combiner, elem) {
-            (_, ElemType::I1) => Err(err(op, "i1 is not reducible (convert first)")),
+            (_, DType::I1) => Err(err(op, "i1 is not reducible (convert first)")),
             (Combiner::Add, e) if e.is_float() => self.constant_f32(0.0, ty),
             (Combiner::Max, e) if e.is_float() => self.constant_f32(f32::NEG_INFINITY, ty),
             (Combiner::Min, e) if e.is_float() => self.constant_f32(f32::INFINITY, ty),
             (Combiner::Add, _) => self.constant_i32(0, ty),
-            (Combiner::Max, ElemType::I32) => self.constant_i32(i32::MIN, ty),
-            (Combiner::Min, ElemType::I32) => self.constant_i32(i32::MAX, ty),
+            (Combiner::Max, DType::I32) => self.constant_i32(i32::MIN, ty),
+            (Combiner::Min, DType::I32) => self.constant_i32(i32::MAX, ty),
             (Combiner::Max, _) => self.constant_i32(0, ty),
             (Combiner::Min, _) => self.constant_i32(u16::MAX as i32, ty),
         }
     }
 
     /// Region `(a, b) -> combiner(a, b)` on scalars of `elem`.
-    pub(super) fn combiner_region(&mut self, op: &str, combiner: Combiner, elem: ElemType) -> Result<String> {
+    pub(super) fn combiner_region(&mut self, op: &str, combiner: Combiner, elem: DType) -> Result<String> {
         let s = TensorType::scalar(elem);
         let (text, _) = self.region(op, &[s.clone(), s], |b, a| {
             let r = match combiner {
@@ -80,7 +81,7 @@ impl FnBuilder {
     /// Inclusive cumulative sum along `axis` (`reverse`: suffix sums), same type as `v`.
     pub fn cumsum(&mut self, v: Value, axis: usize, reverse: bool) -> Result<Value> {
         let op = "cumsum";
-        if axis >= v.rank() || v.elem() == ElemType::I1 {
+        if axis >= v.rank() || v.elem() == DType::I1 {
             return Err(err(op, format!("axis {axis} / element type invalid for {}", v.ty())));
         }
         let n = v.dims()[axis];

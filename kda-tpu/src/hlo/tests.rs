@@ -2,9 +2,10 @@
 
 use super::*;
 use crate::error::{Result, TpuError};
+use kda_core::DType;
 
 fn f32t(dims: &[i64]) -> TensorType {
-    TensorType::new(ElemType::F32, dims)
+    TensorType::new(DType::F32, dims)
 }
 
 fn text_of(f: FnBuilder) -> String {
@@ -16,9 +17,9 @@ fn text_of(f: FnBuilder) -> String {
 #[test]
 fn tensor_type_display() {
     assert_eq!(f32t(&[8, 64, 128]).to_string(), "tensor<8x64x128xf32>");
-    assert_eq!(TensorType::scalar(ElemType::F32).to_string(), "tensor<f32>");
-    assert_eq!(TensorType::new(ElemType::U16, &[3]).to_string(), "tensor<3xui16>");
-    assert_eq!(TensorType::new(ElemType::I1, &[2, 0]).to_string(), "tensor<2x0xi1>");
+    assert_eq!(TensorType::scalar(DType::F32).to_string(), "tensor<f32>");
+    assert_eq!(TensorType::new(DType::U16, &[3]).to_string(), "tensor<3xui16>");
+    assert_eq!(TensorType::new(DType::I1, &[2, 0]).to_string(), "tensor<2x0xi1>");
 }
 
 #[test]
@@ -46,9 +47,9 @@ fn constants_are_exact_and_deterministic() -> Result<()> {
     let build = || -> Result<String> {
         let mut b = FnBuilder::new("main", true);
         let c = b.constant_f32(0.01, f32t(&[2]))?;
-        let d = b.constant_f32(-1000.0, TensorType::scalar(ElemType::F32))?;
-        let e = b.constant_f32(f32::NEG_INFINITY, TensorType::scalar(ElemType::BF16))?;
-        let f = b.constant_f32(f32::INFINITY, TensorType::scalar(ElemType::F32))?;
+        let d = b.constant_f32(-1000.0, TensorType::scalar(DType::F32))?;
+        let e = b.constant_f32(f32::NEG_INFINITY, TensorType::scalar(DType::BF16))?;
+        let f = b.constant_f32(f32::INFINITY, TensorType::scalar(DType::F32))?;
         let i = b.scalar_i32(-3)?;
         b.ret(&[c, d, e, f, i])?;
         Ok(text_of(b))
@@ -67,9 +68,9 @@ fn constants_are_exact_and_deterministic() -> Result<()> {
 fn dot_general_and_reduce_text() -> Result<()> {
     let mut b = FnBuilder::new("main", true);
     b.set_dot_precision(Precision::Highest);
-    let x = b.arg(TensorType::new(ElemType::BF16, &[4, 8, 16]))?;
-    let y = b.arg(TensorType::new(ElemType::BF16, &[4, 16, 2]))?;
-    let d = b.dot_general(x, y, &[0], &[0], &[2], &[1], ElemType::F32)?;
+    let x = b.arg(TensorType::new(DType::BF16, &[4, 8, 16]))?;
+    let y = b.arg(TensorType::new(DType::BF16, &[4, 16, 2]))?;
+    let d = b.dot_general(x, y, &[0], &[0], &[2], &[1], DType::F32)?;
     let r = b.reduce_sum(d, &[1])?;
     b.ret(&[r])?;
     let t = text_of(b);
@@ -90,7 +91,7 @@ fn dot_general_and_reduce_text() -> Result<()> {
 #[test]
 fn while_text_names_results() -> Result<()> {
     let mut b = FnBuilder::new("main", true);
-    let n = b.arg(TensorType::scalar(ElemType::I32))?;
+    let n = b.arg(TensorType::scalar(DType::I32))?;
     let x = b.arg(f32t(&[3]))?;
     let out = b.for_loop(4, &[x], |b, _i, v| Ok(vec![b.mul(v[0], v[0])?]))?;
     let _ = n;
@@ -125,12 +126,12 @@ fn errors_name_the_op_and_shapes() -> Result<()> {
     let mut b = FnBuilder::new("main", true);
     let x = b.arg(f32t(&[2, 3]))?;
     let y = b.arg(f32t(&[3, 2]))?;
-    let i = b.arg(TensorType::new(ElemType::I32, &[2, 3]))?;
+    let i = b.arg(TensorType::new(DType::I32, &[2, 3]))?;
     assert_err(b.add(x, y), "add", "tensor<2x3xf32> vs tensor<3x2xf32>");
     assert_err(b.mul(x, i), "mul", "tensor<2x3xi32>");
     assert_err(b.exp(i), "exp", "element type i32");
-    assert_err(b.dot_general(x, x, &[], &[], &[1], &[0], ElemType::F32), "dot_general", "different sizes");
-    assert_err(b.dot_general(x, i, &[], &[], &[1], &[0], ElemType::F32), "dot_general", "element types");
+    assert_err(b.dot_general(x, x, &[], &[], &[1], &[0], DType::F32), "dot_general", "different sizes");
+    assert_err(b.dot_general(x, i, &[], &[], &[1], &[0], DType::F32), "dot_general", "element types");
     assert_err(b.batch_matmul(x, x, false, false), "batch_matmul", "contracting sizes differ");
     assert_err(b.transpose(x, &[0, 0]), "transpose", "[0, 0]");
     assert_err(b.transpose(x, &[0, 1, 2]), "transpose", "permutation");
@@ -139,7 +140,7 @@ fn errors_name_the_op_and_shapes() -> Result<()> {
     assert_err(b.mul_bcast(x, y), "mul_bcast", "do not broadcast");
     assert_err(b.slice(x, &[0, 0], &[3, 3], &[1, 1]), "slice", "limit");
     assert_err(b.reduce_sum(x, &[2]), "reduce_sum", "dims [2]");
-    assert_err(b.bitcast_convert(x, ElemType::BF16), "bitcast_convert", "widths differ");
+    assert_err(b.bitcast_convert(x, DType::BF16), "bitcast_convert", "widths differ");
     let p = b.compare(Cmp::Lt, x, x)?;
     assert_err(b.select(p, x, y), "select", "branch types differ");
     assert_err(b.dynamic_slice(x, &[p], &[1, 1]), "dynamic_slice", "1 start indices");
@@ -176,12 +177,12 @@ fn while_body_type_mismatch_is_an_error() -> Result<()> {
 fn run_time_trip_count_must_be_an_i32_scalar() -> Result<()> {
     let mut b = FnBuilder::new("main", true);
     let x = b.arg(f32t(&[3]))?;
-    let n = b.arg(TensorType::new(ElemType::I32, &[2]))?;
+    let n = b.arg(TensorType::new(DType::I32, &[2]))?;
     let f = b.arg(f32t(&[]))?;
     let body = |b: &mut FnBuilder, _: Value, v: &[Value]| Ok(vec![b.add(v[0], v[0])?]);
     assert_err(b.for_loop_until(n, &[x], body), "for_loop_until", "want tensor<i32>");
     assert_err(b.for_loop_until(f, &[x], body), "for_loop_until", "want tensor<i32>");
-    let m = b.arg(TensorType::new(ElemType::I32, &[]))?;
+    let m = b.arg(TensorType::new(DType::I32, &[]))?;
     let out = b.for_loop_until(m, &[x], body)?;
     assert_eq!(out[0].ty(), x.ty());
     Ok(())

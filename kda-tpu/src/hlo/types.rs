@@ -1,80 +1,29 @@
-//! Element types, tensor types and SSA value handles of the builder.
+//! Tensor types and SSA value handles of the builder (element types are [`kda_core::DType`]).
 
 use std::fmt;
 
+pub(crate) use kda_core::DType;
+
 /// Highest tensor rank a [`Value`] can carry inline (KDA programs use at most 6).
 pub const MAX_RANK: usize = 8;
-
-/// Element types the kernels use; `U16` carries bf16 bit patterns across the host boundary.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum ElemType {
-    /// 32-bit IEEE float.
-    F32,
-    /// bfloat16.
-    BF16,
-    /// Signed 32-bit integer.
-    I32,
-    /// Boolean (comparison results, masks).
-    I1,
-    /// Unsigned 16-bit integer (bf16 bits for `bitcast_convert`).
-    U16,
-}
-
-impl ElemType {
-    /// The MLIR spelling (`f32`, `bf16`, `i32`, `i1`, `ui16`).
-    pub fn mlir(self) -> &'static str {
-        match self {
-            ElemType::F32 => "f32",
-            ElemType::BF16 => "bf16",
-            ElemType::I32 => "i32",
-            ElemType::I1 => "i1",
-            ElemType::U16 => "ui16",
-        }
-    }
-
-    /// True for `F32` and `BF16`.
-    pub fn is_float(self) -> bool {
-        matches!(self, ElemType::F32 | ElemType::BF16)
-    }
-
-    /// True for the integer types `I32` and `U16` (not `I1`).
-    pub fn is_int(self) -> bool {
-        matches!(self, ElemType::I32 | ElemType::U16)
-    }
-
-    /// Storage width in bits.
-    pub fn bit_width(self) -> u32 {
-        match self {
-            ElemType::F32 | ElemType::I32 => 32,
-            ElemType::BF16 | ElemType::U16 => 16,
-            ElemType::I1 => 1,
-        }
-    }
-}
-
-impl fmt::Display for ElemType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.mlir())
-    }
-}
 
 /// A ranked tensor type; `Display` gives `tensor<8x64xf32>` (`tensor<f32>` for scalars).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct TensorType {
     /// Element type.
-    pub elem: ElemType,
+    pub elem: DType,
     /// Static dimensions, outermost first.
     pub dims: Vec<i64>,
 }
 
 impl TensorType {
     /// A tensor type from an element type and dims.
-    pub fn new(elem: ElemType, dims: &[i64]) -> Self {
+    pub fn new(elem: DType, dims: &[i64]) -> Self {
         TensorType { elem, dims: dims.to_vec() }
     }
 
     /// A rank-0 tensor type.
-    pub fn scalar(elem: ElemType) -> Self {
+    pub fn scalar(elem: DType) -> Self {
         TensorType { elem, dims: Vec::new() }
     }
 
@@ -89,7 +38,7 @@ impl TensorType {
     }
 
     /// The same dims with another element type.
-    pub fn with_elem(&self, elem: ElemType) -> Self {
+    pub fn with_elem(&self, elem: DType) -> Self {
         TensorType { elem, dims: self.dims.clone() }
     }
 }
@@ -113,7 +62,7 @@ pub struct Value {
     pub(crate) fn_id: u32,
     pub(crate) id: u32,
     pub(crate) result: u32,
-    elem: ElemType,
+    elem: DType,
     rank: u8,
     dims: [i64; MAX_RANK],
 }
@@ -137,7 +86,7 @@ impl Value {
     }
 
     /// The value's element type.
-    pub fn elem(&self) -> ElemType {
+    pub fn elem(&self) -> DType {
         self.elem
     }
 

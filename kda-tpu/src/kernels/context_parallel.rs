@@ -1,4 +1,4 @@
-//! Context parallelism (spec section 10): each of D devices holds one piece of every row's
+//! Context parallelism (docs/kda.md, Context parallelism): each of D devices holds one piece of every row's
 //! chunks as a small packed problem of its own (host-built: `backend::context_parallel`), and
 //! one program, compiled for D replicas, gives each piece its true entering state and, for the
 //! backward, its true ending `dh`.
@@ -10,7 +10,7 @@
 //!
 //! 1. The piece's transition `S_out = P S_in + Q`: the carry slot's final state of the forward
 //!    run once more from `h0` (zero in a continuation slot 0) is `Q`; run on zero values from
-//!    the identity in a continuation slot 0, it is `P` (spec section 10).
+//!    the identity in a continuation slot 0, it is `P` (docs/kda.md, Context parallelism).
 //! 2. An all-gather of every piece's `[Q | P]`, and the prefix `S_{j+1} = P_j S_j + Q_j`:
 //!    device d's entering state is `S_d`, written into its slot 0.
 //! 3. Backward: slot 0's `dh0` of the backward run once more (zero `dht` in the carry slot) is
@@ -29,7 +29,7 @@ use kda_packed::{PiecePlan, StaticCapacity};
 use super::interface::{ProgramKind, ProgramSignature};
 use super::programs::build;
 use super::spec::KernelSpec;
-use crate::hlo::{ElemType, FnBuilder, Module, TensorType, Value};
+use crate::hlo::{FnBuilder, Module, TensorType, Value};
 use crate::Result;
 
 /// The extra arguments of a context-parallel program, after the kernel's own: `cont` `[B]`,
@@ -78,10 +78,10 @@ pub fn local_spec(local: &Problem, has_dht: bool, slab: usize, g_dtype: DType) -
 
 /// The identity `[K, K]` in f32.
 fn identity(b: &mut FnBuilder, k: i64) -> Result<Value> {
-    let ty = TensorType::new(ElemType::I32, &[k, k]);
+    let ty = TensorType::new(DType::I32, &[k, k]);
     let (r, c) = (b.iota(ty.clone(), 0)?, b.iota(ty, 1)?);
     let eq = b.compare(crate::hlo::Cmp::Eq, r, c)?;
-    let f = TensorType::new(ElemType::F32, &[k, k]);
+    let f = TensorType::new(DType::F32, &[k, k]);
     let (one, zero) = (b.constant_f32(1.0, f.clone())?, b.constant_f32(0.0, f)?);
     b.select(eq, one, zero)
 }
@@ -110,10 +110,10 @@ fn slot0(b: &mut FnBuilder, cont: Value, n: i64) -> Result<Value> {
     let bb = cont.dims()[0];
     let dims = [bb, n];
     let c = b.broadcast_in_dim(cont, &dims, &[0])?;
-    let i = b.iota(TensorType::new(ElemType::I32, &dims), 1)?;
-    let z = b.constant_i32(0, TensorType::new(ElemType::I32, &dims))?;
+    let i = b.iota(TensorType::new(DType::I32, &dims), 1)?;
+    let z = b.constant_i32(0, TensorType::new(DType::I32, &dims))?;
     let first = b.compare(crate::hlo::Cmp::Eq, i, z)?;
-    let zero = b.constant_f32(0.0, TensorType::new(ElemType::F32, &dims))?;
+    let zero = b.constant_f32(0.0, TensorType::new(DType::F32, &dims))?;
     b.select(first, c, zero)
 }
 
@@ -179,7 +179,7 @@ fn call_named(
 /// states it used.
 pub fn signature(s: &KernelSpec, kind: ProgramKind, devices: usize) -> ProgramSignature {
     let mut sig = ProgramSignature::of(s, kind);
-    let f32 = |d: &[i64]| TensorType::new(ElemType::F32, d);
+    let f32 = |d: &[i64]| TensorType::new(DType::F32, d);
     let (b, n) = (s.b as i64, s.n as i64);
     for (name, dims) in CP_ARGS.into_iter().zip([vec![b], vec![b, n], vec![devices as i64]]) {
         sig.args.push(super::interface::Port { name, ty: f32(&dims) });
@@ -240,7 +240,7 @@ pub fn context_parallel_program(s: &KernelSpec, kind: ProgramKind, devices: usiz
     for p in &main_sig.args {
         named.push((p.name, b.arg(p.ty.clone())?));
     }
-    let f32 = |d: &[i64]| TensorType::new(ElemType::F32, d);
+    let f32 = |d: &[i64]| TensorType::new(DType::F32, d);
     let cont = b.arg(f32(&[s.b as i64]))?;
     let carry = b.arg(f32(&[s.b as i64, n]))?;
     let piece = b.arg(f32(&[devices as i64]))?;
@@ -255,7 +255,7 @@ pub fn context_parallel_program(s: &KernelSpec, kind: ProgramKind, devices: usiz
         let last = dims.len() - 1;
         dims[last] = k;
         let z = b.constant_f32(0.0, f32(&dims))?;
-        if v_in.elem() == ElemType::F32 {
+        if v_in.elem() == DType::F32 {
             z
         } else {
             b.convert(z, v_in.elem())?

@@ -39,12 +39,11 @@
 //! replaced by values the programs read as "nothing here" (segment 0, token `B*T`, slot
 //! `NT*64`, one past the end).
 
-use kda_core::{BackwardStrategy, SegmentTable, Segments};
+use kda_core::{BackwardStrategy, DType, SegmentTable, Segments};
 use kda_packed::{StaticCapacity, SENTINEL};
 
-use super::prep;
-use super::spec::{KernelSpec, CHUNK};
-use crate::hlo::{ElemType, TensorType};
+use super::spec::{on_device, KernelSpec, CHUNK};
+use crate::hlo::TensorType;
 use crate::{Result, TpuError};
 
 /// Which program of a spec.
@@ -79,17 +78,17 @@ pub struct ProgramSignature {
     pub results: Vec<Port>,
 }
 
-fn port(name: &'static str, elem: ElemType, dims: &[i64]) -> Port {
+fn port(name: &'static str, elem: DType, dims: &[i64]) -> Port {
     Port { name, ty: TensorType::new(elem, dims) }
 }
 
 impl ProgramSignature {
     /// The signature of program `kind` of `spec` (the table in the module docs).
     pub fn of(s: &KernelSpec, kind: ProgramKind) -> ProgramSignature {
-        let e = prep::elem(s.dtype);
-        let ge = prep::elem(s.g_dtype);
-        let f32 = ElemType::F32;
-        let i32 = ElemType::I32;
+        let e = on_device(s.dtype);
+        let ge = on_device(s.g_dtype);
+        let f32 = DType::F32;
+        let i32 = DType::I32;
         let nt = s.chunks() as i64;
         let state = s.state_dims();
         let saved_h = [s.lanes() as i64, nt, s.k as i64, s.v as i64];
@@ -420,8 +419,8 @@ mod tests {
         assert_eq!(sig.arg_index("do"), Some(8));
         assert_eq!(sig.arg_index("h"), None);
         let sig = ProgramSignature::of(&base(false), ProgramKind::Forward(BackwardStrategy::SavedState));
-        assert_eq!(sig.results[0].ty, TensorType::new(ElemType::F32, &[400, 8]));
-        assert_eq!(sig.results[1].ty, TensorType::new(ElemType::F32, &[4, 2, 16, 8]));
+        assert_eq!(sig.results[0].ty, TensorType::new(DType::F32, &[400, 8]));
+        assert_eq!(sig.results[1].ty, TensorType::new(DType::F32, &[4, 2, 16, 8]));
     }
 
     #[test]
@@ -526,7 +525,7 @@ mod tests {
                 assert_eq!(&table.data, data, "{} of {segments:?}", table.name);
                 assert_eq!(&table.dims, dims, "{}", table.name);
                 let port = &sig.args[sig.arg_index(table.name).unwrap()];
-                assert_eq!(port.ty, TensorType::new(ElemType::I32, dims), "{}", table.name);
+                assert_eq!(port.ty, TensorType::new(DType::I32, dims), "{}", table.name);
                 assert_eq!(table.data.len() as i64, dims.iter().product::<i64>());
                 assert!(table.data.iter().all(|&v| v >= 0), "{}: no sentinel left", table.name);
             }

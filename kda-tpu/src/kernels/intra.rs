@@ -1,4 +1,4 @@
-//! Chunk-local quantities (spec section 4), batched over `N` chunks of `C = 64` rows: the
+//! Chunk-local quantities (docs/kda.md, Chunks), batched over `N` chunks of `C = 64` rows: the
 //! causal products through the decay tiles of [`super::tiles`], the WY solve and the decayed
 //! keys and queries.
 

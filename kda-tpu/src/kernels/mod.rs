@@ -1,4 +1,4 @@
-//! The chunked KDA programs (spec section 4) as StableHLO, built with [`crate::hlo`].
+//! The chunked KDA programs (docs/kda.md, Chunks) as StableHLO, built with [`crate::hlo`].
 
 pub mod compose;
 pub mod context_parallel;
@@ -16,7 +16,8 @@ pub use interface::{index_tables, index_tables_for, IndexTable, Port, ProgramKin
 pub use programs::{
     backward_program, data_parallel_program, forward_program, fused_program, program, GATE_FLOOR,
 };
-pub use spec::{on_device, KernelSpec, CHUNK, SUB, TPU_SLAB};
+pub(crate) use spec::CHUNK;
+pub use spec::{on_device, KernelSpec, SUB, TPU_SLAB};
 
 /// The names of the host-built index-table arguments, in signature order.
 pub const TABLE_NAMES: [&str; 5] = ["chunk_first", "chunk_last", "chunk_slot", "slot_token", "token_slot"];
@@ -41,8 +42,9 @@ pub fn signature(
 #[doc(hidden)]
 pub mod parts {
     use super::{intra, tiles};
-    use crate::hlo::{ElemType, FnBuilder, Module, TensorType, Value};
+    use crate::hlo::{FnBuilder, Module, TensorType, Value};
     use crate::Result;
+    use kda_core::DType;
 
     /// The names [`program`] knows.
     pub const NAMES: &[&str] = &[
@@ -63,7 +65,7 @@ pub mod parts {
     /// A program with inputs `q, k, v, g [N, 64, K]`, `beta [N, 64, 1]`, `m [N, 64, 64]`.
     pub fn program(name: &str, n: i64, k: i64) -> Result<String> {
         let mut b = FnBuilder::new("main", true);
-        let f = |d: &[i64]| TensorType::new(ElemType::F32, d);
+        let f = |d: &[i64]| TensorType::new(DType::F32, d);
         let q = b.arg(f(&[n, 64, k]))?;
         let kk = b.arg(f(&[n, 64, k]))?;
         let v = b.arg(f(&[n, 64, k]))?;
@@ -115,12 +117,12 @@ pub mod parts {
                     (b.slice_axis(q, 1, 16 * i, 16 * i + 16)?, b.slice_axis(k, 1, 16 * i, 16 * i + 16)?);
                 let lhs = b.concatenate(&[qi, ki], 1)?; // [N, 32, K]
                 let rhs = b.slice_axis(k, 1, 0, 16 * i)?; // [N, 16I, K]
-                outs.push(b.dot_general(lhs, rhs, &[0], &[0], &[2], &[2], ElemType::F32)?);
+                outs.push(b.dot_general(lhs, rhs, &[0], &[0], &[2], &[2], DType::F32)?);
                 let (qi, ki) =
                     (b.slice_axis(q4, 2, 4 * i, 4 * i + 4)?, b.slice_axis(k4, 2, 4 * i, 4 * i + 4)?);
                 let lhs = b.concatenate(&[qi, ki], 2)?; // [N, 4, 8, K]
                 let rhs = b.slice_axis(k4, 2, 0, 4 * i)?; // [N, 4, 4I, K]
-                outs.push(b.dot_general(lhs, rhs, &[0, 1], &[0, 1], &[3], &[3], ElemType::F32)?);
+                outs.push(b.dot_general(lhs, rhs, &[0, 1], &[0, 1], &[3], &[3], DType::F32)?);
             }
         }
         if name == "products_large" {
@@ -128,7 +130,7 @@ pub mod parts {
             let a = b.reshape(q, &[n * 64, kd])?;
             let w = b.reshape(k, &[n * 32, 2 * kd])?;
             let w = b.slice_axis(w, 0, 0, kd)?;
-            outs.push(b.dot_general(a, w, &[], &[], &[1], &[0], ElemType::F32)?);
+            outs.push(b.dot_general(a, w, &[], &[], &[1], &[0], DType::F32)?);
         }
         if all || name == "products_wy" {
             outs.push(b.batch_matmul(m, v, false, false)?);
@@ -181,7 +183,7 @@ pub mod parts {
     /// can hold the two forms to each other.
     pub fn decay_forms(n: i64, k: i64, products: bool) -> Result<String> {
         let mut b = FnBuilder::new("main", true);
-        let f = |d: &[i64]| TensorType::new(ElemType::F32, d);
+        let f = |d: &[i64]| TensorType::new(DType::F32, d);
         let q = b.arg(f(&[n, 64, k]))?;
         let kk = b.arg(f(&[n, 64, k]))?;
         let g = b.arg(f(&[n, 64, k]))?;

@@ -1,16 +1,17 @@
 //! Small compositions of builder ops that the kernels use everywhere.
 
-use crate::hlo::{Cmp, ElemType, FnBuilder, TensorType, Value};
+use crate::hlo::{Cmp, FnBuilder, TensorType, Value};
 use crate::Result;
+use kda_core::DType;
 
 /// An f32 tensor type.
 pub fn f32t(dims: &[i64]) -> TensorType {
-    TensorType::new(ElemType::F32, dims)
+    TensorType::new(DType::F32, dims)
 }
 
 /// An i32 tensor type.
 pub fn i32t(dims: &[i64]) -> TensorType {
-    TensorType::new(ElemType::I32, dims)
+    TensorType::new(DType::I32, dims)
 }
 
 /// A splat f32 constant of shape `dims`.
@@ -27,7 +28,7 @@ pub fn causal_mask(
     col_axis: usize,
     strict: bool,
 ) -> Result<Value> {
-    let it = TensorType::new(ElemType::I32, dims);
+    let it = TensorType::new(DType::I32, dims);
     let r = b.iota(it.clone(), row_axis)?;
     let c = b.iota(it, col_axis)?;
     b.compare(if strict { Cmp::Lt } else { Cmp::Le }, c, r)
@@ -35,7 +36,7 @@ pub fn causal_mask(
 
 /// An i1 mask of shape `dims` that is true where index(a) `cmp` index(b).
 pub fn index_mask(b: &mut FnBuilder, dims: &[i64], a: usize, cmp: Cmp, c: usize) -> Result<Value> {
-    let it = TensorType::new(ElemType::I32, dims);
+    let it = TensorType::new(DType::I32, dims);
     let x = b.iota(it.clone(), a)?;
     let y = b.iota(it, c)?;
     b.compare(cmp, x, y)

@@ -3,21 +3,13 @@
 
 use super::ops::{f32t, splat, sum_last_keep};
 use super::spec::{KernelSpec, CHUNK};
-use crate::hlo::{ElemType, FnBuilder, Value};
+use crate::hlo::{FnBuilder, Value};
 use crate::Result;
 use kda_core::{DType, GateKind, Layout, L2NORM_EPS};
 
-/// The element type of a dtype's tensors on the device.
-pub fn elem(d: DType) -> ElemType {
-    match d {
-        DType::BF16 => ElemType::BF16,
-        _ => ElemType::F32,
-    }
-}
-
 /// Per-token tensor in the caller's layout to head-first `[H, B, T, D]` f32.
 pub fn head_first(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result<Value> {
-    let x = if x.elem() == ElemType::F32 { x } else { b.convert(x, ElemType::F32)? };
+    let x = if x.elem() == DType::F32 { x } else { b.convert(x, DType::F32)? };
     Ok(match s.layout {
         Layout::HeadFirst => x,
         Layout::BatchFirst => b.transpose(x, &[2, 0, 1, 3])?,
@@ -36,18 +28,18 @@ pub fn beta_head_first(b: &mut FnBuilder, s: &KernelSpec, beta: Value) -> Result
 /// flat `[tokens, D]`, the same row-major bytes as the caller's 4-D shape (the backend downloads
 /// results with the API shape). A 4-D result with a unit axis (B = 1) made XLA give the last
 /// fusion a layout with that axis elsewhere and then copy the whole result into the standard one.
-pub fn to_caller(b: &mut FnBuilder, s: &KernelSpec, x: Value, dtype: ElemType) -> Result<Value> {
+pub fn to_caller(b: &mut FnBuilder, s: &KernelSpec, x: Value, dtype: DType) -> Result<Value> {
     let x = match s.layout {
         Layout::HeadFirst => x,
         Layout::BatchFirst => b.transpose(x, &[1, 2, 0, 3])?,
     };
-    let x = if dtype == ElemType::F32 { x } else { b.convert(x, dtype)? };
+    let x = if dtype == DType::F32 { x } else { b.convert(x, dtype)? };
     let d = x.dims().to_vec();
     b.reshape(x, &[d[0] * d[1] * d[2], d[3]])
 }
 
 /// Head-first `[H, B, T, 1]` back to beta's caller layout and `dtype`, as a flat result.
-pub fn beta_to_caller(b: &mut FnBuilder, s: &KernelSpec, x: Value, dtype: ElemType) -> Result<Value> {
+pub fn beta_to_caller(b: &mut FnBuilder, s: &KernelSpec, x: Value, dtype: DType) -> Result<Value> {
     let x = to_caller(b, s, x, dtype)?;
     let n: i64 = s.beta_dims().iter().product();
     b.reshape(x, &[n])
@@ -99,7 +91,7 @@ pub fn gate_params(
     Ok(GateParams { a, bias })
 }
 
-/// The activated log-decay from the raw gate input `x` `[H, B, T, K]` (spec section 2).
+/// The activated log-decay from the raw gate input `x` `[H, B, T, K]` (docs/kda.md, Tensors).
 pub fn activate(b: &mut FnBuilder, s: &KernelSpec, x: Value, p: Option<&GateParams>) -> Result<Value> {
     let Some(p) = p else { return Ok(x) };
     let z = b.add(x, p.bias)?;
@@ -221,7 +213,7 @@ pub fn from_chunks(b: &mut FnBuilder, s: &KernelSpec, y: Value, token_slot: Opti
 fn head_rows(b: &mut FnBuilder, x: Value, idx: Value) -> Result<Value> {
     let (h, r, d) = (x.dims()[0], x.dims()[1], x.dims()[2]);
     let m = idx.dims()[0];
-    let i32t = |dims: &[i64]| crate::hlo::TensorType::new(ElemType::I32, dims);
+    let i32t = |dims: &[i64]| crate::hlo::TensorType::new(DType::I32, dims);
     let head = b.iota(i32t(&[h, m]), 0)?;
     let rows = b.constant_i32(r as i32, i32t(&[]))?;
     let rows = b.broadcast_in_dim(rows, &[h, m], &[])?;

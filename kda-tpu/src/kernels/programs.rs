@@ -8,11 +8,11 @@ use super::prep::{self, GateParams};
 use super::recurrence::{
     run_grads, run_grads_window, run_output, run_states, run_states_window, ChunkTables,
 };
-use super::spec::{KernelSpec, CHUNK};
+use super::spec::{on_device, KernelSpec, CHUNK};
 use super::tiles::{col_side_sum, row_sides};
-use crate::hlo::{ElemType, FnBuilder, Module, TensorType, Value};
+use crate::hlo::{FnBuilder, Module, TensorType, Value};
 use crate::Result;
-use kda_core::BackwardStrategy;
+use kda_core::{BackwardStrategy, DType};
 
 /// Per-token log-decays below this are treated as this value. `exp(-30) ~ 9e-14`: the state
 /// left after such a token is below f32 resolution relative to what follows, exactly as after a
@@ -187,7 +187,7 @@ fn output(
     let o = b.add(inter, intra)?;
     let o = b.reshape(o, &[s.lanes() as i64, s.chunks() as i64, CHUNK as i64, s.v as i64])?;
     let o = prep::from_chunks(b, s, o, a.token_slot)?;
-    prep::to_caller(b, s, o, prep::elem(s.dtype))
+    prep::to_caller(b, s, o, on_device(s.dtype))
 }
 
 struct Forward {
@@ -394,7 +394,7 @@ fn finish_grads(
     let mut dk = tok(b, dk)?;
     let dv = tok(b, dv)?;
     let mut dg = tok(b, dg)?;
-    // Below the floor the kernel used the floor: no gradient flows to g there (spec's reference
+    // Below the floor the kernel used the floor: no gradient flows to g there (the reference
     // gives exactly 0 as well, since exp(g) underflows).
     let floor = splat(b, GATE_FLOOR, w.g.dims())?;
     let live = b.compare(crate::hlo::Cmp::Gt, w.g, floor)?;
@@ -413,12 +413,12 @@ fn finish_grads(
             gate_grads.push(ddt);
         }
     }
-    let e = prep::elem(s.dtype);
+    let e = on_device(s.dtype);
     let mut out = vec![
         prep::to_caller(b, s, dq, e)?,
         prep::to_caller(b, s, dk, e)?,
         prep::to_caller(b, s, dv, e)?,
-        prep::to_caller(b, s, dg, prep::elem(s.g_dtype))?,
+        prep::to_caller(b, s, dg, on_device(s.g_dtype))?,
         prep::beta_to_caller(b, s, dbeta, e)?,
     ];
     if s.has_h0 {
@@ -531,7 +531,7 @@ fn forward_body(f: &mut FnBuilder, s: &KernelSpec, d: &Declared, keep_h: bool) -
         let tables = loop_tables(f, s, a.tables)?;
         let run = run_output(f, s, tables, h0, &ct, s.scale as f32)?;
         let o = prep::from_chunks(f, s, run.o, a.token_slot)?;
-        let mut outs = vec![prep::to_caller(f, s, o, prep::elem(s.dtype))?];
+        let mut outs = vec![prep::to_caller(f, s, o, on_device(s.dtype))?];
         if s.final_state {
             outs.push(prep::state_from_table(f, s, run.final_tab)?);
         }
@@ -625,7 +625,7 @@ fn fused_body(
 fn lanes_padded(b: &mut FnBuilder, s: &KernelSpec, x: Value, ntp: i64) -> Result<Value> {
     let (l, nt, d) = (s.lanes() as i64, s.chunks() as i64, x.dims()[2]);
     let x = b.reshape(x, &[l, nt, CHUNK as i64, d])?;
-    let zero = b.constant_f32(0.0, TensorType::new(ElemType::F32, &[]))?;
+    let zero = b.constant_f32(0.0, TensorType::new(DType::F32, &[]))?;
     b.pad(x, zero, &[0, 0, 0, 0], &[0, ntp - nt, 0, 0], &[0, 0, 0, 0])
 }
 
@@ -677,7 +677,7 @@ impl Slabs {
             .map(|&x| lanes_padded(b, s, x, ntp))
             .collect::<Result<_>>()?;
         let pad_tab = |b: &mut FnBuilder, x: Value| -> Result<Value> {
-            let z = b.constant_i32(0, TensorType::new(ElemType::I32, &[]))?;
+            let z = b.constant_i32(0, TensorType::new(DType::I32, &[]))?;
             b.pad(x, z, &[0], &[ntp - nt], &[0])
         };
         let tabs = ChunkTables {
@@ -791,7 +791,7 @@ fn forward_slabs(
     })?;
     let o = b.slice_axis(fwd[2], 1, 0, nt)?;
     let o = prep::from_chunks(b, s, o, a.token_slot)?;
-    let o = prep::to_caller(b, s, o, prep::elem(s.dtype))?;
+    let o = prep::to_caller(b, s, o, on_device(s.dtype))?;
     let final_state = if s.final_state { Some(prep::state_from_table(b, s, fwd[1])?) } else { None };
     Ok(SlabForward { o, final_state, kept: fwd[3..].to_vec() })
 }

@@ -309,7 +309,7 @@ pub struct GradRun {
 }
 
 /// Runs `dh_prev = exp(G_last) dh + scale q2 - w^T dv_new`, `dv_new = p1 + kg dh` from the last
-/// chunk to the first, seeding `dh` from `dht` at each segment's last chunk (spec section 4,
+/// chunk to the first, seeding `dh` from `dht` at each segment's last chunk (docs/kda.md, Chunks,
 /// steps 1-2), with `p = (p1, q2) = (Aqk^T dO, qg^T dO)` per chunk.
 pub fn run_grads(
     b: &mut FnBuilder,

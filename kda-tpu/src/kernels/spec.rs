@@ -2,8 +2,7 @@
 
 use kda_core::{DType, GateKind, Layout, Problem};
 
-/// Chunk size of the chunked algorithm (spec section 4).
-pub const CHUNK: usize = 64;
+pub(crate) use kda_core::CHUNK;
 /// Diagonal block size of the blocked `(I + L)^-1`.
 pub const SUB: usize = 16;
 

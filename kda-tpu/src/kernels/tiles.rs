@@ -1,4 +1,4 @@
-//! Decay factors `exp(G_t - G_j)` inside a chunk, in tiles (spec section 4).
+//! Decay factors `exp(G_t - G_j)` inside a chunk, in tiles (docs/kda.md, Chunks).
 //!
 //! A chunk of 64 rows is 4 blocks of 16 rows, each 4 sub-blocks of 4 rows. For row `t` in
 //! block `I` and column `j` in an earlier block, `exp(G_t - G_j)` factors through the row just
@@ -17,8 +17,9 @@
 //! exponentiated is `g` itself (see [`decay`]).
 
 use super::ops::{f32t, index_mask, splat, stored_transposes};
-use crate::hlo::{Cmp, ElemType, FnBuilder, Value};
+use crate::hlo::{Cmp, FnBuilder, Value};
 use crate::Result;
+use kda_core::DType;
 
 /// Rows per chunk, per block, per sub-block.
 const C: i64 = 64;
@@ -380,7 +381,7 @@ pub fn grams(b: &mut FnBuilder, dc: &Decay, xs: [Value; 2], y: Value) -> Result<
         let lhs = b.concatenate(&lhs, 1)?; // [N, 32, K]
         let yc = rows(b, y, 1, 0, B16 * i)?;
         let yc = b.mul(yc, dc.col1[i as usize - 1])?;
-        let d = b.dot_general(lhs, yc, &[0], &[0], &[2], &[2], ElemType::F32)?; // [N, 32, 16I]
+        let d = b.dot_general(lhs, yc, &[0], &[0], &[2], &[2], DType::F32)?; // [N, 32, 16I]
         let d = pad_last(b, d, C)?;
         off1.push(unit_axis(b, d, 1)?);
     }
@@ -400,7 +401,7 @@ pub fn grams(b: &mut FnBuilder, dc: &Decay, xs: [Value; 2], y: Value) -> Result<
         let lhs = b.concatenate(&lhs, 2)?; // [N, 4, 8, K]
         let yc = rows(b, y16, 2, 0, B4 * i)?;
         let yc = b.mul(yc, dc.col2[i as usize - 1])?;
-        let d = b.dot_general(lhs, yc, &[0, 1], &[0, 1], &[3], &[3], ElemType::F32)?; // [N, 4, 8, 4I]
+        let d = b.dot_general(lhs, yc, &[0, 1], &[0, 1], &[3], &[3], DType::F32)?; // [N, 4, 8, 4I]
         let d = pad_last(b, d, B16)?;
         off2.push(unit_axis(b, d, 2)?);
     }
@@ -472,7 +473,7 @@ pub fn row_sides(b: &mut FnBuilder, dc: &Decay, mats: &[Value], x: Value) -> Res
         let lhs = b.concatenate(&lhs, 1)?;
         let xc = rows(b, x, 1, 0, B16 * i)?;
         let xc = b.mul(xc, dc.col1[i as usize - 1])?;
-        let r = b.dot_general(lhs, xc, &[0], &[0], &[2], &[1], ElemType::F32)?; // [N, 16m, K]
+        let r = b.dot_general(lhs, xc, &[0], &[0], &[2], &[1], DType::F32)?; // [N, 16m, K]
         r1.push(unit_axis(b, r, 1)?);
     }
     let r1 = b.concatenate(&r1, 1)?; // [N, 3, 16m, K]
@@ -489,7 +490,7 @@ pub fn row_sides(b: &mut FnBuilder, dc: &Decay, mats: &[Value], x: Value) -> Res
         let lhs = b.concatenate(&lhs, 2)?;
         let xc = rows(b, x16, 2, 0, B4 * i)?;
         let xc = b.mul(xc, dc.col2[i as usize - 1])?;
-        let r = b.dot_general(lhs, xc, &[0, 1], &[0, 1], &[3], &[2], ElemType::F32)?; // [N, 4, 4m, K]
+        let r = b.dot_general(lhs, xc, &[0, 1], &[0, 1], &[3], &[2], DType::F32)?; // [N, 4, 4m, K]
         r2.push(unit_axis(b, r, 2)?);
     }
     let r2 = b.concatenate(&r2, 2)?; // [N, 4, 3, 4m, K]
@@ -572,7 +573,7 @@ pub fn col_side_sum(b: &mut FnBuilder, dc: &Decay, pairs: &[(Value, Value)], sto
         let lc = if stored { 2 } else { 1 };
         let lhs = b.concatenate(&lhs, lc)?;
         let rhs = b.concatenate(&rhs, 1)?;
-        let c = b.dot_general(lhs, rhs, &[0], &[0], &[lc as i64], &[1], ElemType::F32)?; // [N, 16I, K]
+        let c = b.dot_general(lhs, rhs, &[0], &[0], &[lc as i64], &[1], DType::F32)?; // [N, 16I, K]
         let c = b.mul(c, dc.col1[i as usize - 1])?;
         let c = pad_axis(b, c, 1, C)?;
         c1 = Some(match c1 {
@@ -603,7 +604,7 @@ pub fn col_side_sum(b: &mut FnBuilder, dc: &Decay, pairs: &[(Value, Value)], sto
         let lc = if stored { 3 } else { 2 };
         let lhs = b.concatenate(&lhs, lc)?;
         let rhs = b.concatenate(&rhs, 2)?;
-        let c = b.dot_general(lhs, rhs, &[0, 1], &[0, 1], &[lc as i64], &[2], ElemType::F32)?; // [N, 4, 4I, K]
+        let c = b.dot_general(lhs, rhs, &[0, 1], &[0, 1], &[lc as i64], &[2], DType::F32)?; // [N, 4, 4I, K]
         let c = b.mul(c, dc.col2[i as usize - 1])?;
         let c = pad_axis(b, c, 2, B16)?;
         c2 = Some(match c2 {

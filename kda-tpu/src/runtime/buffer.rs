@@ -6,101 +6,32 @@
 
 use std::fmt;
 
-use kda_core::KdaError;
+use kda_core::{DType, KdaError};
 use pjrt::{Buffer, Client, Device, ElemType, PrimitiveType, Type, TypedHostBuffer};
 use pjrt_sys::PJRT_Buffer;
 
-use super::raw::paired_ptr;
+use super::raw::{paired_ptr, Bf16Bits};
 use crate::error::{pjrt_message, Result, TpuError};
 
-/// Element type of a device buffer, named as in StableHLO (`f32`, `bf16`, `i32`, `ui16`, `i1`, ...).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ElementType {
-    /// `f32`
-    F32,
-    /// `bf16`
-    Bf16,
-    /// `f16`
-    F16,
-    /// `f64`
-    F64,
-    /// `i1` (PRED)
-    Pred,
-    /// `i8`
-    I8,
-    /// `i16`
-    I16,
-    /// `i32`
-    I32,
-    /// `i64`
-    I64,
-    /// `ui8`
-    U8,
-    /// `ui16`
-    U16,
-    /// `ui32`
-    U32,
-    /// `ui64`
-    U64,
-}
-
-const NAMES: [(ElementType, &str, PrimitiveType); 13] = [
-    (ElementType::F32, "f32", PrimitiveType::F32),
-    (ElementType::Bf16, "bf16", PrimitiveType::BF16),
-    (ElementType::F16, "f16", PrimitiveType::F16),
-    (ElementType::F64, "f64", PrimitiveType::F64),
-    (ElementType::Pred, "i1", PrimitiveType::Pred),
-    (ElementType::I8, "i8", PrimitiveType::S8),
-    (ElementType::I16, "i16", PrimitiveType::S16),
-    (ElementType::I32, "i32", PrimitiveType::S32),
-    (ElementType::I64, "i64", PrimitiveType::S64),
-    (ElementType::U8, "ui8", PrimitiveType::U8),
-    (ElementType::U16, "ui16", PrimitiveType::U16),
-    (ElementType::U32, "ui32", PrimitiveType::U32),
-    (ElementType::U64, "ui64", PrimitiveType::U64),
+/// The PJRT primitive type of each element type the runtime moves.
+const PRIMITIVES: [(DType, PrimitiveType); 6] = [
+    (DType::F32, PrimitiveType::F32),
+    (DType::BF16, PrimitiveType::BF16),
+    (DType::F64, PrimitiveType::F64),
+    (DType::I32, PrimitiveType::S32),
+    (DType::U16, PrimitiveType::U16),
+    (DType::I1, PrimitiveType::Pred),
 ];
 
-impl ElementType {
-    /// Parses a StableHLO element type name (`f32`, `bf16`, `i32`, `ui16`, `i1`, ...).
-    pub fn parse(name: &str) -> Option<Self> {
-        NAMES.iter().find(|(_, n, _)| *n == name).map(|(t, _, _)| *t)
-    }
-    /// The StableHLO name.
-    pub fn name(self) -> &'static str {
-        NAMES.iter().find(|(t, _, _)| *t == self).map_or("?", |(_, n, _)| n)
-    }
-    /// Bytes per element on the host (PRED is one byte).
-    pub fn size_bytes(self) -> usize {
-        match self {
-            ElementType::Pred | ElementType::I8 | ElementType::U8 => 1,
-            ElementType::Bf16 | ElementType::F16 | ElementType::I16 | ElementType::U16 => 2,
-            ElementType::F32 | ElementType::I32 | ElementType::U32 => 4,
-            ElementType::F64 | ElementType::I64 | ElementType::U64 => 8,
-        }
-    }
-    fn from_primitive(p: PrimitiveType) -> Result<Self> {
-        NAMES.iter().find(|(_, _, q)| *q == p).map(|(t, _, _)| *t).ok_or_else(|| {
-            TpuError::unsupported(format!("buffer type {p:?}"), "kda-tpu handles f32/bf16/ints only")
-        })
-    }
+/// The element type of a PJRT buffer, or an `Unsupported` error naming the ones handled.
+fn dtype_of(p: PrimitiveType) -> Result<DType> {
+    PRIMITIVES.iter().find(|(_, q)| *q == p).map(|(d, _)| *d).ok_or_else(|| {
+        TpuError::unsupported(
+            format!("buffer type {p:?}"),
+            "kda-tpu handles f32, bf16, f64, i32, ui16 and i1",
+        )
+    })
 }
-
-impl fmt::Display for ElementType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-/// bf16 bit pattern as a pjrt host element (pjrt 0.2.0 lacks one); see the module docs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(transparent)]
-pub(crate) struct Bf16Bits(pub(crate) u16);
-
-// SAFETY: `Bf16Bits` is `repr(transparent)` over `u16`: every bit pattern is valid, zero
-// included, and it has no padding; so a `Vec<half::bf16>` can be reused as one without a copy.
-unsafe impl bytemuck::Zeroable for Bf16Bits {}
-// SAFETY: as above.
-unsafe impl bytemuck::Pod for Bf16Bits {}
 
 /// The pjrt `Type` marker for [`Bf16Bits`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -123,8 +54,9 @@ pub struct DeviceBuffer {
     /// Owns the plugin's buffer: dropping it frees the device memory. Read through `raw`.
     _buf: Buffer,
     raw: *mut PJRT_Buffer,
-    dtype: ElementType,
+    dtype: DType,
     dims: Vec<i64>,
+    elements: usize,
 }
 
 impl fmt::Debug for DeviceBuffer {
@@ -137,12 +69,13 @@ impl DeviceBuffer {
     /// Wraps a pjrt buffer; queries dtype and dims (callers run this inside the panic guard).
     pub(crate) fn wrap(client: &Client, buf: Buffer) -> Result<Self> {
         let raw = paired_ptr::<Buffer, PJRT_Buffer>(client, &buf)?;
-        let dtype = ElementType::from_primitive(buf.primitive_type())?;
+        let dtype = dtype_of(buf.primitive_type())?;
         let dims = buf.dims();
-        Ok(Self { _buf: buf, raw, dtype, dims })
+        let elements = element_count("device buffer", &dims)?;
+        Ok(Self { _buf: buf, raw, dtype, dims, elements })
     }
     /// The element type.
-    pub fn dtype(&self) -> ElementType {
+    pub fn dtype(&self) -> DType {
         self.dtype
     }
     /// The dimensions (empty for a scalar).
@@ -151,10 +84,10 @@ impl DeviceBuffer {
     }
     /// The number of elements.
     pub fn num_elements(&self) -> usize {
-        self.dims.iter().map(|&d| d.max(0) as usize).product()
+        self.elements
     }
     /// Contract check: `arg` must be `dtype` with exactly `dims`.
-    pub fn expect(&self, arg: &str, dtype: ElementType, dims: &[i64]) -> Result<()> {
+    pub fn expect(&self, arg: &str, dtype: DType, dims: &[i64]) -> Result<()> {
         if self.dtype != dtype {
             return Err(KdaError::dtype(arg, dtype.name(), self.dtype.name()).into());
         }
@@ -170,10 +103,7 @@ impl DeviceBuffer {
 
 /// Checks that `len` elements fill `dims` exactly (pjrt's builder does not; its `bytes()` panics).
 pub(crate) fn check_len(arg: &str, len: usize, dims: &[i64]) -> Result<()> {
-    if dims.iter().any(|&d| d < 0) {
-        return Err(KdaError::shape(arg, "non-negative dims", format!("{dims:?}")).into());
-    }
-    let n: usize = dims.iter().map(|&d| d as usize).product();
+    let n = element_count(arg, dims)?;
     if n != len {
         return Err(KdaError::shape(
             arg,
@@ -183,6 +113,14 @@ pub(crate) fn check_len(arg: &str, len: usize, dims: &[i64]) -> Result<()> {
         .into());
     }
     Ok(())
+}
+
+/// The number of elements of `dims`: an error naming `arg` for a negative dim or a product
+/// that overflows `usize`.
+pub(crate) fn element_count(arg: &str, dims: &[i64]) -> Result<usize> {
+    dims.iter().try_fold(1usize, |n, &d| usize::try_from(d).ok().and_then(|d| n.checked_mul(d))).ok_or_else(
+        || KdaError::shape(arg, "non-negative dims whose product fits in usize", format!("{dims:?}")).into(),
+    )
 }
 
 /// Host -> device copy of any pjrt element type; blocks until the copy is done.

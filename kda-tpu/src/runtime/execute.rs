@@ -8,8 +8,8 @@ use pjrt_sys::PJRT_Buffer;
 
 use super::buffer::DeviceBuffer;
 use super::compile::Executable;
-use super::signature::TensorType;
 use crate::error::{Result, TpuError};
+use crate::hlo::TensorType;
 
 /// Inputs that borrow device buffers: pjrt's own impls take buffers by value and destroy them after
 /// the call; these destroy nothing and mark every input non-donatable, so buffers can be reused.
@@ -47,7 +47,7 @@ pub(crate) fn check_inputs(exe: &Executable, inputs: &[&DeviceBuffer]) -> Result
         .into());
     }
     for (i, (want, buf)) in sig.args.iter().zip(inputs).enumerate() {
-        if let Some(TensorType { dtype, dims }) = want {
+        if let Some(TensorType { elem: dtype, dims }) = want {
             buf.expect(&format!("input {i}"), *dtype, dims)?;
         }
     }
@@ -68,7 +68,7 @@ pub(crate) fn check_outputs(exe: &Executable, outputs: &[DeviceBuffer]) -> Resul
     }
     for (i, (want, got)) in sig.results.iter().zip(outputs).enumerate() {
         if let Some(t) = want {
-            if got.dtype() != t.dtype || got.dims() != t.dims.as_slice() {
+            if got.dtype() != t.elem || got.dims() != t.dims.as_slice() {
                 return Err(TpuError::Execute {
                     message: format!("output {i}: declared {t}, plugin returned {got:?}"),
                 });

@@ -15,20 +15,8 @@
 /// Applies the glibc settings described in the module docs; returns whether they took effect.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 pub fn retain() -> bool {
-    // From glibc's <malloc.h>.
-    const M_TRIM_THRESHOLD: i32 = -1;
-    const M_MMAP_MAX: i32 = -4;
-    const M_ARENA_MAX: i32 = -8;
-    extern "C" {
-        fn mallopt(param: i32, value: i32) -> i32;
-    }
-    // SAFETY: mallopt only updates allocator parameters; it is thread-safe in glibc and every
-    // value here is in its documented range.
-    unsafe {
-        mallopt(M_ARENA_MAX, 1) == 1
-            && mallopt(M_MMAP_MAX, 0) == 1
-            && mallopt(M_TRIM_THRESHOLD, i32::MAX) == 1
-    }
+    use super::raw::{mallopt, M_ARENA_MAX, M_MMAP_MAX, M_TRIM_THRESHOLD};
+    mallopt(M_ARENA_MAX, 1) && mallopt(M_MMAP_MAX, 0) && mallopt(M_TRIM_THRESHOLD, i32::MAX)
 }
 
 /// Applies the glibc settings described in the module docs; a no-op returning `false` here.

@@ -13,6 +13,7 @@ mod execute;
 pub(crate) mod guard;
 pub mod host_memory;
 pub mod plugin;
+#[allow(unsafe_code)]
 pub(crate) mod raw;
 mod signature;
 
@@ -22,20 +23,21 @@ use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::time::Instant;
 
+use kda_core::DType;
 use pjrt::{Api, Client, Device, LoadedExecutable, NamedValue, Program, ProgramFormat};
 use pjrt_sys::PJRT_LoadedExecutable;
 
-pub use buffer::{DeviceBuffer, ElementType};
+pub use buffer::DeviceBuffer;
 pub use compile::{CompileOptions, Executable, XlaOption};
 pub use raw::MemoryStats;
-pub use signature::{Signature, TensorType};
+pub use signature::Signature;
 
-use buffer::{upload, Bf16Bits};
+use buffer::upload;
 use compile::CacheKey;
 use execute::{check_inputs, check_outputs, Borrowed};
 use guard::guarded;
 use plugin::{explain, PluginLocation};
-use raw::{paired_ptr, RawApi};
+use raw::{paired_ptr, Bf16Bits, RawApi};
 
 use crate::error::{Result, TpuError};
 
@@ -433,40 +435,27 @@ impl Runtime {
 
     /// Downloads an f32 buffer (error if it holds another dtype).
     pub fn download_f32(&self, buf: &DeviceBuffer) -> Result<Vec<f32>> {
-        self.download(buf, ElementType::F32, "download_f32")
+        self.download(buf, DType::F32, "download_f32")
     }
     /// Downloads a bf16 buffer (error if it holds another dtype).
     pub fn download_bf16(&self, buf: &DeviceBuffer) -> Result<Vec<half::bf16>> {
-        self.download(buf, ElementType::Bf16, "download_bf16")
+        self.download(buf, DType::BF16, "download_bf16")
     }
     /// Downloads an i32 buffer (error if it holds another dtype).
     pub fn download_i32(&self, buf: &DeviceBuffer) -> Result<Vec<i32>> {
-        self.download(buf, ElementType::I32, "download_i32")
+        self.download(buf, DType::I32, "download_i32")
     }
 
-    fn download<T: bytemuck::Pod>(&self, buf: &DeviceBuffer, want: ElementType, arg: &str) -> Result<Vec<T>> {
+    fn download<T: bytemuck::Pod>(&self, buf: &DeviceBuffer, want: DType, arg: &str) -> Result<Vec<T>> {
         let _span = tracing::info_span!("transfer", to = "host", elements = buf.num_elements()).entered();
         if buf.dtype() != want || std::mem::size_of::<T>() != want.size_bytes() {
             return Err(kda_core::KdaError::dtype(arg, want.name(), buf.dtype().name()).into());
         }
-        let n = buf.num_elements();
-        let mut out: Vec<T> = Vec::with_capacity(n);
-        let bytes = n * std::mem::size_of::<T>();
-        // SAFETY: the spare capacity holds `n` elements of `T`, i.e. `bytes` bytes; viewing
-        // uninitialised memory as `MaybeUninit<u8>` is always allowed.
-        let dst = unsafe {
-            std::slice::from_raw_parts_mut(
-                out.spare_capacity_mut().as_mut_ptr().cast::<std::mem::MaybeUninit<u8>>(),
-                bytes,
-            )
-        };
-        guarded("download", || self.raw.to_host(buf.raw(), dst)).map_err(|e| match e {
-            TpuError::Panic { .. } => e,
-            other => TpuError::Transfer { what: format!("{buf:?} to host"), message: other.to_string() },
-        })?;
-        // SAFETY: `to_host` wrote exactly `bytes` bytes (it checks the plugin's size) and
-        // every bit pattern is a valid `T` (`Pod`).
-        unsafe { out.set_len(n) };
-        Ok(out)
+        guarded("download", || self.raw.to_host_vec::<T>(buf.raw(), buf.num_elements())).map_err(
+            |e| match e {
+                TpuError::Panic { .. } => e,
+                other => TpuError::Transfer { what: format!("{buf:?} to host"), message: other.to_string() },
+            },
+        )
     }
 }

@@ -1,5 +1,8 @@
-//! Direct pjrt-sys calls for what pjrt 0.2.0 hides: `peak_memory_in_bytes` of the compiled memory
-//! statistics, a panic-free cost analysis, and the raw handles behind its buffers and executables.
+//! The crate's FFI: every `unsafe` block of `kda-tpu` is here (the crate denies `unsafe_code`
+//! elsewhere), each with a SAFETY note. Direct pjrt-sys calls for what pjrt 0.2.0 hides
+//! (`peak_memory_in_bytes` of the compiled memory statistics, a panic-free cost analysis,
+//! downloads without a zero-fill, the raw handles behind its buffers and executables), the bf16
+//! host element pjrt lacks, and glibc's `mallopt`.
 
 use std::collections::BTreeMap;
 use std::ffi::c_char;
@@ -11,6 +14,17 @@ use pjrt::Client;
 use pjrt_sys::*;
 
 use crate::error::{compiler_message, Result, TpuError};
+
+/// bf16 bit pattern as a pjrt host element (pjrt 0.2.0 lacks one); see the module docs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(transparent)]
+pub(crate) struct Bf16Bits(pub(crate) u16);
+
+// SAFETY: `Bf16Bits` is `repr(transparent)` over `u16`: every bit pattern is valid, zero
+// included, and it has no padding; so a `Vec<half::bf16>` can be reused as one without a copy.
+unsafe impl bytemuck::Zeroable for Bf16Bits {}
+// SAFETY: as above.
+unsafe impl bytemuck::Pod for Bf16Bits {}
 
 /// What `PJRT_Executable_GetCompiledMemoryStats` reports for the device, in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -40,6 +54,7 @@ pub(crate) fn paired_ptr<T, P>(client: &Client, value: &T) -> Result<*mut P> {
     }
     // SAFETY: both types are exactly pointer-sized words, all initialised (checked above).
     let words: [usize; 2] = unsafe { std::mem::transmute_copy(value) };
+    // SAFETY: as above: `Client` is one initialised pointer-sized word.
     let client_word: usize = unsafe { std::mem::transmute_copy(client) };
     match (words[0] == client_word, words[1] == client_word) {
         (true, false) if words[1] != 0 => Ok(words[1] as *mut P),
@@ -93,6 +108,8 @@ impl RawApi {
         // SAFETY: `GetPjrtApi` has this signature in every PJRT plugin.
         let get: libloading::Symbol<unsafe extern "C" fn() -> *const PJRT_Api> =
             unsafe { lib.get(b"GetPjrtApi") }.map_err(load_err)?;
+        // SAFETY: `GetPjrtApi` takes nothing and returns a pointer to a static table (or null,
+        // checked below); the library stays open as long as `Self`.
         let api = unsafe { get() };
         if api.is_null() {
             return Err(TpuError::PluginLoad {
@@ -113,6 +130,7 @@ impl RawApi {
             Ok(f) => {
                 // SAFETY: `err` is a live PJRT_Error; the message lives until it is destroyed below.
                 unsafe { f(&mut m) };
+                // SAFETY: the plugin filled `message` / `message_size` with a live byte range.
                 let bytes = unsafe { std::slice::from_raw_parts(m.message as *const u8, m.message_size) };
                 String::from_utf8_lossy(bytes).into_owned()
             }
@@ -177,10 +195,13 @@ impl RawApi {
         // SAFETY: the plugin owns `num_properties` entries for the executable's lifetime.
         let props = unsafe { std::slice::from_raw_parts(a.properties, a.num_properties) };
         for p in props {
+            // SAFETY: each property's `name` / `name_size` is a byte range the plugin owns as above.
             let name = unsafe { std::slice::from_raw_parts(p.name as *const u8, p.name_size) };
             let value = if p.type_ == PJRT_NamedValue_Type_PJRT_NamedValue_kFloat {
+                // SAFETY: `type_` says the union holds a float.
                 f64::from(unsafe { p.__bindgen_anon_1.float_value })
             } else if p.type_ == PJRT_NamedValue_Type_PJRT_NamedValue_kInt64 {
+                // SAFETY: `type_` says the union holds an int64.
                 (unsafe { p.__bindgen_anon_1.int64_value }) as f64
             } else {
                 continue;
@@ -190,10 +211,35 @@ impl RawApi {
         Ok(out)
     }
 
+    /// Downloads a buffer of `n` elements of `T` (the caller has matched `T` to its dtype).
+    /// pjrt 0.2.0's own download zero-fills a fresh `Vec<u8>` first and hands back bytes that
+    /// must be copied again to be read as `f32`; this writes once, into the returned vector.
+    pub(crate) fn to_host_vec<T: bytemuck::Pod>(&self, buf: *mut PJRT_Buffer, n: usize) -> Result<Vec<T>> {
+        let bytes = n.checked_mul(size_of::<T>()).ok_or_else(|| {
+            raw_err("PJRT_Buffer_ToHostBuffer", format!("{n} elements overflow a byte count"))
+        })?;
+        let mut out: Vec<T> = Vec::new();
+        out.try_reserve_exact(n).map_err(|e| {
+            raw_err("PJRT_Buffer_ToHostBuffer", format!("a host array of {bytes} bytes: {e}"))
+        })?;
+        // SAFETY: the spare capacity holds at least `n` elements of `T`, i.e. `bytes` bytes;
+        // viewing uninitialised memory as `MaybeUninit<u8>` is always allowed.
+        let dst = unsafe {
+            std::slice::from_raw_parts_mut(
+                out.spare_capacity_mut().as_mut_ptr().cast::<std::mem::MaybeUninit<u8>>(),
+                bytes,
+            )
+        };
+        self.to_host(buf, dst)?;
+        // SAFETY: `to_host` returned Ok only after writing exactly `bytes` bytes (it checks the
+        // plugin's size against `dst`), and every bit pattern is a valid `T` (`Pod`).
+        unsafe { out.set_len(n) };
+        Ok(out)
+    }
+
     /// Copies a buffer's dense row-major bytes into `dst`, which must be exactly its size, and
-    /// waits for the copy. pjrt 0.2.0's own download zero-fills a fresh `Vec<u8>` first and
-    /// hands back bytes that must be copied again to be read as `f32`; this writes once.
-    pub(crate) fn to_host(&self, buf: *mut PJRT_Buffer, dst: &mut [std::mem::MaybeUninit<u8>]) -> Result<()> {
+    /// waits for the copy.
+    fn to_host(&self, buf: *mut PJRT_Buffer, dst: &mut [std::mem::MaybeUninit<u8>]) -> Result<()> {
         let mut args = PJRT_Buffer_ToHostBuffer_Args::new();
         args.src = buf;
         // A null `dst` asks for the size.
@@ -355,4 +401,25 @@ impl RawApi {
         }
         Ok(outputs)
     }
+}
+
+/// glibc's `M_TRIM_THRESHOLD` (`<malloc.h>`).
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+pub(crate) const M_TRIM_THRESHOLD: i32 = -1;
+/// glibc's `M_MMAP_MAX`.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+pub(crate) const M_MMAP_MAX: i32 = -4;
+/// glibc's `M_ARENA_MAX`.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+pub(crate) const M_ARENA_MAX: i32 = -8;
+
+/// glibc's `mallopt(param, value)`; true when it took the setting.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+pub(crate) fn mallopt(param: i32, value: i32) -> bool {
+    extern "C" {
+        fn mallopt(param: i32, value: i32) -> i32;
+    }
+    // SAFETY: mallopt only updates allocator parameters and is thread-safe in glibc; an
+    // unknown parameter or a value out of range makes it return 0, never misbehave.
+    unsafe { mallopt(param, value) == 1 }
 }

@@ -1,28 +1,9 @@
 //! The argument and result types of `@main`, read from the StableHLO text we compile.
 //! The CPU plugin accepts an i32 buffer where f32 is declared, so inputs are checked against these.
 
-use std::fmt;
+use kda_core::DType;
 
-use super::buffer::ElementType;
-
-/// A ranked tensor type: element type and static dims (empty for a scalar).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TensorType {
-    /// The element type.
-    pub dtype: ElementType,
-    /// The dimensions.
-    pub dims: Vec<i64>,
-}
-
-impl fmt::Display for TensorType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "tensor<")?;
-        for d in &self.dims {
-            write!(f, "{d}x")?;
-        }
-        write!(f, "{}>", self.dtype)
-    }
-}
+use crate::hlo::TensorType;
 
 /// `@main`'s argument and result types; `None` entries are types we do not check (dynamic, tuples).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -101,9 +82,9 @@ fn tensor_type(piece: &str) -> Option<TensorType> {
     let inner = split_top(inner).into_iter().next()?.trim(); // drop an encoding after a comma
     let mut parts: Vec<&str> = inner.split('x').collect();
     // Element types never contain 'x', so the last piece is the type and the rest are dims.
-    let dtype = ElementType::parse(parts.pop()?.trim())?;
+    let dtype = DType::parse(parts.pop()?.trim())?;
     let dims = parts.iter().map(|d| d.trim().parse::<i64>().ok()).collect::<Option<Vec<_>>>()?;
-    Some(TensorType { dtype, dims })
+    Some(TensorType { elem: dtype, dims })
 }
 
 #[cfg(test)]
@@ -117,10 +98,10 @@ mod tests {
                     %n: tensor<i32>, %u: tensor<4x?xbf16>) -> (tensor<8x64xf32>, tensor<2xui16>) {\n";
         let sig = Signature::parse(text).expect("signature");
         assert_eq!(sig.args.len(), 3);
-        assert_eq!(sig.args[0], Some(TensorType { dtype: ElementType::F32, dims: vec![8, 64] }));
-        assert_eq!(sig.args[1], Some(TensorType { dtype: ElementType::I32, dims: vec![] }));
+        assert_eq!(sig.args[0], Some(TensorType { elem: DType::F32, dims: vec![8, 64] }));
+        assert_eq!(sig.args[1], Some(TensorType { elem: DType::I32, dims: vec![] }));
         assert_eq!(sig.args[2], None);
-        assert_eq!(sig.results[1], Some(TensorType { dtype: ElementType::U16, dims: vec![2] }));
+        assert_eq!(sig.results[1], Some(TensorType { elem: DType::U16, dims: vec![2] }));
         let single = Signature::parse("func.func @main() -> tensor<3xi1> {").expect("single");
         assert!(single.args.is_empty());
         assert_eq!(single.results[0].as_ref().map(|t| t.to_string()), Some("tensor<3xi1>".to_string()));

@@ -7,8 +7,9 @@
 use std::time::{Duration, Instant};
 
 use half::bf16;
+use kda_core::DType;
 #[cfg(feature = "runtime")]
-use kda_tpu::{DeviceBuffer, ElementType, Runtime};
+use kda_tpu::{DeviceBuffer, Runtime};
 
 /// `run(text, inputs)`'s outputs; without the runtime, checks that `text` is a module with a
 /// public `@main` and returns `Ok(())` from the calling test.
@@ -70,12 +71,12 @@ fn upload(rt: &Runtime, inputs: &[In]) -> Vec<DeviceBuffer> {
 fn download(rt: &Runtime, b: &DeviceBuffer) -> Out {
     let dims = b.dims().to_vec();
     match b.dtype() {
-        ElementType::F32 => Out { dims, floats: Some(rt.download_f32(b).expect("f32")), ints: None },
-        ElementType::Bf16 => {
+        DType::F32 => Out { dims, floats: Some(rt.download_f32(b).expect("f32")), ints: None },
+        DType::BF16 => {
             let v = rt.download_bf16(b).expect("bf16").iter().map(|x| x.to_f32()).collect();
             Out { dims, floats: Some(v), ints: None }
         }
-        ElementType::I32 => Out { dims, floats: None, ints: Some(rt.download_i32(b).expect("i32")) },
+        DType::I32 => Out { dims, floats: None, ints: Some(rt.download_i32(b).expect("i32")) },
         other => panic!("no download for {other:?} outputs (convert to i32 in the program)"),
     }
 }

@@ -207,7 +207,7 @@ fn measure_api(
 }
 
 /// The tpu7x devices of the context-parallel memory figures: the four chips of one
-/// `tpu7x:2x2x1` host, as in spec section 10's targets.
+/// `tpu7x:2x2x1` host, as in docs/kda.md Context parallelism's targets.
 const TPU_CP_DEVICES: usize = 4;
 
 /// The figures of one program for the TPU: compiled deviceless for `replicas` devices.

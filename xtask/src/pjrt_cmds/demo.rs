@@ -1,5 +1,5 @@
 //! The PJRT part of `cargo xtask demo`: the fused saved-state forward+VJP at the primary shape on
-//! the CPU plugin, timed and checked against the f64 reference at the spec's limits, then the
+//! the CPU plugin, timed and checked against the f64 reference at the limits of docs/kda.md, then the
 //! same in the TPU configuration (the fused program in slabs).
 
 use super::{backend_label, err, ms};
@@ -61,7 +61,7 @@ pub fn run() -> Result<(), String> {
         reference.ms / api
     );
 
-    println!("\nagreement with the f64 reference (spec section 7, f32 limits):");
+    println!("\nagreement with the f64 reference (docs/kda.md, Accuracy, f32 limits):");
     println!("  {:>6}  {:>9}  {:>9}  {:>9}  result", "", "RMS ratio", "limit", "max abs");
     let mut failed = Vec::new();
     let mut check = |name: &str, got: &HostTensor, want: &HostTensor| {
@@ -101,11 +101,11 @@ pub fn run() -> Result<(), String> {
     }
     if failed.is_empty() {
         println!(
-            "demo: PASS ({} quantities within the spec's limits, both configurations)",
+            "demo: PASS ({} quantities within the limits of docs/kda.md, both configurations)",
             1 + grads.named().len()
         );
         Ok(())
     } else {
-        Err(format!("demo: FAIL: {} outside the spec's limits", failed.join(", ")))
+        Err(format!("demo: FAIL: {} outside the limits of docs/kda.md", failed.join(", ")))
     }
 }
