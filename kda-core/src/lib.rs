@@ -8,6 +8,7 @@
 #![forbid(unsafe_code)]
 
 mod backend;
+pub mod cache_file;
 mod config;
 mod dtype;
 mod error;

@@ -10,13 +10,12 @@
 #![forbid(unsafe_code)]
 
 mod compact;
-mod cotangents;
 mod dispatch;
 mod layout;
 mod load;
 mod pieces;
 mod plan;
-mod segment_view;
+mod rows;
 mod static_plan;
 mod tables;
 
@@ -24,7 +23,6 @@ pub use compact::{
     compact_gradients, compact_gradients_into, compact_scalar_tensor, compact_tensor, compact_with_tables,
     gather_gradients, gather_scalar_tensor, gather_tensor,
 };
-pub use cotangents::{AlignedGradients, AlignedInputs, PackedIo};
 pub use layout::{AlignedShape, PackedShape};
 pub use load::{
     load_scalar_tensor, load_segments, load_segments_into, load_tensor, load_tensor_with_tables,
@@ -32,6 +30,6 @@ pub use load::{
 };
 pub use pieces::{Part, PiecePlan};
 pub use plan::{check_chunk_size, ChunkInfo, SegmentInfo, SegmentPlan, CHUNK_SIZES};
-pub use segment_view::{segment_state, segment_tensor, write_segment, write_segment_state};
+pub use rows::{batch_axis, join_problems, RowPlan};
 pub use static_plan::{StaticCapacity, StaticPlan};
 pub use tables::{IndexTables, SENTINEL};

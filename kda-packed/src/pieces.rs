@@ -5,7 +5,13 @@
 
 use std::ops::Range;
 
-use kda_core::{Result, SegmentTable};
+use kda_core::{
+    DType, ElementsMut, GateKind, HostTensor, KdaError, Layout, Problem, Result, SegmentTable, TensorData,
+    CHUNK,
+};
+
+/// `(row, source token, destination token, tokens)`.
+type Move = (usize, usize, usize, usize);
 
 /// The part of one segment that a piece holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -106,6 +112,184 @@ impl PiecePlan {
         }
         out
     }
+}
+
+impl PiecePlan {
+    /// Every row of `p` cut into `devices` pieces of whole chunks, and each device's local
+    /// problem: its piece's tokens from token 0, with initial and final states (the program
+    /// fills the continuation and carry slots). A fixed-length batch stays fixed length when
+    /// every piece is full, or when its gate is pre-activated (a zero token with `g = 0` and
+    /// `beta = 0` leaves the state as it is, so a short last piece is padded exactly); otherwise
+    /// a piece is a packed row with one slot per segment part. The fixed form needs no index
+    /// gathers and less scratch.
+    pub fn split(p: &Problem, devices: usize) -> Result<(PiecePlan, Vec<Problem>)> {
+        let pieces = PiecePlan::new(&p.segments, devices, CHUNK);
+        let full = pieces
+            .parts
+            .iter()
+            .flatten()
+            .all(|parts| parts.iter().map(|x| x.tokens.len()).sum::<usize>() == pieces.t);
+        let fixed = !p.segments.is_packed() && (full || p.gate == GateKind::Preactivated);
+        let mut locals = Vec::with_capacity(devices);
+        for d in 0..devices.max(1) {
+            let mut q = p.clone();
+            q.dims.t = pieces.t;
+            q.dims.n = pieces.n;
+            q.segments =
+                if fixed { SegmentTable::fixed(p.dims.b, pieces.t) } else { pieces.local_table(d)? };
+            q.has_initial_state = true;
+            q.output_final_state = true;
+            q.beta_shape[token_axis(p.layout)] = pieces.t;
+            locals.push(q);
+        }
+        Ok((pieces, locals))
+    }
+
+    /// `(row, global slot, local slot)` of device `d`'s parts that start (`starts`) or end
+    /// their segment.
+    pub fn slots(&self, d: usize, starts: bool) -> Vec<(usize, usize, usize)> {
+        let mut out = Vec::new();
+        for (b, pieces) in self.parts.iter().enumerate() {
+            for (i, p) in pieces[d].iter().enumerate() {
+                if (starts && p.starts) || (!starts && p.ends) {
+                    out.push((b, p.segment, i));
+                }
+            }
+        }
+        out
+    }
+
+    /// A per-token tensor of the whole batch moved to device `d`'s local rows (zeros elsewhere).
+    pub fn local_tokens(&self, t: &HostTensor, layout: Layout, d: usize) -> Result<HostTensor> {
+        let mut shape = t.shape().to_vec();
+        shape[token_axis(layout)] = self.t;
+        let mut out = HostTensor::try_zeros(&shape, t.dtype())?;
+        copy_tokens(t, &mut out, layout, &self.moves(d))?;
+        Ok(out)
+    }
+
+    /// A state tensor of the whole batch (`[B, N, H, K, V]`) as device `d`'s local slots, in
+    /// f32: the slots of the parts that start (or end) their segment; zeros in the others.
+    pub fn local_states(
+        &self,
+        t: Option<&HostTensor>,
+        d: usize,
+        starts: bool,
+        p: &Problem,
+    ) -> Result<HostTensor> {
+        let dims = p.dims;
+        let mut out = HostTensor::try_zeros(&[dims.b, self.n, dims.h, dims.k, dims.v], DType::F32)?;
+        if let Some(t) = t {
+            copy_slots(&t.cast(DType::F32)?, &mut out, &self.slots(d, starts))?;
+        }
+        Ok(out)
+    }
+
+    /// Writes device `d`'s local per-token tensor back to its tokens of `out` (the whole batch).
+    pub fn place_tokens(
+        &self,
+        local: &HostTensor,
+        d: usize,
+        layout: Layout,
+        out: &mut HostTensor,
+    ) -> Result<()> {
+        let back: Vec<Move> = self.moves(d).iter().map(|&(b, g, l, n)| (b, l, g, n)).collect();
+        copy_tokens(local, out, layout, &back)
+    }
+
+    /// Writes device `d`'s local state slots back to the slots of `out` (`[B, N, H, K, V]`) of
+    /// the parts that start (or end) their segment.
+    pub fn place_states(
+        &self,
+        local: &HostTensor,
+        d: usize,
+        starts: bool,
+        out: &mut HostTensor,
+    ) -> Result<()> {
+        let back: Vec<_> = self.slots(d, starts).iter().map(|&(b, g, l)| (b, l, g)).collect();
+        copy_slots(local, out, &back)
+    }
+}
+
+/// The token axis of a per-token tensor (and of `beta`) in `layout`.
+fn token_axis(layout: Layout) -> usize {
+    match layout {
+        Layout::HeadFirst => 2,
+        Layout::BatchFirst => 1,
+    }
+}
+
+/// `(H, B, T, W)` of a per-token tensor (`W`: elements per head and token).
+fn geometry(shape: &[usize], layout: Layout) -> (usize, usize, usize, usize) {
+    let w: usize = shape[3.min(shape.len())..].iter().product();
+    match layout {
+        Layout::HeadFirst => (shape[0], shape[1], shape[2], w),
+        Layout::BatchFirst => (shape[2], shape[0], shape[1], w),
+    }
+}
+
+/// Copies token runs of `src` into `dst` (same dtype and layout; T may differ).
+fn copy_tokens(src: &HostTensor, dst: &mut HostTensor, layout: Layout, moves: &[Move]) -> Result<()> {
+    let (h, b, ts, w) = geometry(src.shape(), layout);
+    let (_, _, td, _) = geometry(dst.shape(), layout);
+    fn run<T: Copy>(
+        s: &[T],
+        d: &mut [T],
+        layout: Layout,
+        g: (usize, usize, usize, usize, usize),
+        moves: &[Move],
+    ) {
+        let (h, b, ts, td, w) = g;
+        for &(row, from, to, len) in moves {
+            match layout {
+                Layout::HeadFirst => {
+                    for hh in 0..h {
+                        let si = ((hh * b + row) * ts + from) * w;
+                        let di = ((hh * b + row) * td + to) * w;
+                        d[di..di + len * w].copy_from_slice(&s[si..si + len * w]);
+                    }
+                }
+                Layout::BatchFirst => {
+                    let (si, di) = ((row * ts + from) * h * w, (row * td + to) * h * w);
+                    d[di..di + len * h * w].copy_from_slice(&s[si..si + len * h * w]);
+                }
+            }
+        }
+    }
+    let g = (h, b, ts, td, w);
+    match (src.data(), dst.elements_mut()) {
+        (TensorData::F32(s), ElementsMut::F32(d)) => run(s, d, layout, g, moves),
+        (TensorData::BF16(s), ElementsMut::BF16(d)) => run(s, d, layout, g, moves),
+        (TensorData::F64(s), ElementsMut::F64(d)) => run(s, d, layout, g, moves),
+        _ => return Err(KdaError::dtype("tokens", src.dtype().to_string(), dst.dtype().to_string())),
+    }
+    Ok(())
+}
+
+/// Copies state slots `(row, source slot, destination slot)` of `[B, N, H, K, V]` tensors.
+fn copy_slots(src: &HostTensor, dst: &mut HostTensor, slots: &[(usize, usize, usize)]) -> Result<()> {
+    let (ns, nd) = (src.shape()[1], dst.shape()[1]);
+    let block: usize = src.shape()[2..].iter().product();
+    fn run<T: Copy>(
+        s: &[T],
+        d: &mut [T],
+        ns: usize,
+        nd: usize,
+        block: usize,
+        slots: &[(usize, usize, usize)],
+    ) {
+        for &(row, from, to) in slots {
+            let (si, di) = ((row * ns + from) * block, (row * nd + to) * block);
+            d[di..di + block].copy_from_slice(&s[si..si + block]);
+        }
+    }
+    match (src.data(), dst.elements_mut()) {
+        (TensorData::F32(s), ElementsMut::F32(d)) => run(s, d, ns, nd, block, slots),
+        (TensorData::F64(s), ElementsMut::F64(d)) => run(s, d, ns, nd, block, slots),
+        (TensorData::BF16(s), ElementsMut::BF16(d)) => run(s, d, ns, nd, block, slots),
+        _ => return Err(KdaError::dtype("states", src.dtype().to_string(), dst.dtype().to_string())),
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -2,9 +2,10 @@
 
 mod common;
 
+use common::packed_io::{AlignedGradients, PackedIo};
 use common::{random_table, Rng};
 use kda_core::{Cotangents, DType, ErrorKind, HostTensor, KdaInputs, Layout};
-use kda_packed::{AlignedGradients, PackedIo, SegmentPlan};
+use kda_packed::SegmentPlan;
 use rstest::rstest;
 
 fn tensor(rng: &mut Rng, dims: &[usize], dtype: DType) -> HostTensor {

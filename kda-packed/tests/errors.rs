@@ -3,10 +3,11 @@
 
 mod common;
 
+use common::packed_io::PackedIo;
 use common::table;
 use kda_core::{ErrorKind, HostTensor, Layout, SegmentTable, Segments};
 use kda_packed::{
-    compact_scalar_tensor, compact_tensor, load_segments, load_tensor, PackedIo, PackedShape, SegmentPlan,
+    compact_scalar_tensor, compact_tensor, load_segments, load_tensor, PackedShape, SegmentPlan,
     StaticCapacity,
 };
 use rstest::rstest;

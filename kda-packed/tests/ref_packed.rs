@@ -4,15 +4,14 @@
 
 mod common;
 
+use common::packed_io::{AlignedGradients, PackedIo};
+use common::segment_view::{segment_state, segment_tensor, write_segment, write_segment_state};
 use common::{random_table, Rng};
 use kda_core::{
     Cotangents, DType, GateMode, HostTensor, KdaConfig, KdaGradients, KdaInputs, KdaOutputs, Layout,
     SegmentTable, Segments,
 };
-use kda_packed::{
-    segment_state, segment_tensor, write_segment, write_segment_state, AlignedGradients, PackedIo,
-    SegmentPlan,
-};
+use kda_packed::SegmentPlan;
 use rstest::rstest;
 
 const C: usize = 16;

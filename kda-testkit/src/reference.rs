@@ -3,20 +3,21 @@
 //! [`forward_and_vjp`] keys a result by the case's label (name and dtypes) and a hash of every
 //! input and cotangent, so two different inputs can never share an entry. Within a process the
 //! results are memoized; across the processes of one run (cargo-nextest runs each test in its
-//! own) they are shared through the folder named by `KDA_REFERENCE_CACHE`, one file per entry
-//! behind a lock, so whichever process asks first computes it and the others wait and read it.
+//! own) they are shared through the folder named by `KDA_REFERENCE_CACHE`, one entry per key in
+//! the workspace's one cache protocol ([`kda_core::cache_file`]), so whichever process asks first
+//! computes it and the others wait and read it.
 //! `cargo xtask test` points that variable at a folder it empties at the start of every run: a
 //! result never outlives the run, so a change to `kda-ref` never meets a stale oracle. Without the
 //! variable each process computes its own results. A damaged or unreadable entry is recomputed.
 
 use crate::inputs::{widen, CaseData};
+use kda_core::cache_file::CacheFile;
 use kda_core::{HostTensor, KdaGradients, KdaOutputs, TensorData};
 use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
-use std::fs::File;
 use std::hash::{Hash, Hasher};
-use std::io::{Read, Write};
-use std::path::{Path, PathBuf};
+use std::io::Read;
+use std::path::Path;
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// The reference's outputs and gradients on one case's inputs.
@@ -55,32 +56,16 @@ fn compute(data: &CaseData) -> Result<(KdaOutputs, KdaGradients), String> {
 
 /// Reads the entry `key` in `dir`, or computes and writes it, holding the entry's lock.
 fn shared(dir: &Path, key: &str, data: &CaseData) -> Result<(KdaOutputs, KdaGradients), String> {
-    let path = dir.join(format!("{key}.ref"));
-    // The lock is held until `lock` is closed; without a lock file (read-only folder) every
-    // process computes its own result, which costs time but never correctness.
-    let lock = lock_file(dir, key);
-    if let Some(f) = &lock {
-        let _ = f.lock();
-    }
-    if let Some(hit) = std::fs::read(&path).ok().and_then(|b| decode(&b)) {
+    let entry = CacheFile::new(dir, key, "ref");
+    let header = [MAGIC.as_slice(), key.as_bytes()].concat();
+    let _lock = entry.lock();
+    if let Some(hit) = entry.read(&header).and_then(|b| decode(&b)) {
         return Ok(hit);
     }
     let result = compute(data)?;
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    let written = File::create(&tmp)
-        .and_then(|mut f| f.write_all(&encode(&result)))
-        .and_then(|()| std::fs::rename(&tmp, &path));
-    if written.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    drop(lock);
+    // An entry that cannot be written (read-only or full disk) only costs the next process time.
+    let _ = entry.write(&header, &encode(&result));
     Ok(result)
-}
-
-fn lock_file(dir: &Path, key: &str) -> Option<File> {
-    std::fs::create_dir_all(dir).ok()?;
-    let path: PathBuf = dir.join(format!("{key}.lock"));
-    File::options().create(true).truncate(false).write(true).open(path).ok()
 }
 
 /// The label as a file name: letters, digits, `_` and `-` kept, anything else `_`.
@@ -119,7 +104,7 @@ fn named(r: &(KdaOutputs, KdaGradients)) -> Vec<(&'static str, &HostTensor)> {
 }
 
 fn encode(r: &(KdaOutputs, KdaGradients)) -> Vec<u8> {
-    let mut b = MAGIC.to_vec();
+    let mut b = Vec::new();
     let tensors = named(r);
     b.extend((tensors.len() as u64).to_le_bytes());
     for (name, t) in tensors {
@@ -143,7 +128,7 @@ fn encode(r: &(KdaOutputs, KdaGradients)) -> Vec<u8> {
 
 /// Reads [`encode`]'s bytes; `None` on anything malformed.
 fn decode(bytes: &[u8]) -> Option<(KdaOutputs, KdaGradients)> {
-    let mut r = bytes.strip_prefix(MAGIC.as_slice())?;
+    let mut r = bytes;
     let u64_ = |r: &mut &[u8]| -> Option<usize> {
         let mut w = [0u8; 8];
         r.read_exact(&mut w).ok()?;
@@ -218,7 +203,7 @@ mod tests {
         let mut longer = bytes.clone();
         longer.push(0);
         assert!(decode(&longer).is_none(), "trailing bytes");
-        assert!(decode(&bytes[1..]).is_none(), "no magic");
+        assert!(decode(&bytes[1..]).is_none(), "shifted by a byte");
     }
 
     #[test]
@@ -244,7 +229,8 @@ mod tests {
         // A planted entry is what a later reader gets: the file, not a recomputation, answers.
         let mut planted = first.clone();
         planted.0.o = planted.0.o.cast(DType::F32).and_then(|o| o.cast(DType::F64)).expect("float cast");
-        std::fs::write(&entry, encode(&planted)).expect("plant");
+        let header = [MAGIC.as_slice(), b"no_states-f32"].concat();
+        CacheFile::new(&dir, "no_states-f32", "ref").write(&header, &encode(&planted)).expect("plant");
         let second = shared(&dir, "no_states-f32", &data).expect("read");
         assert_eq!(second.0.o, planted.0.o);
         std::fs::write(&entry, &written[..10]).expect("damage");

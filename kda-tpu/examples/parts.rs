@@ -1,5 +1,5 @@
 //! Times each kernel building block alone at the primary shape (N = 128 chunks, K = 128), for
-//! profiling the programs piece by piece: `cargo run --release -p kda-tpu --example parts [NAME..]`
+//! profiling the programs piece by piece: `cargo run --release -p kda-tpu --features harness --example parts [NAME..]`
 //! (after `eval "$(cargo xtask env)"`). The `products*` parts are the forward's products alone
 //! (no elementwise work), with their FLOP rate: the floor the plugin's matmul library sets.
 fn cpu_ms() -> f64 {

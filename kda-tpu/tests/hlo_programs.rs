@@ -8,7 +8,7 @@ mod hlo_support;
 
 use hlo_support::{assert_close, rand_vec, In};
 use kda_core::DType;
-use kda_tpu::hlo::{Cmp, FnBuilder, Module, Precision, TensorType};
+use kda_tpu::hlo::{Cmp, FnBuilder, Module, Precision, TensorType, Transpose, TriangularSolve};
 use kda_tpu::Result;
 use rstest::rstest;
 
@@ -119,8 +119,8 @@ fn batched_dot_f32_and_bf16() -> Result<()> {
     // a^T-form: at [3,7,5] and wt [3,4,7] with both transposes gives the same product.
     let at = b.transpose(a, &[0, 2, 1])?;
     let wt = b.transpose(w, &[0, 2, 1])?;
-    let dt = b.batch_matmul(at, wt, true, true)?;
-    let dn = b.batch_matmul(a, w, false, false)?;
+    let dt = b.batch_matmul(at, wt, Transpose::Both)?;
+    let dn = b.batch_matmul(a, w, Transpose::None)?;
     b.ret(&[d, db, dt, dn])?;
     let text = module(b)?;
     let av = rand_vec(bs * m * k, 4, -1.0, 1.0);
@@ -326,6 +326,8 @@ fn loop_with_run_time_trip_count(#[case] trips: i32) -> Result<()> {
     Ok(())
 }
 
+// The building blocks come from `kernels::parts` (the `harness` feature).
+#[cfg(feature = "harness")]
 #[test]
 fn wy_inverse_inverts_unit_lower_chunks() -> Result<()> {
     // The chunk solve `(I + L)^-1` (16-row blocks by repeated squaring, then two doublings)
@@ -362,6 +364,8 @@ fn wy_inverse_inverts_unit_lower_chunks() -> Result<()> {
     Ok(())
 }
 
+// The building blocks come from `kernels::parts` (the `harness` feature).
+#[cfg(feature = "harness")]
 #[rstest]
 #[case::moderate_gates(-1.0)]
 #[case::strong_decay_to_the_floor(-30.0)]
@@ -424,8 +428,16 @@ fn triangular_solve_matches_substitution() -> Result<()> {
     let a = b.arg(f32t(&[2, 16, 16]))?;
     let rhs = b.arg(f32t(&[2, 16, 8]))?;
     let rhs_r = b.arg(f32t(&[2, 8, 16]))?;
-    let x = b.triangular_solve(a, rhs, true, true, true, false)?;
-    let y = b.triangular_solve(a, rhs_r, false, true, false, true)?;
+    let x = b.triangular_solve(
+        a,
+        rhs,
+        TriangularSolve { left_side: true, lower: true, unit_diagonal: true, transpose_a: false },
+    )?;
+    let y = b.triangular_solve(
+        a,
+        rhs_r,
+        TriangularSolve { left_side: false, lower: true, unit_diagonal: false, transpose_a: true },
+    )?;
     b.ret(&[x, y])?;
     // Off-diagonal entries small, diagonal garbage (ignored when unit) or >= 1.
     let mut av = rand_vec(bs * m * m, 10, -0.3, 0.3);
@@ -610,6 +622,8 @@ fn call_and_alias() -> Result<()> {
     Ok(())
 }
 
+// The building blocks come from `kernels::parts` (the `harness` feature).
+#[cfg(feature = "harness")]
 #[test]
 fn floor_products_compute_the_forward_products() -> Result<()> {
     // The profiling parts that time the forward's products alone: the WY pair is `M V` and

@@ -1,6 +1,9 @@
 //! Shared test helpers: a seeded PRNG (PCG-64) and segmentation generators.
 #![allow(dead_code)]
 
+pub mod packed_io;
+pub mod segment_view;
+
 use kda_core::{bf16, SegmentTable};
 use std::ops::Range;
 

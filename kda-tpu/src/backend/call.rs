@@ -8,14 +8,15 @@ use kda_core::{
     KdaGradients, KdaInputs, KdaOutputs, Layout, Problem, Result, Tensors,
 };
 
-use super::data_parallel::{join_problems, RowPlan};
+use super::handle::supported;
+use super::handle::{e, PjrtBackend, Upload};
 use super::io::{DeviceCotangents, DeviceGradients, DeviceInputs, DeviceOutputs};
-use super::launch::{arg_name, Arg, Bound, Named};
+use super::launch::{check_on, tensor_args, Arg, Bound, Named, Part};
 use super::options::Split;
 use super::residuals::{Gradtypes, Held, Piece, PjrtResiduals};
 use super::tensor::{DeviceTensor, Meta};
-use super::{e, PjrtBackend, Upload};
 use crate::kernels::{KernelSpec, ProgramKind};
+use kda_packed::{join_problems, RowPlan};
 
 /// Keeps [`CallInputs`] and [`CallCotangents`] to this crate's records.
 pub trait Sealed {}
@@ -82,26 +83,6 @@ impl PjrtBackend {
     ) -> Result<(X::Outputs, X::Gradients)> {
         X::forward_and_vjp(self, x, c, strategy)
     }
-}
-
-/// `Ok` when the PJRT programs run `p` (f32 or bf16 inputs).
-pub(crate) fn supported(p: &Problem) -> Result<()> {
-    if p.dtype == DType::F64 {
-        return Err(KdaError::unsupported("dtype", "f32 or bf16 inputs on PJRT", "f64"));
-    }
-    Ok(())
-}
-
-/// One device's part of a call: its device, its problem and its arguments by name.
-pub(crate) struct Part {
-    pub(crate) device: usize,
-    pub(crate) problem: Problem,
-    pub(crate) args: Vec<(&'static str, Arg)>,
-}
-
-/// A record's tensors as program arguments, by program name.
-pub(crate) fn tensor_args<S: Tensors<DeviceTensor> + ?Sized>(x: &S) -> Vec<(&'static str, Arg)> {
-    x.named().into_iter().map(|(n, t)| (arg_name(n), Arg::Tensor(t.clone()))).collect()
 }
 
 fn span(op: &'static str, p: &Problem, kind: ProgramKind, devices: usize) -> tracing::Span {
@@ -391,18 +372,6 @@ fn layout_name(l: Layout) -> &'static str {
         Layout::HeadFirst => "head-first",
         Layout::BatchFirst => "batch-first",
     }
-}
-
-/// A tensor of a call that runs on device `device`: anywhere else is an error naming both.
-pub(crate) fn check_on(t: &DeviceTensor, arg: &str, device: usize) -> Result<()> {
-    if t.device() == device {
-        return Ok(());
-    }
-    Err(KdaError::value(
-        arg,
-        format!("a tensor on device {device} (where the call's other tensors are)"),
-        format!("a tensor on device {}", t.device()),
-    ))
 }
 
 fn one_device(problem: Problem, spec: KernelSpec, strategy: BackwardStrategy, piece: Piece) -> PjrtResiduals {

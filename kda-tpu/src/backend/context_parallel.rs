@@ -8,183 +8,48 @@ use std::sync::Arc;
 
 use kda_core::{
     validate_cotangent_shapes, BackwardStrategy, Cotangents, DType, HostTensor, KdaError, KdaGradients,
-    KdaInputs, KdaOutputs, Layout, Problem, Result, TensorData,
+    KdaInputs, KdaOutputs, Problem, Result,
 };
 use kda_packed::PiecePlan;
 
-use super::call::Part;
+use super::handle::{e, HostData, PjrtBackend, Upload};
 use super::io::{DeviceGradients, DeviceOutputs};
-use super::launch::Arg;
+use super::launch::{Arg, Part};
 use super::options::Split;
-use super::residuals::{Gradtypes, Held, PjrtResiduals};
-use super::{e, HostData, PjrtBackend, Upload};
+use super::residuals::{ContextPlan, Gradtypes, Held, PjrtResiduals};
 use crate::kernels::context_parallel::CP_ARGS;
-use crate::kernels::KernelSpec;
 
-/// `(row, source token, destination token, tokens)`.
-type Move = (usize, usize, usize, usize);
-
-/// `(H, B, T, W)` of a per-token tensor (`W`: elements per head and token).
-fn geometry(shape: &[usize], layout: Layout) -> (usize, usize, usize, usize) {
-    let w: usize = shape[3.min(shape.len())..].iter().product();
-    match layout {
-        Layout::HeadFirst => (shape[0], shape[1], shape[2], w),
-        Layout::BatchFirst => (shape[2], shape[0], shape[1], w),
-    }
-}
-
-/// Copies token runs of `src` into `dst` (same dtype and layout; T may differ).
-fn copy_tokens(src: &HostTensor, dst: &mut HostTensor, layout: Layout, moves: &[Move]) -> Result<()> {
-    let (h, b, ts, w) = geometry(src.shape(), layout);
-    let (_, _, td, _) = geometry(dst.shape(), layout);
-    fn run<T: Copy>(
-        s: &[T],
-        d: &mut [T],
-        layout: Layout,
-        g: (usize, usize, usize, usize, usize),
-        moves: &[Move],
-    ) {
-        let (h, b, ts, td, w) = g;
-        for &(row, from, to, len) in moves {
-            match layout {
-                Layout::HeadFirst => {
-                    for hh in 0..h {
-                        let si = ((hh * b + row) * ts + from) * w;
-                        let di = ((hh * b + row) * td + to) * w;
-                        d[di..di + len * w].copy_from_slice(&s[si..si + len * w]);
-                    }
-                }
-                Layout::BatchFirst => {
-                    let (si, di) = ((row * ts + from) * h * w, (row * td + to) * h * w);
-                    d[di..di + len * h * w].copy_from_slice(&s[si..si + len * h * w]);
-                }
-            }
+/// Device `d`'s `cont` `[B]`, `carry` `[B, N]` and `piece` `[D]` (see `CP_ARGS`).
+fn cp_args(plan: &ContextPlan, d: usize) -> Vec<(&'static str, Arg)> {
+    let pieces = &plan.pieces;
+    let (b, n, devices) = (pieces.parts.len(), pieces.n, plan.devices());
+    let mut cont = vec![0f32; b];
+    let mut carry = vec![0f32; b * n];
+    for (row, parts) in pieces.parts.iter().enumerate() {
+        let parts = &parts[d];
+        if parts.first().is_some_and(|p| !p.starts) {
+            cont[row] = 1.0;
+        }
+        if let Some((i, _)) = parts.iter().enumerate().next_back().filter(|(_, p)| !p.ends) {
+            carry[row * n + i] = 1.0;
         }
     }
-    let g = (h, b, ts, td, w);
-    match (src.data(), dst.elements_mut()) {
-        (TensorData::F32(s), kda_core::ElementsMut::F32(d)) => run(s, d, layout, g, moves),
-        (TensorData::BF16(s), kda_core::ElementsMut::BF16(d)) => run(s, d, layout, g, moves),
-        (TensorData::F64(s), kda_core::ElementsMut::F64(d)) => run(s, d, layout, g, moves),
-        _ => return Err(KdaError::dtype("tokens", src.dtype().to_string(), dst.dtype().to_string())),
-    }
-    Ok(())
-}
-
-/// Copies state slots `(row, source slot, destination slot)` of `[B, N, H, K, V]` tensors.
-fn copy_slots(src: &HostTensor, dst: &mut HostTensor, slots: &[(usize, usize, usize)]) -> Result<()> {
-    let (ns, nd) = (src.shape()[1], dst.shape()[1]);
-    let block: usize = src.shape()[2..].iter().product();
-    fn run<T: Copy>(
-        s: &[T],
-        d: &mut [T],
-        ns: usize,
-        nd: usize,
-        block: usize,
-        slots: &[(usize, usize, usize)],
-    ) {
-        for &(row, from, to) in slots {
-            let (si, di) = ((row * ns + from) * block, (row * nd + to) * block);
-            d[di..di + block].copy_from_slice(&s[si..si + block]);
-        }
-    }
-    match (src.data(), dst.elements_mut()) {
-        (TensorData::F32(s), kda_core::ElementsMut::F32(d)) => run(s, d, ns, nd, block, slots),
-        (TensorData::F64(s), kda_core::ElementsMut::F64(d)) => run(s, d, ns, nd, block, slots),
-        (TensorData::BF16(s), kda_core::ElementsMut::BF16(d)) => run(s, d, ns, nd, block, slots),
-        _ => return Err(KdaError::dtype("states", src.dtype().to_string(), dst.dtype().to_string())),
-    }
-    Ok(())
-}
-
-/// Everything the devices' local problems are built from, kept with a forward's residuals.
-#[derive(Debug)]
-pub(crate) struct ContextPlan {
-    pieces: PiecePlan,
-    /// Each device's local problem (its own segment table; the same dims everywhere).
-    locals: Vec<Problem>,
-    /// The local programs' spec.
-    spec: KernelSpec,
-}
-
-impl ContextPlan {
-    fn devices(&self) -> usize {
-        self.locals.len()
-    }
-
-    /// `(row, global slot, local slot)` of device `d`'s parts that start (`starts`) or end
-    /// their segment.
-    fn slots(&self, d: usize, starts: bool) -> Vec<(usize, usize, usize)> {
-        let mut out = Vec::new();
-        for (b, pieces) in self.pieces.parts.iter().enumerate() {
-            for (i, p) in pieces[d].iter().enumerate() {
-                if (starts && p.starts) || (!starts && p.ends) {
-                    out.push((b, p.segment, i));
-                }
-            }
-        }
-        out
-    }
-
-    /// Device `d`'s `cont` `[B]`, `carry` `[B, N]` and `piece` `[D]` (see `CP_ARGS`).
-    fn cp_args(&self, d: usize) -> Vec<(&'static str, Arg)> {
-        let (b, n) = (self.pieces.parts.len(), self.pieces.n);
-        let mut cont = vec![0f32; b];
-        let mut carry = vec![0f32; b * n];
-        for (row, pieces) in self.pieces.parts.iter().enumerate() {
-            let parts = &pieces[d];
-            if parts.first().is_some_and(|p| !p.starts) {
-                cont[row] = 1.0;
-            }
-            if let Some((i, _)) = parts.iter().enumerate().next_back().filter(|(_, p)| !p.ends) {
-                carry[row * n + i] = 1.0;
-            }
-        }
-        let mut piece = vec![0f32; self.devices()];
-        piece[d] = 1.0;
-        let ups = [
-            Upload { data: HostData::F32(cont), dims: vec![b as i64] },
-            Upload { data: HostData::F32(carry), dims: vec![b as i64, n as i64] },
-            Upload { data: HostData::F32(piece), dims: vec![self.devices() as i64] },
-        ];
-        CP_ARGS.into_iter().zip(ups.into_iter().map(Arg::Upload)).collect()
-    }
-
-    /// A per-token tensor of the call moved to device `d`'s local rows (zeros elsewhere).
-    fn local_tokens(&self, t: &HostTensor, layout: Layout, d: usize) -> Result<HostTensor> {
-        let mut shape = t.shape().to_vec();
-        shape[if layout == Layout::HeadFirst { 2 } else { 1 }] = self.pieces.t;
-        let mut out = HostTensor::try_zeros(&shape, t.dtype())?;
-        copy_tokens(t, &mut out, layout, &self.pieces.moves(d))?;
-        Ok(out)
-    }
-
-    /// A state tensor of the call (`[B, N, H, K, V]`) as device `d`'s local slots: the slots of
-    /// the parts that start (or end) their segment; zeros in the others.
-    fn local_states(
-        &self,
-        t: Option<&HostTensor>,
-        d: usize,
-        starts: bool,
-        p: &Problem,
-    ) -> Result<HostTensor> {
-        let dims = p.dims;
-        let mut out = HostTensor::try_zeros(&[dims.b, self.pieces.n, dims.h, dims.k, dims.v], DType::F32)?;
-        if let Some(t) = t {
-            let t = t.cast(DType::F32)?;
-            copy_slots(&t, &mut out, &self.slots(d, starts))?;
-        }
-        Ok(out)
-    }
+    let mut piece = vec![0f32; devices];
+    piece[d] = 1.0;
+    let ups = [
+        Upload { data: HostData::F32(cont), dims: vec![b as i64] },
+        Upload { data: HostData::F32(carry), dims: vec![b as i64, n as i64] },
+        Upload { data: HostData::F32(piece), dims: vec![devices as i64] },
+    ];
+    CP_ARGS.into_iter().zip(ups.into_iter().map(Arg::Upload)).collect()
 }
 
 impl PjrtBackend {
     fn context_plan(&self, x: &KdaInputs, has_dht: bool) -> Result<(Problem, Arc<ContextPlan>)> {
         let p = x.view().validate()?;
-        super::call::supported(&p)?;
+        super::handle::supported(&p)?;
         x.check_values()?;
-        let (pieces, locals) =
-            crate::kernels::context_parallel::local_problems(&p, self.device_count()).map_err(e)?;
+        let (pieces, locals) = PiecePlan::split(&p, self.device_count())?;
         let g_dtype = if x.g.dtype() == DType::BF16 { DType::BF16 } else { DType::F32 };
         let spec = crate::kernels::context_parallel::local_spec(&locals[0], has_dht, self.slab, g_dtype)
             .map_err(e)?;
@@ -200,7 +65,7 @@ impl PjrtBackend {
         d: usize,
     ) -> Result<Vec<(&'static str, Upload)>> {
         let lay = p.layout;
-        let tok = |t: &HostTensor| plan.local_tokens(t, lay, d);
+        let tok = |t: &HostTensor| plan.pieces.local_tokens(t, lay, d);
         let beta = tok(&x.beta)?;
         let mut ups = vec![
             ("q", Upload::owned(tok(&x.q)?)),
@@ -208,7 +73,7 @@ impl PjrtBackend {
             ("v", Upload::owned(tok(&x.v)?)),
             ("g", Upload::owned(tok(&x.g)?)),
             ("beta", Upload::owned_as(beta, p.dtype)),
-            ("h0", Upload::owned(plan.local_states(x.initial_state.as_ref(), d, true, p)?)),
+            ("h0", Upload::owned(plan.pieces.local_states(x.initial_state.as_ref(), d, true, p)?)),
         ];
         if let Some((a_log, dt)) = x.gate.params() {
             let a_log = a_log.ok_or_else(|| KdaError::missing("a_log", "an in-kernel gate needs a_log"))?;
@@ -225,8 +90,8 @@ impl PjrtBackend {
         plan: &ContextPlan,
         d: usize,
     ) -> Result<Vec<(&'static str, Arg)>> {
-        let d_o = plan.local_tokens(&c.d_o, p.layout, d)?;
-        let dht = plan.local_states(c.dht.as_ref(), d, false, p)?;
+        let d_o = plan.pieces.local_tokens(&c.d_o, p.layout, d)?;
+        let dht = plan.pieces.local_states(c.dht.as_ref(), d, false, p)?;
         Ok(vec![
             ("do", Arg::Upload(Upload::owned_as(d_o, p.dtype))),
             ("dht", Arg::Upload(Upload::owned(dht))),
@@ -238,11 +103,9 @@ impl PjrtBackend {
         let mut o = HostTensor::try_zeros(&p.layout.token_shape(d.h, d.b, d.t, d.v), p.dtype)?;
         let mut fin = HostTensor::try_zeros(&d.state_shape(), DType::F32)?;
         for (dev, host) in self.to_host(&outs.to_vec())?.iter().enumerate() {
-            let back: Vec<Move> = plan.pieces.moves(dev).iter().map(|&(b, g, l, n)| (b, l, g, n)).collect();
-            copy_tokens(&host.o, &mut o, p.layout, &back)?;
+            plan.pieces.place_tokens(&host.o, dev, p.layout, &mut o)?;
             if let Some(f) = &host.final_state {
-                let back: Vec<_> = plan.slots(dev, false).iter().map(|&(b, g, l)| (b, l, g)).collect();
-                copy_slots(f, &mut fin, &back)?;
+                plan.pieces.place_states(f, dev, false, &mut fin)?;
             }
         }
         Ok(KdaOutputs { o, final_state: p.output_final_state.then_some(fin) })
@@ -269,9 +132,7 @@ impl PjrtBackend {
             }
             let mut out = HostTensor::try_zeros(&shape, f(first).dtype())?;
             for (dev, g) in host.iter().enumerate() {
-                let back: Vec<Move> =
-                    plan.pieces.moves(dev).iter().map(|&(b, gl, l, n)| (b, l, gl, n)).collect();
-                copy_tokens(f(g), &mut out, p.layout, &back)?;
+                plan.pieces.place_tokens(f(g), dev, p.layout, &mut out)?;
             }
             Ok(out)
         };
@@ -279,8 +140,7 @@ impl PjrtBackend {
             let mut out = HostTensor::try_zeros(&d.state_shape(), DType::F32)?;
             for (dev, g) in host.iter().enumerate() {
                 if let Some(t) = &g.dh0 {
-                    let back: Vec<_> = plan.slots(dev, true).iter().map(|&(b, gl, l)| (b, l, gl)).collect();
-                    copy_slots(t, &mut out, &back)?;
+                    plan.pieces.place_states(t, dev, true, &mut out)?;
                 }
             }
             Some(out)
@@ -315,7 +175,7 @@ impl PjrtBackend {
             let mut args: Vec<(&'static str, Arg)> =
                 self.local_inputs(x, &p, &plan, d)?.into_iter().map(|(n, u)| (n, Arg::Upload(u))).collect();
             args.extend(self.local_cotangents(c, &p, &plan, d)?);
-            args.extend(plan.cp_args(d));
+            args.extend(cp_args(&plan, d));
             parts.push(Part { device: d, problem: local.clone(), args });
         }
         let (outs, grads): (Vec<_>, Vec<_>) =
@@ -338,7 +198,7 @@ impl PjrtBackend {
             let kept = self.upload_to(d, ups)?;
             let mut args: Vec<(&'static str, Arg)> =
                 names.into_iter().zip(kept).map(|(n, t)| (n, Arg::Tensor(t))).collect();
-            args.extend(plan.cp_args(d));
+            args.extend(cp_args(&plan, d));
             parts.push(Part { device: d, problem: local.clone(), args });
         }
         let (outs, pieces): (Vec<_>, Vec<_>) =
@@ -361,7 +221,7 @@ impl PjrtBackend {
         let mut args = Vec::with_capacity(plan.devices());
         for d in 0..plan.devices() {
             let mut a = self.local_cotangents(c, p, plan, d)?;
-            a.extend(plan.cp_args(d));
+            a.extend(cp_args(plan, d));
             args.push(a);
         }
         let grads = self.backward_parts(res, Split::Context, args)?;

@@ -8,65 +8,16 @@
 //! contribute exactly nothing to any gradient, so the sums match the single-device program's.
 
 use kda_core::{
-    BackwardStrategy, Cotangents, DType, HostTensor, KdaError, KdaGradients, KdaInputs, KdaOutputs, Layout,
-    Problem, Result, SegmentTable, Tensors,
+    BackwardStrategy, Cotangents, DType, HostTensor, KdaError, KdaGradients, KdaInputs, KdaOutputs, Problem,
+    Result, Tensors,
 };
 
-use super::call::Part;
-use super::launch::{arg_name, Arg};
+use super::handle::{PjrtBackend, Upload};
+use super::launch::{arg_name, Arg, Part};
 use super::options::Split;
 use super::residuals::{Gradtypes, Held, PjrtResiduals};
-use super::{PjrtBackend, Upload};
 use crate::kernels::KernelSpec;
-
-/// The batch axis of per-token tensors and `beta` in `layout` (states: axis 0).
-fn batch_axis(layout: Layout) -> usize {
-    match layout {
-        Layout::HeadFirst => 1,
-        Layout::BatchFirst => 0,
-    }
-}
-
-/// How B rows spread over D devices: `per` rows each, the real ones first.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct RowPlan {
-    pub(crate) devices: usize,
-    pub(crate) per: usize,
-    b: usize,
-}
-
-impl RowPlan {
-    pub(crate) fn new(b: usize, devices: usize) -> Self {
-        Self { devices, per: b.div_ceil(devices), b }
-    }
-    pub(crate) fn start(&self, d: usize) -> usize {
-        d * self.per
-    }
-    /// How many of device `d`'s rows are real (the rest are padding).
-    pub(crate) fn real(&self, d: usize) -> usize {
-        self.b.saturating_sub(self.start(d)).min(self.per)
-    }
-}
-
-/// Device `d`'s problem: `per` rows, the global N (so every device runs one program), its rows'
-/// segments, and one whole-row segment for each padding row.
-fn shard_problem(p: &Problem, plan: RowPlan, d: usize) -> Result<Problem> {
-    let mut q = p.clone();
-    q.dims.b = plan.per;
-    q.beta_shape[batch_axis(p.layout)] = plan.per;
-    let t = p.dims.t;
-    q.segments = if p.segments.is_packed() {
-        // A padding row: one whole-row segment, then empty ones up to N.
-        let padding: Vec<_> = std::iter::once(0..t).chain(std::iter::repeat_n(t..t, p.dims.n - 1)).collect();
-        let rows = (0..plan.per)
-            .map(|i| p.segments.rows().get(plan.start(d) + i).cloned().unwrap_or_else(|| padding.clone()))
-            .collect();
-        SegmentTable::from_ranges(t, rows)?
-    } else {
-        SegmentTable::fixed(plan.per, t)
-    };
-    Ok(q)
-}
+use kda_packed::{batch_axis, RowPlan};
 
 /// One device's rows of the call's inputs, by program name: per-token tensors and `beta` (in
 /// q's dtype) along the batch axis, initial states along theirs, gate parameters whole (f32).
@@ -100,40 +51,6 @@ fn shard_cotangents(
     Ok(ups)
 }
 
-/// The whole batch's problem of shards that share dims (rows joined in device order).
-pub(crate) fn join_problems<'p>(shards: impl Iterator<Item = &'p Problem>) -> Result<Problem> {
-    let shards: Vec<&Problem> = shards.collect();
-    let first = shards.first().ok_or_else(|| KdaError::value("inputs", "one shard per device", "none"))?;
-    let mut p = (*first).clone();
-    let b: usize = shards.iter().map(|s| s.dims.b).sum();
-    p.dims.b = b;
-    p.beta_shape[batch_axis(p.layout)] = b;
-    let rows = shards.iter().flat_map(|s| s.segments.rows().iter().cloned()).collect();
-    p.segments = SegmentTable::from_ranges(p.dims.t, rows)?;
-    if !first.segments.is_packed() {
-        p.segments = SegmentTable::fixed(b, p.dims.t);
-    }
-    Ok(p)
-}
-
-/// Each device's real rows of `parts` (one tensor per device), joined along `axis`.
-fn gather(parts: Vec<HostTensor>, axis: usize, plan: RowPlan) -> Result<HostTensor> {
-    let kept = parts
-        .iter()
-        .enumerate()
-        .filter(|(d, _)| plan.real(*d) > 0)
-        .map(|(d, t)| t.slice_padded(axis, 0, plan.real(d)))
-        .collect::<Result<Vec<_>>>()?;
-    HostTensor::concat(&kept, axis)
-}
-
-fn gather_opt(parts: Vec<Option<HostTensor>>, axis: usize, plan: RowPlan) -> Result<Option<HostTensor>> {
-    match parts.into_iter().collect::<Option<Vec<_>>>() {
-        Some(ts) => Ok(Some(gather(ts, axis, plan)?)),
-        None => Ok(None),
-    }
-}
-
 impl PjrtBackend {
     /// The shared spec of every device's program (dims of one shard; g in its own dtype).
     fn shard_spec(&self, x: &KdaInputs, shard: &Problem, has_dht: bool) -> Result<KernelSpec> {
@@ -143,10 +60,10 @@ impl PjrtBackend {
 
     fn split_rows(&self, x: &KdaInputs) -> Result<(Problem, RowPlan, Vec<Problem>)> {
         let p = x.view().validate()?;
-        super::call::supported(&p)?;
+        super::handle::supported(&p)?;
         x.check_values()?;
         let plan = RowPlan::new(p.dims.b, self.device_count());
-        let shards = (0..plan.devices).map(|d| shard_problem(&p, plan, d)).collect::<Result<Vec<_>>>()?;
+        let shards = (0..plan.devices).map(|d| plan.shard(&p, d)).collect::<Result<Vec<_>>>()?;
         Ok((p, plan, shards))
     }
 
@@ -154,11 +71,11 @@ impl PjrtBackend {
         &self,
         p: &Problem,
         plan: RowPlan,
-        outs: &[super::DeviceOutputs],
+        outs: &[super::io::DeviceOutputs],
     ) -> Result<KdaOutputs> {
         let host = self.to_host(&outs.to_vec())?;
         let (o, fin): (Vec<_>, Vec<_>) = host.into_iter().map(|h| (h.o, h.final_state)).unzip();
-        Ok(KdaOutputs { o: gather(o, batch_axis(p.layout), plan)?, final_state: gather_opt(fin, 0, plan)? })
+        Ok(KdaOutputs { o: plan.gather(o, batch_axis(p.layout))?, final_state: plan.gather_opt(fin, 0)? })
     }
 
     fn gather_gradients_rows(
@@ -166,7 +83,7 @@ impl PjrtBackend {
         types: Option<Gradtypes>,
         p: &Problem,
         plan: RowPlan,
-        grads: &[super::DeviceGradients],
+        grads: &[super::io::DeviceGradients],
     ) -> Result<KdaGradients> {
         let host: Vec<KdaGradients> = self
             .to_host(&grads.to_vec())?
@@ -177,12 +94,12 @@ impl PjrtBackend {
         let take = |f: fn(&KdaGradients) -> HostTensor| host.iter().map(f).collect::<Vec<_>>();
         let first = host.first().ok_or_else(|| KdaError::backend("gather", "one device or more", "none"))?;
         Ok(KdaGradients {
-            dq: gather(take(|g| g.dq.clone()), ax, plan)?,
-            dk: gather(take(|g| g.dk.clone()), ax, plan)?,
-            dv: gather(take(|g| g.dv.clone()), ax, plan)?,
-            dg: gather(take(|g| g.dg.clone()), ax, plan)?,
-            dbeta: gather(take(|g| g.dbeta.clone()), ax, plan)?,
-            dh0: gather_opt(host.iter().map(|g| g.dh0.clone()).collect(), 0, plan)?,
+            dq: plan.gather(take(|g| g.dq.clone()), ax)?,
+            dk: plan.gather(take(|g| g.dk.clone()), ax)?,
+            dv: plan.gather(take(|g| g.dv.clone()), ax)?,
+            dg: plan.gather(take(|g| g.dg.clone()), ax)?,
+            dbeta: plan.gather(take(|g| g.dbeta.clone()), ax)?,
+            dh0: plan.gather_opt(host.iter().map(|g| g.dh0.clone()).collect(), 0)?,
             // All-reduced in the program: every device holds the batch's total.
             da_log: first.da_log.clone(),
             ddt_bias: first.ddt_bias.clone(),

@@ -3,10 +3,10 @@
 
 use kda_core::{BackwardStrategy, Cotangents, KdaError, KdaInputs, Problem, Result};
 
+use super::handle::PjrtBackend;
 use super::launch::{Arg, Bound};
 use super::options::Split;
 use super::tensor::DeviceTensor;
-use super::PjrtBackend;
 use crate::kernels::{KernelSpec, ProgramKind};
 use crate::runtime::CompileOptions;
 
@@ -36,7 +36,7 @@ impl DeviceCall {
             Some(c) => named(be.cotangent_args(c, &problem, 0)?),
             None => Vec::new(),
         };
-        Ok(DeviceCall { inputs: named(super::call::tensor_args(&dev)), problem, spec, cotangents })
+        Ok(DeviceCall { inputs: named(super::launch::tensor_args(&dev)), problem, spec, cotangents })
     }
 
     /// The validated problem.

@@ -4,8 +4,8 @@
 
 use kda_core::{Cotangents, DType, HostTensor, KdaGradients, KdaInputs, KdaOutputs, Layout, Tensors};
 
+use super::handle::{PjrtBackend, Upload};
 use super::tensor::DeviceTensor;
-use super::{PjrtBackend, Upload};
 
 /// The forward's inputs on the device: per-token tensors in `config.layout`, all of q's dtype
 /// (f32 or bf16) except `g` (f32 or bf16); states and gate parameters f32. Shapes and dtypes
@@ -54,7 +54,7 @@ impl sealed::HostRecord for HostTensor {}
 impl sealed::HostRecord for KdaInputs {
     fn travel(&self) -> kda_core::Result<sealed::Travel> {
         let p = self.view().validate()?;
-        super::call::supported(&p)?;
+        super::handle::supported(&p)?;
         Ok(sealed::Travel { beta: Some(p.dtype), layout: Some(p.layout) })
     }
     fn check_values(&self) -> kda_core::Result<()> {

@@ -4,14 +4,12 @@
 //! against its port (an error names it), buffers stored under other dims (flat results fed
 //! back) reshaped on their device, and the results handed back by name.
 
-use std::collections::VecDeque;
+use kda_core::{fmt_shape, KdaError, Problem, Tensors};
 
-use kda_core::{fmt_shape, KdaError, Problem};
-
+use super::handle::{e, HostData, PjrtBackend, Upload};
 use super::options::Split;
-use super::tensor::DeviceTensor;
+use super::tensor::{DeviceProgram, DeviceTensor, TableCache, TABLES_KEPT};
 use super::worker::{BufferInfo, Counters, Worker};
-use super::{e, HostData, PjrtBackend, Upload};
 use crate::error::{Result, TpuError};
 use crate::kernels::{KernelSpec, Port, ProgramKind, ProgramSignature, TABLE_NAMES};
 use crate::runtime::CompileOptions;
@@ -32,15 +30,32 @@ pub(crate) struct Bound<'p> {
     pub(crate) args: Vec<(&'static str, Arg)>,
 }
 
+/// One device's part of a call: its device, its problem and its arguments by name.
+pub(crate) struct Part {
+    pub(crate) device: usize,
+    pub(crate) problem: Problem,
+    pub(crate) args: Vec<(&'static str, Arg)>,
+}
+
+/// A record's tensors as program arguments, by program name.
+pub(crate) fn tensor_args<S: Tensors<DeviceTensor> + ?Sized>(x: &S) -> Vec<(&'static str, Arg)> {
+    x.named().into_iter().map(|(n, t)| (arg_name(n), Arg::Tensor(t.clone()))).collect()
+}
+
+/// A tensor of a call that runs on device `device`: anywhere else is an error naming both.
+pub(crate) fn check_on(t: &DeviceTensor, arg: &str, device: usize) -> kda_core::Result<()> {
+    if t.device() == device {
+        return Ok(());
+    }
+    Err(KdaError::value(
+        arg,
+        format!("a tensor on device {device} (where the call's other tensors are)"),
+        format!("a tensor on device {}", t.device()),
+    ))
+}
+
 /// Results of one device, by signature name, in signature order.
 pub(crate) type Named = Vec<(&'static str, DeviceTensor)>;
-
-/// How many sets of index tables a handle keeps on its devices (oldest dropped first).
-const TABLES_KEPT: usize = 16;
-
-/// Index tables already uploaded, by (spec, segments, device).
-#[derive(Default)]
-pub(crate) struct TableCache(VecDeque<(String, usize, Vec<DeviceTensor>)>);
 
 impl PjrtBackend {
     /// Runs program `kind` of `spec` in the form `split` over `bound.len()` devices (one
@@ -111,6 +126,39 @@ impl PjrtBackend {
             .into_iter()
             .map(|device| sig.results.iter().map(|p| p.name).zip(self.wrap(device)).collect())
             .collect())
+    }
+
+    /// Runs a compiled program on device 0's tensors (borrowed: they stay valid); one new
+    /// tensor per result. [`PjrtBackend::bind`] lays out a KDA function's arguments.
+    pub fn execute(
+        &self,
+        program: &DeviceProgram,
+        args: &[DeviceTensor],
+    ) -> kda_core::Result<Vec<DeviceTensor>> {
+        if program.owner_id() != self.shared.id {
+            return Err(KdaError::value(
+                "program",
+                "a program of this handle",
+                "a program of another handle",
+            ));
+        }
+        for (i, t) in args.iter().enumerate() {
+            t.check_owner(&self.shared, &format!("argument {i}")).map_err(e)?;
+        }
+        let ids: Vec<u64> = args.iter().map(|t| t.id()).collect();
+        let pid = program.id();
+        let counters = self.shared.counters.clone();
+        let infos = self
+            .shared
+            .call("execute", move |w| {
+                let exe = w.user_programs.get(&pid).cloned().ok_or_else(|| TpuError::Execute {
+                    message: format!("program {pid} is not held by this handle's worker"),
+                })?;
+                let mut outs = run(w, &counters, &exe, vec![(0, ids)], &[])?;
+                Ok(outs.remove(0))
+            })
+            .map_err(e)?;
+        Ok(self.wrap(infos))
     }
 
     /// The arguments of the KDA function `kda` of a caller's program

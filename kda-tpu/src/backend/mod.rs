@@ -11,6 +11,7 @@
 mod call;
 mod context_parallel;
 mod data_parallel;
+mod handle;
 #[cfg(feature = "harness")]
 pub mod harness;
 mod io;
@@ -20,14 +21,8 @@ mod residuals;
 mod tensor;
 mod worker;
 
-use std::collections::BTreeMap;
-use std::path::Path;
-use std::sync::{Arc, Mutex};
-
-use kda_core::{bf16, DType, HostTensor, KdaError, Problem, TensorData, CHUNK};
-use kda_packed::StaticCapacity;
-
 pub use call::{CallCotangents, CallInputs};
+pub use handle::PjrtBackend;
 pub use io::{DeviceCotangents, DeviceGradients, DeviceInputs, DeviceOutputs, HostSide};
 pub use options::{CompileCache, PjrtOptions, Split};
 pub use residuals::PjrtResiduals;
@@ -42,400 +37,85 @@ pub mod testing {
     }
 }
 
-use crate::error::{Result, TpuError};
-use crate::kernels::{KernelSpec, ProgramKind, TPU_SLAB};
-use crate::runtime::{CompileOptions, XlaOption};
-use crate::MemoryStats;
-use worker::{BufferInfo, Shared, Worker};
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
 
-/// The PJRT backend: a handle on one device of one plugin. `Send + Sync + Clone`: clones share
-/// one client, one compile cache and one device worker (see the module docs for the guarantees).
-///
-/// ```
-/// use kda_core::{Backend, BackwardStrategy, Cotangents, HostTensor, KdaInputs};
-///
-/// // Head-first [H, B, T, D] inputs: 1 head, 1 row, 70 tokens (two chunks), K = V = 16.
-/// let x = |d: usize, f: f32| HostTensor::from_f32(&[1, 1, 70, d], (0..70 * d).map(|i| (i as f32 * f).sin() * 0.3).collect());
-/// let g = HostTensor::from_f32(&[1, 1, 70, 16], vec![-0.2; 70 * 16])?;
-/// let inputs = KdaInputs::new(x(16, 0.3)?, x(16, 0.7)?, x(16, 1.1)?, g, HostTensor::from_f32(&[1, 1, 70], vec![0.5; 70])?)
-///     .with_layout(kda_core::Layout::HeadFirst);
-/// let backend = kda_tpu::PjrtBackend::new()?; // $KDA_PJRT_PLUGIN, else $KDA_HOME's CPU plugin
-/// let cot = Cotangents { d_o: x(16, 0.2)?, dht: None };
-/// let (out, grads) = backend.forward_and_vjp(&inputs, &cot, BackwardStrategy::SavedState)?;
-/// // The f64 reference on the same inputs agrees to f32 rounding.
-/// let (want, want_grads) = kda_ref::forward_and_vjp(&inputs, &cot)?;
-/// let rms = |a: &HostTensor, b: &HostTensor| {
-///     let (a, b) = (a.to_f64_vec(), b.to_f64_vec());
-///     let d: f64 = a.iter().zip(&b).map(|(x, y)| (x - y) * (x - y)).sum();
-///     (d / b.iter().map(|y| y * y).sum::<f64>()).sqrt()
-/// };
-/// assert!(rms(&out.o, &want.o) < 1e-5 && rms(&grads.dq, &want_grads.dq) < 1e-4);
-///
-/// // A clone is the same device, usable from another thread.
-/// let other = backend.clone();
-/// std::thread::spawn(move || other.forward_and_vjp(&inputs, &cot, BackwardStrategy::Rematerialize))
-///     .join()
-///     .expect("no panic")?;
-/// # Ok::<(), kda_core::KdaError>(())
-/// ```
-#[derive(Clone)]
-pub struct PjrtBackend {
-    shared: Arc<Shared>,
-    slab: usize,
-    split: Split,
-    xla: Arc<BTreeMap<String, XlaOption>>,
-    /// Index tables already on the devices ([`launch`]), shared by the clones.
-    tables: Arc<Mutex<launch::TableCache>>,
-}
-
-impl std::fmt::Debug for PjrtBackend {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "PjrtBackend({} via {}, slab {})",
-            self.shared.info.platform,
-            self.shared.info.plugin_path.display(),
-            self.slab
-        )
-    }
-}
-
-pub(crate) fn e(err: TpuError) -> KdaError {
-    err.into()
-}
-
-/// A host array on its way to the device.
-pub(crate) enum HostData {
-    F32(Vec<f32>),
-    Bf16(Vec<half::bf16>),
-    I32(Vec<i32>),
-}
-
-/// A host array with its dims.
-pub(crate) struct Upload {
-    pub(crate) data: HostData,
-    pub(crate) dims: Vec<i64>,
-}
-
-impl Upload {
-    /// A host tensor as it travels: bf16 stays bf16, f32 and f64 go as f32.
-    pub(crate) fn of(t: &HostTensor) -> Self {
-        Self::owned(t.clone())
-    }
-    /// Like [`Upload::of`], without copying an f32 or bf16 tensor's data again.
-    pub(crate) fn owned(t: HostTensor) -> Self {
-        let dims = t.shape().iter().map(|&d| d as i64).collect();
-        let data = match t.into_data() {
-            TensorData::F32(x) => HostData::F32(x),
-            TensorData::BF16(x) => HostData::Bf16(x),
-            TensorData::F64(x) => HostData::F32(x.iter().map(|&v| v as f32).collect()),
-        };
-        Upload { data, dims }
-    }
-    /// A host tensor as f32 (states and gate parameters travel in f32).
-    pub(crate) fn f32(t: &HostTensor) -> Self {
-        let dims = t.shape().iter().map(|&d| d as i64).collect();
-        Upload { data: HostData::F32(t.to_f32_vec()), dims }
-    }
-    /// A host tensor as it travels in `dtype`: bf16, or f32 for any other dtype.
-    pub(crate) fn cast(t: &HostTensor, dtype: DType) -> Self {
-        let dims = t.shape().iter().map(|&d| d as i64).collect();
-        let data = match (dtype, t.data()) {
-            (DType::BF16, TensorData::BF16(x)) => HostData::Bf16(x.clone()),
-            (DType::BF16, TensorData::F32(x)) => {
-                HostData::Bf16(x.iter().map(|&v| bf16::from_f32(v)).collect())
-            }
-            (DType::BF16, TensorData::F64(x)) => {
-                HostData::Bf16(x.iter().map(|&v| bf16::from_f64(v)).collect())
-            }
-            _ => HostData::F32(t.to_f32_vec()),
-        };
-        Upload { data, dims }
-    }
-    /// [`Upload::cast`] of an owned tensor, moving its data when it already has the dtype.
-    pub(crate) fn owned_as(t: HostTensor, dtype: DType) -> Self {
-        match (dtype, t.dtype()) {
-            (DType::BF16, DType::BF16) | (DType::F32, DType::F32) => Self::owned(t),
-            _ => Self::cast(&t, dtype),
-        }
-    }
-    pub(crate) fn i32(data: Vec<i32>, dims: Vec<i64>) -> Self {
-        Upload { data: HostData::I32(data), dims }
-    }
-    fn bytes(&self) -> u64 {
-        let n = match &self.data {
-            HostData::F32(x) => x.len() * 4,
-            HostData::Bf16(x) => x.len() * 2,
-            HostData::I32(x) => x.len() * 4,
-        };
-        n as u64
-    }
-}
-
-impl Worker {
-    /// Uploads one array (counted) to device `device` of the handle.
-    pub(crate) fn upload_on(
-        &mut self,
-        counters: &worker::Counters,
-        u: Upload,
-        device: usize,
-    ) -> Result<crate::DeviceBuffer> {
-        counters.to_device.fetch_add(u.bytes(), std::sync::atomic::Ordering::Relaxed);
-        match u.data {
-            HostData::F32(x) => self.rt.upload_f32_vec(device, x, &u.dims),
-            HostData::Bf16(x) => self.rt.upload_bf16_vec(device, x, &u.dims),
-            HostData::I32(x) => self.rt.upload_i32_vec(device, x, &u.dims),
-        }
-    }
-
-    /// Downloads a kept buffer as a host tensor of `shape` (same element count; counted);
-    /// i32 buffers are an error.
-    pub(crate) fn download(
-        &self,
-        counters: &worker::Counters,
-        id: u64,
-        shape: &[usize],
-    ) -> Result<HostTensor> {
-        let buf = self.buffer(id)?;
-        let bytes = buf.num_elements() * buf.dtype().size_bytes();
-        let t = match buf.dtype() {
-            DType::BF16 => HostTensor::from_bf16(shape, self.rt.download_bf16(buf)?),
-            DType::F32 => HostTensor::from_f32(shape, self.rt.download_f32(buf)?),
-            other => {
-                return Err(TpuError::Transfer {
-                    what: "download".to_string(),
-                    message: format!("a host tensor holds f32 or bf16, the buffer is {other}"),
-                })
+    /// The modules of this directory and the sibling modules each one names
+    /// (`super::module`), leaving out doc comments and unit tests; `mod.rs` only declares and
+    /// re-exports, so it is not a node.
+    fn imports() -> BTreeMap<String, Vec<String>> {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/backend");
+        let mut files = BTreeMap::new();
+        for entry in std::fs::read_dir(&dir).expect("src/backend") {
+            let path = entry.expect("entry").path();
+            let name = path.file_stem().and_then(|s| s.to_str()).unwrap_or_default().to_string();
+            if name != "mod" && path.extension().is_some_and(|e| e == "rs") {
+                let text = std::fs::read_to_string(&path).expect("source");
+                let code = text.split("#[cfg(test)]\nmod tests").next().unwrap_or_default().to_string();
+                files.insert(name, code);
             }
         }
-        .map_err(TpuError::Contract)?;
-        counters.to_host.fetch_add(bytes as u64, std::sync::atomic::Ordering::Relaxed);
-        Ok(t)
-    }
-}
-
-impl PjrtBackend {
-    /// A backend with default [`PjrtOptions`]: `$KDA_PJRT_PLUGIN`, else `$KDA_HOME`'s CPU plugin.
-    pub fn new() -> kda_core::Result<Self> {
-        PjrtOptions::new().build()
-    }
-
-    pub(crate) fn start(options: PjrtOptions) -> Result<Self> {
-        let xla = Arc::new(options.xla_choice()?);
-        let shared = Shared::start(&options)?;
-        let slab = options.slab_choice().unwrap_or(if shared.info.platform == "cpu" { 0 } else { TPU_SLAB });
-        let tables = Arc::default();
-        Ok(Self { shared, slab, split: options.split_choice(), xla, tables })
-    }
-
-    /// This handle with fused programs in slabs of `chunks` chunk positions (0: all chunks at
-    /// once); other clones keep theirs. Slabs bound the live intermediates to one slab's (the
-    /// memory figure that matters on TPU) at the cost of recomputing the chunk terms in the
-    /// backward loop; results agree to f32 rounding either way.
-    pub fn with_slab(mut self, chunks: usize) -> Self {
-        self.slab = chunks;
-        self
-    }
-    /// The platform name the plugin reports (`cpu`, `tpu`, `cuda`).
-    pub fn platform(&self) -> &str {
-        &self.shared.info.platform
-    }
-    /// The plugin file loaded and its PJRT C API version (major, minor).
-    pub fn plugin(&self) -> (&Path, (i32, i32)) {
-        (&self.shared.info.plugin_path, self.shared.info.plugin_version)
-    }
-    /// How many devices this handle drives ([`PjrtOptions::devices`]).
-    pub fn device_count(&self) -> usize {
-        self.shared.info.devices
-    }
-    /// Bytes copied each way (and programs run) by this handle and its clones so far.
-    pub fn transfer_stats(&self) -> TransferStats {
-        TransferStats::read(&self.shared)
-    }
-
-    /// The kernel spec of a validated problem whose inputs share one dtype (see
-    /// [`KernelSpec::with_g_dtype`] for a `g` of another dtype).
-    pub fn spec(&self, p: &Problem, has_dht: bool) -> kda_core::Result<KernelSpec> {
-        let packed = if p.segments.is_packed() {
-            Some(StaticCapacity::new(p.dims.b, p.dims.t, p.dims.n, CHUNK)?.chunks())
-        } else {
-            None
-        };
-        Ok(KernelSpec::new(p, packed, has_dht).with_slab(self.slab))
-    }
-
-    /// The XLA options a kernel program is compiled with ([`crate::kernels::program`] text). On the CPU plugin the forward
-    /// programs use XLA's memory-optimized scheduler instead of its default
-    /// concurrency-optimized one: at the primary shape that measured the forward 5-9% faster
-    /// (medians of five alternating runs' medians, f32 19.4 -> 17.7 and 20.1 -> 19.1 ms) and its
-    /// scratch smaller (f32 34.5 -> 26.3 MB); the fused programs measured 1-3% slower with it, so
-    /// they keep the default. Other plugins get XLA's defaults. The options of
-    /// [`PjrtOptions::xla_option`] (and `$KDA_XLA_OPT_LEVEL`) come on top.
-    pub(crate) fn compile_options(&self, kind: ProgramKind) -> CompileOptions {
-        self.xla.iter().fold(compile_options(&self.shared.info.platform, kind), |o, (name, value)| {
-            o.with_xla_option(name.clone(), value.clone())
-        })
-    }
-
-    /// Compiles the programs `kinds` of `spec` now, so the first call does not pay for it.
-    pub fn prepare(&self, spec: &KernelSpec, kinds: &[ProgramKind]) -> kda_core::Result<()> {
-        for &kind in kinds {
-            let (spec, options) = (spec.clone(), self.compile_options(kind));
-            let _span = tracing::info_span!("kda_prepare", kind = ?kind).entered();
-            self.shared
-                .call("prepare", move |w| w.kernel(&spec, kind, &options, Split::Data).map(|_| ()))
-                .map_err(e)?;
-        }
-        Ok(())
-    }
-
-    /// The compiler's memory statistics of one program of a spec on this handle's device.
-    pub fn memory_stats(&self, spec: &KernelSpec, kind: ProgramKind) -> kda_core::Result<MemoryStats> {
-        let (spec, options) = (spec.clone(), self.compile_options(kind));
-        self.shared
-            .call("memory stats", move |w| {
-                let (exe, _) = w.kernel(&spec, kind, &options, Split::Data)?;
-                w.rt.memory_stats(&exe)
+        let names: Vec<String> = files.keys().cloned().collect();
+        files
+            .iter()
+            .map(|(name, code)| {
+                let code: String =
+                    code.lines().filter(|l| !l.trim_start().starts_with("//")).collect::<Vec<_>>().join("\n");
+                let deps = names
+                    .iter()
+                    .filter(|m| *m != name && code.contains(&format!("super::{m}::")))
+                    .cloned()
+                    .collect();
+                (name.clone(), deps)
             })
-            .map_err(e)
+            .collect()
     }
 
-    /// Uploads host tensors one job each, preparing (copying, casting) the next on this thread
-    /// while the worker hands the previous one to the plugin: on two or more cores the host
-    /// copy that owned uploads need costs little wall time.
-    /// `meanwhile` runs on this thread after the last job is sent (value checks); its error
-    /// wins, and the uploaded tensors are then freed. The tensors go to device `device`.
-    pub(crate) fn upload_each<'t>(
-        &self,
-        device: usize,
-        items: impl IntoIterator<Item = (&'t HostTensor, fn(&HostTensor) -> Upload)>,
-        meanwhile: impl FnOnce() -> kda_core::Result<()>,
-    ) -> kda_core::Result<Vec<DeviceTensor>> {
-        let mut pending = Vec::new();
-        for (t, prepare) in items {
-            let (u, counters) = (prepare(t), self.shared.counters.clone());
-            pending.push(
-                self.shared
-                    .submit("upload", move |w| {
-                        let buf = w.upload_on(&counters, u, device)?;
-                        Ok(w.keep_on(buf, device))
-                    })
-                    .map_err(e)?,
-            );
-        }
-        let checked = meanwhile();
-        let infos: Vec<Result<BufferInfo>> = pending.into_iter().map(|p| p.wait()).collect();
-        let tensors: Vec<Result<DeviceTensor>> =
-            infos.into_iter().map(|i| i.map(|i| DeviceTensor::wrap(&self.shared, i, None))).collect();
-        checked?;
-        tensors.into_iter().collect::<Result<Vec<_>>>().map_err(e)
-    }
-
-    /// Uploads host arrays to device `device` in one call to the worker and keeps them.
-    pub(crate) fn upload_to(
-        &self,
-        device: usize,
-        uploads: Vec<Upload>,
-    ) -> kda_core::Result<Vec<DeviceTensor>> {
-        let counters = self.shared.counters.clone();
-        let infos = self
-            .shared
-            .call("upload", move |w| {
-                let mut out = Vec::with_capacity(uploads.len());
-                for u in uploads {
-                    let buf = w.upload_on(&counters, u, device)?;
-                    out.push(w.keep_on(buf, device));
+    /// A module on a cycle of imports, with the cycle, if there is one.
+    fn cycle(graph: &BTreeMap<String, Vec<String>>) -> Option<Vec<String>> {
+        fn visit(
+            m: &str,
+            graph: &BTreeMap<String, Vec<String>>,
+            path: &mut Vec<String>,
+            done: &mut Vec<String>,
+        ) -> Option<Vec<String>> {
+            if let Some(i) = path.iter().position(|p| p == m) {
+                let mut c = path[i..].to_vec();
+                c.push(m.to_string());
+                return Some(c);
+            }
+            if done.iter().any(|d| d == m) {
+                return None;
+            }
+            path.push(m.to_string());
+            for d in graph.get(m).into_iter().flatten() {
+                if let Some(c) = visit(d, graph, path, done) {
+                    return Some(c);
                 }
-                Ok(out)
-            })
-            .map_err(e)?;
-        Ok(self.wrap(infos))
-    }
-
-    pub(crate) fn wrap(&self, infos: Vec<BufferInfo>) -> Vec<DeviceTensor> {
-        infos.into_iter().map(|i| DeviceTensor::wrap(&self.shared, i, None)).collect()
-    }
-
-    /// Copies device tensors to the host in one call to the worker.
-    pub(crate) fn download_all(&self, ts: &[&DeviceTensor]) -> kda_core::Result<Vec<HostTensor>> {
-        for (i, t) in ts.iter().enumerate() {
-            t.check_owner(&self.shared, &format!("tensor {i}")).map_err(e)?;
+            }
+            path.pop();
+            done.push(m.to_string());
+            None
         }
-        let wanted: Vec<(u64, Vec<usize>)> = ts.iter().map(|t| (t.id(), t.shape().to_vec())).collect();
-        let counters = self.shared.counters.clone();
-        self.shared
-            .call("download", move |w| {
-                wanted.iter().map(|(id, shape)| w.download(&counters, *id, shape)).collect()
-            })
-            .map_err(e)
+        let mut done = Vec::new();
+        graph.keys().find_map(|m| visit(m, graph, &mut Vec::new(), &mut done))
     }
 
-    /// Compiles a caller's StableHLO program (with `@main`) on this handle's device, through the
-    /// same caches as the kernels. Build it with [`crate::hlo`] and [`crate::kernels::compose`].
-    pub fn compile_program(&self, text: &str) -> kda_core::Result<DeviceProgram> {
-        let text = text.to_string();
-        let (id, sig) = self
-            .shared
-            .call("compile", move |w| {
-                let exe = w.rt.compile(&text)?;
-                let sig = exe.signature().cloned();
-                Ok((w.keep_program(exe), sig))
-            })
-            .map_err(e)?;
-        Ok(DeviceProgram::wrap(&self.shared, id, sig))
+    #[test]
+    fn backend_modules_import_in_layers() {
+        let graph = imports();
+        assert!(graph.len() >= 10, "found the backend's modules: {:?}", graph.keys());
+        assert!(graph["call"].contains(&"launch".to_string()), "the scan sees imports: {graph:?}");
+        assert_eq!(cycle(&graph), None, "an import cycle inside kda-tpu/src/backend");
     }
 
-    /// Runs a compiled program on device 0's tensors (borrowed: they stay valid); one new
-    /// tensor per result. [`PjrtBackend::bind`] lays out a KDA function's arguments.
-    pub fn execute(
-        &self,
-        program: &DeviceProgram,
-        args: &[DeviceTensor],
-    ) -> kda_core::Result<Vec<DeviceTensor>> {
-        if program.owner_id() != self.shared.id {
-            return Err(KdaError::value(
-                "program",
-                "a program of this handle",
-                "a program of another handle",
-            ));
-        }
-        for (i, t) in args.iter().enumerate() {
-            t.check_owner(&self.shared, &format!("argument {i}")).map_err(e)?;
-        }
-        let ids: Vec<u64> = args.iter().map(|t| t.id()).collect();
-        let pid = program.id();
-        let counters = self.shared.counters.clone();
-        let infos = self
-            .shared
-            .call("execute", move |w| {
-                let exe = w.user_programs.get(&pid).cloned().ok_or_else(|| TpuError::Execute {
-                    message: format!("program {pid} is not held by this handle's worker"),
-                })?;
-                let mut outs = launch::run(w, &counters, &exe, vec![(0, ids)], &[])?;
-                Ok(outs.remove(0))
-            })
-            .map_err(e)?;
-        Ok(self.wrap(infos))
-    }
-
-    pub(crate) fn inject_worker_panic(&self) -> kda_core::Result<()> {
-        self.shared.call("injected panic", |_| -> Result<()> { panic!("injected panic") }).map_err(e)
-    }
-
-    pub(crate) fn shared(&self) -> &Arc<Shared> {
-        &self.shared
-    }
-}
-
-/// The compile options of a kernel program on `platform` (see [`PjrtBackend::compile_options`]).
-fn compile_options(platform: &str, kind: ProgramKind) -> CompileOptions {
-    let options = CompileOptions::default();
-    if platform == "cpu" && matches!(kind, ProgramKind::Forward(_)) {
-        options.with_xla_option(
-            "xla_cpu_scheduler_type",
-            XlaOption::Str("CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED".to_string()),
-        )
-    } else {
-        options
+    #[test]
+    fn a_cycle_is_found() {
+        let g: BTreeMap<String, Vec<String>> = [("a", vec!["b"]), ("b", vec!["c"]), ("c", vec!["a"])]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.into_iter().map(String::from).collect()))
+            .collect();
+        assert_eq!(cycle(&g), Some(vec!["a".into(), "b".into(), "c".into(), "a".into()]));
     }
 }

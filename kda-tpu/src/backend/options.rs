@@ -3,7 +3,6 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use super::PjrtBackend;
 use crate::error::Result;
 use crate::runtime::{host_memory, plugin, Runtime, XlaOption};
 
@@ -121,12 +120,6 @@ impl PjrtOptions {
     pub fn xla_option(mut self, name: impl Into<String>, value: XlaOption) -> Self {
         self.xla.insert(name.into(), value);
         self
-    }
-
-    /// Starts the handle: a worker thread loads the plugin and owns the client. A failure is a
-    /// `KdaError` whose source is the plugin's `TpuError`.
-    pub fn build(self) -> kda_core::Result<PjrtBackend> {
-        PjrtBackend::start(self).map_err(kda_core::KdaError::from)
     }
 
     /// The split asked for.

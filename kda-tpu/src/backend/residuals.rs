@@ -6,11 +6,26 @@ use std::sync::Arc;
 
 use kda_core::{BackwardStrategy, DType, HostTensor, KdaGradients, KdaInputs, Problem, Residuals, Result};
 
-use super::context_parallel::ContextPlan;
-use super::data_parallel::RowPlan;
 use super::launch::Named;
 use super::tensor::DeviceTensor;
 use crate::kernels::KernelSpec;
+use kda_packed::{PiecePlan, RowPlan};
+
+/// A context-parallel call's split, kept with a forward's residuals: every row's pieces, each
+/// device's local problem (its own segment table; the same dims everywhere) and the local
+/// programs' spec.
+#[derive(Debug)]
+pub(crate) struct ContextPlan {
+    pub(crate) pieces: PiecePlan,
+    pub(crate) locals: Vec<Problem>,
+    pub(crate) spec: KernelSpec,
+}
+
+impl ContextPlan {
+    pub(crate) fn devices(&self) -> usize {
+        self.locals.len()
+    }
+}
 
 /// What a forward keeps on the devices for its backward: its inputs (shared with the caller,
 /// not copied) and, for the saved-state strategy, the state entering every chunk; for a call

@@ -1,5 +1,6 @@
 //! [`DeviceTensor`]: a typed tensor held on a handle's device, and what crosses to and from it.
 
+use std::collections::VecDeque;
 use std::fmt;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -147,6 +148,13 @@ impl TensorMeta for Meta {
         self.dtype
     }
 }
+
+/// How many sets of index tables a handle keeps on its devices (oldest dropped first).
+pub(crate) const TABLES_KEPT: usize = 16;
+
+/// Index tables already uploaded, by (spec, segments, device).
+#[derive(Default)]
+pub(crate) struct TableCache(pub(crate) VecDeque<(String, usize, Vec<DeviceTensor>)>);
 
 /// A program compiled on a handle's device ([`crate::PjrtBackend::compile_program`]).
 #[derive(Clone)]

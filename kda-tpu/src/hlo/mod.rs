@@ -15,6 +15,7 @@ mod types;
 
 pub use builder::FnBuilder;
 pub use emit::Module;
+pub use ops_linalg::{Transpose, TriangularSolve};
 pub use types::{Cmp, Precision, TensorType, Value, MAX_RANK};
 
 #[cfg(test)]

@@ -7,6 +7,32 @@ use super::ops_shape::valid_axes;
 use super::types::{Precision, TensorType, Value};
 use kda_core::DType;
 
+/// Which operands of [`FnBuilder::batch_matmul`] are read transposed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transpose {
+    /// `a x b`.
+    None,
+    /// `a^T x b`.
+    A,
+    /// `a x b^T`.
+    B,
+    /// `a^T x b^T`.
+    Both,
+}
+
+/// The form of a [`FnBuilder::triangular_solve`] (StableHLO's attributes of the same names).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TriangularSolve {
+    /// Solve `op(a) x = b` (else `x op(a) = b`).
+    pub left_side: bool,
+    /// `a` is lower triangular (else upper).
+    pub lower: bool,
+    /// `a`'s diagonal is taken as ones.
+    pub unit_diagonal: bool,
+    /// `op(a) = a^T` (else `a`).
+    pub transpose_a: bool,
+}
+
 impl FnBuilder {
     /// `stablehlo.dot_general`; result dims are batch, lhs free, rhs free (in operand order).
     /// Float inputs may produce any float `out_elem` (bf16 x bf16 -> f32 accumulates in f32).
@@ -87,15 +113,12 @@ impl FnBuilder {
         self.push_op1(op, "stablehlo.dot_general", &[lhs, rhs], &attr, TensorType::new(out_elem, &dims))
     }
 
-    /// `[..., M, K] x [..., K, N] -> [..., M, N]` over equal leading batch dims; `transpose_a`/`_b`
-    /// read `a` as `[..., K, M]` / `b` as `[..., N, K]`. Floats accumulate and return f32; i32 -> i32.
-    pub fn batch_matmul(
-        &mut self,
-        a: Value,
-        b: Value,
-        transpose_a: bool,
-        transpose_b: bool,
-    ) -> Result<Value> {
+    /// `[..., M, K] x [..., K, N] -> [..., M, N]` over equal leading batch dims; `t` says which
+    /// operand is read transposed (`a` as `[..., K, M]`, `b` as `[..., N, K]`). Floats accumulate
+    /// and return f32; i32 -> i32.
+    pub fn batch_matmul(&mut self, a: Value, b: Value, t: Transpose) -> Result<Value> {
+        let (transpose_a, transpose_b) =
+            (matches!(t, Transpose::A | Transpose::Both), matches!(t, Transpose::B | Transpose::Both));
         let op = "batch_matmul";
         let r = a.rank();
         if r < 2 || b.rank() != r || a.dims()[..r - 2] != b.dims()[..r - 2] {
@@ -124,15 +147,8 @@ impl FnBuilder {
 
     /// Solves `op(a) x = b` (`left_side`) or `x op(a) = b` for triangular `a` `[..., M, M]`;
     /// `b` is `[..., M, N]` (left) or `[..., N, M]` (right), same batch dims and float type.
-    pub fn triangular_solve(
-        &mut self,
-        a: Value,
-        b: Value,
-        left_side: bool,
-        lower: bool,
-        unit_diagonal: bool,
-        transpose_a: bool,
-    ) -> Result<Value> {
+    pub fn triangular_solve(&mut self, a: Value, b: Value, how: TriangularSolve) -> Result<Value> {
+        let TriangularSolve { left_side, lower, unit_diagonal, transpose_a } = how;
         let op = "triangular_solve";
         let r = a.rank();
         let shapes = || format!("a {} b {} (left_side={left_side})", a.ty(), b.ty());

@@ -132,7 +132,7 @@ fn errors_name_the_op_and_shapes() -> Result<()> {
     assert_err(b.exp(i), "exp", "element type i32");
     assert_err(b.dot_general(x, x, &[], &[], &[1], &[0], DType::F32), "dot_general", "different sizes");
     assert_err(b.dot_general(x, i, &[], &[], &[1], &[0], DType::F32), "dot_general", "element types");
-    assert_err(b.batch_matmul(x, x, false, false), "batch_matmul", "contracting sizes differ");
+    assert_err(b.batch_matmul(x, x, Transpose::None), "batch_matmul", "contracting sizes differ");
     assert_err(b.transpose(x, &[0, 0]), "transpose", "[0, 0]");
     assert_err(b.transpose(x, &[0, 1, 2]), "transpose", "permutation");
     assert_err(b.reshape(x, &[4, 2]), "reshape", "tensor<4x2xf32>");
@@ -144,7 +144,15 @@ fn errors_name_the_op_and_shapes() -> Result<()> {
     let p = b.compare(Cmp::Lt, x, x)?;
     assert_err(b.select(p, x, y), "select", "branch types differ");
     assert_err(b.dynamic_slice(x, &[p], &[1, 1]), "dynamic_slice", "1 start indices");
-    assert_err(b.triangular_solve(x, x, true, true, false, false), "triangular_solve", "square");
+    assert_err(
+        b.triangular_solve(
+            x,
+            x,
+            TriangularSolve { left_side: true, lower: true, unit_diagonal: false, transpose_a: false },
+        ),
+        "triangular_solve",
+        "square",
+    );
     Ok(())
 }
 

@@ -23,8 +23,9 @@
 //! runs of widths V and K; the exchange is `D x B x H x K x (V + K)` floats per direction,
 //! independent of T.
 
-use kda_core::{BackwardStrategy, DType, Layout, Problem};
-use kda_packed::{PiecePlan, StaticCapacity};
+use crate::hlo::Transpose;
+use kda_core::{BackwardStrategy, DType, Problem};
+use kda_packed::StaticCapacity;
 
 use super::interface::{ProgramKind, ProgramSignature};
 use super::programs::build;
@@ -35,35 +36,6 @@ use crate::Result;
 /// The extra arguments of a context-parallel program, after the kernel's own: `cont` `[B]`,
 /// `carry` `[B, N]`, `piece` `[D]` (f32, 0/1).
 pub const CP_ARGS: [&str; 3] = ["cont", "carry", "piece"];
-
-/// Every row of `p` cut into `devices` pieces, and each device's local problem: its piece's
-/// tokens from token 0 with initial and final states (the program fills the continuation and
-/// carry slots). A fixed-length batch stays fixed length when every piece is full, or when its
-/// gate is pre-activated (a zero token with `g = 0` and `beta = 0` leaves the state as it is, so
-/// a short last piece is padded exactly); otherwise a piece is a packed row with one slot per
-/// segment part. The fixed form needs no index gathers and less scratch.
-pub fn local_problems(p: &Problem, devices: usize) -> Result<(PiecePlan, Vec<Problem>)> {
-    let pieces = PiecePlan::new(&p.segments, devices, super::CHUNK);
-    let full = pieces
-        .parts
-        .iter()
-        .flatten()
-        .all(|parts| parts.iter().map(|x| x.tokens.len()).sum::<usize>() == pieces.t);
-    let fixed = !p.segments.is_packed() && (full || p.gate == kda_core::GateKind::Preactivated);
-    let mut locals = Vec::with_capacity(devices);
-    for d in 0..devices {
-        let mut q = p.clone();
-        q.dims.t = pieces.t;
-        q.dims.n = pieces.n;
-        q.segments =
-            if fixed { kda_core::SegmentTable::fixed(p.dims.b, pieces.t) } else { pieces.local_table(d)? };
-        q.has_initial_state = true;
-        q.output_final_state = true;
-        q.beta_shape[if p.layout == Layout::HeadFirst { 2 } else { 1 }] = pieces.t;
-        locals.push(q);
-    }
-    Ok((pieces, locals))
-}
 
 /// The spec every device's context-parallel program is built from (any device's local
 /// problem: they share their dims), with `g` in `g_dtype` and slabs of `slab` chunks.
@@ -284,7 +256,7 @@ pub fn context_parallel_program(s: &KernelSpec, kind: ProgramKind, devices: usiz
         for j in 0..devices.saturating_sub(1) {
             let q = block(&mut b, all, j, (0, v))?;
             let p = block(&mut b, all, j, (v, v + k))?;
-            let ps = b.batch_matmul(p, states[j], false, false)?;
+            let ps = b.batch_matmul(p, states[j], Transpose::None)?;
             states.push(b.add(ps, q)?);
         }
         let s_in = select_piece(&mut b, piece, &states)?;
@@ -321,7 +293,7 @@ pub fn context_parallel_program(s: &KernelSpec, kind: ProgramKind, devices: usiz
         for j in (0..devices.saturating_sub(1)).rev() {
             let r = block(&mut b, all, j + 1, (0, v))?;
             let pt = block(&mut b, all, j + 1, (v, v + k))?;
-            let pg = b.batch_matmul(pt, ends[j + 1], false, false)?;
+            let pg = b.batch_matmul(pt, ends[j + 1], Transpose::None)?;
             ends[j] = b.add(pg, r)?;
         }
         let dh_out = select_piece(&mut b, piece, &ends)?;

@@ -5,6 +5,7 @@
 use super::ops::sum_last_keep;
 pub use super::tiles::Decay;
 use super::tiles::{decay, grams};
+use crate::hlo::Transpose;
 use crate::hlo::{FnBuilder, Value};
 use crate::Result;
 
@@ -56,8 +57,8 @@ pub fn chunk_terms(
     let a = super::solve::unit_lower_inverse(b, l)?;
     // Two products rather than one over [bv | bk]: the concatenation and the slices after it
     // would each write another copy.
-    let u = b.batch_matmul(a, bv, false, false)?;
-    let w = b.batch_matmul(a, bk, false, false)?;
+    let u = b.batch_matmul(a, bv, Transpose::None)?;
+    let w = b.batch_matmul(a, bk, Transpose::None)?;
     Ok(ChunkTerms { dc, aqk, kk, a, u, w, qg, keg, kg })
 }
 

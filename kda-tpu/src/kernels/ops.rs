@@ -1,5 +1,6 @@
 //! Small compositions of builder ops that the kernels use everywhere.
 
+use crate::hlo::Transpose;
 use crate::hlo::{Cmp, FnBuilder, TensorType, Value};
 use crate::Result;
 use kda_core::DType;
@@ -86,7 +87,7 @@ pub fn row_sums(b: &mut FnBuilder, n: i64, parts: &[(Value, Scan)]) -> Result<Va
     let nb = x.dims()[0];
     let cols = mat.dims()[1];
     let mat = b.broadcast_in_dim(mat, &[nb, n, cols], &[1, 2])?;
-    b.batch_matmul(mat, x, false, false)
+    b.batch_matmul(mat, x, Transpose::None)
 }
 
 /// The diagonal of square matrices `[N, n, n]` as `[N, n, 1]`.

@@ -10,6 +10,7 @@ use super::recurrence::{
 };
 use super::spec::{on_device, KernelSpec, CHUNK};
 use super::tiles::{col_side_sum, row_sides};
+use crate::hlo::Transpose;
 use crate::hlo::{FnBuilder, Module, TensorType, Value};
 use crate::Result;
 use kda_core::{BackwardStrategy, DType};
@@ -181,9 +182,9 @@ fn output(
 ) -> Result<Value> {
     let hf = flat(b, h)?;
     let vf = flat(b, v_new)?;
-    let inter = b.batch_matmul(ct.qg, hf, false, false)?;
+    let inter = b.batch_matmul(ct.qg, hf, Transpose::None)?;
     let inter = b.mul_const(inter, s.scale as f32)?;
-    let intra = b.batch_matmul(ct.aqk, vf, false, false)?;
+    let intra = b.batch_matmul(ct.aqk, vf, Transpose::None)?;
     let o = b.add(inter, intra)?;
     let o = b.reshape(o, &[s.lanes() as i64, s.chunks() as i64, CHUNK as i64, s.v as i64])?;
     let o = prep::from_chunks(b, s, o, a.token_slot)?;
@@ -239,7 +240,7 @@ fn backward_core(
 fn dh_terms(b: &mut FnBuilder, ct: &ChunkTerms, doc: Value, store: bool) -> Result<(Value, Value)> {
     let p1 = t_matmul(b, ct.aqk, doc, store)?;
     // qg^T dO stays a transposed-operand product: storing qg^T ([N, K, C]) measured no faster.
-    let q2 = b.batch_matmul(ct.qg, doc, true, false)?;
+    let q2 = b.batch_matmul(ct.qg, doc, Transpose::A)?;
     Ok((p1, q2))
 }
 
@@ -248,10 +249,10 @@ fn dh_terms(b: &mut FnBuilder, ct: &ChunkTerms, doc: Value, store: bool) -> Resu
 /// transposed-operand product in slabs (TPU), where stored transposes raised the tpu7x peak.
 fn t_matmul(b: &mut FnBuilder, x: Value, y: Value, stored: bool) -> Result<Value> {
     if !stored {
-        return b.batch_matmul(x, y, true, false);
+        return b.batch_matmul(x, y, Transpose::A);
     }
     let t = stored_transposes(b, &[x])?[0];
-    b.batch_matmul(t, y, false, false)
+    b.batch_matmul(t, y, Transpose::None)
 }
 
 /// Gradients of a batch of chunks in chunk layout `[N, C, D]` (`dg` already summed in-chunk).
@@ -282,13 +283,13 @@ fn chunk_grads(
     let scale = s.scale as f32;
     let dc = &ct.dc;
     // Through O = scale qg S0 + Aqk v_new and S1 = exp(G_last) S0 + kg^T v_new.
-    let dqg = b.batch_matmul(doc, h, false, true)?;
+    let dqg = b.batch_matmul(doc, h, Transpose::B)?;
     let dqg = b.mul_const(dqg, scale)?;
     let mut dq = b.mul(dqg, dc.eg)?;
     // `dgg`: the gradient with respect to the in-chunk cumulative gate G_t, summed from row t
     // on at the end. The kg and exp(G_last) terms are kept apart (see below).
     let mut dgg = b.mul(dqg, ct.qg)?;
-    let dkg = b.batch_matmul(vn, dh, false, true)?;
+    let dkg = b.batch_matmul(vn, dh, Transpose::B)?;
     let mut dk = b.mul(dkg, dc.eg_rest)?;
     // kg_t = k_t exp(G_last - G_t): -t2_t at G_t and +t2_t at G_last, so token s gets the sum of
     // t2 over the rows before it (an exclusive prefix sum, every term decayed to the chunk end).
@@ -300,7 +301,7 @@ fn chunk_grads(
     // Through the WY solve: u = A (beta v), w = A (beta k exp(G)), v_new = u - w S0.
     // dw = -dv_new S0^T; the sign is carried into the uses of A^T dw below (nw = -A^T dw), so
     // no negated copy is stored.
-    let ndw = b.batch_matmul(dvn, h, false, true)?;
+    let ndw = b.batch_matmul(dvn, h, Transpose::B)?;
     // A^T du and A^T dw as two products: one over the concatenation would write both operands
     // and the result once more, only to slice them apart.
     let xu = t_matmul(b, ct.a, dvn, !s.in_slabs())?;
@@ -315,8 +316,8 @@ fn chunk_grads(
     let t = b.mul(bnw, ct.keg)?;
     dgg = b.sub(dgg, t)?;
     // dL = -(A^T du u^T + A^T dw w^T) = nw w^T - xu u^T.
-    let a1 = b.batch_matmul(xu, ct.u, false, true)?;
-    let a2 = b.batch_matmul(nw, ct.w, false, true)?;
+    let a1 = b.batch_matmul(xu, ct.u, Transpose::B)?;
+    let a2 = b.batch_matmul(nw, ct.w, Transpose::B)?;
     let dl = b.sub(a2, a1)?;
     let strict = causal_mask(b, dl.dims(), 1, 2, true)?;
     let dl = keep(b, strict, dl)?;
@@ -324,7 +325,7 @@ fn chunk_grads(
     dbeta = b.add(dbeta, t)?;
     // Intra-chunk terms through Aqk and L. Aqk's diagonal, scale q_t . k_t, has no decay: its
     // cotangent d_t = scale dO_t . v_new_t goes to dq and dk here, and m1 is strictly causal.
-    let da = b.batch_matmul(doc, vn, false, true)?;
+    let da = b.batch_matmul(doc, vn, Transpose::B)?;
     let m1 = keep(b, strict, da)?;
     let m1 = b.mul_const(m1, scale)?;
     // Read off `da` (a fresh `dO . v_new` would raise the tpu7x peak of the fused remat
@@ -571,7 +572,7 @@ fn backward_body(
         Some(h) => {
             // v_new = u - w S0, chunk-parallel from the saved states.
             let hf = flat(f, h)?;
-            let ws = f.batch_matmul(ct.w, hf, false, false)?;
+            let ws = f.batch_matmul(ct.w, hf, Transpose::None)?;
             let vn = f.sub(ct.u, ws)?;
             let vn = f.reshape(vn, &[s.lanes() as i64, s.chunks() as i64, CHUNK as i64, s.v as i64])?;
             (h, vn)
@@ -769,9 +770,9 @@ fn forward_slabs(
         let run = run_states_window(b, s, p, t, h0_tab, (st[0], st[1]), &ct, false)?;
         let hf = flat(b, run.h)?;
         let vf = flat(b, run.v_new)?;
-        let inter = b.batch_matmul(ct.qg, hf, false, false)?;
+        let inter = b.batch_matmul(ct.qg, hf, Transpose::None)?;
         let inter = b.mul_const(inter, scale)?;
-        let intra = b.batch_matmul(ct.aqk, vf, false, false)?;
+        let intra = b.batch_matmul(ct.aqk, vf, Transpose::None)?;
         let o = b.add(inter, intra)?;
         let o_all = put_slab(b, st[2], off, o)?;
         let mut next = vec![run.last, run.final_tab, o_all];

@@ -4,6 +4,7 @@
 use super::intra::ChunkTerms;
 use super::ops::{choose, element, i32t, put, splat, take};
 use super::spec::{KernelSpec, CHUNK};
+use crate::hlo::Transpose;
 use crate::hlo::{FnBuilder, Value};
 use crate::Result;
 
@@ -102,7 +103,7 @@ pub fn run_states_window(
         let (st, h_all, vn_all) = (a[0], a[1], a[2]);
         let h_all = put(b, h_all, 1, i, st)?;
         let (uc, wc) = (take(b, u, 1, i)?, take(b, w, 1, i)?);
-        let ws = b.batch_matmul(wc, st, false, false)?;
+        let ws = b.batch_matmul(wc, st, Transpose::None)?;
         let vn = b.sub(uc, ws)?;
         let vn_all = put(b, vn_all, 1, i, vn)?;
         let s1 = next_state(b, (kg, el), i, st, vn)?;
@@ -212,7 +213,7 @@ fn next_state(b: &mut FnBuilder, (kg, el): (Value, Value), i: Value, st: Value, 
     let (kgc, elc) = (take(b, kg, 1, i)?, take(b, el, 1, i)?);
     let elb = b.broadcast_in_dim(elc, st.dims(), &[0, 1])?;
     let decayed = b.mul(elb, st)?;
-    let write = b.batch_matmul(kgc, vn, true, false)?;
+    let write = b.batch_matmul(kgc, vn, Transpose::A)?;
     b.add(decayed, write)
 }
 
@@ -272,11 +273,11 @@ pub fn run_output(
         let (st, o_all) = (a[0], a[1]);
         let uc = take(b, o_all, 1, i)?;
         let (wqc, akc, elc) = (take(b, wq, 1, i)?, take(b, ak, 1, i)?, take(b, el, 1, i)?);
-        let m1 = b.batch_matmul(wqc, st, false, false)?; // [L, 2C, V]
+        let m1 = b.batch_matmul(wqc, st, Transpose::None)?; // [L, 2C, V]
         let ws = b.slice_axis(m1, 1, 0, c)?;
         let inter = b.slice_axis(m1, 1, c, 2 * c)?;
         let vn = b.sub(uc, ws)?;
-        let m2 = b.batch_matmul(akc, vn, false, false)?; // [L, C + K, V]
+        let m2 = b.batch_matmul(akc, vn, Transpose::None)?; // [L, C + K, V]
         let intra = b.slice_axis(m2, 1, 0, c)?;
         let write = b.slice_axis(m2, 1, c, c + k)?;
         let inter = b.mul_const(inter, scale)?;
@@ -395,12 +396,12 @@ pub fn run_grads_window(
             (q2c, ds1)
         };
         let dh_all = put(b, dh_all, 1, ci, ds1)?;
-        let kd = b.batch_matmul(kgc, ds1, false, false)?;
+        let kd = b.batch_matmul(kgc, ds1, Transpose::None)?;
         let dvn = b.add(p1c, kd)?;
         let dvn_all = put(b, dvn_all, 1, ci, dvn)?;
         let elb = b.broadcast_in_dim(elc, &[l, k, v], &[0, 1])?;
         let decayed = b.mul(elb, ds1)?;
-        let wd = b.batch_matmul(wc, dvn, true, false)?;
+        let wd = b.batch_matmul(wc, dvn, Transpose::A)?;
         let p2c = b.mul_const(q2c, scale)?;
         let prev = b.add(decayed, p2c)?;
         let prev = b.sub(prev, wd)?;

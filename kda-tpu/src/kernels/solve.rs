@@ -9,6 +9,7 @@
 
 use super::ops::{index_mask, keep, splat};
 use super::spec::{CHUNK, SUB};
+use crate::hlo::Transpose;
 use crate::hlo::{Cmp, FnBuilder, Value};
 use crate::Result;
 
@@ -43,9 +44,9 @@ pub fn unit_lower_inverse(b: &mut FnBuilder, l: Value) -> Result<Value> {
     let mut inv = b.add(id, neg)?; // I - L
     let mut pow = d;
     for _ in 0..3 {
-        pow = b.batch_matmul(pow, pow, false, false)?; // L^2, L^4, L^8
+        pow = b.batch_matmul(pow, pow, Transpose::None)?; // L^2, L^4, L^8
         let f = b.add(id, pow)?;
-        inv = b.batch_matmul(inv, f, false, false)?;
+        inv = b.batch_matmul(inv, f, Transpose::None)?;
     }
     // The 32-row blocks from the 16-row pairs (0, 1) and (2, 3), batched.
     let h = 2 * n;
@@ -66,8 +67,8 @@ pub fn unit_lower_inverse(b: &mut FnBuilder, l: Value) -> Result<Value> {
 /// and `dl` of `D`: `[[du, 0], [-dl lo du, dl]]`.
 fn halves_inverse(b: &mut FnBuilder, du: Value, dl: Value, lo: Value) -> Result<Value> {
     let (n, r) = (du.dims()[0], du.dims()[1]);
-    let x = b.batch_matmul(lo, du, false, false)?;
-    let x = b.batch_matmul(dl, x, false, false)?;
+    let x = b.batch_matmul(lo, du, Transpose::None)?;
+    let x = b.batch_matmul(dl, x, Transpose::None)?;
     let x = b.neg(x)?;
     let zero = splat(b, 0.0, &[n, r, r])?;
     let top = b.concatenate(&[du, zero], 2)?;

@@ -12,20 +12,19 @@
 //! AVX2 one. Entries hold that whole key and are compared byte for byte, so a hash collision can
 //! only cost a miss; an unreadable or damaged entry is a miss too, never an error.
 //!
-//! Concurrency: a miss takes the entry's lock (`DIR/locks/`) before compiling and looks again once
-//! it holds it, so of several processes that need one program at once one compiles it and the
-//! others load its result. Writes go to a temporary file renamed into place, so no reader sees
-//! half an entry. Size: after each write, entries least recently used are removed until the
+//! Entries follow the workspace's one cache protocol ([`kda_core::cache_file`]): a miss takes
+//! the entry's lock before compiling and looks again once it holds it, so of several processes
+//! that need one program at once one compiles it and the others load its result. Size: after each write, entries least recently used are removed until the
 //! folder holds at most `KDA_COMPILE_CACHE_MAX_MB` (default [`DEFAULT_MAX_MB`]).
 //!
 //! `KDA_COMPILE_STATS=FILE` appends one line per compile (`compile MS`) and per cache hit
 //! (`hit MS`) to `FILE`, so a run of many processes can add up its compiles (`cargo xtask test`
 //! does).
 
-use std::collections::hash_map::DefaultHasher;
 use std::fs::File;
-use std::hash::{Hash, Hasher};
 use std::io::Write;
+
+use kda_core::cache_file::{CacheFile, CacheLock};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
@@ -44,9 +43,6 @@ pub struct DiskCache {
     max_bytes: u64,
     stats: Option<PathBuf>,
 }
-
-/// A held entry lock; released when dropped (the file is closed).
-pub(crate) struct EntryLock(#[allow(dead_code)] Option<File>);
 
 impl DiskCache {
     /// The cache named by `KDA_COMPILE_CACHE`, for the plugin at `plugin_path`.
@@ -93,70 +89,31 @@ impl DiskCache {
         h
     }
 
-    fn stem(header: &[u8]) -> String {
-        let mut hasher = DefaultHasher::new();
-        header.hash(&mut hasher);
-        format!("{:016x}-{}", hasher.finish(), header.len())
+    fn entry(&self, header: &[u8]) -> CacheFile {
+        CacheFile::hashed(&self.dir, header, EXTENSION)
     }
 
-    /// The serialized executable stored for this program, if any (a hit marks it used).
+    /// The serialized executable stored for this program, if any (a hit marks it used, so
+    /// least recently used goes first when the folder is over its cap).
     pub(crate) fn load(&self, text: &str, options: &str) -> Option<Vec<u8>> {
         let header = self.header(text, options);
-        let path = self.dir.join(format!("{}.{EXTENSION}", Self::stem(&header)));
-        let bytes = std::fs::read(&path).ok()?;
-        if bytes.len() < header.len() + 16 || bytes[..header.len()] != header[..] {
-            return None;
-        }
-        let (sum, body) = bytes[header.len()..].split_at(16);
-        if sum != checksum(body) {
-            return None;
-        }
-        // Least recently used goes first when the folder is over its cap.
-        let _ = File::options().write(true).open(&path).and_then(|f| f.set_modified(SystemTime::now()));
-        Some(body.to_vec())
+        self.entry(&header).read(&header)
     }
 
-    /// Takes this program's entry lock, waiting while another process holds it. Without a
-    /// lock file (a read-only folder) it returns at once: the caller then compiles on its own.
-    pub(crate) fn lock(&self, text: &str, options: &str) -> EntryLock {
-        let stem = Self::stem(&self.header(text, options));
-        let locks = self.dir.join("locks");
-        let file = std::fs::create_dir_all(&locks)
-            .and_then(|()| {
-                File::options()
-                    .create(true)
-                    .truncate(false)
-                    .write(true)
-                    .open(locks.join(format!("{stem}.lock")))
-            })
-            .ok();
-        if let Some(f) = &file {
-            if let Err(e) = f.lock() {
-                tracing::debug!(error = %e, "compile cache lock not taken");
-            }
-        }
-        EntryLock(file)
+    /// Takes this program's entry lock, waiting while another process holds it.
+    pub(crate) fn lock(&self, text: &str, options: &str) -> CacheLock {
+        self.entry(&self.header(text, options)).lock()
     }
 
     /// Stores a serialized executable; failures (read-only disk, full disk) are only logged.
     pub(crate) fn store(&self, text: &str, options: &str, executable: &[u8]) {
         let header = self.header(text, options);
-        let path = self.dir.join(format!("{}.{EXTENSION}", Self::stem(&header)));
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-        let write = || -> std::io::Result<()> {
-            std::fs::create_dir_all(&self.dir)?;
-            let mut data = header;
-            data.extend_from_slice(&checksum(executable));
-            data.extend_from_slice(executable);
-            std::fs::write(&tmp, &data)?;
-            std::fs::rename(&tmp, &path)
-        };
-        if let Err(e) = write() {
-            let _ = std::fs::remove_file(&tmp);
+        let entry = self.entry(&header);
+        if let Err(e) = entry.write(&header, executable) {
             tracing::warn!(dir = %self.dir.display(), error = %e, "could not write the compile cache");
             return;
         }
-        self.evict(&path);
+        self.evict(&entry.path());
     }
 
     /// Removes the least recently used entries (never `keep`) until the folder fits its cap.
@@ -232,16 +189,6 @@ fn detected_features() -> String {
     String::new()
 }
 
-/// Length and hash of a serialized executable, so a truncated or damaged entry is a miss.
-fn checksum(bytes: &[u8]) -> [u8; 16] {
-    let mut hasher = DefaultHasher::new();
-    bytes.hash(&mut hasher);
-    let mut out = [0u8; 16];
-    out[..8].copy_from_slice(&(bytes.len() as u64).to_le_bytes());
-    out[8..].copy_from_slice(&hasher.finish().to_le_bytes());
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -293,9 +240,7 @@ mod tests {
             }
         }
         assert!(c.load("a", "").is_some(), "a hit marks `a` used");
-        let one = std::fs::metadata(dir.join(format!("{}.{EXTENSION}", DiskCache::stem(&c.header("a", "")))))
-            .unwrap()
-            .len();
+        let one = std::fs::metadata(c.entry(&c.header("a", "")).path()).unwrap().len();
         // Room for two entries: storing `d` removes the least recently used of b and c first.
         let small = c.clone().with_max_bytes(2 * one + one / 2);
         small.store("d", "", &body);

@@ -66,7 +66,7 @@ pub fn run(o: &AotOptions) -> Result<(), String> {
             // The programs a TPU runs: fused ones in slabs (`PjrtBackend` off the CPU plugin).
             let slab = kda_tpu::kernels::TPU_SLAB;
             let spec = be.spec(&problem, case.final_state).map_err(err)?.with_slab(slab);
-            let cp = kda_tpu::kernels::context_parallel::local_problems(&problem, o.devices).map_err(err)?.1;
+            let cp = kda_packed::PiecePlan::split(&problem, o.devices).map_err(err)?.1;
             let cp_spec =
                 kda_tpu::kernels::context_parallel::local_spec(&cp[0], true, slab, dtype).map_err(err)?;
             for &program in &o.programs {

@@ -238,14 +238,14 @@ fn device_memory(
     dtype: DType,
     label: &str,
 ) -> Result<[ProgramFigures; 2], String> {
-    use kda_tpu::kernels::context_parallel::{context_parallel_program, local_problems, local_spec};
+    use kda_tpu::kernels::context_parallel::{context_parallel_program, local_spec};
     use kda_tpu::kernels::TPU_SLAB;
     let kind = ProgramKind::Fused(BackwardStrategy::SavedState);
     let has_dht = data.cotangents.dht.is_some();
     let problem = data.inputs.view().validate().map_err(err)?;
     let spec = be.spec(&problem, has_dht).map_err(err)?;
     let cp_text = |devices: usize, slab: usize| -> Result<String, String> {
-        let locals = local_problems(&problem, devices).map_err(err)?.1;
+        let locals = kda_packed::PiecePlan::split(&problem, devices).map_err(err)?.1;
         // A piece always takes `dht` (its carry slot's ending `dh` comes in through it).
         let s = local_spec(&locals[0], true, slab, dtype).map_err(err)?;
         context_parallel_program(&s, kind, devices).map_err(err)

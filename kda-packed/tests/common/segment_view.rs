@@ -1,10 +1,19 @@
 //! One segment at a time out of (and back into) the aligned layout: a segment's slots are
 //! contiguous there, so it reads as a fixed-length `[H, 1, L, D]` problem of its own.
 
-use crate::dispatch::map_data;
-use crate::layout::AlignedShape;
-use crate::plan::{SegmentInfo, SegmentPlan};
 use kda_core::{fmt_shape, HostTensor, KdaError, Result, TensorData};
+use kda_packed::{AlignedShape, SegmentInfo, SegmentPlan};
+
+/// `map_data!(data, v => expr)`: `expr` on the typed elements, wrapped in the same variant.
+macro_rules! map_data {
+    ($data:expr, $v:ident => $body:expr) => {
+        match $data {
+            TensorData::F64($v) => TensorData::F64($body),
+            TensorData::F32($v) => TensorData::F32($body),
+            TensorData::BF16($v) => TensorData::BF16($body),
+        }
+    };
+}
 
 fn aligned_of(plan: &SegmentPlan, aligned: &HostTensor) -> Result<(AlignedShape, bool)> {
     let scalar = aligned.shape().len() == 3;

@@ -1,10 +1,8 @@
 //! Native packed backward input: `do` comes in and gradients go out in the caller's packed layout
 //! (head-first or batch-first); the chunk alignment stays internal.
 
-use crate::compact::{compact_scalar_tensor, compact_tensor};
-use crate::load::{load_scalar_tensor, load_tensor};
-use crate::plan::SegmentPlan;
 use kda_core::{Cotangents, HostTensor, KdaError, KdaGradients, KdaInputs, Layout, Result};
+use kda_packed::{compact_scalar_tensor, compact_tensor, load_scalar_tensor, load_tensor, SegmentPlan};
 
 /// The per-token inputs in the aligned layout: `[H, NT, C, D]`, beta `[H, NT, C]`.
 #[derive(Debug, Clone, PartialEq)]
