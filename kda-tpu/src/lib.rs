@@ -15,6 +15,7 @@ pub mod backend;
 pub mod error;
 pub mod hlo;
 pub mod kernels;
+pub mod mosaic;
 #[cfg(feature = "runtime")]
 pub mod runtime;
 

@@ -39,6 +39,9 @@ pub struct AotReport {
     pub cost: CostAnalysis,
     /// Wall time of the compile.
     pub compile_time: Duration,
+    /// The VMEM each Mosaic kernel of the program reserves (`used_scoped_memory_configs` of
+    /// its custom call in the optimized program), in program order; empty without kernels.
+    pub kernel_vmem_bytes: Vec<u64>,
 }
 
 /// libtpu loaded for deviceless compiles. Not `Send` (it holds the raw plugin table).
@@ -105,9 +108,9 @@ impl TpuCompiler {
         // Replicas map to the topology's devices 0..n in order (deviceless: ids, no devices).
         let ids: Vec<i64> = (0..options.replicas() as i64).collect();
         let encoded = options.to_pjrt(&ids).encode();
-        let (memory, properties) = guarded("aot compile", || {
+        let (memory, properties, optimized) = guarded("aot compile", || {
             self.raw.compile_for_topology(topology, program, &encoded, |raw, exe| {
-                Ok((raw.memory_stats(exe)?, raw.cost_analysis(exe)?))
+                Ok((raw.memory_stats(exe)?, raw.cost_analysis(exe)?, raw.optimized_program(exe).ok()))
             })
         })
         .map_err(|e| match e {
@@ -124,7 +127,14 @@ impl TpuCompiler {
             optimal_seconds: get("optimal_seconds"),
             properties: properties.clone(),
         };
-        Ok(AotReport { topology: topology.to_string(), memory, cost, compile_time: started.elapsed() })
+        let kernel_vmem_bytes = optimized.as_deref().map(scoped_vmem).unwrap_or_default();
+        Ok(AotReport {
+            topology: topology.to_string(),
+            memory,
+            cost,
+            compile_time: started.elapsed(),
+            kernel_vmem_bytes,
+        })
     }
 }
 
@@ -145,4 +155,33 @@ pub fn check_topology(topology: &str) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// The scoped VMEM of each Mosaic custom call in a serialized optimized program: libtpu
+/// writes each instruction's backend config as JSON, and a kernel's holds its
+/// `custom_call_config` and then its `used_scoped_memory_configs` (`{"size":"N"}` entries,
+/// summed).
+fn scoped_vmem(program: &[u8]) -> Vec<u64> {
+    let text = String::from_utf8_lossy(program);
+    let mut out = Vec::new();
+    for (at, _) in text.match_indices("\"custom_call_config\"") {
+        let rest = &text[at..];
+        let Some(start) = rest.find("\"used_scoped_memory_configs\":[") else { continue };
+        let list = &rest[start..];
+        let list = &list[..list.find(']').unwrap_or(list.len())];
+        let sizes =
+            list.split("\"size\":\"").skip(1).filter_map(|s| s.split('"').next()?.parse::<u64>().ok());
+        out.push(sizes.sum());
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn kernel_vmem_is_read_from_the_custom_calls_config() {
+        let program = br#"x{"used_scoped_memory_configs":[],"dma":5}y{"custom_call_config":{"body":"AAA"},"used_scoped_memory_configs":[{"memory_space":"1","offset":"0","size":"196608"},{"memory_space":"1","offset":"196608","size":"1024"}],"retry":1}"#;
+        assert_eq!(super::scoped_vmem(program), vec![197_632]);
+        assert_eq!(super::scoped_vmem(b"no kernels"), Vec::<u64>::new());
+    }
 }

@@ -6,6 +6,7 @@ mod control;
 mod emit;
 mod error;
 mod ops_collective;
+mod ops_custom;
 mod ops_elementwise;
 mod ops_index;
 mod ops_linalg;

@@ -264,6 +264,22 @@ impl RawApi {
         waited
     }
 
+    /// The optimized program of `exe` (a serialized `HloModuleProto` on the plugins here).
+    pub(crate) fn optimized_program(&self, exe: *mut PJRT_Executable) -> Result<Vec<u8>> {
+        let mut prog = PJRT_Program::new();
+        let mut args = PJRT_Executable_OptimizedProgram_Args::new();
+        args.executable = exe;
+        args.program = &mut prog;
+        // A null `code` asks for the size.
+        call!(self, PJRT_Executable_OptimizedProgram, &mut args)?;
+        let mut code = vec![0u8; prog.code_size];
+        prog.code = code.as_mut_ptr() as *mut c_char;
+        args.program = &mut prog;
+        call!(self, PJRT_Executable_OptimizedProgram, &mut args)?;
+        code.truncate(prog.code_size);
+        Ok(code)
+    }
+
     pub(crate) fn destroy_executable(&self, exe: *mut PJRT_Executable) {
         let mut d = PJRT_Executable_Destroy_Args::new();
         d.executable = exe;

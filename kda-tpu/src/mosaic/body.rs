@@ -1,0 +1,534 @@
+//! A kernel body: typed values and the ops on them. Every op's shape and dtype rule is checked
+//! here, once, when the op is added; both lowerings ([`super::text`] and
+//! [`super::interpret`]) take the checked ops as they are.
+
+use kda_core::DType;
+
+use crate::error::{Result, TpuError};
+use crate::hlo::Cmp;
+
+/// The type of a body value: a vector (`dims` non-empty) or a scalar (`dims` empty; i32 scalars
+/// are grid indices, table entries, loop counters and offsets; an i1 scalar is a condition).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct VType {
+    /// Element type.
+    pub dtype: DType,
+    /// Dims, outermost first (empty: a scalar).
+    pub dims: Vec<i64>,
+}
+
+impl VType {
+    /// A vector or scalar type.
+    pub fn new(dtype: DType, dims: &[i64]) -> Self {
+        VType { dtype, dims: dims.to_vec() }
+    }
+    /// The i32 scalar type.
+    pub fn index() -> Self {
+        VType::new(DType::I32, &[])
+    }
+    /// True for a scalar.
+    pub fn is_scalar(&self) -> bool {
+        self.dims.is_empty()
+    }
+}
+
+/// A value of a body: its id and type.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct V {
+    pub(crate) id: u32,
+    /// The value's type.
+    pub ty: VType,
+}
+
+/// A memory reference the body reads and writes: the block of an input or output (the window
+/// of the current grid step) or a scratch buffer (kept across grid steps).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Ref {
+    /// Input `i`'s block.
+    Input(usize),
+    /// Output `i`'s block.
+    Output(usize),
+    /// Scratch buffer `i`.
+    Scratch(usize),
+}
+
+/// An offset into a reference: a constant, or an i32 scalar known to be a multiple of `multiple`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Offset {
+    /// A constant offset.
+    Const(i64),
+    /// A run-time offset.
+    Dyn(V, i64),
+}
+
+/// Elementwise binary ops (both operands of one type).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Binary {
+    /// `a + b`
+    Add,
+    /// `a - b`
+    Sub,
+    /// `a * b`
+    Mul,
+    /// `a / b` (floats)
+    Div,
+    /// `max(a, b)`
+    Max,
+    /// `min(a, b)`
+    Min,
+}
+
+/// Elementwise unary ops on floats.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unary {
+    /// `exp(x)`
+    Exp,
+    /// `ln(x)`
+    Log,
+    /// `1 / sqrt(x)`
+    Rsqrt,
+    /// `-x`
+    Neg,
+}
+
+/// Reductions over one axis (the axis kept with size 1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reduction {
+    /// Sum.
+    Sum,
+    /// Maximum.
+    Max,
+}
+
+/// Matmul precision: `Highest` runs f32 operands at full precision on the MXU (Mosaic's
+/// `fp32` contract precision); `Default` is the native bf16 pass (the only choice for bf16).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MatPrecision {
+    /// The MXU's native precision.
+    Default,
+    /// Full f32.
+    Highest,
+}
+
+/// One op of a body.
+#[derive(Clone, Debug)]
+pub enum Op {
+    /// Grid index `axis` of the current step.
+    ProgramId { out: V, axis: usize },
+    /// An i32 scalar constant.
+    IndexConst { out: V, value: i64 },
+    /// i32 scalar arithmetic.
+    IndexBinary { out: V, op: Binary, a: V, b: V },
+    /// Entry `index` of scalar-prefetch table `table`.
+    ReadTable { out: V, table: usize, index: V },
+    /// A vector of one value.
+    Splat { out: V, value: f64 },
+    /// A block of `out.ty.dims` from `from` at `offsets`.
+    Load { out: V, from: Ref, offsets: Vec<Offset> },
+    /// Writes `value` into `to` at `offsets`.
+    Store { to: Ref, offsets: Vec<Offset>, value: V },
+    /// `a x b` contracting `a`'s dim `contract.0` with `b`'s dim `contract.1` (2-D operands,
+    /// output `[a free, b free]`, f32 accumulation).
+    Matmul { out: V, a: V, b: V, contract: (usize, usize), precision: MatPrecision },
+    /// Elementwise binary op.
+    Binary { out: V, op: Binary, a: V, b: V },
+    /// Elementwise unary op.
+    Unary { out: V, op: Unary, a: V },
+    /// i32 indices along `dim`.
+    Iota { out: V, dim: usize },
+    /// Comparison into an i1 value of the same dims.
+    Compare { out: V, cmp: Cmp, a: V, b: V },
+    /// `cond ? a : b` elementwise.
+    Select { out: V, cond: V, a: V, b: V },
+    /// Reduction over `axis`, kept with size 1.
+    Reduce { out: V, op: Reduction, a: V, axis: usize },
+    /// Stretches size-1 dims (and prepends leading ones) to `out`'s dims.
+    Broadcast { out: V, a: V },
+    /// Element type conversion.
+    Cast { out: V, a: V },
+    /// 2-D transpose.
+    Transpose { out: V, a: V },
+    /// Same elements, other dims.
+    Reshape { out: V, a: V },
+    /// Runs `then` when the i1 scalar `cond` holds (stores only; no values come out).
+    If { cond: V, then: Vec<Op> },
+    /// `for i in lo..hi` carrying `init` as `args`; the body's `yields` become `outs`.
+    For {
+        lo: i64,
+        hi: i64,
+        index: V,
+        init: Vec<V>,
+        args: Vec<V>,
+        body: Vec<Op>,
+        yields: Vec<V>,
+        outs: Vec<V>,
+    },
+}
+
+fn err(op: &str, message: impl Into<String>) -> TpuError {
+    TpuError::builder(format!("mosaic {op}"), message)
+}
+
+fn fmt_ty(t: &VType) -> String {
+    if t.dims.is_empty() {
+        t.dtype.to_string()
+    } else {
+        let d: Vec<String> = t.dims.iter().map(i64::to_string).collect();
+        format!("vector<{}x{}>", d.join("x"), t.dtype)
+    }
+}
+
+/// What a body may refer to, set by the kernel: the grid rank, the tables and each reference's
+/// block type.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Scope {
+    pub(crate) grid: usize,
+    pub(crate) tables: usize,
+    pub(crate) inputs: Vec<VType>,
+    pub(crate) outputs: Vec<VType>,
+    pub(crate) scratch: Vec<VType>,
+}
+
+impl Scope {
+    fn of(&self, r: Ref) -> Option<&VType> {
+        match r {
+            Ref::Input(i) => self.inputs.get(i),
+            Ref::Output(i) => self.outputs.get(i),
+            Ref::Scratch(i) => self.scratch.get(i),
+        }
+    }
+}
+
+/// Builds a body op by op; each method checks its operands and returns the typed result.
+pub struct Body {
+    scope: Scope,
+    next: u32,
+    ops: Vec<Vec<Op>>,
+}
+
+impl Body {
+    pub(crate) fn new(scope: Scope) -> Self {
+        Body { scope, next: 0, ops: vec![Vec::new()] }
+    }
+
+    pub(crate) fn finish(mut self) -> Result<Vec<Op>> {
+        match self.ops.len() {
+            1 => Ok(self.ops.pop().unwrap_or_default()),
+            _ => Err(err("body", "an `when` or `for_range` region was left open")),
+        }
+    }
+
+    fn fresh(&mut self, ty: VType) -> V {
+        self.next += 1;
+        V { id: self.next, ty }
+    }
+
+    fn push(&mut self, op: Op) {
+        if let Some(block) = self.ops.last_mut() {
+            block.push(op);
+        }
+    }
+
+    /// Grid index `axis` of the current step (i32).
+    pub fn program_id(&mut self, axis: usize) -> Result<V> {
+        if axis >= self.scope.grid {
+            return Err(err("program_id", format!("axis {axis} of a grid of rank {}", self.scope.grid)));
+        }
+        let out = self.fresh(VType::index());
+        self.push(Op::ProgramId { out: out.clone(), axis });
+        Ok(out)
+    }
+
+    /// An i32 scalar.
+    pub fn index(&mut self, value: i64) -> Result<V> {
+        if i32::try_from(value).is_err() {
+            return Err(err("index", format!("{value} does not fit in i32")));
+        }
+        let out = self.fresh(VType::index());
+        self.push(Op::IndexConst { out: out.clone(), value });
+        Ok(out)
+    }
+
+    /// i32 scalar `a op b` (`Add`, `Sub`, `Mul`, `Max`, `Min`).
+    pub fn index_op(&mut self, op: Binary, a: &V, b: &V) -> Result<V> {
+        if a.ty != VType::index() || b.ty != VType::index() || op == Binary::Div {
+            return Err(err("index_op", format!("{op:?} of {} and {}", fmt_ty(&a.ty), fmt_ty(&b.ty))));
+        }
+        let out = self.fresh(VType::index());
+        self.push(Op::IndexBinary { out: out.clone(), op, a: a.clone(), b: b.clone() });
+        Ok(out)
+    }
+
+    /// Entry `index` (an i32 scalar) of scalar-prefetch table `table`.
+    pub fn read_table(&mut self, table: usize, index: &V) -> Result<V> {
+        if table >= self.scope.tables || index.ty != VType::index() {
+            return Err(err(
+                "read_table",
+                format!("table {table} of {}, index {}", self.scope.tables, fmt_ty(&index.ty)),
+            ));
+        }
+        let out = self.fresh(VType::index());
+        self.push(Op::ReadTable { out: out.clone(), table, index: index.clone() });
+        Ok(out)
+    }
+
+    /// A vector of `dims` holding `value` (f32, bf16 or i32).
+    pub fn splat(&mut self, value: f64, dtype: DType, dims: &[i64]) -> Result<V> {
+        if dims.is_empty() || !matches!(dtype, DType::F32 | DType::BF16 | DType::I32) {
+            return Err(err("splat", format!("{dtype} of dims {dims:?}")));
+        }
+        let out = self.fresh(VType::new(dtype, dims));
+        self.push(Op::Splat { out: out.clone(), value });
+        Ok(out)
+    }
+
+    fn check_window(&self, op: &str, r: Ref, offsets: &[Offset], dims: &[i64]) -> Result<VType> {
+        let ty =
+            self.scope.of(r).ok_or_else(|| err(op, format!("{r:?} is not a reference of the kernel")))?;
+        if offsets.len() != ty.dims.len() || dims.len() != ty.dims.len() {
+            return Err(err(op, format!("{} offsets and dims {dims:?} into {}", offsets.len(), fmt_ty(ty))));
+        }
+        for (i, (o, (&d, &full))) in offsets.iter().zip(dims.iter().zip(&ty.dims)).enumerate() {
+            match o {
+                Offset::Const(c) if *c < 0 || c + d > full => {
+                    return Err(err(op, format!("dim {i}: {c}..{} outside {}", c + d, fmt_ty(ty))))
+                }
+                Offset::Dyn(v, m) if v.ty != VType::index() || *m < 1 || d > full => {
+                    return Err(err(
+                        op,
+                        format!("dim {i}: offset {} (multiple of {m}) into {}", fmt_ty(&v.ty), fmt_ty(ty)),
+                    ))
+                }
+                _ => {}
+            }
+        }
+        Ok(ty.clone())
+    }
+
+    /// A `dims` block of `from` at `offsets`, in `from`'s element type.
+    pub fn load(&mut self, from: Ref, offsets: &[Offset], dims: &[i64]) -> Result<V> {
+        let ty = self.check_window("load", from, offsets, dims)?;
+        let out = self.fresh(VType::new(ty.dtype, dims));
+        self.push(Op::Load { out: out.clone(), from, offsets: offsets.to_vec() });
+        Ok(out)
+    }
+
+    /// The whole of `from`.
+    pub fn load_all(&mut self, from: Ref) -> Result<V> {
+        let ty = self
+            .scope
+            .of(from)
+            .cloned()
+            .ok_or_else(|| err("load", format!("{from:?} is not a reference")))?;
+        let zeros = vec![Offset::Const(0); ty.dims.len()];
+        self.load(from, &zeros, &ty.dims)
+    }
+
+    /// Writes `value` into `to` at `offsets` (same element type).
+    pub fn store(&mut self, to: Ref, offsets: &[Offset], value: &V) -> Result<()> {
+        let ty = self.check_window("store", to, offsets, &value.ty.dims)?;
+        if ty.dtype != value.ty.dtype {
+            return Err(err("store", format!("{} into a {} reference", fmt_ty(&value.ty), ty.dtype)));
+        }
+        self.push(Op::Store { to, offsets: offsets.to_vec(), value: value.clone() });
+        Ok(())
+    }
+
+    /// Writes `value` over the whole of `to`.
+    pub fn store_all(&mut self, to: Ref, value: &V) -> Result<()> {
+        let zeros = vec![Offset::Const(0); value.ty.dims.len()];
+        self.store(to, &zeros, value)
+    }
+
+    /// `a x b` over 2-D operands, contracting `a`'s dim `contract.0` with `b`'s dim
+    /// `contract.1`: `[a free, b free]` in f32. Operands share their float type.
+    pub fn matmul(&mut self, a: &V, b: &V, contract: (usize, usize), precision: MatPrecision) -> Result<V> {
+        let shapes = || format!("{} x {} contracting {contract:?}", fmt_ty(&a.ty), fmt_ty(&b.ty));
+        if a.ty.dims.len() != 2 || b.ty.dims.len() != 2 || contract.0 > 1 || contract.1 > 1 {
+            return Err(err("matmul", format!("2-D operands: {}", shapes())));
+        }
+        if a.ty.dtype != b.ty.dtype || !matches!(a.ty.dtype, DType::F32 | DType::BF16) {
+            return Err(err("matmul", format!("operands of one float type: {}", shapes())));
+        }
+        if a.ty.dims[contract.0] != b.ty.dims[contract.1] {
+            return Err(err("matmul", format!("contracting sizes differ: {}", shapes())));
+        }
+        if precision == MatPrecision::Highest && a.ty.dtype != DType::F32 {
+            return Err(err("matmul", format!("Highest precision needs f32 operands: {}", shapes())));
+        }
+        let dims = [a.ty.dims[1 - contract.0], b.ty.dims[1 - contract.1]];
+        let out = self.fresh(VType::new(DType::F32, &dims));
+        self.push(Op::Matmul { out: out.clone(), a: a.clone(), b: b.clone(), contract, precision });
+        Ok(out)
+    }
+
+    /// Elementwise `a op b` (one type; `Div` on floats only).
+    pub fn binary(&mut self, op: Binary, a: &V, b: &V) -> Result<V> {
+        if a.ty != b.ty
+            || a.ty.is_scalar()
+            || a.ty.dtype == DType::I1
+            || (op == Binary::Div && !a.ty.dtype.is_float())
+        {
+            return Err(err("binary", format!("{op:?} of {} and {}", fmt_ty(&a.ty), fmt_ty(&b.ty))));
+        }
+        let out = self.fresh(a.ty.clone());
+        self.push(Op::Binary { out: out.clone(), op, a: a.clone(), b: b.clone() });
+        Ok(out)
+    }
+
+    /// Elementwise `op(a)` on a float vector.
+    pub fn unary(&mut self, op: Unary, a: &V) -> Result<V> {
+        if a.ty.is_scalar() || !a.ty.dtype.is_float() {
+            return Err(err("unary", format!("{op:?} of {}", fmt_ty(&a.ty))));
+        }
+        let out = self.fresh(a.ty.clone());
+        self.push(Op::Unary { out: out.clone(), op, a: a.clone() });
+        Ok(out)
+    }
+
+    /// i32 indices along `dim` of a vector of `dims` (at least 2-D).
+    pub fn iota(&mut self, dims: &[i64], dim: usize) -> Result<V> {
+        if dims.len() < 2 || dim >= dims.len() {
+            return Err(err("iota", format!("dim {dim} of {dims:?} (a vector of rank 2 or more)")));
+        }
+        let out = self.fresh(VType::new(DType::I32, dims));
+        self.push(Op::Iota { out: out.clone(), dim });
+        Ok(out)
+    }
+
+    /// `a cmp b` (one type: vectors or i32 scalars) into i1.
+    pub fn compare(&mut self, cmp: Cmp, a: &V, b: &V) -> Result<V> {
+        if a.ty != b.ty || a.ty.dtype == DType::I1 || (a.ty.is_scalar() && a.ty.dtype != DType::I32) {
+            return Err(err("compare", format!("{cmp:?} of {} and {}", fmt_ty(&a.ty), fmt_ty(&b.ty))));
+        }
+        let out = self.fresh(VType::new(DType::I1, &a.ty.dims));
+        self.push(Op::Compare { out: out.clone(), cmp, a: a.clone(), b: b.clone() });
+        Ok(out)
+    }
+
+    /// `cond ? a : b` with an i1 `cond` of `a`'s dims.
+    pub fn select(&mut self, cond: &V, a: &V, b: &V) -> Result<V> {
+        if a.ty != b.ty || a.ty.is_scalar() || cond.ty != VType::new(DType::I1, &a.ty.dims) {
+            return Err(err(
+                "select",
+                format!("{} ? {} : {}", fmt_ty(&cond.ty), fmt_ty(&a.ty), fmt_ty(&b.ty)),
+            ));
+        }
+        let out = self.fresh(a.ty.clone());
+        self.push(Op::Select { out: out.clone(), cond: cond.clone(), a: a.clone(), b: b.clone() });
+        Ok(out)
+    }
+
+    /// `op` over `axis` of an f32 vector of rank 2 or more; the axis stays, with size 1.
+    pub fn reduce(&mut self, op: Reduction, a: &V, axis: usize) -> Result<V> {
+        if a.ty.dims.len() < 2 || axis >= a.ty.dims.len() || a.ty.dtype != DType::F32 {
+            return Err(err("reduce", format!("{op:?} over axis {axis} of {}", fmt_ty(&a.ty))));
+        }
+        let mut dims = a.ty.dims.clone();
+        dims[axis] = 1;
+        let out = self.fresh(VType::new(DType::F32, &dims));
+        self.push(Op::Reduce { out: out.clone(), op, a: a.clone(), axis });
+        Ok(out)
+    }
+
+    /// `a` stretched to `dims`: an i32 scalar to every element, or a vector whose dims align
+    /// with the trailing ones, each equal or 1.
+    pub fn broadcast(&mut self, a: &V, dims: &[i64]) -> Result<V> {
+        let r = a.ty.dims.len();
+        let fits = (r == 0 && a.ty.dtype == DType::I32 && !dims.is_empty())
+            || r <= dims.len()
+                && a.ty.dims.iter().zip(&dims[dims.len() - r..]).all(|(&s, &d)| s == d || s == 1);
+        if !fits {
+            return Err(err("broadcast", format!("{} to {dims:?}", fmt_ty(&a.ty))));
+        }
+        let out = self.fresh(VType::new(a.ty.dtype, dims));
+        self.push(Op::Broadcast { out: out.clone(), a: a.clone() });
+        Ok(out)
+    }
+
+    /// `a` in another element type (f32, bf16 and i32 vectors).
+    pub fn cast(&mut self, a: &V, dtype: DType) -> Result<V> {
+        let ok = |d: DType| matches!(d, DType::F32 | DType::BF16 | DType::I32);
+        if a.ty.is_scalar() || !ok(a.ty.dtype) || !ok(dtype) || a.ty.dtype == dtype {
+            return Err(err("cast", format!("{} to {dtype}", fmt_ty(&a.ty))));
+        }
+        let out = self.fresh(VType::new(dtype, &a.ty.dims));
+        self.push(Op::Cast { out: out.clone(), a: a.clone() });
+        Ok(out)
+    }
+
+    /// The transpose of a 2-D vector.
+    pub fn transpose(&mut self, a: &V) -> Result<V> {
+        if a.ty.dims.len() != 2 {
+            return Err(err("transpose", format!("a 2-D vector, not {}", fmt_ty(&a.ty))));
+        }
+        let out = self.fresh(VType::new(a.ty.dtype, &[a.ty.dims[1], a.ty.dims[0]]));
+        self.push(Op::Transpose { out: out.clone(), a: a.clone() });
+        Ok(out)
+    }
+
+    /// `a` with other dims of the same element count.
+    pub fn reshape(&mut self, a: &V, dims: &[i64]) -> Result<V> {
+        if a.ty.is_scalar()
+            || dims.is_empty()
+            || a.ty.dims.iter().product::<i64>() != dims.iter().product::<i64>()
+        {
+            return Err(err("reshape", format!("{} to {dims:?}", fmt_ty(&a.ty))));
+        }
+        let out = self.fresh(VType::new(a.ty.dtype, dims));
+        self.push(Op::Reshape { out: out.clone(), a: a.clone() });
+        Ok(out)
+    }
+
+    /// Runs `then` when the i1 scalar `cond` holds. The region may store; its values stay inside.
+    pub fn when(&mut self, cond: &V, then: impl FnOnce(&mut Body) -> Result<()>) -> Result<()> {
+        if cond.ty != VType::new(DType::I1, &[]) {
+            return Err(err("when", format!("an i1 scalar condition, not {}", fmt_ty(&cond.ty))));
+        }
+        self.ops.push(Vec::new());
+        let done = then(self);
+        let region = self.ops.pop().unwrap_or_default();
+        done?;
+        self.push(Op::If { cond: cond.clone(), then: region });
+        Ok(())
+    }
+
+    /// `for i in lo..hi` (constant bounds): `body(b, i, values)` returns the next values, of the
+    /// types of `init`; returns the last ones.
+    pub fn for_range(
+        &mut self,
+        lo: i64,
+        hi: i64,
+        init: &[V],
+        body: impl FnOnce(&mut Body, &V, &[V]) -> Result<Vec<V>>,
+    ) -> Result<Vec<V>> {
+        if lo > hi || i32::try_from(hi).is_err() || i32::try_from(lo).is_err() {
+            return Err(err("for_range", format!("bounds {lo}..{hi}")));
+        }
+        if init.iter().any(|v| v.ty.is_scalar()) {
+            return Err(err("for_range", "loop values are vectors"));
+        }
+        let index = self.fresh(VType::index());
+        let args: Vec<V> = init.iter().map(|v| self.fresh(v.ty.clone())).collect();
+        self.ops.push(Vec::new());
+        let done = body(self, &index, &args);
+        let region = self.ops.pop().unwrap_or_default();
+        let yields = done?;
+        let types = |vs: &[V]| vs.iter().map(|v| v.ty.clone()).collect::<Vec<_>>();
+        if types(&yields) != types(init) {
+            return Err(err("for_range", "the body returned other types than the loop values"));
+        }
+        let outs: Vec<V> = init.iter().map(|v| self.fresh(v.ty.clone())).collect();
+        self.push(Op::For {
+            lo,
+            hi,
+            index,
+            init: init.to_vec(),
+            args,
+            body: region,
+            yields,
+            outs: outs.clone(),
+        });
+        Ok(outs)
+    }
+}

@@ -1,0 +1,366 @@
+//! The interpret lowering: a [`Kernel`] as plain StableHLO that runs on any plugin, as
+//! Pallas's interpret mode does. The grid is nested counted loops in its declared order (the
+//! last axis innermost); each step slices its blocks out of the operands and of the results so
+//! far (dynamic slices at block index x block dims), runs the body on them, and writes the
+//! result blocks back (dynamic updates); scratch buffers are loop values, zero at the start.
+//! Stores inside `when` are selects on the condition; `for_range` is a counted loop that
+//! carries the references with its values.
+
+use std::collections::HashMap;
+
+use kda_core::DType;
+
+use super::body::{Binary, MatPrecision, Offset, Op, Reduction, Ref, Unary, VType, V};
+use super::kernel::{Index, Kernel};
+use crate::error::{Result, TpuError};
+use crate::hlo::{FnBuilder, Precision, TensorType, Value};
+
+fn err(message: impl Into<String>) -> TpuError {
+    TpuError::builder("mosaic interpret", message)
+}
+
+fn tensor(t: &VType) -> TensorType {
+    TensorType::new(t.dtype, &t.dims)
+}
+
+fn zeros(b: &mut FnBuilder, t: &TensorType) -> Result<Value> {
+    if t.elem.is_float() {
+        b.constant_f32(0.0, t.clone())
+    } else {
+        b.constant_i32(0, t.clone())
+    }
+}
+
+/// The references of one step: input, output and scratch blocks as values.
+#[derive(Clone)]
+struct Refs {
+    inputs: Vec<Value>,
+    outputs: Vec<Value>,
+    scratch: Vec<Value>,
+}
+
+impl Refs {
+    fn get(&self, r: Ref) -> Value {
+        match r {
+            Ref::Input(i) => self.inputs[i],
+            Ref::Output(i) => self.outputs[i],
+            Ref::Scratch(i) => self.scratch[i],
+        }
+    }
+    fn set(&mut self, r: Ref, v: Value) {
+        match r {
+            Ref::Input(i) => self.inputs[i] = v,
+            Ref::Output(i) => self.outputs[i] = v,
+            Ref::Scratch(i) => self.scratch[i] = v,
+        }
+    }
+    fn all(&self) -> Vec<Value> {
+        self.inputs.iter().chain(&self.outputs).chain(&self.scratch).copied().collect()
+    }
+    fn with(&self, values: &[Value]) -> Refs {
+        let (i, o) = (self.inputs.len(), self.outputs.len());
+        Refs {
+            inputs: values[..i].to_vec(),
+            outputs: values[i..i + o].to_vec(),
+            scratch: values[i + o..].to_vec(),
+        }
+    }
+}
+
+struct Step<'a> {
+    grid: &'a [Value],
+    tables: &'a [Value],
+}
+
+impl Step<'_> {
+    fn scalar(&self, b: &mut FnBuilder, e: &Index) -> Result<Value> {
+        Ok(match e {
+            Index::Grid(a) => self.grid[*a],
+            Index::Const(c) => b.scalar_i32(*c as i32)?,
+            Index::Add(x, y) => {
+                let (x, y) = (self.scalar(b, x)?, self.scalar(b, y)?);
+                b.add(x, y)?
+            }
+            Index::Mul(x, k) => {
+                let x = self.scalar(b, x)?;
+                let k = b.scalar_i32(*k as i32)?;
+                b.mul(x, k)?
+            }
+            Index::Table(t, at) => {
+                let at = self.scalar(b, at)?;
+                self.entry(b, *t, at)?
+            }
+        })
+    }
+
+    fn entry(&self, b: &mut FnBuilder, table: usize, at: Value) -> Result<Value> {
+        let one = b.dynamic_slice(self.tables[table], &[at], &[1])?;
+        b.reshape(one, &[])
+    }
+
+    fn ops(
+        &self,
+        b: &mut FnBuilder,
+        ops: &[Op],
+        vals: &mut HashMap<u32, Value>,
+        refs: &mut Refs,
+    ) -> Result<()> {
+        for op in ops {
+            self.op(b, op, vals, refs)?;
+        }
+        Ok(())
+    }
+
+    fn offsets(
+        &self,
+        b: &mut FnBuilder,
+        offsets: &[Offset],
+        vals: &HashMap<u32, Value>,
+    ) -> Result<Vec<Value>> {
+        offsets
+            .iter()
+            .map(|o| match o {
+                Offset::Const(c) => b.scalar_i32(*c as i32),
+                Offset::Dyn(v, _) => get(vals, v),
+            })
+            .collect()
+    }
+
+    fn op(&self, b: &mut FnBuilder, op: &Op, vals: &mut HashMap<u32, Value>, refs: &mut Refs) -> Result<()> {
+        let (out, value) = match op {
+            Op::ProgramId { out, axis } => (out, self.grid[*axis]),
+            Op::IndexConst { out, value } => (out, b.scalar_i32(*value as i32)?),
+            Op::IndexBinary { out, op, a, b: y } => {
+                let (x, y) = (get(vals, a)?, get(vals, y)?);
+                (out, binary(b, *op, x, y)?)
+            }
+            Op::ReadTable { out, table, index } => {
+                let at = get(vals, index)?;
+                (out, self.entry(b, *table, at)?)
+            }
+            Op::Splat { out, value } => {
+                let ty = tensor(&out.ty);
+                let v = match out.ty.dtype {
+                    DType::I32 => b.constant_i32(*value as i32, ty)?,
+                    _ => b.constant_f32(*value as f32, ty)?,
+                };
+                (out, v)
+            }
+            Op::Load { out, from, offsets } => {
+                let offs = self.offsets(b, offsets, vals)?;
+                (out, b.dynamic_slice(refs.get(*from), &offs, &out.ty.dims)?)
+            }
+            Op::Store { to, offsets, value } => {
+                let offs = self.offsets(b, offsets, vals)?;
+                let v = get(vals, value)?;
+                let updated = b.dynamic_update_slice(refs.get(*to), v, &offs)?;
+                refs.set(*to, updated);
+                return Ok(());
+            }
+            Op::Matmul { out, a, b: y, contract, precision } => {
+                let (x, y) = (get(vals, a)?, get(vals, y)?);
+                let before = b.dot_precision();
+                if *precision == MatPrecision::Highest {
+                    b.set_dot_precision(Precision::Highest);
+                }
+                let v = b.dot_general(x, y, &[], &[], &[contract.0 as i64], &[contract.1 as i64], DType::F32);
+                b.set_dot_precision(before);
+                (out, v?)
+            }
+            Op::Binary { out, op, a, b: y } => {
+                let (x, y) = (get(vals, a)?, get(vals, y)?);
+                (out, binary(b, *op, x, y)?)
+            }
+            Op::Unary { out, op, a } => {
+                let x = get(vals, a)?;
+                let v = match op {
+                    Unary::Exp => b.exp(x)?,
+                    Unary::Log => b.log(x)?,
+                    Unary::Rsqrt => b.rsqrt(x)?,
+                    Unary::Neg => b.neg(x)?,
+                };
+                (out, v)
+            }
+            Op::Iota { out, dim } => (out, b.iota(tensor(&out.ty), *dim)?),
+            Op::Compare { out, cmp, a, b: y } => {
+                let (x, y) = (get(vals, a)?, get(vals, y)?);
+                (out, b.compare(*cmp, x, y)?)
+            }
+            Op::Select { out, cond, a, b: y } => {
+                let (c, x, y) = (get(vals, cond)?, get(vals, a)?, get(vals, y)?);
+                (out, b.select(c, x, y)?)
+            }
+            Op::Reduce { out, op, a, axis } => {
+                let x = get(vals, a)?;
+                let r = match op {
+                    Reduction::Sum => b.reduce_sum(x, &[*axis as i64])?,
+                    Reduction::Max => b.reduce_max(x, &[*axis as i64])?,
+                };
+                (out, b.reshape(r, &out.ty.dims)?)
+            }
+            Op::Broadcast { out, a } => {
+                let x = get(vals, a)?;
+                let (r, big) = (a.ty.dims.len() as i64, out.ty.dims.len() as i64);
+                let mapping: Vec<i64> = (big - r..big).collect();
+                (out, b.broadcast_in_dim(x, &out.ty.dims, &mapping)?)
+            }
+            Op::Cast { out, a } => {
+                let x = get(vals, a)?;
+                (out, b.convert(x, out.ty.dtype)?)
+            }
+            Op::Transpose { out, a } => {
+                let x = get(vals, a)?;
+                (out, b.transpose(x, &[1, 0])?)
+            }
+            Op::Reshape { out, a } => {
+                let x = get(vals, a)?;
+                (out, b.reshape(x, &out.ty.dims)?)
+            }
+            Op::If { cond, then } => {
+                let c = get(vals, cond)?;
+                let mut inner_vals = vals.clone();
+                let mut inner = refs.clone();
+                self.ops(b, then, &mut inner_vals, &mut inner)?;
+                let (before, after) = (refs.all(), inner.all());
+                let mut chosen = Vec::with_capacity(before.len());
+                for (old, new) in before.into_iter().zip(after) {
+                    if old == new {
+                        chosen.push(old);
+                    } else {
+                        let cb = b.broadcast_in_dim(c, old.dims(), &[])?;
+                        chosen.push(b.select(cb, new, old)?);
+                    }
+                }
+                *refs = refs.with(&chosen);
+                return Ok(());
+            }
+            Op::For { lo, hi, index, init, args, body, yields, outs } => {
+                let mut state: Vec<Value> = init.iter().map(|v| get(vals, v)).collect::<Result<_>>()?;
+                let carried = state.len();
+                state.extend(refs.all());
+                let trips = i32::try_from(hi - lo).map_err(|_| err("loop bounds"))?;
+                let shape = refs.clone();
+                let outer = vals.clone();
+                let done = b.for_loop(trips, &state, |b, i, st| {
+                    let mut inner_vals = outer;
+                    let lo = b.scalar_i32(*lo as i32)?;
+                    inner_vals.insert(index.id, b.add(i, lo)?);
+                    for (a, v) in args.iter().zip(st) {
+                        inner_vals.insert(a.id, *v);
+                    }
+                    let mut inner = shape.with(&st[carried..]);
+                    self.ops(b, body, &mut inner_vals, &mut inner)?;
+                    let mut next: Vec<Value> =
+                        yields.iter().map(|v| get(&inner_vals, v)).collect::<Result<_>>()?;
+                    next.extend(inner.all());
+                    Ok(next)
+                })?;
+                for (o, v) in outs.iter().zip(&done) {
+                    vals.insert(o.id, *v);
+                }
+                *refs = refs.with(&done[carried..]);
+                return Ok(());
+            }
+        };
+        vals.insert(out.id, value);
+        Ok(())
+    }
+}
+
+fn get(vals: &HashMap<u32, Value>, v: &V) -> Result<Value> {
+    vals.get(&v.id).copied().ok_or_else(|| err(format!("value {} used outside its region", v.id)))
+}
+
+fn binary(b: &mut FnBuilder, op: Binary, x: Value, y: Value) -> Result<Value> {
+    match op {
+        Binary::Add => b.add(x, y),
+        Binary::Sub => b.sub(x, y),
+        Binary::Mul => b.mul(x, y),
+        Binary::Div => b.div(x, y),
+        Binary::Max => b.max(x, y),
+        Binary::Min => b.min(x, y),
+    }
+}
+
+impl Kernel {
+    /// The kernel run on `operands` (the tables, then the inputs) as plain StableHLO in `b`:
+    /// the interpret lowering, for any plugin.
+    pub fn call_interpret(&self, b: &mut FnBuilder, operands: &[Value]) -> Result<Vec<Value>> {
+        let want = self.operand_types();
+        let got: Vec<TensorType> = operands.iter().map(Value::ty).collect();
+        if got != want {
+            return Err(err(format!("operands {got:?}, the kernel {} takes {want:?}", self.name)));
+        }
+        let (tables, inputs) = operands.split_at(self.tables.len());
+        let mut state = Vec::new();
+        for o in &self.outputs {
+            state.push(zeros(b, &o.ty)?);
+        }
+        for (_, t) in &self.scratch {
+            state.push(zeros(b, &tensor(t))?);
+        }
+        let done = self.grid_loop(b, &[], tables, inputs, &state)?;
+        Ok(done[..self.outputs.len()].to_vec())
+    }
+
+    fn grid_loop(
+        &self,
+        b: &mut FnBuilder,
+        grid: &[Value],
+        tables: &[Value],
+        inputs: &[Value],
+        state: &[Value],
+    ) -> Result<Vec<Value>> {
+        if grid.len() == self.grid.len() {
+            return self.step(b, grid, tables, inputs, state);
+        }
+        let steps = self.grid[grid.len()].0 as i32;
+        b.for_loop(steps, state, |b, i, st| {
+            let mut g = grid.to_vec();
+            g.push(i);
+            self.grid_loop(b, &g, tables, inputs, st)
+        })
+    }
+
+    fn step(
+        &self,
+        b: &mut FnBuilder,
+        grid: &[Value],
+        tables: &[Value],
+        inputs: &[Value],
+        state: &[Value],
+    ) -> Result<Vec<Value>> {
+        let step = Step { grid, tables };
+        let starts = |b: &mut FnBuilder, o: &super::kernel::Operand| -> Result<Vec<Value>> {
+            o.map
+                .iter()
+                .zip(&o.block)
+                .map(|(m, &d)| {
+                    let i = step.scalar(b, m)?;
+                    let d = b.scalar_i32(d as i32)?;
+                    b.mul(i, d)
+                })
+                .collect()
+        };
+        let n_out = self.outputs.len();
+        let mut refs = Refs { inputs: Vec::new(), outputs: Vec::new(), scratch: state[n_out..].to_vec() };
+        for (o, &x) in self.inputs.iter().zip(inputs) {
+            let s = starts(b, o)?;
+            refs.inputs.push(b.dynamic_slice(x, &s, &o.block)?);
+        }
+        let mut out_starts = Vec::with_capacity(n_out);
+        for (o, &x) in self.outputs.iter().zip(state) {
+            let s = starts(b, o)?;
+            refs.outputs.push(b.dynamic_slice(x, &s, &o.block)?);
+            out_starts.push(s);
+        }
+        let mut vals = HashMap::new();
+        step.ops(b, &self.body, &mut vals, &mut refs)?;
+        let mut next = Vec::with_capacity(state.len());
+        for ((&whole, block), s) in state.iter().zip(&refs.outputs).zip(&out_starts) {
+            next.push(b.dynamic_update_slice(whole, *block, s)?);
+        }
+        next.extend(refs.scratch);
+        Ok(next)
+    }
+}

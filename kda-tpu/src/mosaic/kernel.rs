@@ -1,0 +1,279 @@
+//! A kernel definition in the spirit of Pallas TPU: a grid whose axes are `parallel` or
+//! `arbitrary`, scalar-prefetch tables, operands and results cut into blocks by index maps,
+//! scratch buffers kept across grid steps, and a typed [`Body`]. [`Kernel::build`] checks it
+//! once; the two lowerings read the checked definition.
+
+use kda_core::DType;
+
+use super::body::{Body, Op, Scope, VType};
+use crate::error::{Result, TpuError};
+use crate::hlo::TensorType;
+
+/// How the steps of one grid axis relate: independent (`Parallel`, may run on several cores)
+/// or in order with state carried from one to the next (`Arbitrary`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Semantics {
+    /// Independent steps.
+    Parallel,
+    /// Ordered steps.
+    Arbitrary,
+}
+
+/// A block index: a function of the grid indices and the scalar-prefetch tables.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Index {
+    /// Grid index `axis`.
+    Grid(usize),
+    /// A constant.
+    Const(i64),
+    /// The sum of two indices.
+    Add(Box<Index>, Box<Index>),
+    /// An index times a constant.
+    Mul(Box<Index>, i64),
+    /// Entry `at` of scalar-prefetch table `table`.
+    Table(usize, Box<Index>),
+}
+
+impl std::ops::Add for Index {
+    type Output = Index;
+    fn add(self, b: Index) -> Index {
+        Index::Add(Box::new(self), Box::new(b))
+    }
+}
+
+impl std::ops::Mul<i64> for Index {
+    type Output = Index;
+    fn mul(self, k: i64) -> Index {
+        Index::Mul(Box::new(self), k)
+    }
+}
+
+impl Index {
+    /// `table[at]`.
+    pub fn table(table: usize, at: Index) -> Index {
+        Index::Table(table, Box::new(at))
+    }
+
+    fn check(&self, grid: usize, tables: usize) -> bool {
+        match self {
+            Index::Grid(a) => *a < grid,
+            Index::Const(c) => i32::try_from(*c).is_ok(),
+            Index::Add(a, b) => a.check(grid, tables) && b.check(grid, tables),
+            Index::Mul(a, k) => i32::try_from(*k).is_ok() && a.check(grid, tables),
+            Index::Table(t, at) => *t < tables && at.check(grid, tables),
+        }
+    }
+}
+
+/// An operand or result of a kernel: its full tensor type and the block each grid step sees
+/// (`block` dims, block indices from `map`, one per dim; element offset = index x block dim).
+#[derive(Clone, Debug)]
+pub struct Operand {
+    /// Name (for errors and the text's argument names).
+    pub name: String,
+    /// The whole array.
+    pub ty: TensorType,
+    /// Block dims.
+    pub block: Vec<i64>,
+    /// Block indices.
+    pub map: Vec<Index>,
+}
+
+impl Operand {
+    /// An operand seen whole at every step.
+    pub fn whole(name: &str, ty: TensorType) -> Self {
+        let map = vec![Index::Const(0); ty.dims.len()];
+        Operand { name: name.to_string(), block: ty.dims.clone(), ty, map }
+    }
+    /// An operand seen in `block`s at block indices `map`.
+    pub fn blocked(name: &str, ty: TensorType, block: &[i64], map: Vec<Index>) -> Self {
+        Operand { name: name.to_string(), ty, block: block.to_vec(), map }
+    }
+    pub(crate) fn block_type(&self) -> VType {
+        VType::new(self.ty.elem, &self.block)
+    }
+}
+
+/// The analytic work of a kernel, handed to XLA's cost model (`cost_estimate`).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Cost {
+    /// Floating-point operations.
+    pub flops: f64,
+    /// Transcendental operations (`exp`, `log`, ...).
+    pub transcendentals: f64,
+    /// Bytes read and written in HBM.
+    pub bytes: f64,
+}
+
+/// A checked kernel: what both lowerings read.
+#[derive(Clone, Debug)]
+pub struct Kernel {
+    pub(crate) name: String,
+    pub(crate) grid: Vec<(i64, Semantics)>,
+    pub(crate) tables: Vec<(String, i64)>,
+    pub(crate) inputs: Vec<Operand>,
+    pub(crate) outputs: Vec<Operand>,
+    pub(crate) scratch: Vec<(String, VType)>,
+    pub(crate) body: Vec<Op>,
+    pub(crate) cost: Option<Cost>,
+}
+
+/// The parts of a kernel before its body.
+#[derive(Clone, Debug, Default)]
+pub struct KernelBuilder {
+    name: String,
+    grid: Vec<(i64, Semantics)>,
+    tables: Vec<(String, i64)>,
+    inputs: Vec<Operand>,
+    outputs: Vec<Operand>,
+    scratch: Vec<(String, VType)>,
+    cost: Option<Cost>,
+}
+
+fn err(what: &str, message: impl Into<String>) -> TpuError {
+    TpuError::builder(format!("mosaic kernel {what}"), message)
+}
+
+/// The (sublane, lane) tiling of a 32-bit or 16-bit array's last two dims.
+fn tiling(dtype: DType) -> (i64, i64) {
+    if dtype.bit_width() == 16 {
+        (16, 128)
+    } else {
+        (8, 128)
+    }
+}
+
+impl KernelBuilder {
+    /// A kernel named `name` (an MLIR symbol: letters, digits, `_`).
+    pub fn new(name: &str) -> Self {
+        KernelBuilder { name: name.to_string(), ..Default::default() }
+    }
+    /// Adds a grid axis of `steps` steps.
+    pub fn grid(mut self, steps: i64, semantics: Semantics) -> Self {
+        self.grid.push((steps, semantics));
+        self
+    }
+    /// Adds a scalar-prefetch table of `len` i32 entries (the call's first operands, in SMEM).
+    pub fn table(mut self, name: &str, len: i64) -> Self {
+        self.tables.push((name.to_string(), len));
+        self
+    }
+    /// Adds an operand.
+    pub fn input(mut self, operand: Operand) -> Self {
+        self.inputs.push(operand);
+        self
+    }
+    /// Adds a result.
+    pub fn output(mut self, operand: Operand) -> Self {
+        self.outputs.push(operand);
+        self
+    }
+    /// Adds a VMEM scratch buffer, kept across grid steps (zero before the first step in the
+    /// interpret lowering; on a TPU, whatever VMEM held: initialise it in the body).
+    pub fn scratch(mut self, name: &str, ty: TensorType) -> Self {
+        self.scratch.push((name.to_string(), VType::new(ty.elem, &ty.dims)));
+        self
+    }
+    /// Sets the analytic cost.
+    pub fn cost(mut self, cost: Cost) -> Self {
+        self.cost = Some(cost);
+        self
+    }
+
+    fn check_operand(&self, o: &Operand) -> Result<()> {
+        let what = format!("operand {}", o.name);
+        let r = o.ty.dims.len();
+        if r == 0 || o.block.len() != r || o.map.len() != r {
+            return Err(err(&what, format!("{} with block {:?} and {} indices", o.ty, o.block, o.map.len())));
+        }
+        if !matches!(o.ty.elem, DType::F32 | DType::BF16 | DType::I32) {
+            return Err(err(&what, format!("{}: f32, bf16 or i32 arrays", o.ty)));
+        }
+        for (i, (&b, &d)) in o.block.iter().zip(&o.ty.dims).enumerate() {
+            if b < 1 || d % b != 0 {
+                return Err(err(&what, format!("block dim {i} of {b} does not divide {} ({})", d, o.ty)));
+            }
+        }
+        // Mosaic's rule: each of the last two block dims is a multiple of the tiling or the full dim.
+        let (sub, lane) = tiling(o.ty.elem);
+        let tiles = if r >= 2 { vec![(r - 2, sub), (r - 1, lane)] } else { vec![(0, lane)] };
+        for (axis, t) in tiles {
+            let (b, d) = (o.block[axis], o.ty.dims[axis]);
+            if b != d && b % t != 0 {
+                return Err(err(
+                    &what,
+                    format!(
+                        "block {:?} of {}: dim {axis} must be a multiple of {t} or the full {d}",
+                        o.block, o.ty
+                    ),
+                ));
+            }
+        }
+        if o.map.iter().any(|m| !m.check(self.grid.len(), self.tables.len())) {
+            return Err(err(&what, "an index names a grid axis or table the kernel lacks"));
+        }
+        Ok(())
+    }
+
+    /// Checks the parts, builds the body with `body` and returns the kernel.
+    pub fn build(self, body: impl FnOnce(&mut Body) -> Result<()>) -> Result<Kernel> {
+        let symbol = !self.name.is_empty()
+            && self.name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+            && !self.name.starts_with(|c: char| c.is_ascii_digit());
+        if !symbol {
+            return Err(err("name", format!("`{}` is not a symbol", self.name)));
+        }
+        if self.grid.is_empty() || self.grid.iter().any(|(n, _)| *n < 1 || i32::try_from(*n).is_err()) {
+            return Err(err("grid", format!("{:?}: one axis or more, each of 1 to 2^31 steps", self.grid)));
+        }
+        if self.outputs.is_empty() {
+            return Err(err("outputs", "a kernel returns one result or more"));
+        }
+        for o in self.inputs.iter().chain(&self.outputs) {
+            self.check_operand(o)?;
+        }
+        for (name, t) in &self.scratch {
+            if t.dims.is_empty() || !matches!(t.dtype, DType::F32 | DType::BF16 | DType::I32) {
+                return Err(err(&format!("scratch {name}"), format!("{t:?}: an f32, bf16 or i32 array")));
+            }
+        }
+        if self.tables.iter().any(|(_, n)| *n < 1) {
+            return Err(err("tables", "each table holds one entry or more"));
+        }
+        let scope = Scope {
+            grid: self.grid.len(),
+            tables: self.tables.len(),
+            inputs: self.inputs.iter().map(Operand::block_type).collect(),
+            outputs: self.outputs.iter().map(Operand::block_type).collect(),
+            scratch: self.scratch.iter().map(|(_, t)| t.clone()).collect(),
+        };
+        let mut b = Body::new(scope);
+        body(&mut b)?;
+        Ok(Kernel {
+            name: self.name,
+            grid: self.grid,
+            tables: self.tables,
+            inputs: self.inputs,
+            outputs: self.outputs,
+            scratch: self.scratch,
+            body: b.finish()?,
+            cost: self.cost,
+        })
+    }
+}
+
+impl Kernel {
+    /// The kernel's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    /// The result types, in order.
+    pub fn result_types(&self) -> Vec<TensorType> {
+        self.outputs.iter().map(|o| o.ty.clone()).collect()
+    }
+    /// The operand types the call takes: the tables (i32), then the inputs.
+    pub fn operand_types(&self) -> Vec<TensorType> {
+        let tables = self.tables.iter().map(|(_, n)| TensorType::new(DType::I32, &[*n]));
+        tables.chain(self.inputs.iter().map(|o| o.ty.clone())).collect()
+    }
+}

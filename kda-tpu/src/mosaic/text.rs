@@ -1,0 +1,557 @@
+//! The Mosaic lowering: a [`Kernel`] as the MLIR text of a Mosaic TPU kernel (plain `tpu`,
+//! `arith`, `vector`, `scf`, `math` and `memref` ops, no serialization), and that kernel as a
+//! `stablehlo.custom_call @tpu_custom_call` inside a caller's StableHLO function, which libtpu
+//! compiles (the contract: `docs/design.md`, Mosaic kernels).
+
+use std::collections::HashMap;
+use std::fmt::Write;
+
+use kda_core::DType;
+
+use super::body::{Binary, MatPrecision, Offset, Op, Reduction, Ref, Unary, VType, V};
+use super::kernel::{Index, Kernel, Semantics};
+use crate::error::{Result, TpuError};
+use crate::hlo::{Cmp, FnBuilder, TensorType, Value};
+
+fn vty(t: &VType) -> String {
+    if t.dims.is_empty() {
+        t.dtype.name().to_string()
+    } else {
+        let d: Vec<String> = t.dims.iter().map(i64::to_string).collect();
+        format!("vector<{}x{}>", d.join("x"), t.dtype.name())
+    }
+}
+
+fn memref(dims: &[i64], dtype: DType, space: &str) -> String {
+    let d: Vec<String> = dims.iter().map(i64::to_string).collect();
+    format!("memref<{}x{}, #tpu.memory_space<{space}>>", d.join("x"), dtype.name())
+}
+
+/// An MLIR literal of `value` in `dtype`: a decimal with a point, or the bit pattern for
+/// infinities and NaN.
+fn literal(value: f64, dtype: DType) -> String {
+    match dtype {
+        DType::I32 | DType::I1 | DType::U16 => format!("{}", value as i64),
+        DType::BF16 if !value.is_finite() => format!("0x{:04X}", half::bf16::from_f64(value).to_bits()),
+        _ if !value.is_finite() => format!("0x{:08X}", (value as f32).to_bits()),
+        _ => format!("{:.9e}", value),
+    }
+}
+
+/// Standard base64 (RFC 4648, with padding) of `bytes`.
+pub(crate) fn base64(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let n = chunk.iter().enumerate().fold(0u32, |n, (i, &b)| n | (u32::from(b) << (16 - 8 * i)));
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(ALPHABET[((n >> (18 - 6 * i)) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+struct Emitter<'k> {
+    k: &'k Kernel,
+    out: String,
+    names: HashMap<u32, String>,
+    temps: u32,
+    depth: usize,
+}
+
+impl<'k> Emitter<'k> {
+    fn line(&mut self, s: &str) {
+        for _ in 0..self.depth {
+            self.out.push_str("  ");
+        }
+        self.out.push_str(s);
+        self.out.push('\n');
+    }
+    fn temp(&mut self) -> String {
+        self.temps += 1;
+        format!("%t{}", self.temps)
+    }
+    fn name(&self, v: &V) -> Result<String> {
+        self.names.get(&v.id).cloned().ok_or_else(|| {
+            TpuError::builder("mosaic text", format!("value {} used outside its region", v.id))
+        })
+    }
+    fn def(&mut self, v: &V) -> String {
+        let n = format!("%v{}", v.id);
+        self.names.insert(v.id, n.clone());
+        n
+    }
+    fn reference(&self, r: Ref) -> (String, String) {
+        let (name, dims, dtype) = match r {
+            Ref::Input(i) => (format!("%in{i}"), self.k.inputs[i].block.clone(), self.k.inputs[i].ty.elem),
+            Ref::Output(i) => {
+                (format!("%out{i}"), self.k.outputs[i].block.clone(), self.k.outputs[i].ty.elem)
+            }
+            Ref::Scratch(i) => {
+                (format!("%s{i}"), self.k.scratch[i].1.dims.clone(), self.k.scratch[i].1.dtype)
+            }
+        };
+        (name, memref(&dims, dtype, "vmem"))
+    }
+    fn offsets(&mut self, offsets: &[Offset]) -> Result<String> {
+        let mut names = Vec::new();
+        for o in offsets {
+            let t = self.temp();
+            match o {
+                Offset::Const(c) => self.line(&format!("{t} = arith.constant {c} : index")),
+                Offset::Dyn(v, m) => {
+                    let (a, n) = (self.temp(), self.name(v)?);
+                    self.line(&format!(
+                        "{a} = \"tpu.assume_multiple\"({n}) {{multiple = {m} : i32}} : (i32) -> i32"
+                    ));
+                    self.line(&format!("{t} = arith.index_cast {a} : i32 to index"));
+                }
+            }
+            names.push(t);
+        }
+        Ok(names.join(", "))
+    }
+
+    fn ops(&mut self, ops: &[Op]) -> Result<()> {
+        for op in ops {
+            self.op(op)?;
+        }
+        Ok(())
+    }
+
+    fn op(&mut self, op: &Op) -> Result<()> {
+        match op {
+            Op::ProgramId { out, axis } => {
+                self.names.insert(out.id, format!("%g{axis}"));
+            }
+            Op::IndexConst { out, value } => {
+                let n = self.def(out);
+                self.line(&format!("{n} = arith.constant {value} : i32"));
+            }
+            Op::IndexBinary { out, op, a, b } => {
+                let (a, b) = (self.name(a)?, self.name(b)?);
+                let n = self.def(out);
+                self.line(&format!("{n} = arith.{} {a}, {b} : i32", int_op(*op)));
+            }
+            Op::ReadTable { out, table, index } => {
+                let (i, t) = (self.name(index)?, self.temp());
+                self.line(&format!("{t} = arith.index_cast {i} : i32 to index"));
+                let n = self.def(out);
+                let ty = memref(&[self.k.tables[*table].1], DType::I32, "smem");
+                self.line(&format!("{n} = memref.load %tab{table}[{t}] : {ty}"));
+            }
+            Op::Splat { out, value } => {
+                let n = self.def(out);
+                self.line(&format!(
+                    "{n} = arith.constant dense<{}> : {}",
+                    literal(*value, out.ty.dtype),
+                    vty(&out.ty)
+                ));
+            }
+            Op::Load { out, from, offsets } => {
+                let idx = self.offsets(offsets)?;
+                let (r, rty) = self.reference(*from);
+                let n = self.def(out);
+                self.line(&format!("{n} = vector.load {r}[{idx}] : {rty}, {}", vty(&out.ty)));
+            }
+            Op::Store { to, offsets, value } => {
+                let idx = self.offsets(offsets)?;
+                let (r, rty) = self.reference(*to);
+                let v = self.name(value)?;
+                self.line(&format!(
+                    "tpu.vector_store {r}[{idx}], {v} {{strides = array<i32>}} : {rty}, {},",
+                    vty(&value.ty)
+                ));
+            }
+            Op::Matmul { out, a, b, contract, precision } => {
+                let (an, bn, z) = (self.name(a)?, self.name(b)?, self.temp());
+                self.line(&format!("{z} = arith.constant dense<0.000000000e+00> : {}", vty(&out.ty)));
+                let (cl, cr) = (contract.0, contract.1);
+                let dims = format!(
+                    "[{cl}], [{cr}], [{}], [{}], [0, {}, 1, {}], [], []",
+                    1 - cl,
+                    1 - cr,
+                    1 - cl,
+                    1 - cr
+                );
+                let p = match precision {
+                    MatPrecision::Highest => "precision = #tpu.contract_precision<fp32>, ",
+                    MatPrecision::Default => "",
+                };
+                let n = self.def(out);
+                self.line(&format!(
+                    "{n} = tpu.matmul {an}, {bn}, {z} {{dimension_numbers = #tpu.dot_dimension_numbers<{dims}>, {p}transpose_lhs_hint = false}} : {}, {}, {} -> {}",
+                    vty(&a.ty), vty(&b.ty), vty(&out.ty), vty(&out.ty)
+                ));
+            }
+            Op::Binary { out, op, a, b } => {
+                let (an, bn) = (self.name(a)?, self.name(b)?);
+                let name = if a.ty.dtype.is_float() { float_op(*op) } else { int_op(*op) };
+                let n = self.def(out);
+                self.line(&format!("{n} = arith.{name} {an}, {bn} : {}", vty(&out.ty)));
+            }
+            Op::Unary { out, op, a } => {
+                let an = self.name(a)?;
+                let name = match op {
+                    Unary::Exp => "math.exp",
+                    Unary::Log => "math.log",
+                    Unary::Rsqrt => "math.rsqrt",
+                    Unary::Neg => "arith.negf",
+                };
+                let n = self.def(out);
+                self.line(&format!("{n} = {name} {an} : {}", vty(&out.ty)));
+            }
+            Op::Iota { out, dim } => {
+                let n = self.def(out);
+                self.line(&format!("{n} = tpu.iota {{dimensions = array<i32: {dim}>}} : {}", vty(&out.ty)));
+            }
+            Op::Compare { out, cmp, a, b } => {
+                let (an, bn) = (self.name(a)?, self.name(b)?);
+                let (f, i) = predicate(*cmp);
+                let n = self.def(out);
+                let (op, pred) = if a.ty.dtype.is_float() { ("cmpf", f) } else { ("cmpi", i) };
+                self.line(&format!("{n} = arith.{op} {pred}, {an}, {bn} : {}", vty(&a.ty)));
+            }
+            Op::Select { out, cond, a, b } => {
+                let (c, an, bn) = (self.name(cond)?, self.name(a)?, self.name(b)?);
+                let n = self.def(out);
+                self.line(&format!(
+                    "{n} = arith.select {c}, {an}, {bn} : {}, {}",
+                    vty(&cond.ty),
+                    vty(&out.ty)
+                ));
+            }
+            Op::Reduce { out, op, a, axis } => {
+                let an = self.name(a)?;
+                let mut dims = a.ty.dims.clone();
+                dims.remove(*axis);
+                let reduced = VType::new(DType::F32, &dims);
+                let (acc, r) = (self.temp(), self.temp());
+                let (kind, init) = match op {
+                    Reduction::Sum => ("add", 0.0),
+                    Reduction::Max => ("maximumf", f64::NEG_INFINITY),
+                };
+                self.line(&format!(
+                    "{acc} = arith.constant dense<{}> : {}",
+                    literal(init, DType::F32),
+                    vty(&reduced)
+                ));
+                self.line(&format!(
+                    "{r} = vector.multi_reduction <{kind}>, {an}, {acc} [{axis}] : {} to {}",
+                    vty(&a.ty),
+                    vty(&reduced)
+                ));
+                let n = self.def(out);
+                self.line(&format!("{n} = vector.shape_cast {r} : {} to {}", vty(&reduced), vty(&out.ty)));
+            }
+            Op::Broadcast { out, a } => {
+                let an = self.name(a)?;
+                let n = self.def(out);
+                self.line(&format!("{n} = vector.broadcast {an} : {} to {}", vty(&a.ty), vty(&out.ty)));
+            }
+            Op::Cast { out, a } => {
+                let an = self.name(a)?;
+                let op = match (a.ty.dtype, out.ty.dtype) {
+                    (DType::F32, DType::BF16) => "arith.truncf",
+                    (DType::BF16, DType::F32) => "arith.extf",
+                    (DType::I32, _) => "arith.sitofp",
+                    _ => "arith.fptosi",
+                };
+                let n = self.def(out);
+                self.line(&format!("{n} = {op} {an} : {} to {}", vty(&a.ty), vty(&out.ty)));
+            }
+            Op::Transpose { out, a } => {
+                let an = self.name(a)?;
+                let n = self.def(out);
+                self.line(&format!(
+                    "{n} = \"tpu.transpose\"({an}) {{permutation = array<i64: 1, 0>}} : ({}) -> {}",
+                    vty(&a.ty),
+                    vty(&out.ty)
+                ));
+            }
+            Op::Reshape { out, a } => {
+                let an = self.name(a)?;
+                let n = self.def(out);
+                self.line(&format!("{n} = vector.shape_cast {an} : {} to {}", vty(&a.ty), vty(&out.ty)));
+            }
+            Op::If { cond, then } => {
+                let c = self.name(cond)?;
+                self.line(&format!("scf.if {c} {{"));
+                self.depth += 1;
+                let saved = self.names.clone();
+                self.ops(then)?;
+                self.names = saved;
+                self.depth -= 1;
+                self.line("}");
+            }
+            Op::For { lo, hi, index, init, args, body, yields, outs } => {
+                let (l, h, s) = (self.temp(), self.temp(), self.temp());
+                self.line(&format!("{l} = arith.constant {lo} : i32"));
+                self.line(&format!("{h} = arith.constant {hi} : i32"));
+                self.line(&format!("{s} = arith.constant 1 : i32"));
+                let inits = init.iter().map(|v| self.name(v)).collect::<Result<Vec<_>>>()?;
+                let types: Vec<String> = init.iter().map(|v| vty(&v.ty)).collect();
+                let r = self.temp();
+                let lhs = match outs.len() {
+                    0 => String::new(),
+                    1 => format!("{r} = "),
+                    n => format!("{r}:{n} = "),
+                };
+                let operands = [l, h, s].into_iter().chain(inits).collect::<Vec<_>>().join(", ");
+                self.line(&format!("{lhs}\"scf.for\"({operands}) ({{"));
+                let saved = self.names.clone();
+                let i = self.def(index);
+                let mut block_args = vec![format!("{i}: i32")];
+                for a in args {
+                    let n = self.def(a);
+                    block_args.push(format!("{n}: {}", vty(&a.ty)));
+                }
+                self.line(&format!("^bb0({}):", block_args.join(", ")));
+                self.depth += 1;
+                self.ops(body)?;
+                let ys = yields.iter().map(|v| self.name(v)).collect::<Result<Vec<_>>>()?;
+                self.line(&format!("\"scf.yield\"({}) : ({}) -> ()", ys.join(", "), types.join(", ")));
+                self.depth -= 1;
+                self.names = saved;
+                let result = match types.len() {
+                    1 => types[0].clone(),
+                    _ => format!("({})", types.join(", ")),
+                };
+                let all: Vec<String> = ["i32".to_string(), "i32".into(), "i32".into()]
+                    .into_iter()
+                    .chain(types.clone())
+                    .collect();
+                self.line(&format!("}}) : ({}) -> {result}", all.join(", ")));
+                for (k, o) in outs.iter().enumerate() {
+                    let name = if outs.len() == 1 { r.clone() } else { format!("{r}#{k}") };
+                    self.names.insert(o.id, name);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn index(&mut self, e: &Index) -> String {
+        match e {
+            Index::Grid(a) => format!("%g{a}"),
+            Index::Const(c) => {
+                let t = self.temp();
+                self.line(&format!("{t} = arith.constant {c} : i32"));
+                t
+            }
+            Index::Add(a, b) => {
+                let (a, b) = (self.index(a), self.index(b));
+                let t = self.temp();
+                self.line(&format!("{t} = arith.addi {a}, {b} : i32"));
+                t
+            }
+            Index::Mul(a, k) => {
+                let a = self.index(a);
+                let (c, t) = (self.temp(), self.temp());
+                self.line(&format!("{c} = arith.constant {k} : i32"));
+                self.line(&format!("{t} = arith.muli {a}, {c} : i32"));
+                t
+            }
+            Index::Table(tab, at) => {
+                let at = self.index(at);
+                let (i, t) = (self.temp(), self.temp());
+                self.line(&format!("{i} = arith.index_cast {at} : i32 to index"));
+                let ty = memref(&[self.k.tables[*tab].1], DType::I32, "smem");
+                self.line(&format!("{t} = memref.load %tab{tab}[{i}] : {ty}"));
+                t
+            }
+        }
+    }
+}
+
+fn int_op(op: Binary) -> &'static str {
+    match op {
+        Binary::Add => "addi",
+        Binary::Sub => "subi",
+        Binary::Mul => "muli",
+        Binary::Div => "divsi",
+        Binary::Max => "maxsi",
+        Binary::Min => "minsi",
+    }
+}
+
+fn float_op(op: Binary) -> &'static str {
+    match op {
+        Binary::Add => "addf",
+        Binary::Sub => "subf",
+        Binary::Mul => "mulf",
+        Binary::Div => "divf",
+        Binary::Max => "maximumf",
+        Binary::Min => "minimumf",
+    }
+}
+
+/// The `arith.cmpf` and `arith.cmpi` predicates of `cmp`.
+fn predicate(cmp: Cmp) -> (&'static str, &'static str) {
+    match cmp {
+        Cmp::Eq => ("oeq", "eq"),
+        Cmp::Ne => ("une", "ne"),
+        Cmp::Lt => ("olt", "slt"),
+        Cmp::Le => ("ole", "sle"),
+        Cmp::Gt => ("ogt", "sgt"),
+        Cmp::Ge => ("oge", "sge"),
+    }
+}
+
+impl Kernel {
+    /// The kernel as the text of a Mosaic module: the kernel function and one transform
+    /// function per operand and result.
+    pub fn mosaic_text(&self) -> Result<String> {
+        let mut e = Emitter { k: self, out: String::new(), names: HashMap::new(), temps: 0, depth: 0 };
+        let grid_args: Vec<String> = (0..self.grid.len()).map(|a| format!("%g{a}: i32")).collect();
+        let table_args: Vec<String> = self
+            .tables
+            .iter()
+            .enumerate()
+            .map(|(t, (_, n))| format!("%tab{t}: {}", memref(&[*n], DType::I32, "smem")))
+            .collect();
+        let mut args = grid_args.clone();
+        args.extend(table_args.clone());
+        for (i, o) in self.inputs.iter().enumerate() {
+            args.push(format!("%in{i}: {}", memref(&o.block, o.ty.elem, "vmem")));
+        }
+        for (i, o) in self.outputs.iter().enumerate() {
+            args.push(format!("%out{i}: {}", memref(&o.block, o.ty.elem, "vmem")));
+        }
+        for (i, (_, t)) in self.scratch.iter().enumerate() {
+            args.push(format!("%s{i}: {}", memref(&t.dims, t.dtype, "vmem")));
+        }
+        let semantics: Vec<String> = self
+            .grid
+            .iter()
+            .map(|(_, s)| {
+                let s = match s {
+                    Semantics::Parallel => "parallel",
+                    Semantics::Arbitrary => "arbitrary",
+                };
+                format!("#tpu.dimension_semantics<{s}>")
+            })
+            .collect();
+        let bounds: Vec<String> = self.grid.iter().map(|(n, _)| n.to_string()).collect();
+        let windows: Vec<String> = self
+            .inputs
+            .iter()
+            .chain(&self.outputs)
+            .enumerate()
+            .map(|(i, o)| {
+                let b: Vec<String> = o.block.iter().map(i64::to_string).collect();
+                format!(
+                    "{{transform_indices = @{}_map{i}, window_bounds = array<i64: {}>}}",
+                    self.name,
+                    b.join(", ")
+                )
+            })
+            .collect();
+        let _ = writeln!(e.out, "module @{} {{", self.name);
+        e.depth = 1;
+        e.line(&format!(
+            "func.func @{}({}) attributes {{dimension_semantics = [{}], iteration_bounds = array<i64: {}>, scalar_prefetch = {} : i64, scratch_operands = {} : i64, tpu.core_type = #tpu.core_type<tc>, window_params = [{}]}} {{",
+            self.name,
+            args.join(", "),
+            semantics.join(", "),
+            bounds.join(", "),
+            self.tables.len(),
+            self.scratch.len(),
+            windows.join(", ")
+        ));
+        e.depth = 2;
+        e.ops(&self.body)?;
+        e.line("return");
+        e.depth = 1;
+        e.line("}");
+        let mut map_args = grid_args;
+        map_args.extend(table_args);
+        for (i, o) in self.inputs.iter().chain(&self.outputs).enumerate() {
+            let ret = vec!["i32"; o.map.len()].join(", ");
+            e.line(&format!("func.func @{}_map{i}({}) -> ({ret}) {{", self.name, map_args.join(", ")));
+            e.depth = 2;
+            let vals: Vec<String> = o.map.iter().map(|m| e.index(m)).collect();
+            e.line(&format!("return {} : {ret}", vals.join(", ")));
+            e.depth = 1;
+            e.line("}");
+        }
+        e.out.push_str("}\n");
+        Ok(e.out)
+    }
+
+    /// The `backend_config` of the custom call: the base64 body, layout passes on, and the
+    /// analytic cost when the kernel has one.
+    fn backend_config(&self) -> Result<String> {
+        let body = base64(self.mosaic_text()?.as_bytes());
+        let cost = self.cost.map_or(String::new(), |c| {
+            format!(
+                ", \\\"cost_estimate\\\": {{\\\"flops\\\": {}, \\\"transcendentals\\\": {}, \\\"bytes_accessed\\\": {}}}",
+                c.flops.round() as u64,
+                c.transcendentals.round() as u64,
+                c.bytes.round() as u64
+            )
+        });
+        Ok(format!(
+            "{{\\\"custom_call_config\\\": {{\\\"body\\\": \\\"{body}\\\", \\\"needs_layout_passes\\\": true{cost}}}}}"
+        ))
+    }
+
+    /// The kernel called from `b` on `operands` (the tables, then the inputs, as
+    /// [`Kernel::operand_types`] lists them): a `tpu_custom_call` that libtpu compiles.
+    pub fn call_mosaic(&self, b: &mut FnBuilder, operands: &[Value]) -> Result<Vec<Value>> {
+        let want = self.operand_types();
+        let got: Vec<TensorType> = operands.iter().map(Value::ty).collect();
+        if got != want {
+            return Err(TpuError::builder(
+                format!("mosaic call {}", self.name),
+                format!("operands {got:?}, the kernel takes {want:?}"),
+            ));
+        }
+        let layout = |t: &TensorType| {
+            let r = t.dims.len();
+            let order: Vec<String> = (0..r).rev().map(|d| d.to_string()).collect();
+            match r {
+                1 => "dense<0> : tensor<1xindex>".to_string(),
+                _ => format!("dense<[{}]> : tensor<{r}xindex>", order.join(", ")),
+            }
+        };
+        let operand_layouts: Vec<String> = want.iter().map(layout).collect();
+        let results = self.result_types();
+        let result_layouts: Vec<String> = results.iter().map(layout).collect();
+        let attrs = format!(
+            "call_target_name = \"tpu_custom_call\", backend_config = \"{}\", kernel_name = \"{}\", operand_layouts = [{}], result_layouts = [{}]",
+            self.backend_config()?,
+            self.name,
+            operand_layouts.join(", "),
+            result_layouts.join(", ")
+        );
+        b.custom_call(&format!("mosaic {}", self.name), operands, &results, &attrs)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{base64, literal};
+    use kda_core::DType;
+
+    #[rstest::rstest]
+    #[case::empty(b"", "")]
+    #[case::one(b"f", "Zg==")]
+    #[case::two(b"fo", "Zm8=")]
+    #[case::three(b"foo", "Zm9v")]
+    #[case::six(b"foobar", "Zm9vYmFy")]
+    fn base64_matches_rfc_4648(#[case] bytes: &[u8], #[case] want: &str) {
+        assert_eq!(base64(bytes), want);
+    }
+
+    #[test]
+    fn literals_carry_a_point_or_bits() {
+        assert_eq!(literal(1.0, DType::F32), "1.000000000e0");
+        assert_eq!(literal(f64::NEG_INFINITY, DType::F32), "0xFF800000");
+        assert_eq!(literal(3.0, DType::I32), "3");
+    }
+}

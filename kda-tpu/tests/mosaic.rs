@@ -1,0 +1,476 @@
+//! The Mosaic kernel layer, op by op and feature by feature: each kernel's interpret lowering
+//! runs on the CPU plugin and matches a host computation, and its Mosaic lowering compiles for
+//! `tpu7x:2x2x1` through the setup's libtpu. `cargo xtask test` runs every test in its own
+//! process (nextest), so a libtpu crash on a new op shape fails that test, not the suite.
+
+// The shared runner of builder programs; this binary reads float results only.
+#[allow(dead_code)]
+#[macro_use]
+mod hlo_support;
+
+use half::bf16;
+use hlo_support::{assert_close, rand_vec, In};
+use kda_core::DType;
+use kda_tpu::hlo::{Cmp, TensorType};
+use kda_tpu::mosaic::{
+    Binary, Cost, Index, Kernel, KernelBuilder, Lowering, MatPrecision, Offset, Operand, Reduction, Ref,
+    Semantics, Unary,
+};
+use kda_tpu::{Result, TpuCompiler, DEFAULT_TOPOLOGY};
+use rstest::rstest;
+
+fn t(dtype: DType, dims: &[i64]) -> TensorType {
+    TensorType::new(dtype, dims)
+}
+
+/// Row-major `a [m, k] x b [k, n]` in f64.
+fn matmul(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
+    let mut out = vec![0f32; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            out[i * n + j] =
+                (0..k).map(|c| f64::from(a[i * k + c]) * f64::from(b[c * n + j])).sum::<f64>() as f32;
+        }
+    }
+    out
+}
+
+fn transpose(a: &[f32], m: usize, n: usize) -> Vec<f32> {
+    (0..n * m).map(|i| a[(i % m) * n + i / m]).collect()
+}
+
+/// A kernel, its operands and the host's expected results (with their tolerance).
+struct Case {
+    kernel: Kernel,
+    inputs: Vec<In>,
+    want: Vec<Vec<f32>>,
+    tol: f32,
+}
+
+fn one_step(name: &str) -> KernelBuilder {
+    KernelBuilder::new(name).grid(1, Semantics::Parallel)
+}
+
+fn matmul_f32() -> Result<Case> {
+    let (x, y) = (rand_vec(128 * 128, 1, -1.0, 1.0), rand_vec(128 * 128, 2, -1.0, 1.0));
+    let kernel = one_step("matmul_f32")
+        .input(Operand::whole("x", t(DType::F32, &[128, 128])))
+        .input(Operand::whole("y", t(DType::F32, &[128, 128])))
+        .output(Operand::whole("o", t(DType::F32, &[128, 128])))
+        .build(|b| {
+            let (a, c) = (b.load_all(Ref::Input(0))?, b.load_all(Ref::Input(1))?);
+            let p = b.matmul(&a, &c, (1, 0), MatPrecision::Highest)?;
+            let one = b.splat(1.0, DType::F32, &[128, 128])?;
+            let r = b.binary(Binary::Add, &p, &one)?;
+            b.store_all(Ref::Output(0), &r)
+        })?;
+    let want = matmul(&x, &y, 128, 128, 128).into_iter().map(|v| v + 1.0).collect();
+    Ok(Case {
+        kernel,
+        inputs: vec![In::F32(x, vec![128, 128]), In::F32(y, vec![128, 128])],
+        want: vec![want],
+        tol: 1e-5,
+    })
+}
+
+fn matmul_kt_v() -> Result<Case> {
+    let (k, v) = (rand_vec(64 * 128, 3, -1.0, 1.0), rand_vec(64 * 128, 4, -1.0, 1.0));
+    let kernel = one_step("matmul_kt_v")
+        .input(Operand::whole("k", t(DType::F32, &[64, 128])))
+        .input(Operand::whole("v", t(DType::F32, &[64, 128])))
+        .output(Operand::whole("o", t(DType::F32, &[128, 128])))
+        .build(|b| {
+            let (a, c) = (b.load_all(Ref::Input(0))?, b.load_all(Ref::Input(1))?);
+            let p = b.matmul(&a, &c, (0, 0), MatPrecision::Highest)?;
+            b.store_all(Ref::Output(0), &p)
+        })?;
+    let want = matmul(&transpose(&k, 64, 128), &v, 128, 64, 128);
+    Ok(Case {
+        kernel,
+        inputs: vec![In::F32(k, vec![64, 128]), In::F32(v, vec![64, 128])],
+        want: vec![want],
+        tol: 1e-5,
+    })
+}
+
+fn matmul_bf16() -> Result<Case> {
+    let round = |v: Vec<f32>| v.into_iter().map(bf16::from_f32).collect::<Vec<_>>();
+    let (a, c) = (round(rand_vec(64 * 128, 5, -1.0, 1.0)), round(rand_vec(128 * 256, 6, -1.0, 1.0)));
+    let wide = |v: &[bf16]| v.iter().map(|x| x.to_f32()).collect::<Vec<_>>();
+    let kernel = one_step("matmul_bf16")
+        .input(Operand::whole("a", t(DType::BF16, &[64, 128])))
+        .input(Operand::whole("b", t(DType::BF16, &[128, 256])))
+        .output(Operand::whole("o", t(DType::F32, &[64, 256])))
+        .build(|b| {
+            let (x, y) = (b.load_all(Ref::Input(0))?, b.load_all(Ref::Input(1))?);
+            let p = b.matmul(&x, &y, (1, 0), MatPrecision::Default)?;
+            b.store_all(Ref::Output(0), &p)
+        })?;
+    let want = matmul(&wide(&a), &wide(&c), 64, 128, 256);
+    Ok(Case {
+        kernel,
+        inputs: vec![In::Bf16(a, vec![64, 128]), In::Bf16(c, vec![128, 256])],
+        want: vec![want],
+        tol: 1e-5,
+    })
+}
+
+fn elementwise() -> Result<Case> {
+    let x = rand_vec(8 * 128, 7, 0.5, 2.0);
+    let kernel = one_step("elementwise")
+        .input(Operand::whole("x", t(DType::F32, &[8, 128])))
+        .output(Operand::whole("o", t(DType::F32, &[8, 128])))
+        .build(|b| {
+            let x = b.load_all(Ref::Input(0))?;
+            let one = b.splat(1.0, DType::F32, &[8, 128])?;
+            let (e, l, r, n) = (
+                b.unary(Unary::Exp, &x)?,
+                b.unary(Unary::Log, &x)?,
+                b.unary(Unary::Rsqrt, &x)?,
+                b.unary(Unary::Neg, &x)?,
+            );
+            let lr = b.binary(Binary::Mul, &l, &r)?;
+            let nx = b.binary(Binary::Div, &n, &x)?;
+            let (hi, lo) = (b.binary(Binary::Max, &x, &one)?, b.binary(Binary::Min, &x, &one)?);
+            let s = b.binary(Binary::Add, &e, &lr)?;
+            let s = b.binary(Binary::Sub, &s, &nx)?;
+            let m = b.binary(Binary::Sub, &hi, &lo)?;
+            let out = b.binary(Binary::Add, &s, &m)?;
+            b.store_all(Ref::Output(0), &out)
+        })?;
+    let want = x
+        .iter()
+        .map(|&v| {
+            let v = f64::from(v);
+            (v.exp() + v.ln() / v.sqrt() + 1.0 + (v.max(1.0) - v.min(1.0))) as f32
+        })
+        .collect();
+    Ok(Case { kernel, inputs: vec![In::F32(x, vec![8, 128])], want: vec![want], tol: 1e-5 })
+}
+
+fn causal_mask() -> Result<Case> {
+    let x = rand_vec(64 * 128, 8, -1.0, 1.0);
+    let kernel = one_step("causal_mask")
+        .input(Operand::whole("x", t(DType::F32, &[64, 128])))
+        .output(Operand::whole("o", t(DType::F32, &[64, 128])))
+        .build(|b| {
+            let x = b.load_all(Ref::Input(0))?;
+            let (r, c) = (b.iota(&[64, 128], 0)?, b.iota(&[64, 128], 1)?);
+            let keep = b.compare(Cmp::Ge, &r, &c)?;
+            let zero = b.splat(0.0, DType::F32, &[64, 128])?;
+            let out = b.select(&keep, &x, &zero)?;
+            b.store_all(Ref::Output(0), &out)
+        })?;
+    let want = x.iter().enumerate().map(|(i, &v)| if i / 128 >= i % 128 { v } else { 0.0 }).collect();
+    Ok(Case { kernel, inputs: vec![In::F32(x, vec![64, 128])], want: vec![want], tol: 0.0 })
+}
+
+fn reduce_broadcast() -> Result<Case> {
+    let x = rand_vec(64 * 128, 9, -1.0, 1.0);
+    let kernel = one_step("reduce_broadcast")
+        .input(Operand::whole("x", t(DType::F32, &[64, 128])))
+        .output(Operand::whole("o", t(DType::F32, &[64, 128])))
+        .build(|b| {
+            let x = b.load_all(Ref::Input(0))?;
+            let (s, m) = (b.reduce(Reduction::Sum, &x, 1)?, b.reduce(Reduction::Max, &x, 1)?);
+            let (s, m) = (b.broadcast(&s, &[64, 128])?, b.broadcast(&m, &[64, 128])?);
+            let d = b.binary(Binary::Sub, &x, &m)?;
+            let out = b.binary(Binary::Add, &d, &s)?;
+            b.store_all(Ref::Output(0), &out)
+        })?;
+    let mut want = vec![0f32; 64 * 128];
+    for r in 0..64 {
+        let row = &x[r * 128..(r + 1) * 128];
+        let s: f64 = row.iter().map(|&v| f64::from(v)).sum();
+        let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        for c in 0..128 {
+            want[r * 128 + c] = (f64::from(row[c]) - f64::from(m) + s) as f32;
+        }
+    }
+    Ok(Case { kernel, inputs: vec![In::F32(x, vec![64, 128])], want: vec![want], tol: 1e-5 })
+}
+
+fn cast_transpose() -> Result<Case> {
+    let x = rand_vec(64 * 128, 10, -1.0, 1.0);
+    let kernel = one_step("cast_transpose")
+        .input(Operand::whole("x", t(DType::F32, &[64, 128])))
+        .output(Operand::whole("o", t(DType::F32, &[128, 64])))
+        .build(|b| {
+            let x = b.load_all(Ref::Input(0))?;
+            let h = b.cast(&x, DType::BF16)?;
+            let w = b.cast(&h, DType::F32)?;
+            let tr = b.transpose(&w)?;
+            b.store_all(Ref::Output(0), &tr)
+        })?;
+    let rounded: Vec<f32> = x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
+    Ok(Case {
+        kernel,
+        inputs: vec![In::F32(x, vec![64, 128])],
+        want: vec![transpose(&rounded, 64, 128)],
+        tol: 0.0,
+    })
+}
+
+fn blocked_grid() -> Result<Case> {
+    let x = rand_vec(512 * 128, 11, -1.0, 1.0);
+    let rows = vec![Index::Grid(0), Index::Const(0)];
+    let kernel = KernelBuilder::new("blocked_grid")
+        .grid(8, Semantics::Parallel)
+        .input(Operand::blocked("x", t(DType::F32, &[512, 128]), &[64, 128], rows.clone()))
+        .output(Operand::blocked("o", t(DType::F32, &[512, 128]), &[64, 128], rows))
+        .build(|b| {
+            // Block i scaled by i + 1: the grid index broadcast and cast to f32.
+            let x = b.load_all(Ref::Input(0))?;
+            let i = b.program_id(0)?;
+            let one = b.index(1)?;
+            let ip1 = b.index_op(Binary::Add, &i, &one)?;
+            let s = b.broadcast(&ip1, &[64, 128])?;
+            let s = b.cast(&s, DType::F32)?;
+            let out = b.binary(Binary::Mul, &x, &s)?;
+            b.store_all(Ref::Output(0), &out)
+        })?;
+    let want = x.iter().enumerate().map(|(i, v)| v * (i / (64 * 128) + 1) as f32).collect();
+    Ok(Case { kernel, inputs: vec![In::F32(x, vec![512, 128])], want: vec![want], tol: 0.0 })
+}
+
+fn scalar_prefetch() -> Result<Case> {
+    // tab[0..8): which 8-row block of x step i reads; tab[8 + i]: which 8-row block of y it adds.
+    let table: Vec<i32> = vec![3, 0, 7, 1, 6, 2, 5, 4, 7, 6, 5, 4, 3, 2, 1, 0];
+    let (x, y) = (rand_vec(64 * 128, 12, -1.0, 1.0), rand_vec(64 * 128, 13, -1.0, 1.0));
+    let kernel = KernelBuilder::new("scalar_prefetch")
+        .grid(8, Semantics::Arbitrary)
+        .table("tab", 16)
+        .input(Operand::blocked(
+            "x",
+            t(DType::F32, &[64, 128]),
+            &[8, 128],
+            vec![Index::table(0, Index::Grid(0)), Index::Const(0)],
+        ))
+        .input(Operand::whole("y", t(DType::F32, &[64, 128])))
+        .output(Operand::blocked(
+            "o",
+            t(DType::F32, &[64, 128]),
+            &[8, 128],
+            vec![Index::Grid(0), Index::Const(0)],
+        ))
+        .build(|b| {
+            let x = b.load_all(Ref::Input(0))?;
+            let i = b.program_id(0)?;
+            let eight = b.index(8)?;
+            let at = b.index_op(Binary::Add, &i, &eight)?;
+            let blk = b.read_table(0, &at)?;
+            let row = b.index_op(Binary::Mul, &blk, &eight)?;
+            let y = b.load(Ref::Input(1), &[Offset::Dyn(row, 8), Offset::Const(0)], &[8, 128])?;
+            let out = b.binary(Binary::Add, &x, &y)?;
+            b.store_all(Ref::Output(0), &out)
+        })?;
+    let mut want = vec![0f32; 64 * 128];
+    for i in 0..8 {
+        let (xb, yb) = (table[i] as usize, table[8 + i] as usize);
+        for r in 0..8 {
+            for c in 0..128 {
+                want[(i * 8 + r) * 128 + c] = x[(xb * 8 + r) * 128 + c] + y[(yb * 8 + r) * 128 + c];
+            }
+        }
+    }
+    let inputs = vec![In::I32(table, vec![16]), In::F32(x, vec![64, 128]), In::F32(y, vec![64, 128])];
+    Ok(Case { kernel, inputs, want: vec![want], tol: 0.0 })
+}
+
+fn scratch_state() -> Result<Case> {
+    // Per head h: S = sum over 8 chunks c of k[h, c]^T v[h, c], carried in VMEM scratch over the
+    // arbitrary chunk axis, reset at c = 0 and written at the last chunk.
+    let (k, v) = (rand_vec(4 * 512 * 128, 14, -0.5, 0.5), rand_vec(4 * 512 * 128, 15, -0.5, 0.5));
+    let kv = vec![Index::Grid(0), Index::Grid(1), Index::Const(0)];
+    let kernel = KernelBuilder::new("scratch_state")
+        .grid(4, Semantics::Parallel)
+        .grid(8, Semantics::Arbitrary)
+        .input(Operand::blocked("k", t(DType::F32, &[4, 512, 128]), &[1, 64, 128], kv.clone()))
+        .input(Operand::blocked("v", t(DType::F32, &[4, 512, 128]), &[1, 64, 128], kv))
+        .output(Operand::blocked(
+            "o",
+            t(DType::F32, &[4, 128, 128]),
+            &[1, 128, 128],
+            vec![Index::Grid(0), Index::Const(0), Index::Const(0)],
+        ))
+        .scratch("state", t(DType::F32, &[128, 128]))
+        .build(|b| {
+            let c = b.program_id(1)?;
+            let (first, last) = (b.index(0)?, b.index(7)?);
+            let at_first = b.compare(Cmp::Eq, &c, &first)?;
+            b.when(&at_first, |b| {
+                let z = b.splat(0.0, DType::F32, &[128, 128])?;
+                b.store_all(Ref::Scratch(0), &z)
+            })?;
+            let kb = b.load_all(Ref::Input(0))?;
+            let vb = b.load_all(Ref::Input(1))?;
+            let (kb, vb) = (b.reshape(&kb, &[64, 128])?, b.reshape(&vb, &[64, 128])?);
+            let s = b.load_all(Ref::Scratch(0))?;
+            let p = b.matmul(&kb, &vb, (0, 0), MatPrecision::Highest)?;
+            let s = b.binary(Binary::Add, &s, &p)?;
+            b.store_all(Ref::Scratch(0), &s)?;
+            let at_last = b.compare(Cmp::Eq, &c, &last)?;
+            b.when(&at_last, |b| {
+                let o = b.reshape(&s, &[1, 128, 128])?;
+                b.store_all(Ref::Output(0), &o)
+            })
+        })?;
+    let mut want = Vec::with_capacity(4 * 128 * 128);
+    for h in 0..4 {
+        let kh = &k[h * 512 * 128..(h + 1) * 512 * 128];
+        let vh = &v[h * 512 * 128..(h + 1) * 512 * 128];
+        want.extend(matmul(&transpose(kh, 512, 128), vh, 128, 512, 128));
+    }
+    let inputs = vec![In::F32(k, vec![4, 512, 128]), In::F32(v, vec![4, 512, 128])];
+    Ok(Case { kernel, inputs, want: vec![want], tol: 1e-4 })
+}
+
+fn for_loop() -> Result<Case> {
+    // s <- s / 2 + x[32j..32j+32]^T x[32j..32j+32] for j in 0..2, from s = 0.
+    let x = rand_vec(64 * 128, 16, -1.0, 1.0);
+    let kernel = one_step("for_loop")
+        .input(Operand::whole("x", t(DType::F32, &[64, 128])))
+        .output(Operand::whole("o", t(DType::F32, &[128, 128])))
+        .build(|b| {
+            let s0 = b.splat(0.0, DType::F32, &[128, 128])?;
+            let out = b.for_range(0, 2, &[s0], |b, j, s| {
+                let step = b.index(32)?;
+                let row = b.index_op(Binary::Mul, j, &step)?;
+                let xs = b.load(Ref::Input(0), &[Offset::Dyn(row, 32), Offset::Const(0)], &[32, 128])?;
+                let p = b.matmul(&xs, &xs, (0, 0), MatPrecision::Highest)?;
+                let half = b.splat(0.5, DType::F32, &[128, 128])?;
+                let s = b.binary(Binary::Mul, &s[0], &half)?;
+                Ok(vec![b.binary(Binary::Add, &s, &p)?])
+            })?;
+            b.store_all(Ref::Output(0), &out[0])
+        })?;
+    let mut s = vec![0f32; 128 * 128];
+    for j in 0..2 {
+        let xs = &x[j * 32 * 128..(j + 1) * 32 * 128];
+        let p = matmul(&transpose(xs, 32, 128), xs, 128, 32, 128);
+        s = s.iter().zip(&p).map(|(a, b)| a * 0.5 + b).collect();
+    }
+    Ok(Case { kernel, inputs: vec![In::F32(x, vec![64, 128])], want: vec![s], tol: 1e-5 })
+}
+
+fn case(name: &str) -> Case {
+    let built = match name {
+        "matmul_f32" => matmul_f32(),
+        "matmul_kt_v" => matmul_kt_v(),
+        "matmul_bf16" => matmul_bf16(),
+        "elementwise" => elementwise(),
+        "causal_mask" => causal_mask(),
+        "reduce_broadcast" => reduce_broadcast(),
+        "cast_transpose" => cast_transpose(),
+        "blocked_grid" => blocked_grid(),
+        "scalar_prefetch" => scalar_prefetch(),
+        "scratch_state" => scratch_state(),
+        "for_loop" => for_loop(),
+        other => panic!("no case {other}"),
+    };
+    built.unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+#[rstest]
+#[case::matmul_f32("matmul_f32")]
+#[case::matmul_kt_v("matmul_kt_v")]
+#[case::matmul_bf16("matmul_bf16")]
+#[case::elementwise("elementwise")]
+#[case::causal_mask("causal_mask")]
+#[case::reduce_broadcast("reduce_broadcast")]
+#[case::cast_transpose("cast_transpose")]
+#[case::blocked_grid("blocked_grid")]
+#[case::scalar_prefetch("scalar_prefetch")]
+#[case::scratch_state("scratch_state")]
+#[case::for_loop("for_loop")]
+fn interpret_matches_the_host(#[case] name: &str) -> Result<()> {
+    let c = case(name);
+    let text = c.kernel.module(Lowering::Interpret)?;
+    let outs = run!(&text, c.inputs);
+    assert_eq!(outs.len(), c.want.len());
+    for (i, (got, want)) in outs.iter().zip(&c.want).enumerate() {
+        assert_close(&format!("{name} result {i}"), &got.f32s(), want, c.tol);
+    }
+    Ok(())
+}
+
+#[rstest]
+#[case::matmul_f32("matmul_f32")]
+#[case::matmul_kt_v("matmul_kt_v")]
+#[case::matmul_bf16("matmul_bf16")]
+#[case::elementwise("elementwise")]
+#[case::causal_mask("causal_mask")]
+#[case::reduce_broadcast("reduce_broadcast")]
+#[case::cast_transpose("cast_transpose")]
+#[case::blocked_grid("blocked_grid")]
+#[case::scalar_prefetch("scalar_prefetch")]
+#[case::scratch_state("scratch_state")]
+#[case::for_loop("for_loop")]
+fn mosaic_compiles_for_tpu7x(#[case] name: &str) -> Result<()> {
+    let c = case(name);
+    let text = c.kernel.module(Lowering::Mosaic)?;
+    let tpu = TpuCompiler::load().unwrap_or_else(|e| panic!("no libtpu ({e}); run `cargo xtask setup`"));
+    let report = tpu.compile(&text, DEFAULT_TOPOLOGY).map_err(|e| c.kernel.explain(e))?;
+    let m = &report.memory;
+    eprintln!(
+        "{name} on {DEFAULT_TOPOLOGY}: peak {} B, arguments {} B, outputs {} B, kernel VMEM {:?} B",
+        m.peak_bytes, m.argument_bytes, m.output_bytes, report.kernel_vmem_bytes
+    );
+    assert_eq!(report.kernel_vmem_bytes.len(), 1, "{name}: one kernel's VMEM figure");
+    let results: i64 =
+        c.kernel.result_types().iter().map(|t| t.num_elements() * i64::from(t.elem.bit_width() / 8)).sum();
+    assert!(
+        m.output_bytes >= results,
+        "{name}: the results' {results} B are in the outputs ({} B)",
+        m.output_bytes
+    );
+    Ok(())
+}
+
+#[test]
+fn kernels_refuse_blocks_off_the_tiling() {
+    let err = KernelBuilder::new("misaligned")
+        .grid(2, Semantics::Parallel)
+        .input(Operand::blocked(
+            "x",
+            t(DType::F32, &[512, 192]),
+            &[64, 96],
+            vec![Index::Grid(0), Index::Const(0)],
+        ))
+        .output(Operand::whole("o", t(DType::F32, &[64, 96])))
+        .build(|_| Ok(()))
+        .expect_err("a 96-lane block of a 192-wide array");
+    assert!(err.to_string().contains("multiple of 128 or the full 192"), "{err}");
+    // libtpu refuses i1 buffers ("Unsupported bitwidth: 1"): the builder refuses them first.
+    let err = one_step("mask_scratch")
+        .output(Operand::whole("o", t(DType::F32, &[8, 128])))
+        .scratch("m", t(DType::I1, &[8, 128]))
+        .build(|_| Ok(()))
+        .expect_err("an i1 scratch buffer");
+    assert!(err.to_string().contains("scratch m"), "{err}");
+}
+
+#[test]
+fn the_cost_estimate_reaches_the_compiler() -> Result<()> {
+    let cost = Cost { flops: 2.0 * 128f64.powi(3), transcendentals: 128.0 * 128.0, bytes: 3.0 * 65536.0 };
+    let with = |cost: Option<Cost>| -> Result<f64> {
+        let mut k = one_step("costed")
+            .input(Operand::whole("x", t(DType::F32, &[128, 128])))
+            .output(Operand::whole("o", t(DType::F32, &[128, 128])));
+        if let Some(c) = cost {
+            k = k.cost(c);
+        }
+        let k = k.build(|b| {
+            let x = b.load_all(Ref::Input(0))?;
+            let p = b.matmul(&x, &x, (1, 0), MatPrecision::Highest)?;
+            let e = b.unary(Unary::Exp, &p)?;
+            b.store_all(Ref::Output(0), &e)
+        })?;
+        let tpu = TpuCompiler::load().unwrap_or_else(|e| panic!("no libtpu ({e}); run `cargo xtask setup`"));
+        Ok(tpu.compile(&k.module(Lowering::Mosaic)?, DEFAULT_TOPOLOGY)?.cost.flops)
+    };
+    assert_eq!(with(Some(cost))?, cost.flops);
+    let guessed = with(None)?;
+    assert_ne!(guessed, cost.flops, "without the estimate XLA counts the kernel otherwise ({guessed})");
+    Ok(())
+}
