@@ -10,6 +10,7 @@ use hlo_support::{assert_close, rand_vec, In};
 use kda_core::DType;
 use kda_tpu::hlo::{Cmp, FnBuilder, Module, Precision, TensorType, Transpose, TriangularSolve};
 use kda_tpu::Result;
+#[cfg(feature = "harness")]
 use rstest::rstest;
 
 fn f32t(dims: &[i64]) -> TensorType {

@@ -52,6 +52,8 @@ pub struct Decay {
     products: bool,
 }
 
+/// Profiling views of the factors (`kernels::parts`).
+#[cfg(feature = "harness")]
 impl Decay {
     /// Every factor, for profiling.
     pub fn all(&self) -> Vec<Value> {

@@ -7,6 +7,7 @@
 use std::time::{Duration, Instant};
 
 use half::bf16;
+#[cfg(feature = "runtime")]
 use kda_core::DType;
 #[cfg(feature = "runtime")]
 use kda_tpu::{DeviceBuffer, Runtime};
