@@ -114,8 +114,8 @@ impl HostTensor {
     ///
     /// # Panics
     ///
-    /// When the shape is too large for one allocation, like `vec!`; it never wraps to a
-    /// tensor whose data disagrees with its shape. Use [`HostTensor::try_zeros`] for shapes
+    /// When the shape is too large for one allocation, like `vec!` (it never wraps to a
+    /// tensor whose data disagrees with its shape), and for a dtype host tensors do not hold. Use [`HostTensor::try_zeros`] for shapes
     /// that come from user input.
     pub fn zeros(shape: &[usize], dtype: DType) -> Self {
         match Self::try_zeros(shape, dtype) {

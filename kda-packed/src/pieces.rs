@@ -78,6 +78,7 @@ impl PiecePlan {
     /// Device `d`'s local segment table: its parts side by side from token 0, then empty slots
     /// up to `n`.
     pub fn local_table(&self, d: usize) -> Result<SegmentTable> {
+        self.check_device(d)?;
         let rows = self
             .parts
             .iter()
@@ -103,7 +104,7 @@ impl PiecePlan {
         let mut out = Vec::new();
         for (b, pieces) in self.parts.iter().enumerate() {
             let mut pos = 0;
-            for p in &pieces[d] {
+            for p in pieces.get(d).into_iter().flatten() {
                 if !p.tokens.is_empty() {
                     out.push((b, p.tokens.start, pos, p.tokens.len()));
                 }
@@ -150,7 +151,7 @@ impl PiecePlan {
     pub fn slots(&self, d: usize, starts: bool) -> Vec<(usize, usize, usize)> {
         let mut out = Vec::new();
         for (b, pieces) in self.parts.iter().enumerate() {
-            for (i, p) in pieces[d].iter().enumerate() {
+            for (i, p) in pieces.get(d).into_iter().flatten().enumerate() {
                 if (starts && p.starts) || (!starts && p.ends) {
                     out.push((b, p.segment, i));
                 }
@@ -159,8 +160,19 @@ impl PiecePlan {
         out
     }
 
+    /// A `Value` error unless `d` is one of the plan's devices.
+    fn check_device(&self, d: usize) -> Result<()> {
+        let devices = self.parts.first().map_or(0, Vec::len);
+        if d >= devices {
+            return Err(KdaError::value("device", format!("a device below {devices}"), d.to_string()));
+        }
+        Ok(())
+    }
+
     /// A per-token tensor of the whole batch moved to device `d`'s local rows (zeros elsewhere).
     pub fn local_tokens(&self, t: &HostTensor, layout: Layout, d: usize) -> Result<HostTensor> {
+        self.check_device(d)?;
+        check_tokens("tokens", t.shape(), layout)?;
         let mut shape = t.shape().to_vec();
         shape[token_axis(layout)] = self.t;
         let mut out = HostTensor::try_zeros(&shape, t.dtype())?;
@@ -177,6 +189,7 @@ impl PiecePlan {
         starts: bool,
         p: &Problem,
     ) -> Result<HostTensor> {
+        self.check_device(d)?;
         let dims = p.dims;
         let mut out = HostTensor::try_zeros(&[dims.b, self.n, dims.h, dims.k, dims.v], DType::F32)?;
         if let Some(t) = t {
@@ -193,6 +206,9 @@ impl PiecePlan {
         layout: Layout,
         out: &mut HostTensor,
     ) -> Result<()> {
+        self.check_device(d)?;
+        check_tokens("local tokens", local.shape(), layout)?;
+        check_tokens("tokens", out.shape(), layout)?;
         let back: Vec<Move> = self.moves(d).iter().map(|&(b, g, l, n)| (b, l, g, n)).collect();
         copy_tokens(local, out, layout, &back)
     }
@@ -206,6 +222,7 @@ impl PiecePlan {
         starts: bool,
         out: &mut HostTensor,
     ) -> Result<()> {
+        self.check_device(d)?;
         let back: Vec<_> = self.slots(d, starts).iter().map(|&(b, g, l)| (b, l, g)).collect();
         copy_slots(local, out, &back)
     }
@@ -217,6 +234,18 @@ fn token_axis(layout: Layout) -> usize {
         Layout::HeadFirst => 2,
         Layout::BatchFirst => 1,
     }
+}
+
+/// A `Shape` error unless `shape` is a per-token tensor (`[H, B, T, ..]` or `[B, T, H, ..]`).
+fn check_tokens(arg: &str, shape: &[usize], layout: Layout) -> Result<()> {
+    if shape.len() < 3 {
+        let want = match layout {
+            Layout::HeadFirst => "[H, B, T] or [H, B, T, D]",
+            Layout::BatchFirst => "[B, T, H] or [B, T, H, D]",
+        };
+        return Err(KdaError::shape(arg, want, kda_core::fmt_shape(shape)));
+    }
+    Ok(())
 }
 
 /// `(H, B, T, W)` of a per-token tensor (`W`: elements per head and token).
@@ -231,7 +260,16 @@ fn geometry(shape: &[usize], layout: Layout) -> (usize, usize, usize, usize) {
 /// Copies token runs of `src` into `dst` (same dtype and layout; T may differ).
 fn copy_tokens(src: &HostTensor, dst: &mut HostTensor, layout: Layout, moves: &[Move]) -> Result<()> {
     let (h, b, ts, w) = geometry(src.shape(), layout);
-    let (_, _, td, _) = geometry(dst.shape(), layout);
+    let (hd, bd, td, wd) = geometry(dst.shape(), layout);
+    let fits =
+        moves.iter().all(|&(row, from, to, len)| row < b.min(bd) && from + len <= ts && to + len <= td);
+    if (h, b, w) != (hd, bd, wd) || !fits {
+        return Err(KdaError::shape(
+            "tokens",
+            format!("the rows and tokens of the plan, like {}", kda_core::fmt_shape(dst.shape())),
+            kda_core::fmt_shape(src.shape()),
+        ));
+    }
     fn run<T: Copy>(
         s: &[T],
         d: &mut [T],
@@ -268,8 +306,17 @@ fn copy_tokens(src: &HostTensor, dst: &mut HostTensor, layout: Layout, moves: &[
 
 /// Copies state slots `(row, source slot, destination slot)` of `[B, N, H, K, V]` tensors.
 fn copy_slots(src: &HostTensor, dst: &mut HostTensor, slots: &[(usize, usize, usize)]) -> Result<()> {
-    let (ns, nd) = (src.shape()[1], dst.shape()[1]);
-    let block: usize = src.shape()[2..].iter().product();
+    let (s, t) = (src.shape(), dst.shape());
+    let fits = |ns: usize, nd: usize| slots.iter().all(|&(row, from, to)| row < s[0] && from < ns && to < nd);
+    if s.len() != 5 || t.len() != 5 || s[0] != t[0] || s[2..] != t[2..] || !fits(s[1], t[1]) {
+        return Err(KdaError::shape(
+            "states",
+            format!("[B, N, H, K, V] with the plan's slots, like {}", kda_core::fmt_shape(t)),
+            kda_core::fmt_shape(s),
+        ));
+    }
+    let (ns, nd) = (s[1], t[1]);
+    let block: usize = s[2..].iter().product();
     fn run<T: Copy>(
         s: &[T],
         d: &mut [T],
@@ -295,7 +342,68 @@ fn copy_slots(src: &HostTensor, dst: &mut HostTensor, slots: &[(usize, usize, us
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kda_core::KdaInputs;
     use rstest::rstest;
+
+    /// A tensor whose every element is its own index.
+    fn counting(shape: &[usize]) -> HostTensor {
+        let n: usize = shape.iter().product();
+        HostTensor::from_f64_as(shape, &(0..n).map(|i| i as f64).collect::<Vec<_>>(), DType::F32).unwrap()
+    }
+
+    #[rstest]
+    #[case::head_first(Layout::HeadFirst, vec![2, 2, 140, 3])]
+    #[case::batch_first(Layout::BatchFirst, vec![2, 140, 2, 3])]
+    #[case::batch_first_scalars(Layout::BatchFirst, vec![2, 140, 2])]
+    fn tokens_out_to_the_pieces_and_back_are_the_identity(#[case] layout: Layout, #[case] shape: Vec<usize>) {
+        let plan = PiecePlan::new(&table(140, &[&[30, 100, 10], &[140, 0, 0]]), 3, 64);
+        let x = counting(&shape);
+        let mut back = HostTensor::zeros(&shape, DType::F32);
+        for d in 0..3 {
+            let local = plan.local_tokens(&x, layout, d).unwrap();
+            plan.place_tokens(&local, d, layout, &mut back).unwrap();
+        }
+        assert_eq!(back, x);
+    }
+
+    #[test]
+    fn states_out_to_the_pieces_and_back_are_the_identity() {
+        let (h, k, v) = (2, 3, 4);
+        let z = |dims: &[usize]| HostTensor::zeros(dims, DType::F32);
+        let x = KdaInputs::new(
+            z(&[h, 2, 140, k]),
+            z(&[h, 2, 140, k]),
+            z(&[h, 2, 140, v]),
+            z(&[h, 2, 140, k]),
+            z(&[h, 2, 140]),
+        )
+        .with_layout(Layout::HeadFirst)
+        .with_segments(kda_core::Segments::CuSeqlens(vec![vec![0, 30, 130, 140], vec![0, 140, 140, 140]]));
+        let p = x.validate().unwrap();
+        let (plan, locals) = PiecePlan::split(&p, 3).unwrap();
+        assert_eq!(locals.len(), 3);
+        let h0 = counting(&[2, 3, h, k, v]);
+        // Every segment starts on exactly one piece: the starting slots give every state back.
+        let mut back = z(&[2, 3, h, k, v]);
+        for d in 0..3 {
+            let local = plan.local_states(Some(&h0), d, true, &p).unwrap();
+            assert_eq!(local.shape(), &[2, plan.n, h, k, v]);
+            plan.place_states(&local, d, true, &mut back).unwrap();
+        }
+        assert_eq!(back, h0);
+    }
+
+    #[test]
+    fn bad_devices_and_shapes_are_errors() {
+        let plan = PiecePlan::new(&table(140, &[&[30, 100, 10]]), 2, 64);
+        let x = counting(&[1, 1, 140, 2]);
+        let err = plan.local_tokens(&x, Layout::HeadFirst, 2).unwrap_err();
+        assert_eq!((err.kind(), err.arg()), (kda_core::ErrorKind::Value, "device"));
+        let err = plan.local_tokens(&counting(&[1, 1, 100, 2]), Layout::HeadFirst, 1).unwrap_err();
+        assert_eq!((err.kind(), err.arg()), (kda_core::ErrorKind::Shape, "tokens"));
+        let err = plan.local_tokens(&counting(&[140, 2]), Layout::HeadFirst, 0).unwrap_err();
+        assert_eq!(err.kind(), kda_core::ErrorKind::Shape);
+    }
 
     fn table(t: usize, rows: &[&[usize]]) -> SegmentTable {
         let ranges = rows

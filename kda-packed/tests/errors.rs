@@ -3,7 +3,6 @@
 
 mod common;
 
-use common::packed_io::PackedIo;
 use common::table;
 use kda_core::{ErrorKind, HostTensor, Layout, SegmentTable, Segments};
 use kda_packed::{
@@ -144,15 +143,6 @@ fn scalar_target_shape_must_match_the_plan() {
     let x = HostTensor::zeros(&[2, 1, 16], kda_core::DType::F32);
     let err = compact_scalar_tensor(&plan, Layout::HeadFirst, &x, &[2, 1, 5]).expect_err("T = 5");
     assert_eq!((err.kind(), err.arg()), (ErrorKind::Shape, "like"));
-}
-
-#[test]
-fn packed_io_names_the_cotangent() {
-    let plan = SegmentPlan::fixed(1, 4, 16).expect("plan");
-    let io = PackedIo::new(&plan, Layout::BatchFirst);
-    let d_o = HostTensor::zeros(&[1, 3, 2, 3], kda_core::DType::F32);
-    let err = io.align_do(&kda_core::Cotangents { d_o, dht: None }).expect_err("T = 3");
-    assert_eq!((err.kind(), err.arg()), (ErrorKind::Shape, "do"));
 }
 
 #[test]

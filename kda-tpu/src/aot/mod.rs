@@ -40,7 +40,8 @@ pub struct AotReport {
     /// Wall time of the compile.
     pub compile_time: Duration,
     /// The VMEM each Mosaic kernel of the program reserves (`used_scoped_memory_configs` of
-    /// its custom call in the optimized program), in program order; empty without kernels.
+    /// its custom call in the optimized program), in program order; empty without kernels,
+    /// and when the plugin does not hand out the optimized program.
     pub kernel_vmem_bytes: Vec<u64>,
 }
 
@@ -164,8 +165,10 @@ pub fn check_topology(topology: &str) -> Result<()> {
 fn scoped_vmem(program: &[u8]) -> Vec<u64> {
     let text = String::from_utf8_lossy(program);
     let mut out = Vec::new();
-    for (at, _) in text.match_indices("\"custom_call_config\"") {
-        let rest = &text[at..];
+    let kernels: Vec<usize> = text.match_indices("\"custom_call_config\"").map(|(at, _)| at).collect();
+    for (i, &at) in kernels.iter().enumerate() {
+        // Only this kernel's config: up to the next kernel's.
+        let rest = &text[at..kernels.get(i + 1).copied().unwrap_or(text.len())];
         let Some(start) = rest.find("\"used_scoped_memory_configs\":[") else { continue };
         let list = &rest[start..];
         let list = &list[..list.find(']').unwrap_or(list.len())];

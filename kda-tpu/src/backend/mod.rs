@@ -41,9 +41,10 @@ pub mod testing {
 mod tests {
     use std::collections::BTreeMap;
 
-    /// The modules of this directory and the sibling modules each one names
-    /// (`super::module`), leaving out doc comments and unit tests; `mod.rs` only declares and
-    /// re-exports, so it is not a node.
+    /// The modules of this directory and the sibling modules each one imports
+    /// (`super::module::`), leaving out doc comments and unit tests; `mod.rs` only declares and
+    /// re-exports, so it is not a node. Methods of `PjrtBackend` that other modules define are
+    /// calls, not imports, and are not edges.
     fn imports() -> BTreeMap<String, Vec<String>> {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/backend");
         let mut files = BTreeMap::new();

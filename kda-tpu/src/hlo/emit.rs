@@ -50,6 +50,8 @@ pub(crate) fn fmt_float(x: f32, elem: DType) -> String {
         }
     } else if elem == DType::BF16 {
         format!("0x{:04X}", (x.to_bits() >> 16) as u16 | if x.is_nan() { 0x40 } else { 0 })
+    } else if elem == DType::F64 {
+        format!("0x{:016X}", f64::from(x).to_bits())
     } else {
         format!("0x{:08X}", x.to_bits())
     }

@@ -1,5 +1,5 @@
-//! A kernel body: typed values and the ops on them. Every op's shape and dtype rule is checked
-//! here, once, when the op is added; both lowerings ([`super::text`] and
+//! A kernel body: typed values and the ops on them. Every op's shape and dtype rule, and the
+//! visibility of its operands, is checked here, once, when the op is added; both lowerings ([`super::text`] and
 //! [`super::interpret`]) take the checked ops as they are.
 
 use kda_core::DType;
@@ -36,6 +36,7 @@ impl VType {
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct V {
     pub(crate) id: u32,
+    body: u32,
     /// The value's type.
     pub ty: VType,
 }
@@ -169,6 +170,14 @@ fn err(op: &str, message: impl Into<String>) -> TpuError {
     TpuError::builder(format!("mosaic {op}"), message)
 }
 
+/// True for non-empty dims, each at least 1.
+fn positive(dims: &[i64]) -> bool {
+    !dims.is_empty() && dims.iter().all(|&d| d >= 1)
+}
+
+/// A distinct tag per body, so that a value of one body is refused by another.
+static BODIES: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
 fn fmt_ty(t: &VType) -> String {
     if t.dims.is_empty() {
         t.dtype.to_string()
@@ -202,13 +211,17 @@ impl Scope {
 /// Builds a body op by op; each method checks its operands and returns the typed result.
 pub struct Body {
     scope: Scope,
+    tag: u32,
     next: u32,
     ops: Vec<Vec<Op>>,
+    /// The values defined in each open region (the body's own first).
+    live: Vec<std::collections::HashSet<u32>>,
 }
 
 impl Body {
     pub(crate) fn new(scope: Scope) -> Self {
-        Body { scope, next: 0, ops: vec![Vec::new()] }
+        let tag = BODIES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Body { scope, tag, next: 0, ops: vec![Vec::new()], live: vec![Default::default()] }
     }
 
     pub(crate) fn finish(mut self) -> Result<Vec<Op>> {
@@ -220,7 +233,34 @@ impl Body {
 
     fn fresh(&mut self, ty: VType) -> V {
         self.next += 1;
-        V { id: self.next, ty }
+        if let Some(l) = self.live.last_mut() {
+            l.insert(self.next);
+        }
+        V { id: self.next, body: self.tag, ty }
+    }
+
+    /// Checks that `op`'s operands are values of this body visible here (not from another
+    /// body, nor from inside a region that has closed).
+    fn uses(&self, op: &str, vs: &[&V]) -> Result<()> {
+        for v in vs {
+            if v.body != self.tag || !self.live.iter().any(|l| l.contains(&v.id)) {
+                return Err(err(
+                    op,
+                    format!("value {} is not visible here (another body, or a closed region)", v.id),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn open(&mut self) {
+        self.ops.push(Vec::new());
+        self.live.push(Default::default());
+    }
+
+    fn close(&mut self) -> Vec<Op> {
+        self.live.pop();
+        self.ops.pop().unwrap_or_default()
     }
 
     fn push(&mut self, op: Op) {
@@ -251,6 +291,7 @@ impl Body {
 
     /// i32 scalar `a op b` (`Add`, `Sub`, `Mul`, `Max`, `Min`).
     pub fn index_op(&mut self, op: Binary, a: &V, b: &V) -> Result<V> {
+        self.uses("index_op", &[a, b])?;
         if a.ty != VType::index() || b.ty != VType::index() || op == Binary::Div {
             return Err(err("index_op", format!("{op:?} of {} and {}", fmt_ty(&a.ty), fmt_ty(&b.ty))));
         }
@@ -261,6 +302,7 @@ impl Body {
 
     /// Entry `index` (an i32 scalar) of scalar-prefetch table `table`.
     pub fn read_table(&mut self, table: usize, index: &V) -> Result<V> {
+        self.uses("read_table", &[index])?;
         if table >= self.scope.tables || index.ty != VType::index() {
             return Err(err(
                 "read_table",
@@ -274,8 +316,12 @@ impl Body {
 
     /// A vector of `dims` holding `value` (f32, bf16 or i32).
     pub fn splat(&mut self, value: f64, dtype: DType, dims: &[i64]) -> Result<V> {
-        if dims.is_empty() || !matches!(dtype, DType::F32 | DType::BF16 | DType::I32) {
+        if !positive(dims) || !matches!(dtype, DType::F32 | DType::BF16 | DType::I32) {
             return Err(err("splat", format!("{dtype} of dims {dims:?}")));
+        }
+        let integral = value.fract() == 0.0 && value >= f64::from(i32::MIN) && value <= f64::from(i32::MAX);
+        if dtype == DType::I32 && !integral {
+            return Err(err("splat", format!("{value} is not an i32")));
         }
         let out = self.fresh(VType::new(dtype, dims));
         self.push(Op::Splat { out: out.clone(), value });
@@ -285,7 +331,12 @@ impl Body {
     fn check_window(&self, op: &str, r: Ref, offsets: &[Offset], dims: &[i64]) -> Result<VType> {
         let ty =
             self.scope.of(r).ok_or_else(|| err(op, format!("{r:?} is not a reference of the kernel")))?;
-        if offsets.len() != ty.dims.len() || dims.len() != ty.dims.len() {
+        for o in offsets {
+            if let Offset::Dyn(v, _) = o {
+                self.uses(op, &[v])?;
+            }
+        }
+        if offsets.len() != ty.dims.len() || dims.len() != ty.dims.len() || !positive(dims) {
             return Err(err(op, format!("{} offsets and dims {dims:?} into {}", offsets.len(), fmt_ty(ty))));
         }
         for (i, (o, (&d, &full))) in offsets.iter().zip(dims.iter().zip(&ty.dims)).enumerate() {
@@ -326,6 +377,7 @@ impl Body {
 
     /// Writes `value` into `to` at `offsets` (same element type).
     pub fn store(&mut self, to: Ref, offsets: &[Offset], value: &V) -> Result<()> {
+        self.uses("store", &[value])?;
         let ty = self.check_window("store", to, offsets, &value.ty.dims)?;
         if ty.dtype != value.ty.dtype {
             return Err(err("store", format!("{} into a {} reference", fmt_ty(&value.ty), ty.dtype)));
@@ -343,6 +395,7 @@ impl Body {
     /// `a x b` over 2-D operands, contracting `a`'s dim `contract.0` with `b`'s dim
     /// `contract.1`: `[a free, b free]` in f32. Operands share their float type.
     pub fn matmul(&mut self, a: &V, b: &V, contract: (usize, usize), precision: MatPrecision) -> Result<V> {
+        self.uses("matmul", &[a, b])?;
         let shapes = || format!("{} x {} contracting {contract:?}", fmt_ty(&a.ty), fmt_ty(&b.ty));
         if a.ty.dims.len() != 2 || b.ty.dims.len() != 2 || contract.0 > 1 || contract.1 > 1 {
             return Err(err("matmul", format!("2-D operands: {}", shapes())));
@@ -364,6 +417,7 @@ impl Body {
 
     /// Elementwise `a op b` (one type; `Div` on floats only).
     pub fn binary(&mut self, op: Binary, a: &V, b: &V) -> Result<V> {
+        self.uses("binary", &[a, b])?;
         if a.ty != b.ty
             || a.ty.is_scalar()
             || a.ty.dtype == DType::I1
@@ -378,6 +432,7 @@ impl Body {
 
     /// Elementwise `op(a)` on a float vector.
     pub fn unary(&mut self, op: Unary, a: &V) -> Result<V> {
+        self.uses("unary", &[a])?;
         if a.ty.is_scalar() || !a.ty.dtype.is_float() {
             return Err(err("unary", format!("{op:?} of {}", fmt_ty(&a.ty))));
         }
@@ -388,7 +443,7 @@ impl Body {
 
     /// i32 indices along `dim` of a vector of `dims` (at least 2-D).
     pub fn iota(&mut self, dims: &[i64], dim: usize) -> Result<V> {
-        if dims.len() < 2 || dim >= dims.len() {
+        if dims.len() < 2 || dim >= dims.len() || !positive(dims) {
             return Err(err("iota", format!("dim {dim} of {dims:?} (a vector of rank 2 or more)")));
         }
         let out = self.fresh(VType::new(DType::I32, dims));
@@ -398,6 +453,7 @@ impl Body {
 
     /// `a cmp b` (one type: vectors or i32 scalars) into i1.
     pub fn compare(&mut self, cmp: Cmp, a: &V, b: &V) -> Result<V> {
+        self.uses("compare", &[a, b])?;
         if a.ty != b.ty || a.ty.dtype == DType::I1 || (a.ty.is_scalar() && a.ty.dtype != DType::I32) {
             return Err(err("compare", format!("{cmp:?} of {} and {}", fmt_ty(&a.ty), fmt_ty(&b.ty))));
         }
@@ -408,6 +464,7 @@ impl Body {
 
     /// `cond ? a : b` with an i1 `cond` of `a`'s dims.
     pub fn select(&mut self, cond: &V, a: &V, b: &V) -> Result<V> {
+        self.uses("select", &[cond, a, b])?;
         if a.ty != b.ty || a.ty.is_scalar() || cond.ty != VType::new(DType::I1, &a.ty.dims) {
             return Err(err(
                 "select",
@@ -421,6 +478,7 @@ impl Body {
 
     /// `op` over `axis` of an f32 vector of rank 2 or more; the axis stays, with size 1.
     pub fn reduce(&mut self, op: Reduction, a: &V, axis: usize) -> Result<V> {
+        self.uses("reduce", &[a])?;
         if a.ty.dims.len() < 2 || axis >= a.ty.dims.len() || a.ty.dtype != DType::F32 {
             return Err(err("reduce", format!("{op:?} over axis {axis} of {}", fmt_ty(&a.ty))));
         }
@@ -434,10 +492,13 @@ impl Body {
     /// `a` stretched to `dims`: an i32 scalar to every element, or a vector whose dims align
     /// with the trailing ones, each equal or 1.
     pub fn broadcast(&mut self, a: &V, dims: &[i64]) -> Result<V> {
+        self.uses("broadcast", &[a])?;
         let r = a.ty.dims.len();
-        let fits = (r == 0 && a.ty.dtype == DType::I32 && !dims.is_empty())
-            || r <= dims.len()
-                && a.ty.dims.iter().zip(&dims[dims.len() - r..]).all(|(&s, &d)| s == d || s == 1);
+        let fits = positive(dims)
+            && ((r == 0 && a.ty.dtype == DType::I32)
+                || (r > 0
+                    && r <= dims.len()
+                    && a.ty.dims.iter().zip(&dims[dims.len() - r..]).all(|(&s, &d)| s == d || s == 1)));
         if !fits {
             return Err(err("broadcast", format!("{} to {dims:?}", fmt_ty(&a.ty))));
         }
@@ -448,6 +509,7 @@ impl Body {
 
     /// `a` in another element type (f32, bf16 and i32 vectors).
     pub fn cast(&mut self, a: &V, dtype: DType) -> Result<V> {
+        self.uses("cast", &[a])?;
         let ok = |d: DType| matches!(d, DType::F32 | DType::BF16 | DType::I32);
         if a.ty.is_scalar() || !ok(a.ty.dtype) || !ok(dtype) || a.ty.dtype == dtype {
             return Err(err("cast", format!("{} to {dtype}", fmt_ty(&a.ty))));
@@ -459,6 +521,7 @@ impl Body {
 
     /// The transpose of a 2-D vector.
     pub fn transpose(&mut self, a: &V) -> Result<V> {
+        self.uses("transpose", &[a])?;
         if a.ty.dims.len() != 2 {
             return Err(err("transpose", format!("a 2-D vector, not {}", fmt_ty(&a.ty))));
         }
@@ -469,8 +532,9 @@ impl Body {
 
     /// `a` with other dims of the same element count.
     pub fn reshape(&mut self, a: &V, dims: &[i64]) -> Result<V> {
+        self.uses("reshape", &[a])?;
         if a.ty.is_scalar()
-            || dims.is_empty()
+            || !positive(dims)
             || a.ty.dims.iter().product::<i64>() != dims.iter().product::<i64>()
         {
             return Err(err("reshape", format!("{} to {dims:?}", fmt_ty(&a.ty))));
@@ -482,12 +546,13 @@ impl Body {
 
     /// Runs `then` when the i1 scalar `cond` holds. The region may store; its values stay inside.
     pub fn when(&mut self, cond: &V, then: impl FnOnce(&mut Body) -> Result<()>) -> Result<()> {
+        self.uses("when", &[cond])?;
         if cond.ty != VType::new(DType::I1, &[]) {
             return Err(err("when", format!("an i1 scalar condition, not {}", fmt_ty(&cond.ty))));
         }
-        self.ops.push(Vec::new());
+        self.open();
         let done = then(self);
-        let region = self.ops.pop().unwrap_or_default();
+        let region = self.close();
         done?;
         self.push(Op::If { cond: cond.clone(), then: region });
         Ok(())
@@ -502,17 +567,21 @@ impl Body {
         init: &[V],
         body: impl FnOnce(&mut Body, &V, &[V]) -> Result<Vec<V>>,
     ) -> Result<Vec<V>> {
+        self.uses("for_range", &init.iter().collect::<Vec<_>>())?;
         if lo > hi || i32::try_from(hi).is_err() || i32::try_from(lo).is_err() {
             return Err(err("for_range", format!("bounds {lo}..{hi}")));
         }
         if init.iter().any(|v| v.ty.is_scalar()) {
             return Err(err("for_range", "loop values are vectors"));
         }
+        self.open();
         let index = self.fresh(VType::index());
         let args: Vec<V> = init.iter().map(|v| self.fresh(v.ty.clone())).collect();
-        self.ops.push(Vec::new());
         let done = body(self, &index, &args);
-        let region = self.ops.pop().unwrap_or_default();
+        if let Ok(yields) = &done {
+            self.uses("for_range", &yields.iter().collect::<Vec<_>>())?;
+        }
+        let region = self.close();
         let yields = done?;
         let types = |vs: &[V]| vs.iter().map(|v| v.ty.clone()).collect::<Vec<_>>();
         if types(&yields) != types(init) {

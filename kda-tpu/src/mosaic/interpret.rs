@@ -2,7 +2,8 @@
 //! Pallas's interpret mode does. The grid is nested counted loops in its declared order (the
 //! last axis innermost); each step slices its blocks out of the operands and of the results so
 //! far (dynamic slices at block index x block dims), runs the body on them, and writes the
-//! result blocks back (dynamic updates); scratch buffers are loop values, zero at the start.
+//! result blocks back (dynamic updates); results start as NaN (a block read before it is
+//! written poisons the check), scratch buffers are loop values, zero at the start.
 //! Stores inside `when` are selects on the condition; `for_range` is a counted loop that
 //! carries the references with its values.
 
@@ -28,6 +29,17 @@ fn zeros(b: &mut FnBuilder, t: &TensorType) -> Result<Value> {
         b.constant_f32(0.0, t.clone())
     } else {
         b.constant_i32(0, t.clone())
+    }
+}
+
+/// What a result holds before the kernel writes it: NaN (i32::MIN for integers), so that a
+/// kernel reading a result block it has not written fails its CPU check, as the uninitialised
+/// VMEM buffer of that block would make it fail on a TPU.
+fn unwritten(b: &mut FnBuilder, t: &TensorType) -> Result<Value> {
+    if t.elem.is_float() {
+        b.constant_f32(f32::NAN, t.clone())
+    } else {
+        b.constant_i32(i32::MIN, t.clone())
     }
 }
 
@@ -160,9 +172,10 @@ impl Step<'_> {
             Op::Matmul { out, a, b: y, contract, precision } => {
                 let (x, y) = (get(vals, a)?, get(vals, y)?);
                 let before = b.dot_precision();
-                if *precision == MatPrecision::Highest {
-                    b.set_dot_precision(Precision::Highest);
-                }
+                b.set_dot_precision(match precision {
+                    MatPrecision::Highest => Precision::Highest,
+                    MatPrecision::Default => Precision::Default,
+                });
                 let v = b.dot_general(x, y, &[], &[], &[contract.0 as i64], &[contract.1 as i64], DType::F32);
                 b.set_dot_precision(before);
                 (out, v?)
@@ -294,7 +307,7 @@ impl Kernel {
         let (tables, inputs) = operands.split_at(self.tables.len());
         let mut state = Vec::new();
         for o in &self.outputs {
-            state.push(zeros(b, &o.ty)?);
+            state.push(unwritten(b, &o.ty)?);
         }
         for (_, t) in &self.scratch {
             state.push(zeros(b, &tensor(t))?);

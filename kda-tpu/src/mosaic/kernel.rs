@@ -54,6 +54,24 @@ impl Index {
         Index::Table(table, Box::new(at))
     }
 
+    /// The smallest and largest value over a grid of `steps` per axis; `None` when the index
+    /// reads a table (known only at run time).
+    fn range(&self, steps: &[i64]) -> Option<(i64, i64)> {
+        match self {
+            Index::Grid(a) => Some((0, steps.get(*a)? - 1)),
+            Index::Const(c) => Some((*c, *c)),
+            Index::Add(a, b) => {
+                let ((a0, a1), (b0, b1)) = (a.range(steps)?, b.range(steps)?);
+                Some((a0 + b0, a1 + b1))
+            }
+            Index::Mul(a, k) => {
+                let (a0, a1) = a.range(steps)?;
+                Some(((a0 * k).min(a1 * k), (a0 * k).max(a1 * k)))
+            }
+            Index::Table(..) => None,
+        }
+    }
+
     fn check(&self, grid: usize, tables: usize) -> bool {
         match self {
             Index::Grid(a) => *a < grid,
@@ -69,7 +87,7 @@ impl Index {
 /// (`block` dims, block indices from `map`, one per dim; element offset = index x block dim).
 #[derive(Clone, Debug)]
 pub struct Operand {
-    /// Name (for errors and the text's argument names).
+    /// Name (for errors).
     pub name: String,
     /// The whole array.
     pub ty: TensorType,
@@ -163,7 +181,10 @@ impl KernelBuilder {
         self.inputs.push(operand);
         self
     }
-    /// Adds a result.
+    /// Adds a result. A step sees its result block as the TPU does: a VMEM buffer that holds
+    /// what the earlier steps with the same block index wrote, uninitialised on a block's
+    /// first visit (NaN in the interpret lowering); blocks go back to HBM when the index
+    /// changes. Write every block before reading it, and visit each one in consecutive steps.
     pub fn output(mut self, operand: Operand) -> Self {
         self.outputs.push(operand);
         self
@@ -211,6 +232,19 @@ impl KernelBuilder {
         }
         if o.map.iter().any(|m| !m.check(self.grid.len(), self.tables.len())) {
             return Err(err(&what, "an index names a grid axis or table the kernel lacks"));
+        }
+        // Block indices the grid alone decides must stay inside the array (table-read ones are
+        // the caller's to keep in range: the interpret lowering clamps them, Mosaic does not).
+        let steps: Vec<i64> = self.grid.iter().map(|(n, _)| *n).collect();
+        for (axis, (m, (&b, &d))) in o.map.iter().zip(o.block.iter().zip(&o.ty.dims)).enumerate() {
+            if let Some((lo, hi)) = m.range(&steps) {
+                if lo < 0 || hi >= d / b {
+                    return Err(err(
+                        &what,
+                        format!("block index {lo}..={hi} of dim {axis}: {} blocks there", d / b),
+                    ));
+                }
+            }
         }
         Ok(())
     }

@@ -76,6 +76,86 @@ pub fn quote_line(body: &str, message: &str) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
+    use super::{Binary, Index, KernelBuilder, Operand, Ref, Semantics, V};
+    use crate::hlo::TensorType;
+    use kda_core::DType;
+
+    fn kernel(body: impl FnOnce(&mut super::Body) -> crate::Result<()>) -> crate::Result<super::Kernel> {
+        KernelBuilder::new("k")
+            .grid(2, Semantics::Parallel)
+            .output(Operand::whole("o", TensorType::new(DType::F32, &[8, 128])))
+            .build(body)
+    }
+
+    #[rstest::rstest]
+    #[case::i1_scalar(DType::I1, &[8, 128])]
+    #[case::to_a_scalar(DType::I32, &[])]
+    #[case::to_a_zero_dim(DType::I32, &[0, 128])]
+    fn scalar_broadcasts_follow_the_rule(#[case] dtype: DType, #[case] dims: &'static [i64]) {
+        let err = kernel(|b| {
+            let i = b.program_id(0)?;
+            let s = if dtype == DType::I1 {
+                let z = b.index(0)?;
+                b.compare(crate::hlo::Cmp::Eq, &i, &z)?
+            } else {
+                i
+            };
+            b.broadcast(&s, dims).map(|_| ())
+        })
+        .expect_err("refused");
+        assert!(err.to_string().contains("broadcast"), "{err}");
+    }
+
+    #[test]
+    fn i32_splats_hold_integers() {
+        let err = kernel(|b| b.splat(3e9, DType::I32, &[8, 128]).map(|_| ())).expect_err("too large");
+        assert!(err.to_string().contains("is not an i32"), "{err}");
+        assert!(kernel(|b| b.splat(0.5, DType::I32, &[8, 128]).map(|_| ())).is_err());
+        assert!(kernel(|b| b.splat(-7.0, DType::I32, &[8, 128]).map(|_| ())).is_ok());
+    }
+
+    #[test]
+    fn values_stay_in_their_body_and_region() {
+        let mut stolen: Option<V> = None;
+        kernel(|b| {
+            stolen = Some(b.splat(1.0, DType::F32, &[8, 128])?);
+            Ok(())
+        })
+        .expect("a kernel");
+        let other = kernel(|b| b.store_all(Ref::Output(0), stolen.as_ref().expect("value")))
+            .expect_err("another body");
+        assert!(other.to_string().contains("not visible"), "{other}");
+        let escaped = kernel(|b| {
+            let i = b.program_id(0)?;
+            let z = b.index(0)?;
+            let c = b.compare(crate::hlo::Cmp::Eq, &i, &z)?;
+            let mut inner = None;
+            b.when(&c, |b| {
+                inner = Some(b.splat(2.0, DType::F32, &[8, 128])?);
+                Ok(())
+            })?;
+            let v = inner.expect("value");
+            b.binary(Binary::Add, &v, &v).map(|_| ())
+        })
+        .expect_err("a value from a closed region");
+        assert!(escaped.to_string().contains("not visible"), "{escaped}");
+    }
+
+    #[test]
+    fn grid_indices_stay_inside_the_array() {
+        let err = KernelBuilder::new("k")
+            .grid(8, Semantics::Parallel)
+            .output(Operand::blocked(
+                "o",
+                TensorType::new(DType::F32, &[448, 128]),
+                &[64, 128],
+                vec![Index::Grid(0), Index::Const(0)],
+            ))
+            .build(|_| Ok(()))
+            .expect_err("8 steps over 7 blocks");
+        assert!(err.to_string().contains("block index 0..=7 of dim 0: 7 blocks"), "{err}");
+    }
+
     #[test]
     fn a_located_error_quotes_its_body_line() {
         let body = "module @k {\n  func.func @k() {\n    %0 = bad.op\n  }\n}\n";
