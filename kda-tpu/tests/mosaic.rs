@@ -353,6 +353,35 @@ fn for_loop() -> Result<Case> {
     Ok(Case { kernel, inputs: vec![In::F32(x, vec![64, 128])], want: vec![s], tol: 1e-5 })
 }
 
+fn unit_lower_inverse() -> Result<Case> {
+    // L strictly lower with entries like beta k_i . k_j of unit keys: A = (I + L)^-1.
+    let raw = rand_vec(64 * 64, 17, -0.3, 0.3);
+    let l: Vec<f32> = raw.iter().enumerate().map(|(i, &v)| if i / 64 > i % 64 { v } else { 0.0 }).collect();
+    let kernel = one_step("unit_lower_inverse")
+        .input(Operand::whole("l", t(DType::F32, &[64, 64])))
+        .output(Operand::whole("a", t(DType::F32, &[64, 64])))
+        .scratch("work", t(DType::F32, &[64, 64]))
+        .scratch("out", t(DType::F32, &[64, 64]))
+        .build(|b| {
+            let l = b.load_all(Ref::Input(0))?;
+            let a = kda_tpu::mosaic::blocks::unit_lower_inverse(b, &l, Ref::Scratch(0), Ref::Scratch(1))?;
+            b.store_all(Ref::Output(0), &a)
+        })?;
+    // Forward substitution in f64: (I + L) A = I, row by row.
+    let mut a = vec![0f64; 64 * 64];
+    for c in 0..64 {
+        for r in 0..64 {
+            let mut v = if r == c { 1.0 } else { 0.0 };
+            for k in 0..r {
+                v -= f64::from(l[r * 64 + k]) * a[k * 64 + c];
+            }
+            a[r * 64 + c] = v;
+        }
+    }
+    let want = a.iter().map(|&v| v as f32).collect();
+    Ok(Case { kernel, inputs: vec![In::F32(l, vec![64, 64])], want: vec![want], tol: 1e-5 })
+}
+
 fn case(name: &str) -> Case {
     let built = match name {
         "matmul_f32" => matmul_f32(),
@@ -366,6 +395,7 @@ fn case(name: &str) -> Case {
         "scalar_prefetch" => scalar_prefetch(),
         "scratch_state" => scratch_state(),
         "for_loop" => for_loop(),
+        "unit_lower_inverse" => unit_lower_inverse(),
         other => panic!("no case {other}"),
     };
     built.unwrap_or_else(|e| panic!("{name}: {e}"))
@@ -383,6 +413,7 @@ fn case(name: &str) -> Case {
 #[case::scalar_prefetch("scalar_prefetch")]
 #[case::scratch_state("scratch_state")]
 #[case::for_loop("for_loop")]
+#[case::unit_lower_inverse("unit_lower_inverse")]
 fn interpret_matches_the_host(#[case] name: &str) -> Result<()> {
     let c = case(name);
     let text = c.kernel.module(Lowering::Interpret)?;
@@ -406,6 +437,7 @@ fn interpret_matches_the_host(#[case] name: &str) -> Result<()> {
 #[case::scalar_prefetch("scalar_prefetch")]
 #[case::scratch_state("scratch_state")]
 #[case::for_loop("for_loop")]
+#[case::unit_lower_inverse("unit_lower_inverse")]
 fn mosaic_compiles_for_tpu7x(#[case] name: &str) -> Result<()> {
     let c = case(name);
     let text = c.kernel.module(Lowering::Mosaic)?;
