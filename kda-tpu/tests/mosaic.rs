@@ -382,6 +382,95 @@ fn unit_lower_inverse() -> Result<Case> {
     Ok(Case { kernel, inputs: vec![In::F32(l, vec![64, 64])], want: vec![want], tol: 1e-5 })
 }
 
+fn chunk_terms() -> Result<Case> {
+    // One chunk, K = 128: q, k of unit rows, g in [-5, 0] with two hard resets at the floor.
+    let kd = 128usize;
+    let unit = |v: Vec<f32>| -> Vec<f32> {
+        v.chunks(kd)
+            .flat_map(|r| {
+                let n = r.iter().map(|x| x * x).sum::<f32>().sqrt();
+                r.iter().map(move |x| x / n).collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    let (q, k) = (unit(rand_vec(64 * kd, 18, -1.0, 1.0)), unit(rand_vec(64 * kd, 19, -1.0, 1.0)));
+    let mut g = rand_vec(64 * kd, 20, -5.0, 0.0);
+    for c in 0..kd {
+        g[21 * kd + c] = -30.0;
+        g[40 * kd + c] = -30.0;
+    }
+    let beta = rand_vec(64, 21, 0.0, 1.0);
+    let scale = 1.0 / (kd as f64).sqrt();
+    let ty = |d: &[i64]| t(DType::F32, d);
+    let kernel = one_step("chunk_terms")
+        .input(Operand::whole("q", ty(&[64, 128])))
+        .input(Operand::whole("k", ty(&[64, 128])))
+        .input(Operand::whole("g", ty(&[64, 128])))
+        .input(Operand::whole("beta", ty(&[64, 1])))
+        .output(Operand::whole("aqk", ty(&[64, 64])))
+        .output(Operand::whole("l", ty(&[64, 64])))
+        .output(Operand::whole("qg", ty(&[64, 128])))
+        .output(Operand::whole("kg", ty(&[64, 128])))
+        .output(Operand::whole("kbg", ty(&[64, 128])))
+        .output(Operand::whole("eg_last", ty(&[1, 128])))
+        .scratch("work", ty(&[64, 128]))
+        .scratch("tiles", ty(&[64, 64]))
+        .build(|b| {
+            let x: Vec<_> = (0..4).map(|i| b.load_all(Ref::Input(i))).collect::<Result<_>>()?;
+            let c = kda_tpu::mosaic::blocks::chunk_terms(
+                b,
+                &x[0],
+                &x[1],
+                &x[2],
+                &x[3],
+                scale,
+                Ref::Scratch(0),
+                Ref::Scratch(1),
+            )?;
+            for (i, v) in [c.aqk, c.l, c.qg, c.kg, c.kbg, c.eg_last].iter().enumerate() {
+                b.store_all(Ref::Output(i), v)?;
+            }
+            Ok(())
+        })?;
+    // The definitions, in f64: G inclusive prefix sums of g.
+    let mut gc = vec![0f64; 64 * kd];
+    for c in 0..kd {
+        let mut acc = 0.0;
+        for r in 0..64 {
+            acc += f64::from(g[r * kd + c]);
+            gc[r * kd + c] = acc;
+        }
+    }
+    let (mut aqk, mut l) = (vec![0f32; 64 * 64], vec![0f32; 64 * 64]);
+    for r in 0..64 {
+        for j in 0..=r {
+            let (mut a, mut b) = (0f64, 0f64);
+            for c in 0..kd {
+                let f = (gc[r * kd + c] - gc[j * kd + c]).exp();
+                a += f64::from(q[r * kd + c]) * f64::from(k[j * kd + c]) * f;
+                b += f64::from(k[r * kd + c]) * f64::from(k[j * kd + c]) * f;
+            }
+            aqk[r * 64 + j] = (a * scale) as f32;
+            if j < r {
+                l[r * 64 + j] = (b * f64::from(beta[r])) as f32;
+            }
+        }
+    }
+    let last = |c: usize| gc[63 * kd + c];
+    let qg = (0..64 * kd).map(|i| (f64::from(q[i]) * gc[i].exp()) as f32).collect();
+    let kg = (0..64 * kd).map(|i| (f64::from(k[i]) * (last(i % kd) - gc[i]).exp()) as f32).collect();
+    let kbg =
+        (0..64 * kd).map(|i| (f64::from(beta[i / kd]) * f64::from(k[i]) * gc[i].exp()) as f32).collect();
+    let eg_last = (0..kd).map(|c| last(c).exp() as f32).collect();
+    let inputs = vec![
+        In::F32(q, vec![64, 128]),
+        In::F32(k, vec![64, 128]),
+        In::F32(g, vec![64, 128]),
+        In::F32(beta, vec![64, 1]),
+    ];
+    Ok(Case { kernel, inputs, want: vec![aqk, l, qg, kg, kbg, eg_last], tol: 1e-5 })
+}
+
 fn case(name: &str) -> Case {
     let built = match name {
         "matmul_f32" => matmul_f32(),
@@ -396,6 +485,7 @@ fn case(name: &str) -> Case {
         "scratch_state" => scratch_state(),
         "for_loop" => for_loop(),
         "unit_lower_inverse" => unit_lower_inverse(),
+        "chunk_terms" => chunk_terms(),
         other => panic!("no case {other}"),
     };
     built.unwrap_or_else(|e| panic!("{name}: {e}"))
@@ -414,6 +504,7 @@ fn case(name: &str) -> Case {
 #[case::scratch_state("scratch_state")]
 #[case::for_loop("for_loop")]
 #[case::unit_lower_inverse("unit_lower_inverse")]
+#[case::chunk_terms("chunk_terms")]
 fn interpret_matches_the_host(#[case] name: &str) -> Result<()> {
     let c = case(name);
     let text = c.kernel.module(Lowering::Interpret)?;
@@ -438,6 +529,7 @@ fn interpret_matches_the_host(#[case] name: &str) -> Result<()> {
 #[case::scratch_state("scratch_state")]
 #[case::for_loop("for_loop")]
 #[case::unit_lower_inverse("unit_lower_inverse")]
+#[case::chunk_terms("chunk_terms")]
 fn mosaic_compiles_for_tpu7x(#[case] name: &str) -> Result<()> {
     let c = case(name);
     let text = c.kernel.module(Lowering::Mosaic)?;

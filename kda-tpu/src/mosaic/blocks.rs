@@ -73,3 +73,178 @@ pub fn unit_lower_inverse(b: &mut Body, l: &V, work: Ref, out: Ref) -> Result<V>
     }
     b.load_all(out)
 }
+
+/// The chunk-local terms of the chunked forward (docs/kda.md, Chunks) from one chunk's
+/// `q`, `k` `[64, K]` f32, log-decays `g` `[64, K]` f32 (already floored) and `beta` `[64, 1]`:
+/// `aqk` (`scale` included, causal with the diagonal), `l` (strictly lower, `beta` applied),
+/// `qg = q e^G`, `kg = k e^(G_C - G)`, `kbg = beta k e^G` and `eg_last = e^(G_C)` `[1, K]`.
+#[derive(Clone, Debug)]
+pub struct ChunkTerms {
+    /// `scale sum_i q_t[i] k_j[i] e^(G_t[i] - G_j[i])` for `j <= t`, `[64, 64]`.
+    pub aqk: V,
+    /// `beta_t sum_i k_t[i] k_j[i] e^(G_t[i] - G_j[i])` for `j < t`, `[64, 64]`.
+    pub l: V,
+    /// `q e^G`, `[64, K]`.
+    pub qg: V,
+    /// `k e^(G_C - G)`, `[64, K]`.
+    pub kg: V,
+    /// `beta k e^G`, `[64, K]`.
+    pub kbg: V,
+    /// `e^(G_C)`, the whole chunk's decay, `[1, K]`.
+    pub eg_last: V,
+}
+
+/// A 0/1 f32 array of `dims` that is 1 where iota `a` compares `cmp` to iota `b`.
+fn mask(b: &mut Body, dims: &[i64], a: usize, cmp: Cmp, c: usize) -> Result<V> {
+    let (x, y) = (b.iota(dims, a)?, b.iota(dims, c)?);
+    let m = b.compare(cmp, &x, &y)?;
+    let (one, zero) = (b.splat(1.0, DType::F32, dims)?, b.splat(0.0, DType::F32, dims)?);
+    b.select(&m, &one, &zero)
+}
+
+fn exp(b: &mut Body, v: &V) -> Result<V> {
+    b.unary(super::body::Unary::Exp, v)
+}
+
+fn mul(b: &mut Body, x: &V, y: &V) -> Result<V> {
+    b.binary(Binary::Mul, x, y)
+}
+
+fn add(b: &mut Body, x: &V, y: &V) -> Result<V> {
+    b.binary(Binary::Add, x, y)
+}
+
+/// `[t, j] -> sum_i x[t, i] y[j, i] f[t * 16 + j, i]` over a 16x16 tile, from the pair
+/// selections `sel_t`, `sel_j` `[256, 16]` and the factors `f` `[256, K]`.
+fn pair_products(b: &mut Body, sel_t: &V, sel_j: &V, x: &V, y: &V, f: &V) -> Result<V> {
+    let xr = mm(b, sel_t, x)?;
+    let yr = mm(b, sel_j, y)?;
+    let p = mul(b, &xr, &yr)?;
+    let p = mul(b, &p, f)?;
+    let r = b.reduce(super::body::Reduction::Sum, &p, 1)?;
+    b.reshape(&r, &[S, S])
+}
+
+/// Terms of one chunk, every exponent a direct sum of `g <= 0` (no positive exponent, no
+/// difference of long cumulative sums). Rows of block `I` (16 rows) against columns of an
+/// earlier block `J` factor through the block boundary,
+/// `e^(G_t - G_j) = e^(sum_{16I <= s <= t} g_s) e^(sum_{j < s < 16I} g_s)`, one matmul per
+/// tile; the diagonal tiles sum `g` over `j < s <= t` for each of their 256 pairs with a 0/1
+/// matmul and contract over `K` elementwise. `work` is a `[64, K]` f32 scratch, `tiles` a
+/// `[64, 64]` f32 scratch.
+#[allow(clippy::too_many_arguments)]
+pub fn chunk_terms(
+    b: &mut Body,
+    q: &V,
+    k: &V,
+    g: &V,
+    beta: &V,
+    scale: f64,
+    work: Ref,
+    tiles: Ref,
+) -> Result<ChunkTerms> {
+    let kd = g.ty.dims.get(1).copied().unwrap_or(0);
+    let ok = |v: &V, w: i64| v.ty.dtype == DType::F32 && v.ty.dims == [C, w];
+    if !ok(q, kd) || !ok(k, kd) || !ok(g, kd) || !ok(beta, 1) {
+        return Err(TpuError::builder("mosaic chunk_terms", "q, k, g [64, K] and beta [64, 1], f32"));
+    }
+    let nb = (C / S) as usize;
+    let blocks = |b: &mut Body, x: &V| -> Result<Vec<V>> {
+        b.store_all(work, x)?;
+        (0..nb).map(|i| b.load(work, &at(i as i64 * S, 0), &[S, kd])).collect()
+    };
+    let (gb, qb, kb) = (blocks(b, g)?, blocks(b, q)?, blocks(b, k)?);
+    let wide_beta = b.broadcast(beta, &[C, kd])?;
+    let bb = blocks(b, &wide_beta)?;
+    // Per block: inclusive in-block sums `lc`, strict in-block suffix sums `sx`, totals `tot`.
+    let lower = mask(b, &[S, S], 0, Cmp::Ge, 1)?;
+    let upper = mask(b, &[S, S], 0, Cmp::Lt, 1)?;
+    let ones = b.splat(1.0, DType::F32, &[1, S])?;
+    let (mut lc, mut sx, mut tot) = (Vec::new(), Vec::new(), Vec::new());
+    for gi in &gb {
+        lc.push(mm(b, &lower, gi)?);
+        sx.push(mm(b, &upper, gi)?);
+        tot.push(mm(b, &ones, gi)?);
+    }
+    let zero_row = b.splat(0.0, DType::F32, &[1, kd])?;
+    // The sum of whole blocks `from..to`, broadcast to a block's rows.
+    let span = |b: &mut Body, from: usize, to: usize| -> Result<V> {
+        let mut acc = zero_row.clone();
+        for t in &tot[from..to] {
+            acc = add(b, &acc, t)?;
+        }
+        b.broadcast(&acc, &[S, kd])
+    };
+    let all = {
+        let mut acc = zero_row.clone();
+        for t in &tot {
+            acc = add(b, &acc, t)?;
+        }
+        acc
+    };
+    let eg_last = exp(b, &all)?;
+    // qg, kg, kbg block by block, then whole.
+    let (mut qg, mut kg, mut kbg) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..nb {
+        let before = span(b, 0, i)?;
+        let after = span(b, i + 1, nb)?;
+        let eg = add(b, &lc[i], &before)?;
+        let eg = exp(b, &eg)?;
+        let rest = add(b, &sx[i], &after)?;
+        let rest = exp(b, &rest)?;
+        qg.push(mul(b, &qb[i], &eg)?);
+        kg.push(mul(b, &kb[i], &rest)?);
+        let kbi = mul(b, &kb[i], &bb[i])?;
+        kbg.push(mul(b, &kbi, &eg)?);
+    }
+    let whole = |b: &mut Body, parts: &[V]| -> Result<V> {
+        for (i, p) in parts.iter().enumerate() {
+            b.store(work, &at(i as i64 * S, 0), p)?;
+        }
+        b.load_all(work)
+    };
+    let (qg, kg, kbg) = (whole(b, &qg)?, whole(b, &kg)?, whole(b, &kbg)?);
+    // Pair selections and in-tile sums of the diagonal tiles.
+    let eye = eye(b, S)?;
+    let eye3 = b.reshape(&eye, &[S, 1, S])?;
+    let sel_t = b.broadcast(&eye3, &[S, S, S])?;
+    let sel_t = b.reshape(&sel_t, &[S * S, S])?;
+    let sel_j = b.broadcast(&eye, &[S, S, S])?;
+    let sel_j = b.reshape(&sel_j, &[S * S, S])?;
+    let after_j = mask(b, &[S, S, S], 2, Cmp::Gt, 1)?;
+    let upto_t = mask(b, &[S, S, S], 2, Cmp::Le, 0)?;
+    let between_pair = mul(b, &after_j, &upto_t)?;
+    let between_pair = b.reshape(&between_pair, &[S * S, S])?;
+    let causal = mask(b, &[S, S], 0, Cmp::Ge, 1)?;
+    let strict = mask(b, &[S, S], 0, Cmp::Gt, 1)?;
+    // The causal tiles of `sum_i x[t, i] k[j, i] e^(G_t[i] - G_j[i])`, kept where `keep` is 1.
+    let tiles_of = |b: &mut Body, left: &[V], keep: &V| -> Result<V> {
+        let zero = b.splat(0.0, DType::F32, &[C, C])?;
+        b.store_all(tiles, &zero)?;
+        for i in 0..nb {
+            let d = mm(b, &between_pair, &gb[i])?;
+            let f = exp(b, &d)?;
+            let t = pair_products(b, &sel_t, &sel_j, &left[i], &kb[i], &f)?;
+            let t = mul(b, &t, keep)?;
+            b.store(tiles, &at(i as i64 * S, i as i64 * S), &t)?;
+            let er = exp(b, &lc[i])?;
+            let xr = mul(b, &left[i], &er)?;
+            for j in 0..i {
+                let mid = span(b, j + 1, i)?;
+                let ec = add(b, &sx[j], &mid)?;
+                let ec = exp(b, &ec)?;
+                let kc = mul(b, &kb[j], &ec)?;
+                let a = b.matmul(&xr, &kc, (1, 1), MatPrecision::Highest)?;
+                b.store(tiles, &at(i as i64 * S, j as i64 * S), &a)?;
+            }
+        }
+        b.load_all(tiles)
+    };
+    let aqk = tiles_of(b, &qb, &causal)?;
+    let scale_c = b.splat(scale, DType::F32, &[C, C])?;
+    let aqk = mul(b, &aqk, &scale_c)?;
+    let lk = tiles_of(b, &kb, &strict)?;
+    let beta_rows = b.broadcast(beta, &[C, C])?;
+    let l = mul(b, &lk, &beta_rows)?;
+    Ok(ChunkTerms { aqk, l, qg, kg, kbg, eg_last })
+}
