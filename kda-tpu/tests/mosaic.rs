@@ -598,3 +598,100 @@ fn the_cost_estimate_reaches_the_compiler() -> Result<()> {
     assert_ne!(guessed, cost.flops, "without the estimate XLA counts the kernel otherwise ({guessed})");
     Ok(())
 }
+
+/// The forward kernel's interpret lowering against the f64 reference: H = 2 heads of one row,
+/// T = 192 tokens (three chunks), K = V = 128, an initial state, g in [-5, 0] with a hard reset
+/// at the floor, at the limits of docs/kda.md (f32 1e-5, bf16 2e-2 against the reference on the
+/// bf16-rounded inputs).
+#[rstest]
+#[case::f32(DType::F32, 1e-5)]
+#[case::bf16(DType::BF16, 2e-2)]
+fn the_forward_kernel_meets_the_reference(#[case] dtype: DType, #[case] limit: f64) -> Result<()> {
+    use kda_core::{HostTensor, KdaInputs, Layout};
+    use kda_tpu::mosaic::forward::{forward_kernel, ForwardDims};
+    let (h, t, k, v) = (2usize, 192usize, 128usize, 128usize);
+    let unit = |v: Vec<f32>| -> Vec<f32> {
+        v.chunks(k)
+            .flat_map(|r| {
+                let n = r.iter().map(|x| x * x).sum::<f32>().sqrt();
+                r.iter().map(move |x| x / n).collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    let round = |x: Vec<f32>| -> Vec<f32> {
+        if dtype == DType::BF16 {
+            x.into_iter().map(|y| bf16::from_f32(y).to_f32()).collect()
+        } else {
+            x
+        }
+    };
+    let q = round(unit(rand_vec(h * t * k, 30, -1.0, 1.0)));
+    let kk = round(unit(rand_vec(h * t * k, 31, -1.0, 1.0)));
+    let vv = round(rand_vec(h * t * v, 32, -1.0, 1.0));
+    let mut g = rand_vec(h * t * k, 33, -5.0, 0.0);
+    for c in 0..k {
+        g[100 * k + c] = -30.0;
+    }
+    let beta = round(rand_vec(h * t, 34, 0.0, 1.0));
+    let h0 = rand_vec(h * k * v, 35, -0.5, 0.5);
+    let scale = 1.0 / (k as f64).sqrt();
+    let f = |d: &[usize], x: &[f32]| HostTensor::from_f32(d, x.to_vec()).expect("tensor");
+    let inputs = KdaInputs::new(
+        f(&[h, 1, t, k], &q),
+        f(&[h, 1, t, k], &kk),
+        f(&[h, 1, t, v], &vv),
+        f(&[h, 1, t, k], &g),
+        f(&[h, 1, t], &beta),
+    )
+    .with_layout(Layout::HeadFirst)
+    .with_initial_state(f(&[1, 1, h, k, v], &h0));
+    let mut inputs = inputs;
+    inputs.config.output_final_state = true;
+    let want = kda_ref::forward(&inputs).expect("reference");
+    let kernel =
+        forward_kernel(ForwardDims { lanes: h as i64, t: t as i64, k: k as i64, v: v as i64, dtype }, scale)?;
+    let x = |d: Vec<i64>, data: &[f32]| match dtype {
+        DType::BF16 => In::Bf16(data.iter().map(|&y| bf16::from_f32(y)).collect(), d),
+        _ => In::F32(data.to_vec(), d),
+    };
+    let (l, ti, ki, vi) = (h as i64, t as i64, k as i64, v as i64);
+    let ops = vec![
+        x(vec![l, ti, ki], &q),
+        x(vec![l, ti, ki], &kk),
+        x(vec![l, ti, vi], &vv),
+        In::F32(g.clone(), vec![l, ti, ki]),
+        x(vec![l, ti, 1], &beta),
+        In::F32(h0.clone(), vec![l, ki, vi]),
+    ];
+    let text = kernel.module(Lowering::Interpret)?;
+    let outs = run!(&text, ops);
+    let rms = |got: &[f32], want: &[f64]| {
+        let e: f64 = got.iter().zip(want).map(|(g, w)| (f64::from(*g) - w).powi(2)).sum();
+        (e / want.iter().map(|w| w * w).sum::<f64>()).sqrt()
+    };
+    let o = rms(&outs[0].f32s(), &want.o.to_f64_vec());
+    let ht = rms(&outs[1].f32s(), &want.final_state.expect("final state").to_f64_vec());
+    eprintln!("forward kernel {dtype}: o {o:.2e}, final state {ht:.2e} (limit {limit:.0e})");
+    assert!(o <= limit && ht <= limit, "o {o:.2e}, final state {ht:.2e} against {limit:.0e}");
+    Ok(())
+}
+
+/// The forward kernel compiles for tpu7x at the primary shape (H = 8, B = 1, T = 1024,
+/// K = V = 128), bf16 and f32.
+#[rstest]
+#[case::bf16(DType::BF16)]
+#[case::f32(DType::F32)]
+fn mosaic_compiles_the_forward_kernel_at_the_primary_shape(#[case] dtype: DType) -> Result<()> {
+    use kda_tpu::mosaic::forward::{forward_kernel, ForwardDims};
+    let kernel = forward_kernel(ForwardDims { lanes: 8, t: 1024, k: 128, v: 128, dtype }, 128f64.powf(-0.5))?;
+    let tpu = TpuCompiler::load().unwrap_or_else(|e| panic!("no libtpu ({e}); run `cargo xtask setup`"));
+    let report =
+        tpu.compile(&kernel.module(Lowering::Mosaic)?, DEFAULT_TOPOLOGY).map_err(|e| kernel.explain(e))?;
+    let m = &report.memory;
+    eprintln!(
+        "forward kernel {dtype} at the primary shape on {DEFAULT_TOPOLOGY}: peak {:.2} MB, arguments {:.2} MB, outputs {:.2} MB, kernel VMEM {:?} B, {:.2} GFLOP",
+        m.peak_bytes as f64 / 1e6, m.argument_bytes as f64 / 1e6, m.output_bytes as f64 / 1e6, report.kernel_vmem_bytes, report.cost.flops / 1e9
+    );
+    assert_eq!(report.kernel_vmem_bytes.len(), 1);
+    Ok(())
+}

@@ -18,6 +18,7 @@
 
 pub mod blocks;
 mod body;
+pub mod forward;
 mod interpret;
 mod kernel;
 mod text;
