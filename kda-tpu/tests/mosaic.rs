@@ -47,80 +47,88 @@ struct Case {
     tol: f32,
 }
 
+/// A case of one result.
+fn case_of(kernel: Kernel, inputs: Vec<In>, want: Vec<f32>, tol: f32) -> Result<Case> {
+    Ok(Case { kernel, inputs, want: vec![want], tol })
+}
+
 fn one_step(name: &str) -> KernelBuilder {
     KernelBuilder::new(name).grid(1, Semantics::Parallel)
 }
 
+/// `a x b` of two whole `dtype` operands of `dims`, contracting `contract`, into f32.
+fn matmul_kernel(
+    name: &str,
+    dtype: DType,
+    dims: [[i64; 2]; 2],
+    contract: (usize, usize),
+    precision: MatPrecision,
+) -> Result<Kernel> {
+    let out = [dims[0][1 - contract.0], dims[1][1 - contract.1]];
+    whole_kernel(name, &[t(dtype, &dims[0]), t(dtype, &dims[1])], &[t(DType::F32, &out)], |b| {
+        let (x, y) = (b.load_all(Ref::Input(0))?, b.load_all(Ref::Input(1))?);
+        let p = b.matmul(&x, &y, contract, precision)?;
+        b.store_all(Ref::Output(0), &p)
+    })
+}
+
+/// A one-step kernel of whole operands and results of the types given, running `body`.
+fn whole_kernel(
+    name: &str,
+    inputs: &[TensorType],
+    outputs: &[TensorType],
+    body: impl FnOnce(&mut kda_tpu::mosaic::Body) -> Result<()>,
+) -> Result<Kernel> {
+    let mut k = one_step(name);
+    for (i, ty) in inputs.iter().enumerate() {
+        k = k.input(Operand::whole(&format!("in{i}"), ty.clone()));
+    }
+    for (i, ty) in outputs.iter().enumerate() {
+        k = k.output(Operand::whole(&format!("out{i}"), ty.clone()));
+    }
+    k.build(body)
+}
+
 fn matmul_f32() -> Result<Case> {
     let (x, y) = (rand_vec(128 * 128, 1, -1.0, 1.0), rand_vec(128 * 128, 2, -1.0, 1.0));
-    let kernel = one_step("matmul_f32")
-        .input(Operand::whole("x", t(DType::F32, &[128, 128])))
-        .input(Operand::whole("y", t(DType::F32, &[128, 128])))
-        .output(Operand::whole("o", t(DType::F32, &[128, 128])))
-        .build(|b| {
+    let kernel = whole_kernel(
+        "matmul_f32",
+        &[t(DType::F32, &[128, 128]), t(DType::F32, &[128, 128])],
+        &[t(DType::F32, &[128, 128])],
+        |b| {
             let (a, c) = (b.load_all(Ref::Input(0))?, b.load_all(Ref::Input(1))?);
             let p = b.matmul(&a, &c, (1, 0), MatPrecision::Highest)?;
             let one = b.splat(1.0, DType::F32, &[128, 128])?;
             let r = b.binary(Binary::Add, &p, &one)?;
             b.store_all(Ref::Output(0), &r)
-        })?;
+        },
+    )?;
     let want = matmul(&x, &y, 128, 128, 128).into_iter().map(|v| v + 1.0).collect();
-    Ok(Case {
-        kernel,
-        inputs: vec![In::F32(x, vec![128, 128]), In::F32(y, vec![128, 128])],
-        want: vec![want],
-        tol: 1e-5,
-    })
+    case_of(kernel, vec![In::F32(x, vec![128, 128]), In::F32(y, vec![128, 128])], want, 1e-5)
 }
 
 fn matmul_kt_v() -> Result<Case> {
     let (k, v) = (rand_vec(64 * 128, 3, -1.0, 1.0), rand_vec(64 * 128, 4, -1.0, 1.0));
-    let kernel = one_step("matmul_kt_v")
-        .input(Operand::whole("k", t(DType::F32, &[64, 128])))
-        .input(Operand::whole("v", t(DType::F32, &[64, 128])))
-        .output(Operand::whole("o", t(DType::F32, &[128, 128])))
-        .build(|b| {
-            let (a, c) = (b.load_all(Ref::Input(0))?, b.load_all(Ref::Input(1))?);
-            let p = b.matmul(&a, &c, (0, 0), MatPrecision::Highest)?;
-            b.store_all(Ref::Output(0), &p)
-        })?;
+    let kernel =
+        matmul_kernel("matmul_kt_v", DType::F32, [[64, 128], [64, 128]], (0, 0), MatPrecision::Highest)?;
     let want = matmul(&transpose(&k, 64, 128), &v, 128, 64, 128);
-    Ok(Case {
-        kernel,
-        inputs: vec![In::F32(k, vec![64, 128]), In::F32(v, vec![64, 128])],
-        want: vec![want],
-        tol: 1e-5,
-    })
+    case_of(kernel, vec![In::F32(k, vec![64, 128]), In::F32(v, vec![64, 128])], want, 1e-5)
 }
 
 fn matmul_bf16() -> Result<Case> {
     let round = |v: Vec<f32>| v.into_iter().map(bf16::from_f32).collect::<Vec<_>>();
     let (a, c) = (round(rand_vec(64 * 128, 5, -1.0, 1.0)), round(rand_vec(128 * 256, 6, -1.0, 1.0)));
     let wide = |v: &[bf16]| v.iter().map(|x| x.to_f32()).collect::<Vec<_>>();
-    let kernel = one_step("matmul_bf16")
-        .input(Operand::whole("a", t(DType::BF16, &[64, 128])))
-        .input(Operand::whole("b", t(DType::BF16, &[128, 256])))
-        .output(Operand::whole("o", t(DType::F32, &[64, 256])))
-        .build(|b| {
-            let (x, y) = (b.load_all(Ref::Input(0))?, b.load_all(Ref::Input(1))?);
-            let p = b.matmul(&x, &y, (1, 0), MatPrecision::Default)?;
-            b.store_all(Ref::Output(0), &p)
-        })?;
+    let kernel =
+        matmul_kernel("matmul_bf16", DType::BF16, [[64, 128], [128, 256]], (1, 0), MatPrecision::Default)?;
     let want = matmul(&wide(&a), &wide(&c), 64, 128, 256);
-    Ok(Case {
-        kernel,
-        inputs: vec![In::Bf16(a, vec![64, 128]), In::Bf16(c, vec![128, 256])],
-        want: vec![want],
-        tol: 1e-5,
-    })
+    case_of(kernel, vec![In::Bf16(a, vec![64, 128]), In::Bf16(c, vec![128, 256])], want, 1e-5)
 }
 
 fn elementwise() -> Result<Case> {
     let x = rand_vec(8 * 128, 7, 0.5, 2.0);
-    let kernel = one_step("elementwise")
-        .input(Operand::whole("x", t(DType::F32, &[8, 128])))
-        .output(Operand::whole("o", t(DType::F32, &[8, 128])))
-        .build(|b| {
+    let kernel =
+        whole_kernel("elementwise", &[t(DType::F32, &[8, 128])], &[t(DType::F32, &[8, 128])], |b| {
             let x = b.load_all(Ref::Input(0))?;
             let one = b.splat(1.0, DType::F32, &[8, 128])?;
             let (e, l, r, n) = (
@@ -150,10 +158,8 @@ fn elementwise() -> Result<Case> {
 
 fn causal_mask() -> Result<Case> {
     let x = rand_vec(64 * 128, 8, -1.0, 1.0);
-    let kernel = one_step("causal_mask")
-        .input(Operand::whole("x", t(DType::F32, &[64, 128])))
-        .output(Operand::whole("o", t(DType::F32, &[64, 128])))
-        .build(|b| {
+    let kernel =
+        whole_kernel("causal_mask", &[t(DType::F32, &[64, 128])], &[t(DType::F32, &[64, 128])], |b| {
             let x = b.load_all(Ref::Input(0))?;
             let (r, c) = (b.iota(&[64, 128], 0)?, b.iota(&[64, 128], 1)?);
             let keep = b.compare(Cmp::Ge, &r, &c)?;
@@ -167,10 +173,8 @@ fn causal_mask() -> Result<Case> {
 
 fn reduce_broadcast() -> Result<Case> {
     let x = rand_vec(64 * 128, 9, -1.0, 1.0);
-    let kernel = one_step("reduce_broadcast")
-        .input(Operand::whole("x", t(DType::F32, &[64, 128])))
-        .output(Operand::whole("o", t(DType::F32, &[64, 128])))
-        .build(|b| {
+    let kernel =
+        whole_kernel("reduce_broadcast", &[t(DType::F32, &[64, 128])], &[t(DType::F32, &[64, 128])], |b| {
             let x = b.load_all(Ref::Input(0))?;
             let (s, m) = (b.reduce(Reduction::Sum, &x, 1)?, b.reduce(Reduction::Max, &x, 1)?);
             let (s, m) = (b.broadcast(&s, &[64, 128])?, b.broadcast(&m, &[64, 128])?);
@@ -192,10 +196,8 @@ fn reduce_broadcast() -> Result<Case> {
 
 fn cast_transpose() -> Result<Case> {
     let x = rand_vec(64 * 128, 10, -1.0, 1.0);
-    let kernel = one_step("cast_transpose")
-        .input(Operand::whole("x", t(DType::F32, &[64, 128])))
-        .output(Operand::whole("o", t(DType::F32, &[128, 64])))
-        .build(|b| {
+    let kernel =
+        whole_kernel("cast_transpose", &[t(DType::F32, &[64, 128])], &[t(DType::F32, &[128, 64])], |b| {
             let x = b.load_all(Ref::Input(0))?;
             let h = b.cast(&x, DType::BF16)?;
             let w = b.cast(&h, DType::F32)?;
@@ -328,10 +330,8 @@ fn scratch_state() -> Result<Case> {
 fn for_loop() -> Result<Case> {
     // s <- s / 2 + x[32j..32j+32]^T x[32j..32j+32] for j in 0..2, from s = 0.
     let x = rand_vec(64 * 128, 16, -1.0, 1.0);
-    let kernel = one_step("for_loop")
-        .input(Operand::whole("x", t(DType::F32, &[64, 128])))
-        .output(Operand::whole("o", t(DType::F32, &[128, 128])))
-        .build(|b| {
+    let kernel =
+        whole_kernel("for_loop", &[t(DType::F32, &[64, 128])], &[t(DType::F32, &[128, 128])], |b| {
             let s0 = b.splat(0.0, DType::F32, &[128, 128])?;
             let out = b.for_range(0, 2, &[s0], |b, j, s| {
                 let step = b.index(32)?;
@@ -491,6 +491,8 @@ fn case(name: &str) -> Case {
     built.unwrap_or_else(|e| panic!("{name}: {e}"))
 }
 
+/// Each kernel: its interpret lowering matches the host on the CPU plugin, and its Mosaic
+/// lowering compiles for tpu7x (one test per kernel, in the libtpu group).
 #[rstest]
 #[case::matmul_f32("matmul_f32")]
 #[case::matmul_kt_v("matmul_kt_v")]
@@ -505,33 +507,16 @@ fn case(name: &str) -> Case {
 #[case::for_loop("for_loop")]
 #[case::unit_lower_inverse("unit_lower_inverse")]
 #[case::chunk_terms("chunk_terms")]
-fn interpret_matches_the_host(#[case] name: &str) -> Result<()> {
+fn mosaic_kernel_interprets_and_compiles(#[case] name: &str) -> Result<()> {
     let c = case(name);
+
     let text = c.kernel.module(Lowering::Interpret)?;
     let outs = run!(&text, c.inputs);
     assert_eq!(outs.len(), c.want.len());
     for (i, (got, want)) in outs.iter().zip(&c.want).enumerate() {
         assert_close(&format!("{name} result {i}"), &got.f32s(), want, c.tol);
     }
-    Ok(())
-}
 
-#[rstest]
-#[case::matmul_f32("matmul_f32")]
-#[case::matmul_kt_v("matmul_kt_v")]
-#[case::matmul_bf16("matmul_bf16")]
-#[case::elementwise("elementwise")]
-#[case::causal_mask("causal_mask")]
-#[case::reduce_broadcast("reduce_broadcast")]
-#[case::cast_transpose("cast_transpose")]
-#[case::blocked_grid("blocked_grid")]
-#[case::scalar_prefetch("scalar_prefetch")]
-#[case::scratch_state("scratch_state")]
-#[case::for_loop("for_loop")]
-#[case::unit_lower_inverse("unit_lower_inverse")]
-#[case::chunk_terms("chunk_terms")]
-fn mosaic_compiles_for_tpu7x(#[case] name: &str) -> Result<()> {
-    let c = case(name);
     let text = c.kernel.module(Lowering::Mosaic)?;
     let tpu = TpuCompiler::load().unwrap_or_else(|e| panic!("no libtpu ({e}); run `cargo xtask setup`"));
     let report = tpu.compile(&text, DEFAULT_TOPOLOGY).map_err(|e| c.kernel.explain(e))?;

@@ -47,7 +47,7 @@ fn diagonal_inverse(b: &mut Body, l: &V) -> Result<V> {
 /// `[[E_u, 0], [-E_l L_lu E_u, E_l]]`), 16 -> 32 -> 64 rows. `work` and `out` are 64x64 f32
 /// scratch buffers of the kernel (`out` holds `A` afterwards).
 pub fn unit_lower_inverse(b: &mut Body, l: &V, work: Ref, out: Ref) -> Result<V> {
-    if l.ty.dtype != DType::F32 || l.ty.dims != [C, C] {
+    if l.ty.elem != DType::F32 || l.ty.dims != [C, C] {
         return Err(TpuError::builder("mosaic unit_lower_inverse", format!("a 64x64 f32 L, not {:?}", l.ty)));
     }
     b.store_all(work, l)?;
@@ -144,7 +144,7 @@ pub fn chunk_terms(
     tiles: Ref,
 ) -> Result<ChunkTerms> {
     let kd = g.ty.dims.get(1).copied().unwrap_or(0);
-    let ok = |v: &V, w: i64| v.ty.dtype == DType::F32 && v.ty.dims == [C, w];
+    let ok = |v: &V, w: i64| v.ty.elem == DType::F32 && v.ty.dims == [C, w];
     if !ok(q, kd) || !ok(k, kd) || !ok(g, kd) || !ok(beta, 1) {
         return Err(TpuError::builder("mosaic chunk_terms", "q, k, g [64, K] and beta [64, 1], f32"));
     }

@@ -5,40 +5,16 @@
 use kda_core::DType;
 
 use crate::error::{Result, TpuError};
-use crate::hlo::Cmp;
-
-/// The type of a body value: a vector (`dims` non-empty) or a scalar (`dims` empty; i32 scalars
-/// are grid indices, table entries, loop counters and offsets; an i1 scalar is a condition).
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct VType {
-    /// Element type.
-    pub dtype: DType,
-    /// Dims, outermost first (empty: a scalar).
-    pub dims: Vec<i64>,
-}
-
-impl VType {
-    /// A vector or scalar type.
-    pub fn new(dtype: DType, dims: &[i64]) -> Self {
-        VType { dtype, dims: dims.to_vec() }
-    }
-    /// The i32 scalar type.
-    pub fn index() -> Self {
-        VType::new(DType::I32, &[])
-    }
-    /// True for a scalar.
-    pub fn is_scalar(&self) -> bool {
-        self.dims.is_empty()
-    }
-}
+use crate::hlo::{Cmp, TensorType};
 
 /// A value of a body: its id and type.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct V {
     pub(crate) id: u32,
     body: u32,
-    /// The value's type.
-    pub ty: VType,
+    /// The value's type: a vector (dims non-empty) or a scalar (dims empty; i32 scalars are
+    /// grid indices, table entries, loop counters and offsets; an i1 scalar is a condition).
+    pub ty: TensorType,
 }
 
 /// A memory reference the body reads and writes: the block of an input or output (the window
@@ -178,12 +154,12 @@ fn positive(dims: &[i64]) -> bool {
 /// A distinct tag per body, so that a value of one body is refused by another.
 static BODIES: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
-fn fmt_ty(t: &VType) -> String {
+fn fmt_ty(t: &TensorType) -> String {
     if t.dims.is_empty() {
-        t.dtype.to_string()
+        t.elem.to_string()
     } else {
         let d: Vec<String> = t.dims.iter().map(i64::to_string).collect();
-        format!("vector<{}x{}>", d.join("x"), t.dtype)
+        format!("vector<{}x{}>", d.join("x"), t.elem)
     }
 }
 
@@ -193,13 +169,13 @@ fn fmt_ty(t: &VType) -> String {
 pub(crate) struct Scope {
     pub(crate) grid: usize,
     pub(crate) tables: usize,
-    pub(crate) inputs: Vec<VType>,
-    pub(crate) outputs: Vec<VType>,
-    pub(crate) scratch: Vec<VType>,
+    pub(crate) inputs: Vec<TensorType>,
+    pub(crate) outputs: Vec<TensorType>,
+    pub(crate) scratch: Vec<TensorType>,
 }
 
 impl Scope {
-    fn of(&self, r: Ref) -> Option<&VType> {
+    fn of(&self, r: Ref) -> Option<&TensorType> {
         match r {
             Ref::Input(i) => self.inputs.get(i),
             Ref::Output(i) => self.outputs.get(i),
@@ -231,7 +207,7 @@ impl Body {
         }
     }
 
-    fn fresh(&mut self, ty: VType) -> V {
+    fn fresh(&mut self, ty: TensorType) -> V {
         self.next += 1;
         if let Some(l) = self.live.last_mut() {
             l.insert(self.next);
@@ -274,7 +250,7 @@ impl Body {
         if axis >= self.scope.grid {
             return Err(err("program_id", format!("axis {axis} of a grid of rank {}", self.scope.grid)));
         }
-        let out = self.fresh(VType::index());
+        let out = self.fresh(TensorType::scalar(DType::I32));
         self.push(Op::ProgramId { out: out.clone(), axis });
         Ok(out)
     }
@@ -284,7 +260,7 @@ impl Body {
         if i32::try_from(value).is_err() {
             return Err(err("index", format!("{value} does not fit in i32")));
         }
-        let out = self.fresh(VType::index());
+        let out = self.fresh(TensorType::scalar(DType::I32));
         self.push(Op::IndexConst { out: out.clone(), value });
         Ok(out)
     }
@@ -292,10 +268,13 @@ impl Body {
     /// i32 scalar `a op b` (`Add`, `Sub`, `Mul`, `Max`, `Min`).
     pub fn index_op(&mut self, op: Binary, a: &V, b: &V) -> Result<V> {
         self.uses("index_op", &[a, b])?;
-        if a.ty != VType::index() || b.ty != VType::index() || op == Binary::Div {
+        if a.ty != TensorType::scalar(DType::I32)
+            || b.ty != TensorType::scalar(DType::I32)
+            || op == Binary::Div
+        {
             return Err(err("index_op", format!("{op:?} of {} and {}", fmt_ty(&a.ty), fmt_ty(&b.ty))));
         }
-        let out = self.fresh(VType::index());
+        let out = self.fresh(TensorType::scalar(DType::I32));
         self.push(Op::IndexBinary { out: out.clone(), op, a: a.clone(), b: b.clone() });
         Ok(out)
     }
@@ -303,13 +282,13 @@ impl Body {
     /// Entry `index` (an i32 scalar) of scalar-prefetch table `table`.
     pub fn read_table(&mut self, table: usize, index: &V) -> Result<V> {
         self.uses("read_table", &[index])?;
-        if table >= self.scope.tables || index.ty != VType::index() {
+        if table >= self.scope.tables || index.ty != TensorType::scalar(DType::I32) {
             return Err(err(
                 "read_table",
                 format!("table {table} of {}, index {}", self.scope.tables, fmt_ty(&index.ty)),
             ));
         }
-        let out = self.fresh(VType::index());
+        let out = self.fresh(TensorType::scalar(DType::I32));
         self.push(Op::ReadTable { out: out.clone(), table, index: index.clone() });
         Ok(out)
     }
@@ -323,12 +302,12 @@ impl Body {
         if dtype == DType::I32 && !integral {
             return Err(err("splat", format!("{value} is not an i32")));
         }
-        let out = self.fresh(VType::new(dtype, dims));
+        let out = self.fresh(TensorType::new(dtype, dims));
         self.push(Op::Splat { out: out.clone(), value });
         Ok(out)
     }
 
-    fn check_window(&self, op: &str, r: Ref, offsets: &[Offset], dims: &[i64]) -> Result<VType> {
+    fn check_window(&self, op: &str, r: Ref, offsets: &[Offset], dims: &[i64]) -> Result<TensorType> {
         let ty =
             self.scope.of(r).ok_or_else(|| err(op, format!("{r:?} is not a reference of the kernel")))?;
         for o in offsets {
@@ -344,7 +323,7 @@ impl Body {
                 Offset::Const(c) if *c < 0 || c + d > full => {
                     return Err(err(op, format!("dim {i}: {c}..{} outside {}", c + d, fmt_ty(ty))))
                 }
-                Offset::Dyn(v, m) if v.ty != VType::index() || *m < 1 || d > full => {
+                Offset::Dyn(v, m) if v.ty != TensorType::scalar(DType::I32) || *m < 1 || d > full => {
                     return Err(err(
                         op,
                         format!("dim {i}: offset {} (multiple of {m}) into {}", fmt_ty(&v.ty), fmt_ty(ty)),
@@ -359,7 +338,7 @@ impl Body {
     /// A `dims` block of `from` at `offsets`, in `from`'s element type.
     pub fn load(&mut self, from: Ref, offsets: &[Offset], dims: &[i64]) -> Result<V> {
         let ty = self.check_window("load", from, offsets, dims)?;
-        let out = self.fresh(VType::new(ty.dtype, dims));
+        let out = self.fresh(TensorType::new(ty.elem, dims));
         self.push(Op::Load { out: out.clone(), from, offsets: offsets.to_vec() });
         Ok(out)
     }
@@ -379,8 +358,8 @@ impl Body {
     pub fn store(&mut self, to: Ref, offsets: &[Offset], value: &V) -> Result<()> {
         self.uses("store", &[value])?;
         let ty = self.check_window("store", to, offsets, &value.ty.dims)?;
-        if ty.dtype != value.ty.dtype {
-            return Err(err("store", format!("{} into a {} reference", fmt_ty(&value.ty), ty.dtype)));
+        if ty.elem != value.ty.elem {
+            return Err(err("store", format!("{} into a {} reference", fmt_ty(&value.ty), ty.elem)));
         }
         self.push(Op::Store { to, offsets: offsets.to_vec(), value: value.clone() });
         Ok(())
@@ -400,17 +379,17 @@ impl Body {
         if a.ty.dims.len() != 2 || b.ty.dims.len() != 2 || contract.0 > 1 || contract.1 > 1 {
             return Err(err("matmul", format!("2-D operands: {}", shapes())));
         }
-        if a.ty.dtype != b.ty.dtype || !matches!(a.ty.dtype, DType::F32 | DType::BF16) {
+        if a.ty.elem != b.ty.elem || !matches!(a.ty.elem, DType::F32 | DType::BF16) {
             return Err(err("matmul", format!("operands of one float type: {}", shapes())));
         }
         if a.ty.dims[contract.0] != b.ty.dims[contract.1] {
             return Err(err("matmul", format!("contracting sizes differ: {}", shapes())));
         }
-        if precision == MatPrecision::Highest && a.ty.dtype != DType::F32 {
+        if precision == MatPrecision::Highest && a.ty.elem != DType::F32 {
             return Err(err("matmul", format!("Highest precision needs f32 operands: {}", shapes())));
         }
         let dims = [a.ty.dims[1 - contract.0], b.ty.dims[1 - contract.1]];
-        let out = self.fresh(VType::new(DType::F32, &dims));
+        let out = self.fresh(TensorType::new(DType::F32, &dims));
         self.push(Op::Matmul { out: out.clone(), a: a.clone(), b: b.clone(), contract, precision });
         Ok(out)
     }
@@ -419,9 +398,9 @@ impl Body {
     pub fn binary(&mut self, op: Binary, a: &V, b: &V) -> Result<V> {
         self.uses("binary", &[a, b])?;
         if a.ty != b.ty
-            || a.ty.is_scalar()
-            || a.ty.dtype == DType::I1
-            || (op == Binary::Div && !a.ty.dtype.is_float())
+            || a.ty.dims.is_empty()
+            || a.ty.elem == DType::I1
+            || (op == Binary::Div && !a.ty.elem.is_float())
         {
             return Err(err("binary", format!("{op:?} of {} and {}", fmt_ty(&a.ty), fmt_ty(&b.ty))));
         }
@@ -433,7 +412,7 @@ impl Body {
     /// Elementwise `op(a)` on a float vector.
     pub fn unary(&mut self, op: Unary, a: &V) -> Result<V> {
         self.uses("unary", &[a])?;
-        if a.ty.is_scalar() || !a.ty.dtype.is_float() {
+        if a.ty.dims.is_empty() || !a.ty.elem.is_float() {
             return Err(err("unary", format!("{op:?} of {}", fmt_ty(&a.ty))));
         }
         let out = self.fresh(a.ty.clone());
@@ -446,7 +425,7 @@ impl Body {
         if dims.len() < 2 || dim >= dims.len() || !positive(dims) {
             return Err(err("iota", format!("dim {dim} of {dims:?} (a vector of rank 2 or more)")));
         }
-        let out = self.fresh(VType::new(DType::I32, dims));
+        let out = self.fresh(TensorType::new(DType::I32, dims));
         self.push(Op::Iota { out: out.clone(), dim });
         Ok(out)
     }
@@ -454,10 +433,10 @@ impl Body {
     /// `a cmp b` (one type: vectors or i32 scalars) into i1.
     pub fn compare(&mut self, cmp: Cmp, a: &V, b: &V) -> Result<V> {
         self.uses("compare", &[a, b])?;
-        if a.ty != b.ty || a.ty.dtype == DType::I1 || (a.ty.is_scalar() && a.ty.dtype != DType::I32) {
+        if a.ty != b.ty || a.ty.elem == DType::I1 || (a.ty.dims.is_empty() && a.ty.elem != DType::I32) {
             return Err(err("compare", format!("{cmp:?} of {} and {}", fmt_ty(&a.ty), fmt_ty(&b.ty))));
         }
-        let out = self.fresh(VType::new(DType::I1, &a.ty.dims));
+        let out = self.fresh(TensorType::new(DType::I1, &a.ty.dims));
         self.push(Op::Compare { out: out.clone(), cmp, a: a.clone(), b: b.clone() });
         Ok(out)
     }
@@ -465,7 +444,7 @@ impl Body {
     /// `cond ? a : b` with an i1 `cond` of `a`'s dims.
     pub fn select(&mut self, cond: &V, a: &V, b: &V) -> Result<V> {
         self.uses("select", &[cond, a, b])?;
-        if a.ty != b.ty || a.ty.is_scalar() || cond.ty != VType::new(DType::I1, &a.ty.dims) {
+        if a.ty != b.ty || a.ty.dims.is_empty() || cond.ty != TensorType::new(DType::I1, &a.ty.dims) {
             return Err(err(
                 "select",
                 format!("{} ? {} : {}", fmt_ty(&cond.ty), fmt_ty(&a.ty), fmt_ty(&b.ty)),
@@ -479,12 +458,12 @@ impl Body {
     /// `op` over `axis` of an f32 vector of rank 2 or more; the axis stays, with size 1.
     pub fn reduce(&mut self, op: Reduction, a: &V, axis: usize) -> Result<V> {
         self.uses("reduce", &[a])?;
-        if a.ty.dims.len() < 2 || axis >= a.ty.dims.len() || a.ty.dtype != DType::F32 {
+        if a.ty.dims.len() < 2 || axis >= a.ty.dims.len() || a.ty.elem != DType::F32 {
             return Err(err("reduce", format!("{op:?} over axis {axis} of {}", fmt_ty(&a.ty))));
         }
         let mut dims = a.ty.dims.clone();
         dims[axis] = 1;
-        let out = self.fresh(VType::new(DType::F32, &dims));
+        let out = self.fresh(TensorType::new(DType::F32, &dims));
         self.push(Op::Reduce { out: out.clone(), op, a: a.clone(), axis });
         Ok(out)
     }
@@ -495,14 +474,14 @@ impl Body {
         self.uses("broadcast", &[a])?;
         let r = a.ty.dims.len();
         let fits = positive(dims)
-            && ((r == 0 && a.ty.dtype == DType::I32)
+            && ((r == 0 && a.ty.elem == DType::I32)
                 || (r > 0
                     && r <= dims.len()
                     && a.ty.dims.iter().zip(&dims[dims.len() - r..]).all(|(&s, &d)| s == d || s == 1)));
         if !fits {
             return Err(err("broadcast", format!("{} to {dims:?}", fmt_ty(&a.ty))));
         }
-        let out = self.fresh(VType::new(a.ty.dtype, dims));
+        let out = self.fresh(TensorType::new(a.ty.elem, dims));
         self.push(Op::Broadcast { out: out.clone(), a: a.clone() });
         Ok(out)
     }
@@ -511,10 +490,10 @@ impl Body {
     pub fn cast(&mut self, a: &V, dtype: DType) -> Result<V> {
         self.uses("cast", &[a])?;
         let ok = |d: DType| matches!(d, DType::F32 | DType::BF16 | DType::I32);
-        if a.ty.is_scalar() || !ok(a.ty.dtype) || !ok(dtype) || a.ty.dtype == dtype {
+        if a.ty.dims.is_empty() || !ok(a.ty.elem) || !ok(dtype) || a.ty.elem == dtype {
             return Err(err("cast", format!("{} to {dtype}", fmt_ty(&a.ty))));
         }
-        let out = self.fresh(VType::new(dtype, &a.ty.dims));
+        let out = self.fresh(TensorType::new(dtype, &a.ty.dims));
         self.push(Op::Cast { out: out.clone(), a: a.clone() });
         Ok(out)
     }
@@ -525,7 +504,7 @@ impl Body {
         if a.ty.dims.len() != 2 {
             return Err(err("transpose", format!("a 2-D vector, not {}", fmt_ty(&a.ty))));
         }
-        let out = self.fresh(VType::new(a.ty.dtype, &[a.ty.dims[1], a.ty.dims[0]]));
+        let out = self.fresh(TensorType::new(a.ty.elem, &[a.ty.dims[1], a.ty.dims[0]]));
         self.push(Op::Transpose { out: out.clone(), a: a.clone() });
         Ok(out)
     }
@@ -533,13 +512,13 @@ impl Body {
     /// `a` with other dims of the same element count.
     pub fn reshape(&mut self, a: &V, dims: &[i64]) -> Result<V> {
         self.uses("reshape", &[a])?;
-        if a.ty.is_scalar()
+        if a.ty.dims.is_empty()
             || !positive(dims)
             || a.ty.dims.iter().product::<i64>() != dims.iter().product::<i64>()
         {
             return Err(err("reshape", format!("{} to {dims:?}", fmt_ty(&a.ty))));
         }
-        let out = self.fresh(VType::new(a.ty.dtype, dims));
+        let out = self.fresh(TensorType::new(a.ty.elem, dims));
         self.push(Op::Reshape { out: out.clone(), a: a.clone() });
         Ok(out)
     }
@@ -547,7 +526,7 @@ impl Body {
     /// Runs `then` when the i1 scalar `cond` holds. The region may store; its values stay inside.
     pub fn when(&mut self, cond: &V, then: impl FnOnce(&mut Body) -> Result<()>) -> Result<()> {
         self.uses("when", &[cond])?;
-        if cond.ty != VType::new(DType::I1, &[]) {
+        if cond.ty != TensorType::new(DType::I1, &[]) {
             return Err(err("when", format!("an i1 scalar condition, not {}", fmt_ty(&cond.ty))));
         }
         self.open();
@@ -571,11 +550,11 @@ impl Body {
         if lo > hi || i32::try_from(hi).is_err() || i32::try_from(lo).is_err() {
             return Err(err("for_range", format!("bounds {lo}..{hi}")));
         }
-        if init.iter().any(|v| v.ty.is_scalar()) {
+        if init.iter().any(|v| v.ty.dims.is_empty()) {
             return Err(err("for_range", "loop values are vectors"));
         }
         self.open();
-        let index = self.fresh(VType::index());
+        let index = self.fresh(TensorType::scalar(DType::I32));
         let args: Vec<V> = init.iter().map(|v| self.fresh(v.ty.clone())).collect();
         let done = body(self, &index, &args);
         if let Ok(yields) = &done {

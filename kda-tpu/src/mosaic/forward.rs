@@ -82,7 +82,7 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
             })?;
             let f32_2d = |b: &mut super::body::Body, i: usize, w: i64| {
                 let x = b.load_all(Ref::Input(i))?;
-                let x = if x.ty.dtype == DType::F32 { x } else { b.cast(&x, DType::F32)? };
+                let x = if x.ty.elem == DType::F32 { x } else { b.cast(&x, DType::F32)? };
                 b.reshape(&x, &[C, w])
             };
             let (q, kk, vv, g, beta) =

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 
 use kda_core::DType;
 
-use super::body::{Binary, MatPrecision, Offset, Op, Reduction, Ref, Unary, VType, V};
+use super::body::{Binary, MatPrecision, Offset, Op, Reduction, Ref, Unary, V};
 use super::kernel::{Index, Kernel};
 use crate::error::{Result, TpuError};
 use crate::hlo::{FnBuilder, Precision, TensorType, Value};
@@ -20,8 +20,8 @@ fn err(message: impl Into<String>) -> TpuError {
     TpuError::builder("mosaic interpret", message)
 }
 
-fn tensor(t: &VType) -> TensorType {
-    TensorType::new(t.dtype, &t.dims)
+fn tensor(t: &TensorType) -> TensorType {
+    TensorType::new(t.elem, &t.dims)
 }
 
 fn zeros(b: &mut FnBuilder, t: &TensorType) -> Result<Value> {
@@ -77,6 +77,13 @@ impl Refs {
             scratch: values[i + o..].to_vec(),
         }
     }
+}
+
+/// The call's operands: the scalar-prefetch tables and the inputs.
+#[derive(Clone, Copy)]
+struct Operands<'a> {
+    tables: &'a [Value],
+    inputs: &'a [Value],
 }
 
 struct Step<'a> {
@@ -152,7 +159,7 @@ impl Step<'_> {
             }
             Op::Splat { out, value } => {
                 let ty = tensor(&out.ty);
-                let v = match out.ty.dtype {
+                let v = match out.ty.elem {
                     DType::I32 => b.constant_i32(*value as i32, ty)?,
                     _ => b.constant_f32(*value as f32, ty)?,
                 };
@@ -219,7 +226,7 @@ impl Step<'_> {
             }
             Op::Cast { out, a } => {
                 let x = get(vals, a)?;
-                (out, b.convert(x, out.ty.dtype)?)
+                (out, b.convert(x, out.ty.elem)?)
             }
             Op::Transpose { out, a } => {
                 let x = get(vals, a)?;
@@ -312,38 +319,37 @@ impl Kernel {
         for (_, t) in &self.scratch {
             state.push(zeros(b, &tensor(t))?);
         }
-        let done = self.grid_loop(b, &[], tables, inputs, &state)?;
+        let done = self.grid_loop(b, &[], Operands { tables, inputs }, &state)?;
         Ok(done[..self.outputs.len()].to_vec())
     }
 
+    /// The grid's axes from `grid.len()` on as nested loops around [`Kernel::step`].
     fn grid_loop(
         &self,
         b: &mut FnBuilder,
         grid: &[Value],
-        tables: &[Value],
-        inputs: &[Value],
+        x: Operands<'_>,
         state: &[Value],
     ) -> Result<Vec<Value>> {
         if grid.len() == self.grid.len() {
-            return self.step(b, grid, tables, inputs, state);
+            return self.step(b, &Step { grid, tables: x.tables }, x.inputs, state);
         }
         let steps = self.grid[grid.len()].0 as i32;
         b.for_loop(steps, state, |b, i, st| {
             let mut g = grid.to_vec();
             g.push(i);
-            self.grid_loop(b, &g, tables, inputs, st)
+            self.grid_loop(b, &g, x, st)
         })
     }
 
+    /// One grid step at `step`'s indices: blocks in, the body, result blocks back.
     fn step(
         &self,
         b: &mut FnBuilder,
-        grid: &[Value],
-        tables: &[Value],
+        step: &Step<'_>,
         inputs: &[Value],
         state: &[Value],
     ) -> Result<Vec<Value>> {
-        let step = Step { grid, tables };
         let starts = |b: &mut FnBuilder, o: &super::kernel::Operand| -> Result<Vec<Value>> {
             o.map
                 .iter()

@@ -5,7 +5,7 @@
 
 use kda_core::DType;
 
-use super::body::{Body, Op, Scope, VType};
+use super::body::{Body, Op, Scope};
 use crate::error::{Result, TpuError};
 use crate::hlo::TensorType;
 
@@ -107,8 +107,8 @@ impl Operand {
     pub fn blocked(name: &str, ty: TensorType, block: &[i64], map: Vec<Index>) -> Self {
         Operand { name: name.to_string(), ty, block: block.to_vec(), map }
     }
-    pub(crate) fn block_type(&self) -> VType {
-        VType::new(self.ty.elem, &self.block)
+    pub(crate) fn block_type(&self) -> TensorType {
+        TensorType::new(self.ty.elem, &self.block)
     }
 }
 
@@ -131,7 +131,7 @@ pub struct Kernel {
     pub(crate) tables: Vec<(String, i64)>,
     pub(crate) inputs: Vec<Operand>,
     pub(crate) outputs: Vec<Operand>,
-    pub(crate) scratch: Vec<(String, VType)>,
+    pub(crate) scratch: Vec<(String, TensorType)>,
     pub(crate) body: Vec<Op>,
     pub(crate) cost: Option<Cost>,
 }
@@ -144,7 +144,7 @@ pub struct KernelBuilder {
     tables: Vec<(String, i64)>,
     inputs: Vec<Operand>,
     outputs: Vec<Operand>,
-    scratch: Vec<(String, VType)>,
+    scratch: Vec<(String, TensorType)>,
     cost: Option<Cost>,
 }
 
@@ -192,7 +192,7 @@ impl KernelBuilder {
     /// Adds a VMEM scratch buffer, kept across grid steps (zero before the first step in the
     /// interpret lowering; on a TPU, whatever VMEM held: initialise it in the body).
     pub fn scratch(mut self, name: &str, ty: TensorType) -> Self {
-        self.scratch.push((name.to_string(), VType::new(ty.elem, &ty.dims)));
+        self.scratch.push((name.to_string(), TensorType::new(ty.elem, &ty.dims)));
         self
     }
     /// Sets the analytic cost.
@@ -267,7 +267,7 @@ impl KernelBuilder {
             self.check_operand(o)?;
         }
         for (name, t) in &self.scratch {
-            if t.dims.is_empty() || !matches!(t.dtype, DType::F32 | DType::BF16 | DType::I32) {
+            if t.dims.is_empty() || !matches!(t.elem, DType::F32 | DType::BF16 | DType::I32) {
                 return Err(err(&format!("scratch {name}"), format!("{t:?}: an f32, bf16 or i32 array")));
             }
         }

@@ -23,7 +23,7 @@ mod interpret;
 mod kernel;
 mod text;
 
-pub use body::{Binary, Body, MatPrecision, Offset, Reduction, Ref, Unary, VType, V};
+pub use body::{Binary, Body, MatPrecision, Offset, Reduction, Ref, Unary, V};
 pub use kernel::{Cost, Index, Kernel, KernelBuilder, Operand, Semantics};
 
 use crate::error::{Result, TpuError};

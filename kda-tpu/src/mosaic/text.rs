@@ -8,17 +8,17 @@ use std::fmt::Write;
 
 use kda_core::DType;
 
-use super::body::{Binary, MatPrecision, Offset, Op, Reduction, Ref, Unary, VType, V};
+use super::body::{Binary, MatPrecision, Offset, Op, Reduction, Ref, Unary, V};
 use super::kernel::{Index, Kernel, Semantics};
 use crate::error::{Result, TpuError};
 use crate::hlo::{Cmp, FnBuilder, TensorType, Value};
 
-fn vty(t: &VType) -> String {
+fn vty(t: &TensorType) -> String {
     if t.dims.is_empty() {
-        t.dtype.name().to_string()
+        t.elem.name().to_string()
     } else {
         let d: Vec<String> = t.dims.iter().map(i64::to_string).collect();
-        format!("vector<{}x{}>", d.join("x"), t.dtype.name())
+        format!("vector<{}x{}>", d.join("x"), t.elem.name())
     }
 }
 
@@ -91,9 +91,7 @@ impl<'k> Emitter<'k> {
             Ref::Output(i) => {
                 (format!("%out{i}"), self.k.outputs[i].block.clone(), self.k.outputs[i].ty.elem)
             }
-            Ref::Scratch(i) => {
-                (format!("%s{i}"), self.k.scratch[i].1.dims.clone(), self.k.scratch[i].1.dtype)
-            }
+            Ref::Scratch(i) => (format!("%s{i}"), self.k.scratch[i].1.dims.clone(), self.k.scratch[i].1.elem),
         };
         (name, memref(&dims, dtype, "vmem"))
     }
@@ -114,6 +112,14 @@ impl<'k> Emitter<'k> {
             names.push(t);
         }
         Ok(names.join(", "))
+    }
+
+    /// `out = op a : A to OUT`, the form of the shape and type conversions.
+    fn conversion(&mut self, op: &str, out: &V, a: &V) -> Result<()> {
+        let an = self.name(a)?;
+        let n = self.def(out);
+        self.line(&format!("{n} = {op} {an} : {} to {}", vty(&a.ty), vty(&out.ty)));
+        Ok(())
     }
 
     fn ops(&mut self, ops: &[Op]) -> Result<()> {
@@ -148,7 +154,7 @@ impl<'k> Emitter<'k> {
                 let n = self.def(out);
                 self.line(&format!(
                     "{n} = arith.constant dense<{}> : {}",
-                    literal(*value, out.ty.dtype),
+                    literal(*value, out.ty.elem),
                     vty(&out.ty)
                 ));
             }
@@ -190,7 +196,7 @@ impl<'k> Emitter<'k> {
             }
             Op::Binary { out, op, a, b } => {
                 let (an, bn) = (self.name(a)?, self.name(b)?);
-                let name = if a.ty.dtype.is_float() { float_op(*op) } else { int_op(*op) };
+                let name = if a.ty.elem.is_float() { float_op(*op) } else { int_op(*op) };
                 let n = self.def(out);
                 self.line(&format!("{n} = arith.{name} {an}, {bn} : {}", vty(&out.ty)));
             }
@@ -213,7 +219,7 @@ impl<'k> Emitter<'k> {
                 let (an, bn) = (self.name(a)?, self.name(b)?);
                 let (f, i) = predicate(*cmp);
                 let n = self.def(out);
-                let (op, pred) = if a.ty.dtype.is_float() { ("cmpf", f) } else { ("cmpi", i) };
+                let (op, pred) = if a.ty.elem.is_float() { ("cmpf", f) } else { ("cmpi", i) };
                 self.line(&format!("{n} = arith.{op} {pred}, {an}, {bn} : {}", vty(&a.ty)));
             }
             Op::Select { out, cond, a, b } => {
@@ -229,7 +235,7 @@ impl<'k> Emitter<'k> {
                 let an = self.name(a)?;
                 let mut dims = a.ty.dims.clone();
                 dims.remove(*axis);
-                let reduced = VType::new(DType::F32, &dims);
+                let reduced = TensorType::new(DType::F32, &dims);
                 let (acc, r) = (self.temp(), self.temp());
                 let (kind, init) = match op {
                     Reduction::Sum => ("add", 0.0),
@@ -248,21 +254,15 @@ impl<'k> Emitter<'k> {
                 let n = self.def(out);
                 self.line(&format!("{n} = vector.shape_cast {r} : {} to {}", vty(&reduced), vty(&out.ty)));
             }
-            Op::Broadcast { out, a } => {
-                let an = self.name(a)?;
-                let n = self.def(out);
-                self.line(&format!("{n} = vector.broadcast {an} : {} to {}", vty(&a.ty), vty(&out.ty)));
-            }
+            Op::Broadcast { out, a } => self.conversion("vector.broadcast", out, a)?,
             Op::Cast { out, a } => {
-                let an = self.name(a)?;
-                let op = match (a.ty.dtype, out.ty.dtype) {
+                let op = match (a.ty.elem, out.ty.elem) {
                     (DType::F32, DType::BF16) => "arith.truncf",
                     (DType::BF16, DType::F32) => "arith.extf",
                     (DType::I32, _) => "arith.sitofp",
                     _ => "arith.fptosi",
                 };
-                let n = self.def(out);
-                self.line(&format!("{n} = {op} {an} : {} to {}", vty(&a.ty), vty(&out.ty)));
+                self.conversion(op, out, a)?
             }
             Op::Transpose { out, a } => {
                 let an = self.name(a)?;
@@ -273,11 +273,7 @@ impl<'k> Emitter<'k> {
                     vty(&out.ty)
                 ));
             }
-            Op::Reshape { out, a } => {
-                let an = self.name(a)?;
-                let n = self.def(out);
-                self.line(&format!("{n} = vector.shape_cast {an} : {} to {}", vty(&a.ty), vty(&out.ty)));
-            }
+            Op::Reshape { out, a } => self.conversion("vector.shape_cast", out, a)?,
             Op::If { cond, then } => {
                 let c = self.name(cond)?;
                 self.line(&format!("scf.if {c} {{"));
@@ -423,7 +419,7 @@ impl Kernel {
             args.push(format!("%out{i}: {}", memref(&o.block, o.ty.elem, "vmem")));
         }
         for (i, (_, t)) in self.scratch.iter().enumerate() {
-            args.push(format!("%s{i}: {}", memref(&t.dims, t.dtype, "vmem")));
+            args.push(format!("%s{i}: {}", memref(&t.dims, t.elem, "vmem")));
         }
         let semantics: Vec<String> = self
             .grid
