@@ -114,13 +114,11 @@ fn add(b: &mut Body, x: &V, y: &V) -> Result<V> {
     b.binary(Binary::Add, x, y)
 }
 
-/// `[t, j] -> sum_i x[t, i] y[j, i] f[t * 16 + j, i]` over a 16x16 tile, from the pair
-/// selections `sel_t`, `sel_j` `[256, 16]` and the factors `f` `[256, K]`.
-fn pair_products(b: &mut Body, sel_t: &V, sel_j: &V, x: &V, y: &V, f: &V) -> Result<V> {
+/// `[t, j] -> sum_i x[t, i] yf[t * 16 + j, i]` over a 16x16 tile, from the row selection
+/// `sel_t` `[256, 16]` and the other operand already paired and decayed, `yf` `[256, K]`.
+fn pair_products(b: &mut Body, sel_t: &V, x: &V, yf: &V) -> Result<V> {
     let xr = mm(b, sel_t, x)?;
-    let yr = mm(b, sel_j, y)?;
-    let p = mul(b, &xr, &yr)?;
-    let p = mul(b, &p, f)?;
+    let p = mul(b, &xr, yf)?;
     let r = b.reduce(super::body::Reduction::Sum, &p, 1)?;
     b.reshape(&r, &[S, S])
 }
@@ -218,23 +216,37 @@ pub fn chunk_terms(
     let causal = mask(b, &[S, S], 0, Cmp::Ge, 1)?;
     let strict = mask(b, &[S, S], 0, Cmp::Gt, 1)?;
     // The causal tiles of `sum_i x[t, i] k[j, i] e^(G_t[i] - G_j[i])`, kept where `keep` is 1.
+    // The factors Aqk and L share, formed once: per diagonal tile `(sel_j k) e^(sum_{j<s<=t} g)`,
+    // per block the row factor `e^(lc)`, per earlier block the decayed key columns.
+    let mut kf = Vec::with_capacity(nb);
+    let mut er = Vec::with_capacity(nb);
+    let mut kc: Vec<Vec<V>> = Vec::with_capacity(nb);
+    for i in 0..nb {
+        let d = mm(b, &between_pair, &gb[i])?;
+        let f = exp(b, &d)?;
+        let kr = mm(b, &sel_j, &kb[i])?;
+        kf.push(mul(b, &kr, &f)?);
+        er.push(exp(b, &lc[i])?);
+        let mut cols = Vec::with_capacity(i);
+        for j in 0..i {
+            let mid = span(b, j + 1, i)?;
+            let ec = add(b, &sx[j], &mid)?;
+            let ec = exp(b, &ec)?;
+            cols.push(mul(b, &kb[j], &ec)?);
+        }
+        kc.push(cols);
+    }
+    // The causal tiles of `sum_i x[t, i] k[j, i] e^(G_t[i] - G_j[i])`, kept where `keep` is 1.
     let tiles_of = |b: &mut Body, left: &[V], keep: &V| -> Result<V> {
         let zero = b.splat(0.0, DType::F32, &[C, C])?;
         b.store_all(tiles, &zero)?;
         for i in 0..nb {
-            let d = mm(b, &between_pair, &gb[i])?;
-            let f = exp(b, &d)?;
-            let t = pair_products(b, &sel_t, &sel_j, &left[i], &kb[i], &f)?;
+            let t = pair_products(b, &sel_t, &left[i], &kf[i])?;
             let t = mul(b, &t, keep)?;
             b.store(tiles, &at(i as i64 * S, i as i64 * S), &t)?;
-            let er = exp(b, &lc[i])?;
-            let xr = mul(b, &left[i], &er)?;
-            for j in 0..i {
-                let mid = span(b, j + 1, i)?;
-                let ec = add(b, &sx[j], &mid)?;
-                let ec = exp(b, &ec)?;
-                let kc = mul(b, &kb[j], &ec)?;
-                let a = b.matmul(&xr, &kc, (1, 1), MatPrecision::Highest)?;
+            let xr = mul(b, &left[i], &er[i])?;
+            for (j, c) in kc[i].iter().enumerate() {
+                let a = b.matmul(&xr, c, (1, 1), MatPrecision::Highest)?;
                 b.store(tiles, &at(i as i64 * S, j as i64 * S), &a)?;
             }
         }
