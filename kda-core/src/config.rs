@@ -116,3 +116,36 @@ impl BackwardStrategy {
         }
     }
 }
+
+/// What runs a PJRT backend's forward chunk loop (docs/design.md, "The Mosaic kernels").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Implementation {
+    /// XLA loops over chunks (any plugin; the default).
+    #[default]
+    Xla,
+    /// The Mosaic forward kernel in a `tpu_custom_call` (libtpu only).
+    Mosaic,
+    /// The Mosaic forward kernel's interpret lowering: the same kernel as plain StableHLO, on
+    /// any plugin (what the CPU checks).
+    Interpret,
+}
+
+impl Implementation {
+    /// Parses `xla`, `mosaic` or `interpret`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "xla" => Some(Self::Xla),
+            "mosaic" => Some(Self::Mosaic),
+            "interpret" => Some(Self::Interpret),
+            _ => None,
+        }
+    }
+    /// The command-line name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Xla => "xla",
+            Self::Mosaic => "mosaic",
+            Self::Interpret => "interpret",
+        }
+    }
+}

@@ -19,7 +19,7 @@ mod shape;
 mod tensor;
 
 pub use backend::{Backend, Residuals};
-pub use config::{BackwardStrategy, GateKind, GateMode, KdaConfig, CHUNK, L2NORM_EPS, MAX_K};
+pub use config::{BackwardStrategy, GateKind, GateMode, Implementation, KdaConfig, CHUNK, L2NORM_EPS, MAX_K};
 pub use dtype::DType;
 pub use error::{ErrorKind, ErrorSource, KdaError, Result};
 pub use half::bf16;

@@ -28,7 +28,7 @@ pub use backend::{
 };
 pub use error::{Result, TpuError};
 pub use kernels::interface::ProgramKind;
-pub use kernels::KernelSpec;
+pub use kernels::{Implementation, KernelSpec};
 #[cfg(feature = "runtime")]
 pub use runtime::{CompileOptions, DeviceBuffer, Executable, MemoryStats, Runtime, Signature, XlaOption};
 

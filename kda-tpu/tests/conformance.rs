@@ -525,8 +525,150 @@ mod context_parallel {
     }
 }
 
+/// The forward programs through the Mosaic forward kernel's interpret lowering
+/// (`Implementation::Interpret`: the kernel libtpu compiles, as plain StableHLO) against the
+/// reference at the limits of docs/kda.md, Accuracy: a covering set here (fixed and packed,
+/// both layouts, singleton and off-tiling widths, K up to 256, the in-kernel gate and L2 norm,
+/// no states, hard resets, every segment empty), every case and dtype in `full::`. The split
+/// saved-state backward reads the kernel's per-chunk states.
+mod interpret {
+    use kda_core::{BackwardStrategy, DType, HostTensor, KdaInputs, KdaOutputs, Layout};
+    use kda_testkit::conformance::{backward, forward, Path};
+    use kda_testkit::Case;
+    use kda_tpu::{Implementation, PjrtBackend};
+    use rstest::rstest;
+
+    use DType::{BF16, F32};
+
+    pub fn backend() -> PjrtBackend {
+        PjrtBackend::new()
+            .and_then(|b| b.with_implementation(Implementation::Interpret))
+            .expect("PJRT plugin (run `cargo xtask setup`)")
+    }
+
+    fn run(r: Result<kda_testkit::conformance::Report, String>) {
+        match r {
+            Ok(report) => eprint!("{report}"),
+            Err(failure) => panic!("conformance failure:\n{failure}"),
+        }
+    }
+
+    #[rstest]
+    #[case::fixed_small_f32("fixed_small", F32)]
+    #[case::batch_first_b2_bf16("fixed_batch_first_b2", BF16)]
+    #[case::singleton_f32("singleton_h1_b1_t1", F32)]
+    #[case::k129_v127_f32("k129_v127", F32)]
+    #[case::k256_v32_bf16("k256_v32", BF16)]
+    #[case::no_states_f32("no_states", F32)]
+    #[case::lower_bound_l2norm_bf16("gate_lower_bound_l2norm", BF16)]
+    #[case::softplus_f32("gate_softplus", F32)]
+    #[case::hard_reset_f32("hard_reset", F32)]
+    #[case::packed_lengths_f32("packed_lengths_1_63_64_65_0", F32)]
+    #[case::packed_rows_differ_bf16("packed_rows_differ", BF16)]
+    #[case::packed_all_empty_f32("packed_all_empty", F32)]
+    fn forward_meets_the_reference(#[case] name: &str, #[case] dtype: DType) {
+        run(forward(&backend(), name, dtype));
+    }
+
+    /// `x` with the tokens `pick(row, token)` taken from `y` (same shape, f32; per-token
+    /// tensors and beta in `layout`, any trailing width).
+    fn splice(
+        x: &HostTensor,
+        y: &HostTensor,
+        layout: Layout,
+        (h, b, t): (usize, usize, usize),
+        pick: &dyn Fn(usize, usize) -> bool,
+    ) -> HostTensor {
+        let (mut out, other) = (x.to_f32_vec(), y.to_f32_vec());
+        let d = out.len() / (h * b * t);
+        for (i, (o, y)) in out.iter_mut().zip(&other).enumerate() {
+            let (row, tok) = match layout {
+                Layout::HeadFirst => ((i / (d * t)) % b, (i / d) % t),
+                Layout::BatchFirst => (i / (d * h * t), (i / (d * h)) % t),
+            };
+            if pick(row, tok) {
+                *o = *y;
+            }
+        }
+        HostTensor::from_f32(x.shape(), out).expect("same shape")
+    }
+
+    /// The case's inputs with the tokens `pick` selects drawn again (another seed's values),
+    /// and the forward's outputs of both.
+    fn forward_twice(name: &str, pick: &dyn Fn(usize, usize) -> bool) -> (Case, [KdaOutputs; 2]) {
+        let case = kda_testkit::cases::case(name).expect("case");
+        let a = kda_testkit::case_data(&case, F32).expect("inputs").inputs;
+        let other = kda_testkit::case_data(&Case { name: "another_draw", ..case.clone() }, F32)
+            .expect("inputs")
+            .inputs;
+        let mut b = a.clone();
+        let dims = (case.h, case.b, case.t);
+        let layout = a.config.layout;
+        b.q = splice(&a.q, &other.q, layout, dims, pick);
+        b.k = splice(&a.k, &other.k, layout, dims, pick);
+        b.v = splice(&a.v, &other.v, layout, dims, pick);
+        b.g = splice(&a.g, &other.g, layout, dims, pick);
+        b.beta = splice(&a.beta, &other.beta, layout, dims, pick);
+        let be = backend();
+        let run = |x: &KdaInputs| be.forward(x, BackwardStrategy::Rematerialize).expect("forward").0;
+        (case, [run(&a), run(&b)])
+    }
+
+    /// `o` at the tokens `pick` selects, in the case's layout.
+    fn tokens(o: &HostTensor, case: &Case, pick: &dyn Fn(usize, usize) -> bool) -> Vec<u32> {
+        let zero = HostTensor::zeros(o.shape(), F32);
+        let picked = splice(&zero, o, case.layout, (case.h, case.b, case.t), pick);
+        picked.to_f32_vec().iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// Changing every token from 70 on (inside the second chunk) leaves the outputs of tokens
+    /// 0..70 of every row bitwise equal, and changes later ones.
+    #[test]
+    fn the_kernel_forward_is_bitwise_causal() {
+        let (case, [a, b]) = forward_twice("fixed_batch_first_b2", &|_, t| t >= 70);
+        let early = |_: usize, t: usize| t < 70;
+        assert_eq!(tokens(&a.o, &case, &early), tokens(&b.o, &case, &early), "outputs before token 70");
+        let late = |_: usize, t: usize| t >= 70;
+        assert_ne!(tokens(&a.o, &case, &late), tokens(&b.o, &case, &late));
+    }
+
+    /// Changing the tokens of one segment (row 0's second, tokens 30..100) leaves every other
+    /// token's output and every other segment's final state bitwise equal.
+    #[test]
+    fn the_kernel_forward_isolates_segments() {
+        let inside = |r: usize, t: usize| r == 0 && (30..100).contains(&t);
+        let (case, [a, b]) = forward_twice("packed_rows_differ", &inside);
+        let outside = |r: usize, t: usize| !inside(r, t);
+        assert_eq!(
+            tokens(&a.o, &case, &outside),
+            tokens(&b.o, &case, &outside),
+            "outputs outside the segment"
+        );
+        assert_ne!(tokens(&a.o, &case, &inside), tokens(&b.o, &case, &inside));
+        let (fa, fb) = (a.final_state.expect("final states"), b.final_state.expect("final states"));
+        let (fa, fb) = (fa.to_f32_vec(), fb.to_f32_vec());
+        let per_slot = fa.len() / (case.b * 3);
+        for (slot, (x, y)) in fa.chunks(per_slot).zip(fb.chunks(per_slot)).enumerate() {
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            if slot == 1 {
+                assert_ne!(bits(x), bits(y), "the changed segment's final state");
+            } else {
+                assert_eq!(bits(x), bits(y), "final state of slot {slot}");
+            }
+        }
+    }
+
+    #[rstest]
+    #[case::fixed_small_f32("fixed_small", F32)]
+    #[case::packed_rows_differ_f32("packed_rows_differ", F32)]
+    fn saved_state_backward_reads_the_kernel_states(#[case] name: &str, #[case] dtype: DType) {
+        run(backward(&backend(), name, dtype, BackwardStrategy::SavedState, Path::Split));
+    }
+}
+
 /// The whole product of the parallel factors (`cargo xtask test --full`): devices x case x
-/// strategy x path x dtype, for data and for context parallelism.
+/// strategy x path x dtype, for data and for context parallelism; the interpret lowering of
+/// the forward kernel on every case of the table.
 mod full {
     use kda_core::{BackwardStrategy, DType};
     use kda_testkit::conformance::{backward_case, Path};
@@ -577,5 +719,15 @@ mod full {
         if let Err(failure) = backward_case(&be, &super::data_parallel::named(name), dtype, strategy, path) {
             panic!("conformance failure on {devices} devices:\n{failure}");
         }
+    }
+
+    #[rstest]
+    fn interpret_forward_every_case(#[values(DType::F32, DType::BF16)] dtype: DType) {
+        let be = super::interpret::backend();
+        let failures: Vec<String> = kda_testkit::CASE_NAMES
+            .iter()
+            .filter_map(|name| kda_testkit::conformance::forward(&be, name, dtype).err())
+            .collect();
+        assert!(failures.is_empty(), "{} cases failed:\n{}", failures.len(), failures.join("\n"));
     }
 }

@@ -51,3 +51,44 @@ fn primary_program_compiles_for_tpu7x(
         assert!(peak <= limit, "{name} {kind:?}: tpu7x peak {peak:.2} MB above the {limit} MB target");
     }
 }
+
+/// 16 MiB: the smallest default scoped-VMEM limit of the TPU generations; a kernel within it
+/// needs no `vmem_limit_bytes` anywhere.
+const VMEM_LIMIT: u64 = 16 << 20;
+
+/// The forward programs around the Mosaic forward kernel (`Implementation::Mosaic`) compile
+/// for tpu7x at the primary shape, bf16, fixed and with four segments, as one kernel within
+/// the default scoped VMEM; the forward's HBM peak is at most tokamax's Pallas forward measured
+/// the same way (27.3 MB fixed, 28.9 MB packed, docs/performance.md).
+#[rstest]
+#[case::forward_fixed("bench_primary", S::Rematerialize, Some(27.3))]
+#[case::forward_packed("bench_primary_packed", S::Rematerialize, Some(28.9))]
+#[case::forward_saved_state_fixed("bench_primary", S::SavedState, None)]
+#[case::forward_saved_state_packed("bench_primary_packed", S::SavedState, None)]
+fn mosaic_forward_compiles_for_tpu7x(
+    #[case] name: &str,
+    #[case] strategy: BackwardStrategy,
+    #[case] limit_mb: Option<f64>,
+) {
+    let case = benchmark_cases().into_iter().find(|c| c.name == name).expect("benchmark case");
+    let data = case_data(&case, DType::BF16).expect("inputs");
+    let problem = data.inputs.validate().expect("valid inputs");
+    let cpu = PjrtBackend::new().expect("PJRT CPU plugin (run `cargo xtask setup`)");
+    let spec = cpu.spec(&problem, false).expect("spec").with_implementation(kda_tpu::Implementation::Mosaic);
+    let text = kda_tpu::kernels::program(&spec, ProgramKind::Forward(strategy)).expect("program");
+    let tpu = TpuCompiler::load().unwrap_or_else(|e| panic!("no libtpu ({e}); run `cargo xtask setup`"));
+    let report = tpu.compile(&text, DEFAULT_TOPOLOGY).expect("tpu7x compile");
+    let (m, vmem) = (&report.memory, &report.kernel_vmem_bytes);
+    let peak = m.peak_bytes as f64 / MB;
+    eprintln!(
+        "{name} mosaic forward {strategy:?} bf16 on {DEFAULT_TOPOLOGY}: peak {peak:.2} MB, temp {:.2} MB, \
+         code {:.2} MB, kernel VMEM {vmem:?} B",
+        m.temp_bytes as f64 / MB,
+        m.generated_code_bytes as f64 / MB
+    );
+    assert_eq!(vmem.len(), 1, "one kernel");
+    assert!(vmem[0] > 0 && vmem[0] <= VMEM_LIMIT, "kernel VMEM {} B", vmem[0]);
+    if let Some(limit) = limit_mb {
+        assert!(peak <= limit, "{name}: tpu7x peak {peak:.2} MB above tokamax's {limit} MB");
+    }
+}

@@ -21,6 +21,11 @@ options:
   --shape LIST         primary, primary-packed, secondary, secondary-packed, or all
                        (default primary); docs/kda.md, Benchmarks
   --dtype f32|bf16|both  input dtype (default bf16)
+  --implementation xla|mosaic|interpret
+                       what runs the forward programs' chunk loop (default xla): mosaic
+                       compiles the Mosaic forward kernel (and reports its VMEM), interpret
+                       its plain-StableHLO lowering; with mosaic or interpret only the
+                       forward programs are compiled (the backward programs are XLA's)
   --devices N          compile the context-parallel programs for N devices (replicas) and
                        report the memory per device (default 1: the single-device programs);
                        on tpu7x:2x2x1 libtpu counts 8 devices, one per TensorCore
@@ -29,8 +34,9 @@ options:
   --t N                override the shape's tokens per row T (packed shapes keep their
                        segment count, rebalanced over the new T)
   --segments N         packed: N balanced segments per row (0: fixed length)
-  --json PATH          also write one JSON record per compile (program, shape, dtype,
-                       devices, h, b, t, k, v, segments, peak_bytes, temp_bytes, gflop)
+  --json PATH          also write one JSON record per compile (program, implementation,
+                       shape, dtype, devices, h, b, t, k, v, segments, peak_bytes,
+                       temp_bytes, code_bytes, kernel_vmem_bytes, gflop)
   --libtpu PATH        libtpu to load (default $KDA_LIBTPU, else the one setup installed)
   -h, --help           show this text
 
@@ -160,6 +166,8 @@ pub struct AotOptions {
     pub segments: Option<usize>,
     /// Where to write the JSON records.
     pub json: Option<String>,
+    /// What runs the forward programs' chunk loop.
+    pub implementation: kda_core::Implementation,
 }
 
 impl Default for AotOptions {
@@ -178,6 +186,7 @@ impl Default for AotOptions {
             v: None,
             segments: None,
             json: None,
+            implementation: kda_core::Implementation::Xla,
         }
     }
 }
@@ -185,6 +194,7 @@ impl Default for AotOptions {
 /// Parses the arguments after `aot`; `Ok(None)` means help was asked for.
 pub fn parse_args(args: &[String]) -> Result<Option<AotOptions>, String> {
     let mut o = AotOptions::default();
+    let mut programs_given = false;
     let mut flags = cli::Flags::new(args);
     while let Some(item) = flags.next()? {
         let flag = match item {
@@ -204,6 +214,12 @@ pub fn parse_args(args: &[String]) -> Result<Option<AotOptions>, String> {
             "--program" => {
                 let v = flags.value(flag)?;
                 o.programs = cli::list(flag, &v, &Program::ALL, Program::parse, &program_names())?;
+                programs_given = true;
+            }
+            "--implementation" => {
+                let v = flags.value(flag)?;
+                o.implementation = kda_core::Implementation::parse(&v)
+                    .ok_or_else(|| format!("`{flag}` takes xla, mosaic or interpret, got `{v}`"))?;
             }
             "--shape" => {
                 let v = flags.value(flag)?;
@@ -224,6 +240,24 @@ pub fn parse_args(args: &[String]) -> Result<Option<AotOptions>, String> {
             }
             "--json" => o.json = Some(flags.value(flag)?),
             _ => return Err(format!("unknown argument `{flag}`")),
+        }
+    }
+    if o.implementation != kda_core::Implementation::Xla {
+        let forward = |p: &Program| matches!(p, Program::Forward | Program::ForwardSavedState);
+        if !programs_given {
+            o.programs.retain(forward);
+        } else if let Some(p) = o.programs.iter().find(|p| !forward(p)) {
+            return Err(format!(
+                "`--implementation {}` runs the forward programs only; {} is XLA's",
+                o.implementation.name(),
+                p.name()
+            ));
+        }
+        if o.devices > 1 {
+            return Err(format!(
+                "`--implementation {}`: the context-parallel programs (`--devices`) are XLA's",
+                o.implementation.name()
+            ));
         }
     }
     Ok(Some(o))
@@ -353,6 +387,19 @@ mod tests {
     fn rejects_bad_flags(#[case] line: &str, #[case] want: &str) {
         let err = parse_args(&args(line)).unwrap_err();
         assert!(err.contains(want), "{line}: {err}");
+    }
+
+    #[test]
+    fn mosaic_compiles_the_forward_programs() {
+        let o = parse_args(&args("--implementation mosaic")).unwrap().unwrap();
+        assert_eq!(o.implementation, kda_core::Implementation::Mosaic);
+        assert_eq!(o.programs, [Program::Forward, Program::ForwardSavedState]);
+        let err = parse_args(&args("--implementation mosaic --program fused-remat")).unwrap_err();
+        assert!(err.contains("fused-remat is XLA's"), "{err}");
+        let err = parse_args(&args("--implementation interpret --devices 4")).unwrap_err();
+        assert!(err.contains("context-parallel"), "{err}");
+        let err = parse_args(&args("--implementation pallas")).unwrap_err();
+        assert!(err.contains("got `pallas`"), "{err}");
     }
 
     #[test]

@@ -601,7 +601,10 @@ impl Backend for PjrtBackend {
     type Residuals = PjrtResiduals;
 
     fn name(&self) -> String {
-        format!("pjrt-{}", self.platform())
+        match self.implementation {
+            crate::Implementation::Xla => format!("pjrt-{}", self.platform()),
+            other => format!("pjrt-{}-{}", self.platform(), other.name()),
+        }
     }
 
     fn supports(&self, p: &Problem) -> Result<()> {

@@ -12,7 +12,7 @@ use super::options::{PjrtOptions, Split};
 use super::tensor::{DeviceProgram, DeviceTensor, TableCache, TransferStats};
 use super::worker::{self, BufferInfo, Shared, Worker};
 use crate::error::{Result, TpuError};
-use crate::kernels::{KernelSpec, ProgramKind, TPU_SLAB};
+use crate::kernels::{Implementation, KernelSpec, ProgramKind, TPU_SLAB};
 use crate::runtime::{CompileOptions, XlaOption};
 use crate::MemoryStats;
 
@@ -51,6 +51,7 @@ pub struct PjrtBackend {
     pub(super) shared: Arc<Shared>,
     pub(super) slab: usize,
     pub(super) split: Split,
+    pub(super) implementation: Implementation,
     xla: Arc<BTreeMap<String, XlaOption>>,
     /// Index tables already on the devices, shared by the clones.
     pub(super) tables: Arc<Mutex<TableCache>>,
@@ -182,6 +183,17 @@ impl Worker {
     }
 }
 
+/// Mosaic kernels compile only through libtpu.
+fn check_implementation(implementation: Implementation, platform: &str) -> Result<()> {
+    if implementation == Implementation::Mosaic && platform != "tpu" {
+        return Err(TpuError::unsupported(
+            "implementation mosaic",
+            format!("a TPU plugin (libtpu); this handle's platform is {platform} (use interpret to run the kernel here)"),
+        ));
+    }
+    Ok(())
+}
+
 impl PjrtBackend {
     /// A backend with default [`PjrtOptions`]: `$KDA_PJRT_PLUGIN`, else `$KDA_HOME`'s CPU plugin.
     pub fn new() -> kda_core::Result<Self> {
@@ -193,7 +205,9 @@ impl PjrtBackend {
         let shared = Shared::start(&options)?;
         let slab = options.slab_choice().unwrap_or(if shared.info.platform == "cpu" { 0 } else { TPU_SLAB });
         let tables = Arc::default();
-        Ok(Self { shared, slab, split: options.split_choice(), xla, tables })
+        let implementation = options.implementation_choice();
+        check_implementation(implementation, &shared.info.platform)?;
+        Ok(Self { shared, slab, split: options.split_choice(), implementation, xla, tables })
     }
 
     /// This handle with fused programs in slabs of `chunks` chunk positions (0: all chunks at
@@ -203,6 +217,18 @@ impl PjrtBackend {
     pub fn with_slab(mut self, chunks: usize) -> Self {
         self.slab = chunks;
         self
+    }
+    /// This handle with its forward programs run by `implementation` (see
+    /// [`PjrtOptions::implementation`]); other clones keep theirs. `Mosaic` on another platform
+    /// than a TPU is an `Unsupported` error naming it.
+    pub fn with_implementation(mut self, implementation: Implementation) -> kda_core::Result<Self> {
+        check_implementation(implementation, &self.shared.info.platform).map_err(e)?;
+        self.implementation = implementation;
+        Ok(self)
+    }
+    /// What runs this handle's forward programs.
+    pub fn implementation(&self) -> Implementation {
+        self.implementation
     }
     /// The platform name the plugin reports (`cpu`, `tpu`, `cuda`).
     pub fn platform(&self) -> &str {
@@ -229,7 +255,7 @@ impl PjrtBackend {
         } else {
             None
         };
-        Ok(KernelSpec::new(p, packed, has_dht).with_slab(self.slab))
+        Ok(KernelSpec::new(p, packed, has_dht).with_slab(self.slab).with_implementation(self.implementation))
     }
 
     /// The XLA options a kernel program is compiled with ([`crate::kernels::program`] text). On the CPU plugin the forward

@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use crate::error::Result;
+use crate::kernels::Implementation;
 use crate::runtime::{host_memory, plugin, Runtime, XlaOption};
 
 /// The environment variable that sets the XLA backend optimization level of kernel compiles
@@ -59,6 +60,7 @@ pub struct PjrtOptions {
     slab: Option<usize>,
     devices: Option<usize>,
     split: Split,
+    implementation: Implementation,
     xla: BTreeMap<String, XlaOption>,
 }
 
@@ -112,6 +114,16 @@ impl PjrtOptions {
         self
     }
 
+    /// What runs the forward programs' chunk loop (default [`Implementation::Xla`]):
+    /// [`Implementation::Mosaic`] needs a TPU plugin (else [`PjrtOptions::build`] is an
+    /// `Unsupported` error naming the platform); [`Implementation::Interpret`] runs the same
+    /// kernel's interpret lowering on any plugin. Backward, fused and context-parallel programs
+    /// are XLA's whichever is chosen; the saved-state backward reads the kernel's states.
+    pub fn implementation(mut self, implementation: Implementation) -> Self {
+        self.implementation = implementation;
+        self
+    }
+
     /// Adds an XLA debug option to every kernel program this handle compiles (part of the
     /// compile cache's key). `xla_backend_optimization_level` defaults to `$KDA_XLA_OPT_LEVEL`
     /// when that is set (else XLA's default, 3): level 0 compiles the CPU plugin's programs about
@@ -120,6 +132,11 @@ impl PjrtOptions {
     pub fn xla_option(mut self, name: impl Into<String>, value: XlaOption) -> Self {
         self.xla.insert(name.into(), value);
         self
+    }
+
+    /// The implementation asked for.
+    pub(crate) fn implementation_choice(&self) -> Implementation {
+        self.implementation
     }
 
     /// The split asked for.

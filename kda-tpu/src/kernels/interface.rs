@@ -309,6 +309,7 @@ mod tests {
                 None
             },
             slab: 0,
+            implementation: super::super::spec::Implementation::Xla,
         }
     }
 
@@ -382,6 +383,30 @@ mod tests {
             }
         }
         assert_eq!(checked, 10 * 2 * 6);
+    }
+
+    /// The forward programs around the Mosaic kernel (either lowering) keep the signature, and
+    /// only the Mosaic one holds a `tpu_custom_call`.
+    #[test]
+    fn kernel_forwards_match_the_signature() {
+        use super::super::spec::Implementation;
+        for spec in variants() {
+            for implementation in [Implementation::Mosaic, Implementation::Interpret] {
+                let spec = spec.clone().with_implementation(implementation);
+                for kind in [
+                    ProgramKind::Forward(BackwardStrategy::Rematerialize),
+                    ProgramKind::Forward(BackwardStrategy::SavedState),
+                ] {
+                    let sig = ProgramSignature::of(&spec, kind);
+                    let text = program(&spec, kind).unwrap_or_else(|e| panic!("{kind:?} {spec:?}: {e}"));
+                    let (args, results) = declared(&text, "main");
+                    assert_eq!(args, strings(&sig.args), "{kind:?} arguments of {spec:?}");
+                    assert_eq!(results, strings(&sig.results), "{kind:?} results of {spec:?}");
+                    let mosaic = text.contains("tpu_custom_call");
+                    assert_eq!(mosaic, implementation == Implementation::Mosaic, "{implementation:?}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -4,6 +4,7 @@ pub mod compose;
 pub mod context_parallel;
 pub mod interface;
 mod intra;
+mod kernel_forward;
 mod ops;
 #[cfg(feature = "harness")]
 pub mod parts;
@@ -19,7 +20,7 @@ pub use programs::{
     backward_program, data_parallel_program, forward_program, fused_program, program, GATE_FLOOR,
 };
 pub(crate) use spec::CHUNK;
-pub use spec::{on_device, KernelSpec, SUB, TPU_SLAB};
+pub use spec::{on_device, Implementation, KernelSpec, SUB, TPU_SLAB};
 
 /// The names of the host-built index-table arguments, in signature order.
 pub const TABLE_NAMES: [&str; 5] = ["chunk_first", "chunk_last", "chunk_slot", "slot_token", "token_slot"];

@@ -1,7 +1,7 @@
 //! Inputs to the kernels' working form and results back: layout, dtype, q/k L2 norm, gate
 //! activation, and the segment loading / gradient compaction between tokens and aligned chunks.
 
-use super::ops::{f32t, splat, sum_last_keep};
+use super::ops::{splat, sum_last_keep};
 use super::spec::{KernelSpec, CHUNK};
 use crate::hlo::{FnBuilder, Value};
 use crate::Result;
@@ -33,7 +33,7 @@ pub fn to_caller(b: &mut FnBuilder, s: &KernelSpec, x: Value, dtype: DType) -> R
         Layout::HeadFirst => x,
         Layout::BatchFirst => b.transpose(x, &[1, 2, 0, 3])?,
     };
-    let x = if dtype == DType::F32 { x } else { b.convert(x, dtype)? };
+    let x = if x.elem() == dtype { x } else { b.convert(x, dtype)? };
     let d = x.dims().to_vec();
     b.reshape(x, &[d[0] * d[1] * d[2], d[3]])
 }
@@ -162,13 +162,14 @@ pub fn gate_backward(
     Ok((dx, da_log, ddt))
 }
 
-/// Segment loading: head-first `[H, B, T, D]` to aligned chunks `[L, NT, C, D]` (padding rows 0).
+/// Segment loading: head-first `[H, B, T, D]` to aligned chunks `[L, NT, C, D]` (padding rows 0,
+/// in `x`'s dtype).
 /// Packed programs gather through `slot_token` (`[NT*C]`, padding slots point at a zero row).
 pub fn to_chunks(b: &mut FnBuilder, s: &KernelSpec, x: Value, slot_token: Option<Value>) -> Result<Value> {
     let d = x.dims()[3];
     let (h, bb, t) = (s.h as i64, s.b as i64, s.t as i64);
     let (l, nt, c) = (s.lanes() as i64, s.chunks() as i64, CHUNK as i64);
-    let zero = b.constant_f32(0.0, f32t(&[]))?;
+    let zero = b.constant_f32(0.0, crate::hlo::TensorType::scalar(x.elem()))?;
     match slot_token {
         None => {
             let x = b.reshape(x, &[h * bb, t, d])?;
@@ -197,7 +198,7 @@ pub fn from_chunks(b: &mut FnBuilder, s: &KernelSpec, y: Value, token_slot: Opti
             b.reshape(y, &[h, bb, t, d])
         }
         Some(idx) => {
-            let zero = b.constant_f32(0.0, f32t(&[]))?;
+            let zero = b.constant_f32(0.0, crate::hlo::TensorType::scalar(y.elem()))?;
             let y = b.reshape(y, &[h, nt * c, d])?;
             let y = b.pad(y, zero, &[0, 0, 0], &[0, 1, 0], &[0, 0, 0])?;
             let y = head_rows(b, y, idx)?;

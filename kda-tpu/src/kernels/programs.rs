@@ -23,18 +23,18 @@ use kda_core::{BackwardStrategy, DType};
 pub const GATE_FLOOR: f32 = -30.0;
 
 /// The program arguments the kernels read, by role.
-struct Args {
-    q: Value,
-    k: Value,
-    v: Value,
-    g: Value,
-    beta: Value,
-    h0: Option<Value>,
-    a_log: Option<Value>,
-    dt_bias: Option<Value>,
-    tables: ChunkTables,
-    slot_token: Option<Value>,
-    token_slot: Option<Value>,
+pub(super) struct Args {
+    pub(super) q: Value,
+    pub(super) k: Value,
+    pub(super) v: Value,
+    pub(super) g: Value,
+    pub(super) beta: Value,
+    pub(super) h0: Option<Value>,
+    pub(super) a_log: Option<Value>,
+    pub(super) dt_bias: Option<Value>,
+    pub(super) tables: ChunkTables,
+    pub(super) slot_token: Option<Value>,
+    pub(super) token_slot: Option<Value>,
 }
 
 /// Every argument of a program, declared in the order and with the types of its
@@ -157,7 +157,7 @@ fn loop_tables(b: &mut FnBuilder, s: &KernelSpec, t: ChunkTables) -> Result<Chun
     Ok(ChunkTables { used: Some(used), ..t })
 }
 
-fn state_tab(b: &mut FnBuilder, s: &KernelSpec, x: Option<Value>) -> Result<Value> {
+pub(super) fn state_tab(b: &mut FnBuilder, s: &KernelSpec, x: Option<Value>) -> Result<Value> {
     match x {
         Some(x) => prep::state_table(b, s, x),
         None => splat(b, 0.0, &[s.lanes() as i64, s.slots() as i64, s.k as i64, s.v as i64]),
@@ -510,6 +510,9 @@ pub fn forward_program(s: &KernelSpec, keep_h: bool) -> Result<String> {
 
 fn forward_body(f: &mut FnBuilder, s: &KernelSpec, d: &Declared, keep_h: bool) -> Result<Vec<Value>> {
     let a = d.args()?;
+    if let Some(lowering) = super::spec::lowering(s.implementation) {
+        return super::kernel_forward::forward_body(f, s, &a, keep_h, lowering);
+    }
     let w = working(f, s, &a)?;
     if s.in_slabs() {
         // The TPU configuration: slab by slab, one slab's intermediates live at a time.

@@ -22,6 +22,17 @@ pub fn on_device(dtype: DType) -> DType {
     }
 }
 
+pub use kda_core::Implementation;
+
+/// The kernel lowering of an implementation, `None` for XLA.
+pub fn lowering(implementation: Implementation) -> Option<crate::mosaic::Lowering> {
+    match implementation {
+        Implementation::Xla => None,
+        Implementation::Mosaic => Some(crate::mosaic::Lowering::Mosaic),
+        Implementation::Interpret => Some(crate::mosaic::Lowering::Interpret),
+    }
+}
+
 /// Shapes and options baked into a program. Two problems with equal specs share executables.
 #[derive(Debug, Clone, PartialEq)]
 pub struct KernelSpec {
@@ -67,6 +78,8 @@ pub struct KernelSpec {
     /// only one slab's intermediates are live at a time (see `programs::fused_program`).
     /// 0 also selects the CPU form of the forward alone (outputs formed inside the recurrence).
     pub slab: usize,
+    /// What runs the forward programs' chunk loop; backward and fused programs are XLA's.
+    pub implementation: Implementation,
 }
 
 impl KernelSpec {
@@ -93,6 +106,7 @@ impl KernelSpec {
             has_dht,
             packed_chunks,
             slab: 0,
+            implementation: Implementation::Xla,
         }
     }
     /// The spec of a call's inputs, as the backend builds it: validated, packed segments at
@@ -115,6 +129,11 @@ impl KernelSpec {
     /// The same spec with fused programs in slabs of `chunks` chunk positions (0: no slabs).
     pub fn with_slab(mut self, chunks: usize) -> Self {
         self.slab = chunks;
+        self
+    }
+    /// The same spec with its forward programs run by `implementation`.
+    pub fn with_implementation(mut self, implementation: Implementation) -> Self {
+        self.implementation = implementation;
         self
     }
     /// Whether the programs run in slabs (the TPU configuration): `slab` set and below the

@@ -2,8 +2,10 @@
 //! Pallas's interpret mode does. The grid is nested counted loops in its declared order (the
 //! last axis innermost); each step slices its blocks out of the operands and of the results so
 //! far (dynamic slices at block index x block dims), runs the body on them, and writes the
-//! result blocks back (dynamic updates); results start as NaN (a block read before it is
-//! written poisons the check), scratch buffers are loop values, zero at the start.
+//! result blocks back (dynamic updates). A result block is a buffer as on the TPU: kept while
+//! consecutive steps share its block index, NaN on every new visit (so a block read before it
+//! is written, or revisited after other blocks and not rewritten, poisons the check, where a
+//! TPU would read or write back stale VMEM); scratch buffers are loop values, zero at the start.
 //! Stores inside `when` are selects on the condition; `for_range` is a counted loop that
 //! carries the references with its values.
 
@@ -312,12 +314,20 @@ impl Kernel {
             return Err(err(format!("operands {got:?}, the kernel {} takes {want:?}", self.name)));
         }
         let (tables, inputs) = operands.split_at(self.tables.len());
+        // Loop state: the results, the scratch, then per result its current block and that
+        // block's start indices (-1 before the first step: every first visit is a new one).
         let mut state = Vec::new();
         for o in &self.outputs {
             state.push(unwritten(b, &o.ty)?);
         }
         for (_, t) in &self.scratch {
             state.push(zeros(b, &tensor(t))?);
+        }
+        for o in &self.outputs {
+            state.push(unwritten(b, &o.block_type())?);
+            for _ in &o.block {
+                state.push(b.scalar_i32(-1)?);
+            }
         }
         let done = self.grid_loop(b, &[], Operands { tables, inputs }, &state)?;
         Ok(done[..self.outputs.len()].to_vec())
@@ -362,15 +372,30 @@ impl Kernel {
                 .collect()
         };
         let n_out = self.outputs.len();
-        let mut refs = Refs { inputs: Vec::new(), outputs: Vec::new(), scratch: state[n_out..].to_vec() };
+        let n_scratch = self.scratch.len();
+        let mut refs = Refs {
+            inputs: Vec::new(),
+            outputs: Vec::new(),
+            scratch: state[n_out..n_out + n_scratch].to_vec(),
+        };
         for (o, &x) in self.inputs.iter().zip(inputs) {
             let s = starts(b, o)?;
             refs.inputs.push(b.dynamic_slice(x, &s, &o.block)?);
         }
+        let mut kept = &state[n_out + n_scratch..];
         let mut out_starts = Vec::with_capacity(n_out);
-        for (o, &x) in self.outputs.iter().zip(state) {
+        for o in &self.outputs {
             let s = starts(b, o)?;
-            refs.outputs.push(b.dynamic_slice(x, &s, &o.block)?);
+            let (held, rest) = kept.split_at(1 + o.block.len());
+            kept = rest;
+            // The buffer of the last step when this step's block index is the same, else new.
+            let mut same = b.constant_bool(true, &[])?;
+            for (&now, &before) in s.iter().zip(&held[1..]) {
+                let eq = b.compare(crate::hlo::Cmp::Eq, now, before)?;
+                same = b.and(same, eq)?;
+            }
+            let fresh = unwritten(b, &o.block_type())?;
+            refs.outputs.push(b.select(same, held[0], fresh)?);
             out_starts.push(s);
         }
         let mut vals = HashMap::new();
@@ -380,6 +405,10 @@ impl Kernel {
             next.push(b.dynamic_update_slice(whole, *block, s)?);
         }
         next.extend(refs.scratch);
+        for (block, s) in refs.outputs.iter().zip(out_starts) {
+            next.push(*block);
+            next.extend(s);
+        }
         Ok(next)
     }
 }

@@ -13,6 +13,7 @@ fn mb(bytes: i64) -> String {
 /// One compiled program, for the closing table.
 struct Row {
     program: &'static str,
+    kernel_vmem: i64,
     shape: &'static str,
     dtype: String,
     memory: Memory,
@@ -65,7 +66,11 @@ pub fn run(o: &AotOptions) -> Result<(), String> {
             let problem = problem_of(&case, dtype)?;
             // The programs a TPU runs: fused ones in slabs (`PjrtBackend` off the CPU plugin).
             let slab = kda_tpu::kernels::TPU_SLAB;
-            let spec = be.spec(&problem, case.final_state).map_err(err)?.with_slab(slab);
+            let spec = be
+                .spec(&problem, case.final_state)
+                .map_err(err)?
+                .with_slab(slab)
+                .with_implementation(o.implementation);
             let cp = kda_packed::PiecePlan::split(&problem, o.devices).map_err(err)?.1;
             let cp_spec =
                 kda_tpu::kernels::context_parallel::local_spec(&cp[0], true, slab, dtype).map_err(err)?;
@@ -96,8 +101,9 @@ pub fn run(o: &AotOptions) -> Result<(), String> {
                 let when = if r.cached { " (cached: target/xtask-aot-cache)" } else { "" };
                 let devices = if o.devices > 1 { format!(" | {} devices", o.devices) } else { String::new() };
                 println!(
-                    "\n{} | {} ({about}) | {dtype}{devices} | compiled in {:.1} s{when}",
+                    "\n{} | {} | {} ({about}) | {dtype}{devices} | compiled in {:.1} s{when}",
                     program.name(),
+                    o.implementation.name(),
                     shape.name(),
                     r.compile_ms / 1e3
                 );
@@ -111,6 +117,14 @@ pub fn run(o: &AotOptions) -> Result<(), String> {
                     mb(m.peak),
                     m.peak
                 );
+                if r.kernels > 0 {
+                    println!(
+                        "  kernels: {}, scoped VMEM {} ({} bytes)",
+                        r.kernels,
+                        mb(r.kernel_vmem),
+                        r.kernel_vmem
+                    );
+                }
                 println!(
                     "  cost:   {:.3} GFLOP, {:.3} GB accessed (optimal_seconds {:.3e}: not \
                      meaningful for programs with while loops)",
@@ -120,6 +134,7 @@ pub fn run(o: &AotOptions) -> Result<(), String> {
                 );
                 records.push(serde_json::json!({
                     "program": program.name(),
+                    "implementation": o.implementation.name(),
                     "shape": shape.name(),
                     "dtype": dtype.to_string(),
                     "devices": o.devices,
@@ -135,10 +150,13 @@ pub fn run(o: &AotOptions) -> Result<(), String> {
                     "temp_bytes": m.temp,
                     "argument_bytes": m.argument,
                     "output_bytes": m.output,
+                    "code_bytes": m.code,
+                    "kernel_vmem_bytes": r.kernel_vmem,
                     "gflop": r.flops / 1e9,
                 }));
                 rows.push(Row {
                     program: program.name(),
+                    kernel_vmem: r.kernel_vmem,
                     shape: shape.name(),
                     dtype: dtype.to_string(),
                     memory: m,
@@ -154,17 +172,19 @@ pub fn run(o: &AotOptions) -> Result<(), String> {
     }
     if rows.len() > 1 {
         println!(
-            "\n{:<21} {:<17} {:<5} {:>12} {:>12} {:>9}",
-            "program", "shape", "dtype", "peak MB", "temp MB", "GFLOP"
+            "\n{:<21} {:<17} {:<5} {:>12} {:>12} {:>9} {:>9} {:>9}",
+            "program", "shape", "dtype", "peak MB", "temp MB", "code MB", "VMEM MB", "GFLOP"
         );
         for r in &rows {
             println!(
-                "{:<21} {:<17} {:<5} {:>12.2} {:>12.2} {:>9.3}",
+                "{:<21} {:<17} {:<5} {:>12.2} {:>12.2} {:>9.2} {:>9.2} {:>9.3}",
                 r.program,
                 r.shape,
                 r.dtype,
                 r.memory.peak as f64 / 1e6,
                 r.memory.temp as f64 / 1e6,
+                r.memory.code as f64 / 1e6,
+                r.kernel_vmem as f64 / 1e6,
                 r.flops / 1e9
             );
         }

@@ -60,11 +60,15 @@ pub struct AotFigures {
     pub optimal_seconds: f64,
     /// Wall time of the compile (of the original one when cached).
     pub compile_ms: f64,
+    /// The Mosaic kernels' scoped VMEM, summed over the program's kernels (0 without kernels).
+    pub kernel_vmem: i64,
+    /// Mosaic kernels in the program.
+    pub kernels: i64,
     /// Whether the figures came from the cache.
     pub cached: bool,
 }
 
-const CACHE_FIELDS: [&str; 10] = [
+const CACHE_FIELDS: [&str; 12] = [
     "argument",
     "output",
     "alias",
@@ -75,6 +79,8 @@ const CACHE_FIELDS: [&str; 10] = [
     "bytes_accessed",
     "optimal_seconds",
     "compile_ms",
+    "kernel_vmem",
+    "kernels",
 ];
 
 /// FNV-1a, 64 bit: a hash that stays the same across Rust versions.
@@ -123,6 +129,8 @@ pub fn compile_aot_replicas(
         bytes_accessed: r.cost.bytes_accessed,
         optimal_seconds: r.cost.optimal_seconds,
         compile_ms: ms(r.compile_time),
+        kernel_vmem: r.kernel_vmem_bytes.iter().sum::<u64>() as i64,
+        kernels: r.kernel_vmem_bytes.len() as i64,
         cached: false,
     };
     let m = f.memory;
@@ -137,6 +145,8 @@ pub fn compile_aot_replicas(
         f.bytes_accessed,
         f.optimal_seconds,
         f.compile_ms,
+        f.kernel_vmem as f64,
+        f.kernels as f64,
     ];
     let body: String = CACHE_FIELDS.iter().zip(values).map(|(k, v)| format!("{k} {v:?}\n")).collect();
     // Best effort: a cache that cannot be written only costs the next run a compile.
@@ -174,6 +184,8 @@ fn parse_cached(s: &str) -> Option<AotFigures> {
         bytes_accessed: v[7],
         optimal_seconds: v[8],
         compile_ms: v[9],
+        kernel_vmem: i(v[10]),
+        kernels: i(v[11]),
         cached: true,
     })
 }
