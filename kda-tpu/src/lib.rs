@@ -25,6 +25,7 @@ pub use aot::{AotReport, CostAnalysis, TpuCompiler, DEFAULT_TOPOLOGY};
 pub use backend::{
     CallCotangents, CallInputs, CompileCache, DeviceCotangents, DeviceGradients, DeviceInputs, DeviceOutputs,
     DeviceProgram, DeviceTensor, HostSide, PjrtBackend, PjrtOptions, PjrtResiduals, Split, TransferStats,
+    IMPLEMENTATION_ENV,
 };
 pub use error::{Result, TpuError};
 pub use kernels::interface::ProgramKind;

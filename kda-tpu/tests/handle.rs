@@ -321,3 +321,20 @@ fn calls_trace_kind_shape_dtype_strategy_and_cache() {
         }
     }
 }
+
+/// The Mosaic implementation compiles through libtpu only: on the CPU plugin it is an
+/// `Unsupported` error naming the platform, from the options and from a handle alike, and
+/// interpret runs there.
+#[test]
+fn mosaic_needs_a_tpu_plugin() {
+    use kda_tpu::{Implementation, PjrtOptions};
+    let err = PjrtOptions::new().implementation(Implementation::Mosaic).build().expect_err("no TPU here");
+    assert_eq!(err.kind(), ErrorKind::Unsupported, "{err:?}");
+    assert!(err.to_string().contains("platform is cpu"), "{err}");
+    let be = PjrtBackend::new().expect("PJRT plugin (run `cargo xtask setup`)");
+    let err = be.clone().with_implementation(Implementation::Mosaic).expect_err("no TPU here");
+    assert!(err.to_string().contains("platform is cpu"), "{err}");
+    let interpret = be.with_implementation(Implementation::Interpret).expect("any plugin");
+    assert_eq!(interpret.implementation(), Implementation::Interpret);
+    assert_eq!(kda_core::Backend::name(&interpret), "pjrt-cpu-interpret");
+}

@@ -40,6 +40,8 @@ options:
   --gate softplus|lower-bound=LB  compute the gate in the kernel from g (the raw gate input),
                                   a_log.npy [H] and, if present, dt_bias.npy [H*K]; writes
                                   da_log and ddt_bias with the other gradients
+  --implementation NAME           pjrt: xla (default), mosaic (the Mosaic forward kernel;
+                                  needs a TPU plugin) or interpret (its interpret lowering)
   --devices N                     pjrt: split every row into N pieces over N devices (context
                                   parallelism; on the CPU plugin, N CPU devices); default 1
   -h, --help                      show this text";
@@ -93,6 +95,8 @@ pub struct RunOptions {
     pub gate: GateChoice,
     /// Devices for context parallelism (pjrt only; 1: one device).
     pub devices: usize,
+    /// What runs the forward programs (pjrt only; the context-parallel ones are XLA's).
+    pub implementation: kda_core::Implementation,
 }
 
 impl RunOptions {
@@ -109,6 +113,7 @@ impl RunOptions {
             output_final_state: false,
             gate: GateChoice::Preactivated,
             devices: 1,
+            implementation: kda_core::Implementation::Xla,
         }
     }
 }
@@ -203,12 +208,20 @@ pub fn parse_args(args: &[String]) -> Result<Option<(String, RunOptions)>, Strin
                     GateChoice::parse(v).ok_or_else(|| bad("softplus or lower-bound=LB (LB < 0)", v))?;
             }
             "--devices" => opts.devices = crate::cli::positive(flag, &take_value(flag)?)?,
+            "--implementation" => {
+                let v = &take_value(flag)?;
+                opts.implementation =
+                    kda_core::Implementation::parse(v).ok_or_else(|| bad("xla, mosaic or interpret", v))?;
+            }
             _ => return Err(format!("unknown argument `{flag}`")),
         }
     }
     let backend = backend.ok_or(format!("`--backend` is required (available: {})", BACKENDS.join(", ")))?;
     if opts.devices > 1 && backend != "pjrt" {
         return Err(format!("`--devices {}` needs `--backend pjrt`", opts.devices));
+    }
+    if opts.implementation != kda_core::Implementation::Xla && backend != "pjrt" {
+        return Err(format!("`--implementation {}` needs `--backend pjrt`", opts.implementation.name()));
     }
     opts.inputs = inputs.ok_or("`--inputs DIR` is required")?;
     opts.out = out.ok_or("`--out DIR` is required")?;
@@ -227,6 +240,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
         "pjrt" => kda_tpu::PjrtOptions::new()
             .devices(opts.devices)
             .split(kda_tpu::Split::Context)
+            .implementation(opts.implementation)
             .build()
             .and_then(|b| run_with(&b, &opts)),
         #[cfg(not(feature = "pjrt"))]

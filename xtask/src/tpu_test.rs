@@ -9,7 +9,8 @@ use std::path::PathBuf;
 
 /// The usage text.
 pub const USAGE: &str = "\
-usage: cargo xtask tpu-test [--plugin PATH] [--full] [--shard i/n] [-- TEST-RUNNER ARGS]
+usage: cargo xtask tpu-test [--plugin PATH] [--implementation NAME] [--full] [--shard i/n]
+                            [-- TEST-RUNNER ARGS]
 
 Runs kda-tpu's conformance suite (every case of the testkit's table through the PJRT backend,
 forward and backward, f32 and bf16) and the regression sweep's pairwise tier (the whole product
@@ -20,6 +21,10 @@ target/kda-compile-cache (keyed by plugin build and host CPU, among others).
 options:
   --plugin PATH   PJRT plugin to test (default: the CPU plugin `cargo xtask setup` installed;
                   on a TPU host pass libtpu.so, with a GPU the CUDA plugin)
+  --implementation xla|mosaic|interpret
+                  what runs the forward programs (KDA_IMPLEMENTATION for the suite; default
+                  xla): mosaic needs libtpu (--plugin), interpret runs the Mosaic kernel's
+                  interpret lowering on any plugin
   --full          the sweep's whole product (1280 points) as well
   --shard i/n     run shard i of n (1-based; needs cargo-nextest)
   -- ARGS         passed on to the test runner (e.g. a test-name filter)
@@ -34,6 +39,8 @@ pub struct TpuTestOptions {
     pub shard: Option<Shard>,
     /// The sweep's whole product as well.
     pub full: bool,
+    /// What runs the forward programs (`None`: the environment's, else XLA).
+    pub implementation: Option<kda_core::Implementation>,
     /// Arguments after `--`, for the test runner.
     pub extra: Vec<String>,
 }
@@ -55,6 +62,13 @@ pub fn parse_args(args: &[String]) -> Result<Option<TpuTestOptions>, String> {
             "--plugin" => o.plugin = Some(PathBuf::from(flags_own.value(&flag)?)),
             "--shard" => o.shard = Some(Shard::parse(&flags_own.value(&flag)?)?),
             "--full" => o.full = true,
+            "--implementation" => {
+                let v = flags_own.value(&flag)?;
+                o.implementation = Some(
+                    kda_core::Implementation::parse(&v)
+                        .ok_or_else(|| format!("`{flag}` takes xla, mosaic or interpret, got `{v}`"))?,
+                );
+            }
             _ => return Err(format!("unknown argument `{flag}`")),
         }
     }
@@ -115,12 +129,17 @@ pub fn tpu_test(args: &[String]) -> Result<(), String> {
     crate::test_cmd::new_run()?;
     crate::test_cmd::with_run_files(&mut cmd);
     cmd.env("KDA_PJRT_PLUGIN", &plugin);
+    if let Some(i) = opts.implementation {
+        // The suite's handles read it (kda_tpu::IMPLEMENTATION_ENV).
+        cmd.env("KDA_IMPLEMENTATION", i.name());
+    }
     // On a TPU host libtpu may need its metadata server; skip it only for setup's own plugins,
     // unless the caller set the switch.
     if opts.plugin.is_some() && std::env::var_os("TPU_SKIP_MDS_QUERY").is_none() {
         cmd.env_remove("TPU_SKIP_MDS_QUERY");
     }
-    eprintln!("xtask tpu-test: plugin {}", plugin.display());
+    let implementation = opts.implementation.map_or("the environment's (default xla)", |i| i.name());
+    eprintln!("xtask tpu-test: plugin {}, implementation {implementation}", plugin.display());
     run(cmd, "conformance suite")
 }
 
@@ -156,9 +175,17 @@ mod tests {
     #[case("--shard", "`--shard` needs a value")]
     #[case("--plugin", "`--plugin` needs a value")]
     #[case("--release", "unknown argument `--release`")]
+    #[case("--implementation pallas", "got `pallas`")]
     fn rejects_bad_flags(#[case] line: &str, #[case] want: &str) {
         let err = parse_args(&args(line)).unwrap_err();
         assert!(err.contains(want), "{line}: {err}");
+    }
+
+    #[test]
+    fn takes_an_implementation() {
+        let o = parse_args(&args("--implementation mosaic --plugin libtpu.so")).unwrap().unwrap();
+        assert_eq!(o.implementation, Some(kda_core::Implementation::Mosaic));
+        assert_eq!(parse_args(&args("")).unwrap().unwrap().implementation, None);
     }
 
     #[test]

@@ -369,6 +369,8 @@ fn errors_name_the_file(#[case] breaks: Break, #[case] needles: &[&str]) {
 #[case::positive_lower_bound(&["--gate", "lower-bound=2"], "softplus or lower-bound=LB")]
 #[case::zero_devices(&["--devices", "0"], "`--devices` needs a positive whole number")]
 #[case::devices_need_pjrt(&["--backend", "ref", "--devices", "2", "--inputs", "a", "--out", "b"], "needs `--backend pjrt`")]
+#[case::implementation_needs_pjrt(&["--backend", "ref", "--implementation", "interpret", "--inputs", "a", "--out", "b"], "needs `--backend pjrt`")]
+#[case::bad_implementation(&["--implementation", "pallas"], "xla, mosaic or interpret")]
 fn argument_errors(#[case] args: &[&str], #[case] needle: &str) {
     let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
     let err = run_cmd::run(&args).expect_err("must fail");
@@ -400,10 +402,13 @@ fn parses_flags_and_help() {
 }
 
 /// `--backend pjrt` (with the `pjrt` feature): every written result agrees with the reference at
-/// the f32 limits of docs/kda.md, packed and with states.
+/// the f32 limits of docs/kda.md, packed and with states, with the XLA forward and with the Mosaic
+/// forward kernel's interpret lowering.
 #[cfg(feature = "pjrt")]
-#[test]
-fn pjrt_backend_agrees_with_reference() {
+#[rstest]
+#[case::xla("xla")]
+#[case::interpret("interpret")]
+fn pjrt_backend_agrees_with_reference(#[case] implementation: &str) {
     use kda_testkit::{agreement, rms_limit, Quantity};
     let spec = Spec {
         cu: Some(vec![vec![0, 2, 5], vec![0, 4, 4]]),
@@ -414,8 +419,12 @@ fn pjrt_backend_agrees_with_reference() {
     let inp = f.dir.inputs().display().to_string();
     let run = |backend: &str, out: &Path| {
         let out = out.display().to_string();
-        let args = ["--backend", backend, "--inputs", &inp, "--out", &out, "--dtype", "f32"];
-        run_cmd::run(&args.map(String::from)).unwrap_or_else(|e| panic!("{backend}: {e}"));
+        let mut args = vec!["--backend", backend, "--inputs", &inp, "--out", &out, "--dtype", "f32"];
+        if backend == "pjrt" {
+            args.extend(["--implementation", implementation]);
+        }
+        let args: Vec<String> = args.into_iter().map(String::from).collect();
+        run_cmd::run(&args).unwrap_or_else(|e| panic!("{backend}: {e}"));
     };
     let (pjrt_out, ref_out) = (f.dir.out(), f.dir.0.join("ref"));
     run("pjrt", &pjrt_out);

@@ -205,7 +205,7 @@ impl PjrtBackend {
         let shared = Shared::start(&options)?;
         let slab = options.slab_choice().unwrap_or(if shared.info.platform == "cpu" { 0 } else { TPU_SLAB });
         let tables = Arc::default();
-        let implementation = options.implementation_choice();
+        let implementation = options.implementation_choice()?;
         check_implementation(implementation, &shared.info.platform)?;
         Ok(Self { shared, slab, split: options.split_choice(), implementation, xla, tables })
     }

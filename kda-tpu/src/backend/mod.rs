@@ -24,7 +24,7 @@ mod worker;
 pub use call::{CallCotangents, CallInputs};
 pub use handle::PjrtBackend;
 pub use io::{DeviceCotangents, DeviceGradients, DeviceInputs, DeviceOutputs, HostSide};
-pub use options::{CompileCache, PjrtOptions, Split};
+pub use options::{CompileCache, PjrtOptions, Split, IMPLEMENTATION_ENV};
 pub use residuals::PjrtResiduals;
 pub use tensor::{DeviceProgram, DeviceTensor, TransferStats};
 

@@ -60,9 +60,14 @@ pub struct PjrtOptions {
     slab: Option<usize>,
     devices: Option<usize>,
     split: Split,
-    implementation: Implementation,
+    implementation: Option<Implementation>,
     xla: BTreeMap<String, XlaOption>,
 }
+
+/// The environment variable that picks the implementation (`xla`, `mosaic`, `interpret`) when
+/// [`PjrtOptions::implementation`] does not (how `cargo xtask tpu-test --implementation` runs
+/// the conformance suite through the kernels).
+pub const IMPLEMENTATION_ENV: &str = "KDA_IMPLEMENTATION";
 
 impl PjrtOptions {
     /// The defaults: the plugin from the environment, `$KDA_COMPILE_CACHE`, no host-memory
@@ -114,13 +119,14 @@ impl PjrtOptions {
         self
     }
 
-    /// What runs the forward programs' chunk loop (default [`Implementation::Xla`]):
+    /// What runs the forward programs' chunk loop (default `$KDA_IMPLEMENTATION`, else
+    /// [`Implementation::Xla`]):
     /// [`Implementation::Mosaic`] needs a TPU plugin (else [`PjrtOptions::build`] is an
     /// `Unsupported` error naming the platform); [`Implementation::Interpret`] runs the same
     /// kernel's interpret lowering on any plugin. Backward, fused and context-parallel programs
     /// are XLA's whichever is chosen; the saved-state backward reads the kernel's states.
     pub fn implementation(mut self, implementation: Implementation) -> Self {
-        self.implementation = implementation;
+        self.implementation = Some(implementation);
         self
     }
 
@@ -134,9 +140,22 @@ impl PjrtOptions {
         self
     }
 
-    /// The implementation asked for.
-    pub(crate) fn implementation_choice(&self) -> Implementation {
-        self.implementation
+    /// The implementation asked for, else `$KDA_IMPLEMENTATION`'s (another value than `xla`,
+    /// `mosaic` or `interpret` there is an error naming the variable), else XLA.
+    pub(crate) fn implementation_choice(&self) -> Result<Implementation> {
+        if let Some(i) = self.implementation {
+            return Ok(i);
+        }
+        match std::env::var(IMPLEMENTATION_ENV) {
+            Ok(text) => Implementation::parse(text.trim()).ok_or_else(|| {
+                crate::TpuError::contract(kda_core::KdaError::value(
+                    IMPLEMENTATION_ENV,
+                    "xla, mosaic or interpret",
+                    text.clone(),
+                ))
+            }),
+            Err(_) => Ok(Implementation::Xla),
+        }
     }
 
     /// The split asked for.
