@@ -202,7 +202,13 @@ fn label<B: Backend>(backend: &B, name: &str, dtype: DType, what: &str) -> Strin
 
 /// The forward on case `name` in `dtype` against the reference.
 pub fn forward<B: Backend>(backend: &B, name: &str, dtype: DType) -> Result<Report, String> {
-    let (_, data, p) = setup(backend, name, dtype)?;
+    forward_case(backend, &find(name)?, dtype)
+}
+
+/// [`forward`] on a case that need not be in the table (its name keys the reference cache).
+pub fn forward_case<B: Backend>(backend: &B, case: &Case, dtype: DType) -> Result<Report, String> {
+    let name = case.name;
+    let (_, data, p) = setup_case(backend, case.clone(), dtype)?;
     let want = &reference::forward_and_vjp(&format!("{name}-{dtype}"), &data)?.0;
     let (out, _) = backend
         .forward(&data.inputs, BackwardStrategy::Rematerialize)

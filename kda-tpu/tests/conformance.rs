@@ -534,7 +534,7 @@ mod context_parallel {
 mod interpret {
     use kda_core::{BackwardStrategy, DType, HostTensor, KdaInputs, KdaOutputs, Layout};
     use kda_testkit::conformance::{backward, forward, Path};
-    use kda_testkit::Case;
+    use kda_testkit::{Case, CaseGate};
     use kda_tpu::{Implementation, PjrtBackend};
     use rstest::rstest;
 
@@ -656,6 +656,17 @@ mod interpret {
                 assert_eq!(bits(x), bits(y), "final state of slot {slot}");
             }
         }
+    }
+
+    /// Fixed-length rows of whole chunks, which the kernel reads in place (head-first, and
+    /// batch-first with 128-lane heads) and whose gate and L2 norm it applies itself.
+    #[rstest]
+    #[case::head_first_softplus_f32(Case { gate: CaseGate::Softplus, ..Case::base("kernel_in_place_softplus", 2, 2, 128, 16, 24) }, F32)]
+    #[case::head_first_lower_bound_l2norm_bf16(Case { gate: CaseGate::LowerBound(-5.0), l2norm: true, ..Case::base("kernel_in_place_lower_bound", 2, 1, 192, 32, 32) }, BF16)]
+    #[case::batch_first_lower_bound_l2norm_f32(Case { gate: CaseGate::LowerBound(-5.0), l2norm: true, layout: Layout::BatchFirst, ..Case::base("kernel_in_place_batch_first", 2, 2, 128, 128, 128) }, F32)]
+    #[case::batch_first_preactivated_bf16(Case { layout: Layout::BatchFirst, ..Case::base("kernel_in_place_batch_first_pre", 2, 1, 128, 128, 128) }, BF16)]
+    fn in_place_forward_meets_the_reference(#[case] case: Case, #[case] dtype: DType) {
+        run(kda_testkit::conformance::forward_case(&backend(), &case, dtype));
     }
 
     #[rstest]

@@ -1,23 +1,22 @@
 //! The forward program around the Mosaic forward kernel ([`crate::mosaic::forward`]): the same
 //! signature as the XLA forward, so the backend, the compile cache and the backward read it
-//! unchanged. Around the kernel, in XLA: the caller's layout to lanes, the q/k L2 norm, the gate
-//! activation and floor, segment loading (packed tokens to chunk-aligned work), the chunk tables
-//! as the kernel reads them; after it, the outputs back to the caller's layout and the final
-//! states of segments that hold no chunk.
-//!
-//! The gate and the norm run around the kernel, not in it: XLA fuses them into the layout and
-//! segment-loading pass it makes anyway, and the saved-state backward re-forms them from the
-//! inputs, so the kernel reads the activated gate once (f32) and nothing else is kept.
+//! unchanged. The kernel reads the caller's tensors as they are (fixed-length rows of whole
+//! chunks, [`Tokens::HeadFirst`] and [`Tokens::BatchFirst`]) and applies the L2 norm, the gate
+//! and its floor itself, so nothing of the size of the inputs is made before it; otherwise XLA
+//! makes lanes first (a transpose, the padding of T to whole chunks, or the gather of packed
+//! segments into chunk-aligned work, in the inputs' own dtypes). After the kernel: `o` in the
+//! caller's layout (in place, or back from lanes) and the final states of segments that hold
+//! no chunk (their initial states).
 
 use super::ops::{i32t, splat};
 use super::prep;
-use super::programs::{state_tab, Args, GATE_FLOOR};
+use super::programs::{state_tab, Args};
 use super::spec::{on_device, KernelSpec, CHUNK};
 use crate::hlo::{Cmp, FnBuilder, Value};
-use crate::mosaic::forward::{forward_kernel, ForwardDims};
+use crate::mosaic::forward::{forward_kernel, ForwardDims, Gate, Tokens};
 use crate::mosaic::Lowering;
 use crate::Result;
-use kda_core::{DType, Layout};
+use kda_core::{GateKind, Layout};
 
 /// A per-token tensor in the caller's layout to head-first `[H, B, T, D]`, in its own dtype.
 fn lanes_first(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result<Value> {
@@ -63,6 +62,51 @@ fn ended(b: &mut FnBuilder, s: &KernelSpec, last: Value, slot: Value) -> Result<
     b.compare(Cmp::Gt, any, zero)
 }
 
+/// How the kernel reads the caller's tokens: in place when rows have a fixed length of whole
+/// chunks (batch-first only when each head's K and V lanes are whole 128-lane tiles, or H = 1),
+/// else through lanes that XLA makes (padded to whole chunks, or packed segments gathered).
+fn tokens_of(s: &KernelSpec) -> Tokens {
+    let whole = s.packed_chunks.is_none() && s.t.is_multiple_of(CHUNK);
+    let tiles = s.h == 1 || (s.k.is_multiple_of(128) && s.v.is_multiple_of(128));
+    match (whole, s.layout) {
+        (true, Layout::HeadFirst) => Tokens::HeadFirst,
+        (true, Layout::BatchFirst) if tiles => Tokens::BatchFirst,
+        _ => Tokens::Lanes,
+    }
+}
+
+/// A per-token input as the kernel reads it: in place (a free reshape) or as lanes.
+fn kernel_input(
+    b: &mut FnBuilder,
+    s: &KernelSpec,
+    x: Value,
+    tokens: Tokens,
+    slot_token: Option<Value>,
+) -> Result<Value> {
+    let d = *x.dims().last().unwrap_or(&1);
+    let (h, bb, t) = (s.h as i64, s.b as i64, s.t as i64);
+    match tokens {
+        Tokens::HeadFirst => b.reshape(x, &[h, bb * t, d]),
+        Tokens::BatchFirst => b.reshape(x, &[bb, t, h * d]),
+        Tokens::Lanes => {
+            let x = lanes_first(b, s, x)?;
+            kernel_tokens(b, s, x, slot_token)
+        }
+    }
+}
+
+/// The kernel's gate parameters `[H, 2, K]`: `exp(a_log)` on every channel, then `dt_bias`.
+fn gate_operand(b: &mut FnBuilder, s: &KernelSpec, a_log: Value, dt_bias: Option<Value>) -> Result<Value> {
+    let (h, k) = (s.h as i64, s.k as i64);
+    let a = b.exp(a_log)?;
+    let a = b.broadcast_in_dim(a, &[h, 1, k], &[0])?;
+    let bias = match dt_bias {
+        Some(d) => b.reshape(d, &[h, 1, k])?,
+        None => splat(b, 0.0, &[h, 1, k])?,
+    };
+    b.concatenate(&[a, bias], 1)
+}
+
 /// The forward body: `o [final_state] [h]` as [`super::ProgramSignature`] says, the chunk
 /// loop in the forward kernel lowered as `lowering`.
 pub(super) fn forward_body(
@@ -73,29 +117,41 @@ pub(super) fn forward_body(
     lowering: Lowering,
 ) -> Result<Vec<Value>> {
     let x = on_device(s.dtype);
-    let (q, k, qk) = if s.l2norm {
-        let q = prep::head_first(b, s, a.q)?;
-        let k = prep::head_first(b, s, a.k)?;
-        (prep::l2_normalise(b, q)?.0, prep::l2_normalise(b, k)?.0, DType::F32)
-    } else {
-        (lanes_first(b, s, a.q)?, lanes_first(b, s, a.k)?, x)
+    let tokens = tokens_of(s);
+    let mut ops = vec![a.tables.first, a.tables.last, running_max(b, a.tables.slot)?];
+    for t in [a.q, a.k, a.v] {
+        ops.push(kernel_input(b, s, t, tokens, a.slot_token)?);
+    }
+    // The gate in the kernel reads raw inputs in place only: lanes hold padding tokens, whose
+    // zero raw gate would activate to a decay, so lanes get the activated gate from XLA (zero
+    // on padding, as the XLA programs have it).
+    let in_kernel_gate = tokens != Tokens::Lanes && s.in_kernel_gate();
+    let g = match (tokens, a.a_log) {
+        (Tokens::Lanes, Some(al)) => {
+            let gx = prep::head_first(b, s, a.g)?;
+            let p = prep::gate_params(b, s, al, a.dt_bias, gx.dims())?;
+            let g = prep::activate(b, s, gx, Some(&p))?;
+            kernel_tokens(b, s, g, a.slot_token)?
+        }
+        _ => kernel_input(b, s, a.g, tokens, a.slot_token)?,
     };
-    let v = lanes_first(b, s, a.v)?;
-    let gx = prep::head_first(b, s, a.g)?;
-    let gate = match a.a_log {
-        Some(al) => Some(prep::gate_params(b, s, al, a.dt_bias, gx.dims())?),
-        None => None,
-    };
-    let g = prep::activate(b, s, gx, gate.as_ref())?;
-    let floor = splat(b, GATE_FLOOR, g.dims())?;
-    let g = b.max(g, floor)?;
+    let g_dtype = g.elem();
+    ops.push(g);
     let mut beta_dims: Vec<i64> = s.layout.scalar_shape(s.h, s.b, s.t).iter().map(|&d| d as i64).collect();
     beta_dims.push(1);
     let beta = b.reshape(a.beta, &beta_dims)?;
     let beta = lanes_first(b, s, beta)?;
-    let mut ops = vec![a.tables.first, a.tables.last, running_max(b, a.tables.slot)?];
-    for t in [q, k, v, g, beta] {
-        ops.push(kernel_tokens(b, s, t, a.slot_token)?);
+    ops.push(match tokens {
+        Tokens::Lanes => kernel_tokens(b, s, beta, a.slot_token)?,
+        _ => b.reshape(beta, &[s.h as i64, (s.b * s.t) as i64, 1])?,
+    });
+    let gate = match (in_kernel_gate, s.gate) {
+        (false, _) | (_, GateKind::Preactivated) => Gate::Preactivated,
+        (true, GateKind::Softplus) => Gate::Softplus,
+        (true, GateKind::LowerBound(lb)) => Gate::LowerBound(lb),
+    };
+    if let (true, Some(al)) = (in_kernel_gate, a.a_log) {
+        ops.push(gate_operand(b, s, al, a.dt_bias)?);
     }
     let h0 = match a.h0 {
         Some(h0) => Some(prep::state_table(b, s, h0)?),
@@ -103,13 +159,18 @@ pub(super) fn forward_body(
     };
     ops.extend(h0);
     let dims = ForwardDims {
-        lanes: s.lanes() as i64,
+        heads: s.h as i64,
+        rows: (s.lanes() / s.h) as i64,
         chunks: s.chunks() as i64,
         slots: s.slots() as i64,
         k: s.k as i64,
         v: s.v as i64,
-        qk,
+        qk: x,
+        g: g_dtype,
         dtype: x,
+        tokens,
+        l2norm: s.l2norm,
+        gate,
         h0: h0.is_some(),
         ht: s.final_state,
         states: keep_h,
@@ -119,10 +180,17 @@ pub(super) fn forward_body(
         Lowering::Mosaic => kernel.call_mosaic(b, &ops)?,
         Lowering::Interpret => kernel.call_interpret(b, &ops)?,
     };
-    let (l, nt) = (s.lanes() as i64, s.chunks() as i64);
-    let o = b.reshape(outs[0], &[l, nt, CHUNK as i64, s.v as i64])?;
-    let o = prep::from_chunks(b, s, o, a.token_slot)?;
-    let mut results = vec![prep::to_caller(b, s, o, x)?];
+    let o = match tokens {
+        Tokens::Lanes => {
+            let (l, nt) = (s.lanes() as i64, s.chunks() as i64);
+            let o = b.reshape(outs[0], &[l, nt, CHUNK as i64, s.v as i64])?;
+            let o = prep::from_chunks(b, s, o, a.token_slot)?;
+            prep::to_caller(b, s, o, x)?
+        }
+        // Already in the caller's layout: the flat result is a reshape.
+        _ => b.reshape(outs[0], &[(s.h * s.b * s.t) as i64, s.v as i64])?,
+    };
+    let mut results = vec![o];
     if s.final_state {
         let ht = outs[1];
         let start = match h0 {

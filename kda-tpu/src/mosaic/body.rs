@@ -62,6 +62,8 @@ pub enum Unary {
     Exp,
     /// `ln(x)`
     Log,
+    /// `ln(1 + x)`, accurate for small `x`
+    Log1p,
     /// `1 / sqrt(x)`
     Rsqrt,
     /// `-x`

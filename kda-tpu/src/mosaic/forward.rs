@@ -20,18 +20,51 @@
 use kda_core::DType;
 
 use super::blocks::{chunk_terms, unit_lower_inverse};
-use super::body::{Binary, MatPrecision, Ref};
+use super::body::{Binary, Body, MatPrecision, Offset, Reduction, Ref, Unary, V};
 use super::kernel::{Cost, Index, Kernel, KernelBuilder, Operand, Semantics};
 use crate::error::{Result, TpuError};
 use crate::hlo::{Cmp, TensorType};
 
 const C: i64 = 64;
 
-/// The dims and options of one forward kernel.
+/// How the per-token operands (`q k v g` and `o`) hold their tokens (`R` rows of `T = NT * 64`
+/// tokens, `H` heads, `L = H * R` lanes, lane `h * R + r`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tokens {
+    /// `[L, T, D]`: lanes made by XLA (any width; packed rows gathered to chunk-aligned work).
+    Lanes,
+    /// `[H, R * T, D]`: the caller's head-first `[H, B, T, D]`, read in place.
+    HeadFirst,
+    /// `[R, T, H * D]`: the caller's batch-first `[B, T, H, D]`, read in place (each block a
+    /// head's `D` lanes, so D a multiple of 128, or H = 1).
+    BatchFirst,
+}
+
+/// The gate the kernel applies to `g` (docs/kda.md, Tensors), then the floor at -30 (the XLA
+/// programs' `GATE_FLOOR`): with `Softplus` or `LowerBound` the per-head `exp(a_log)` and
+/// `dt_bias` come as the operand `gate` `[H, 2, K]` (row 0 `exp(a_log[h])` on every channel,
+/// row 1 `dt_bias[h, :]`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Gate {
+    /// `g` is the log-decay.
+    Preactivated,
+    /// `g = -exp(a_log) softplus(x + dt_bias)`.
+    Softplus,
+    /// `g = lb sigmoid(exp(a_log) (x + dt_bias))`.
+    LowerBound(f64),
+}
+
+/// The floor of the per-token log-decay (as the XLA programs' `GATE_FLOOR`).
+const FLOOR: f64 = -30.0;
+
+/// The dims and options of one forward kernel.
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ForwardDims {
-    /// Lanes: independent recurrences side by side.
-    pub lanes: i64,
+    /// Heads `H`.
+    pub heads: i64,
+    /// Rows `R` side by side (`B` for fixed-length rows; 1 for packed rows, whose chunks follow
+    /// each other in one lane per head).
+    pub rows: i64,
     /// Chunk positions per lane.
     pub chunks: i64,
     /// State slots per lane (`h0`, `ht`): 1 for fixed-length rows.
@@ -40,10 +73,18 @@ pub struct ForwardDims {
     pub k: i64,
     /// Value width.
     pub v: i64,
-    /// The dtype of `q` and `k` (f32 or bf16; f32 after an L2 norm).
+    /// The dtype of `q` and `k` (f32 or bf16).
     pub qk: DType,
+    /// The dtype of `g` (f32 or bf16).
+    pub g: DType,
     /// The dtype of `v`, `beta` and `o` (f32 or bf16).
     pub dtype: DType,
+    /// How `q k v g o` hold their tokens.
+    pub tokens: Tokens,
+    /// Whether the kernel L2-normalises q and k over K.
+    pub l2norm: bool,
+    /// The gate applied to `g`.
+    pub gate: Gate,
     /// Whether `h0` is an input (else every segment starts from zero).
     pub h0: bool,
     /// Whether `ht` is a result.
@@ -53,21 +94,29 @@ pub struct ForwardDims {
 }
 
 impl ForwardDims {
-    /// Fixed-length lanes of `t` tokens (a multiple of 64), `q`, `k`, `v` and `beta` of one
-    /// `dtype`, with `h0` and `ht`, no per-chunk states.
+    /// Fixed-length lanes of `t` tokens (a multiple of 64) made by the caller, the inputs of one
+    /// `dtype`, a preactivated gate, `h0` and `ht`, no per-chunk states.
     pub fn fixed(lanes: i64, t: i64, k: i64, v: i64, dtype: DType) -> Self {
         ForwardDims {
-            lanes,
+            heads: lanes,
+            rows: 1,
             chunks: t / C,
             slots: 1,
             k,
             v,
             qk: dtype,
+            g: dtype,
             dtype,
+            tokens: Tokens::Lanes,
+            l2norm: false,
+            gate: Gate::Preactivated,
             h0: true,
             ht: true,
             states: false,
         }
+    }
+    fn lanes(&self) -> i64 {
+        self.heads * self.rows
     }
 }
 
@@ -85,19 +134,32 @@ pub fn fixed_tables(chunks: usize) -> [Vec<i32>; 3] {
     [first, last, vec![0; chunks]]
 }
 
-/// The forward kernel of `d` with output scale `scale`. Its operands: the tables `first`,
-/// `last`, `slot` (`[NT]` i32; `slot` must not decrease, padding chunks after the last segment
-/// repeating its slot, since a result block revisited later would be written back stale), then
-/// `q k v g beta [h0]`; its results `o [ht] [h]`.
+/// The type, block and block indices of a per-token operand of width `w`, for the grid
+/// (heads, rows, chunks).
+fn token_operand(name: &str, d: &ForwardDims, dtype: DType, w: i64) -> Operand {
+    let (h, r, nt) = (d.heads, d.rows, d.chunks);
+    let (g0, g1, g2) = (Index::Grid(0), Index::Grid(1), Index::Grid(2));
+    let (dims, map) = match d.tokens {
+        Tokens::Lanes => ([h * r, nt * C, w], vec![g0 * r + g1, g2, Index::Const(0)]),
+        Tokens::HeadFirst => ([h, r * nt * C, w], vec![g0, g1 * nt + g2, Index::Const(0)]),
+        Tokens::BatchFirst => ([r, nt * C, h * w], vec![g1, g2, g0]),
+    };
+    Operand::blocked(name, TensorType::new(dtype, &dims), &[1, C, w], map)
+}
+
+/// The forward kernel of `d` with output scale `scale`, on the grid (heads, rows: parallel;
+/// chunks: arbitrary). Its operands: the tables `first`, `last`, `slot` (`[NT]` i32; `slot`
+/// must not decrease, padding chunks after the last segment repeating its slot, since a result
+/// block revisited later would be written back stale), then `q k v g beta [gate] [h0]` (beta
+/// `[L, T, 1]` for [`Tokens::Lanes`], else `[H, R * T, 1]`; `h0` `[L, S, K, V]` f32); its results
+/// `o [ht] [h]` (`o` laid out as `v`).
 pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
     let float = |t: DType| matches!(t, DType::F32 | DType::BF16);
-    if d.chunks < 1 || d.lanes < 1 || d.slots < 1 || !float(d.dtype) || !float(d.qk) {
+    let sizes_ok = d.chunks >= 1 && d.heads >= 1 && d.rows >= 1 && d.slots >= 1;
+    if !sizes_ok || !float(d.dtype) || !float(d.qk) || !float(d.g) {
         return Err(TpuError::unsupported(
             "mosaic forward",
-            format!(
-                "one lane, chunk and slot or more and f32 or bf16 inputs ({} lanes, {} chunks, {} slots, {} / {})",
-                d.lanes, d.chunks, d.slots, d.qk, d.dtype
-            ),
+            format!("one head, row, chunk and slot or more and f32 or bf16 inputs ({d:?})"),
         ));
     }
     if !(1..=MAX_WIDTH).contains(&d.k) || !(1..=MAX_WIDTH).contains(&d.v) {
@@ -106,10 +168,11 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
             format!("K and V of 1 to {MAX_WIDTH} (K = {}, V = {})", d.k, d.v),
         ));
     }
-    let (l, nt, k, v, x) = (d.lanes, d.chunks, d.k, d.v, d.dtype);
+    let (l, nt, k, v, x) = (d.lanes(), d.chunks, d.k, d.v, d.dtype);
     let t = nt * C;
-    let tok = || vec![Index::Grid(0), Index::Grid(1), Index::Const(0)];
-    let slot = || vec![Index::Grid(0), Index::table(2, Index::Grid(1)), Index::Const(0), Index::Const(0)];
+    let (g0, g1, g2) = (Index::Grid(0), Index::Grid(1), Index::Grid(2));
+    let lane = || g0.clone() * d.rows + g1.clone();
+    let slot = || vec![lane(), Index::table(2, g2.clone()), Index::Const(0), Index::Const(0)];
     let ty = |dt: DType, dims: &[i64]| TensorType::new(dt, dims);
     // docs/kda.md, Work: per token and head, 6CK + 4CV + 6KV + (2/3)C^2 flops; four exponentials
     // per gate element; every operand and result once through HBM.
@@ -119,59 +182,85 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
     let states = (l * k * v) as f64
         * 4.0
         * (d.slots * (i64::from(d.h0) + i64::from(d.ht)) + nt * i64::from(d.states)) as f64;
-    let bytes =
-        (l * t) as f64 * (2.0 * kf * bytes_of(d.qk) + (2.0 * vf + 1.0) * bytes_of(x) + 4.0 * kf) + states;
+    let bytes = (l * t) as f64
+        * (2.0 * kf * bytes_of(d.qk) + (2.0 * vf + 1.0) * bytes_of(x) + kf * bytes_of(d.g))
+        + states;
+    let beta = match d.tokens {
+        Tokens::Lanes => {
+            Operand::blocked("beta", ty(x, &[l, t, 1]), &[1, C, 1], vec![lane(), g2.clone(), Index::Const(0)])
+        }
+        _ => Operand::blocked(
+            "beta",
+            ty(x, &[d.heads, d.rows * t, 1]),
+            &[1, C, 1],
+            vec![g0.clone(), g1.clone() * nt + g2.clone(), Index::Const(0)],
+        ),
+    };
+    let gated = d.gate != Gate::Preactivated;
     let mut kb = KernelBuilder::new("kda_forward")
-        .grid(l, Semantics::Parallel)
+        .grid(d.heads, Semantics::Parallel)
+        .grid(d.rows, Semantics::Parallel)
         .grid(nt, Semantics::Arbitrary)
         .table("first", nt)
         .table("last", nt)
         .table("slot", nt)
-        .input(Operand::blocked("q", ty(d.qk, &[l, t, k]), &[1, C, k], tok()))
-        .input(Operand::blocked("k", ty(d.qk, &[l, t, k]), &[1, C, k], tok()))
-        .input(Operand::blocked("v", ty(x, &[l, t, v]), &[1, C, v], tok()))
-        .input(Operand::blocked("g", ty(DType::F32, &[l, t, k]), &[1, C, k], tok()))
-        .input(Operand::blocked("beta", ty(x, &[l, t, 1]), &[1, C, 1], tok()));
+        .input(token_operand("q", &d, d.qk, k))
+        .input(token_operand("k", &d, d.qk, k))
+        .input(token_operand("v", &d, x, v))
+        .input(token_operand("g", &d, d.g, k))
+        .input(beta);
+    if gated {
+        let at = vec![g0.clone(), Index::Const(0), Index::Const(0)];
+        kb = kb.input(Operand::blocked("gate", ty(DType::F32, &[d.heads, 2, k]), &[1, 2, k], at));
+    }
+    let h0_input = 5 + usize::from(gated);
     if d.h0 {
         kb = kb.input(Operand::blocked("h0", ty(DType::F32, &[l, d.slots, k, v]), &[1, 1, k, v], slot()));
     }
-    kb = kb.output(Operand::blocked("o", ty(x, &[l, t, v]), &[1, C, v], tok()));
+    kb = kb.output(token_operand("o", &d, x, v));
     if d.ht {
         kb = kb.output(Operand::blocked("ht", ty(DType::F32, &[l, d.slots, k, v]), &[1, 1, k, v], slot()));
     }
     if d.states {
-        let at = vec![Index::Grid(0), Index::Grid(1), Index::Const(0), Index::Const(0)];
+        let at = vec![lane(), g2.clone(), Index::Const(0), Index::Const(0)];
         kb = kb.output(Operand::blocked("h", ty(DType::F32, &[l, nt, k, v]), &[1, 1, k, v], at));
     }
     let out_ht = Ref::Output(1);
     let out_h = Ref::Output(1 + usize::from(d.ht));
+    let transcendentals = (l * t * k) as f64 * (4.0 + if gated { 2.0 } else { 0.0 })
+        + if d.l2norm { 2.0 * (l * t) as f64 } else { 0.0 };
     kb.scratch("state", ty(DType::F32, &[k, v]))
         .scratch("work", ty(DType::F32, &[C, k]))
         .scratch("tiles", ty(DType::F32, &[C, C]))
         .scratch("solve_work", ty(DType::F32, &[C, C]))
         .scratch("solve_out", ty(DType::F32, &[C, C]))
-        .cost(Cost { flops, transcendentals: (l * t * k) as f64 * 4.0, bytes })
+        .cost(Cost { flops, transcendentals, bytes })
         .build(|b| {
-            let c = b.program_id(1)?;
+            let c = b.program_id(2)?;
             let zero = b.index(0)?;
             let first = b.read_table(0, &c)?;
             let at_first = b.compare(Cmp::Ne, &first, &zero)?;
             b.when(&at_first, |b| {
                 let h0 = if d.h0 {
-                    let h0 = b.load_all(Ref::Input(5))?;
+                    let h0 = b.load_all(Ref::Input(h0_input))?;
                     b.reshape(&h0, &[k, v])?
                 } else {
                     b.splat(0.0, DType::F32, &[k, v])?
                 };
                 b.store_all(Ref::Scratch(0), &h0)
             })?;
-            let f32_2d = |b: &mut super::body::Body, i: usize, w: i64| {
+            let f32_2d = |b: &mut Body, i: usize, w: i64| {
                 let x = b.load_all(Ref::Input(i))?;
                 let x = if x.ty.elem == DType::F32 { x } else { b.cast(&x, DType::F32)? };
                 b.reshape(&x, &[C, w])
             };
-            let (q, kk, vv, g, beta) =
+            let (mut q, mut kk, vv, g, beta) =
                 (f32_2d(b, 0, k)?, f32_2d(b, 1, k)?, f32_2d(b, 2, v)?, f32_2d(b, 3, k)?, f32_2d(b, 4, 1)?);
+            if d.l2norm {
+                q = l2_normalise(b, &q)?;
+                kk = l2_normalise(b, &kk)?;
+            }
+            let g = activate(b, &g, d.gate, 5)?;
             let terms = chunk_terms(b, &q, &kk, &g, &beta, scale, Ref::Scratch(1), Ref::Scratch(2))?;
             let a = unit_lower_inverse(b, &terms.l, Ref::Scratch(3), Ref::Scratch(4))?;
             let bv = b.broadcast(&beta, &[C, v])?;
@@ -209,4 +298,63 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
             }
             Ok(())
         })
+}
+
+/// `x * rsqrt(sum(x^2) + eps)` over the rows of `x` `[64, K]` (the XLA programs' L2 norm).
+fn l2_normalise(b: &mut Body, x: &V) -> Result<V> {
+    let dims = x.ty.dims.clone();
+    let sq = b.binary(Binary::Mul, x, x)?;
+    let ss = b.reduce(Reduction::Sum, &sq, 1)?;
+    let eps = b.splat(kda_core::L2NORM_EPS, DType::F32, &[dims[0], 1])?;
+    let ss = b.binary(Binary::Add, &ss, &eps)?;
+    let r = b.unary(Unary::Rsqrt, &ss)?;
+    let r = b.broadcast(&r, &dims)?;
+    b.binary(Binary::Mul, x, &r)
+}
+
+/// The activated, floored log-decay of the raw gate `x` `[64, K]`; the gate parameters (if
+/// any) are input `params` (`[1, 2, K]`: `exp(a_log)`, `dt_bias`).
+fn activate(b: &mut Body, x: &V, gate: Gate, params: usize) -> Result<V> {
+    let dims = x.ty.dims.clone();
+    let g = match gate {
+        Gate::Preactivated => x.clone(),
+        Gate::Softplus | Gate::LowerBound(_) => {
+            let row = |b: &mut Body, i: i64| {
+                let at = [Offset::Const(0), Offset::Const(i), Offset::Const(0)];
+                let r = b.load(Ref::Input(params), &at, &[1, 1, dims[1]])?;
+                b.reshape(&r, &[1, dims[1]])
+            };
+            let (a, bias) = (row(b, 0)?, row(b, 1)?);
+            let a = b.broadcast(&a, &dims)?;
+            let bias = b.broadcast(&bias, &dims)?;
+            let z = b.binary(Binary::Add, x, &bias)?;
+            match gate {
+                Gate::Softplus => {
+                    // softplus(z) = max(z, 0) + log1p(exp(-|z|)), exact and overflow-free.
+                    let zero = b.splat(0.0, DType::F32, &dims)?;
+                    let pos = b.binary(Binary::Max, &z, &zero)?;
+                    let nz = b.unary(Unary::Neg, &z)?;
+                    let neg_abs = b.binary(Binary::Min, &z, &nz)?;
+                    let e = b.unary(Unary::Exp, &neg_abs)?;
+                    let l = b.unary(Unary::Log1p, &e)?;
+                    let sp = b.binary(Binary::Add, &pos, &l)?;
+                    let g = b.binary(Binary::Mul, &a, &sp)?;
+                    b.unary(Unary::Neg, &g)?
+                }
+                _ => {
+                    let lb = if let Gate::LowerBound(lb) = gate { lb } else { 0.0 };
+                    // lb * sigmoid(a z) = lb / (1 + exp(-a z)).
+                    let az = b.binary(Binary::Mul, &a, &z)?;
+                    let naz = b.unary(Unary::Neg, &az)?;
+                    let e = b.unary(Unary::Exp, &naz)?;
+                    let one = b.splat(1.0, DType::F32, &dims)?;
+                    let den = b.binary(Binary::Add, &one, &e)?;
+                    let lbs = b.splat(lb, DType::F32, &dims)?;
+                    b.binary(Binary::Div, &lbs, &den)?
+                }
+            }
+        }
+    };
+    let floor = b.splat(FLOOR, DType::F32, &dims)?;
+    b.binary(Binary::Max, &g, &floor)
 }

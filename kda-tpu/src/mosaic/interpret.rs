@@ -198,6 +198,7 @@ impl Step<'_> {
                 let v = match op {
                     Unary::Exp => b.exp(x)?,
                     Unary::Log => b.log(x)?,
+                    Unary::Log1p => b.log1p(x)?,
                     Unary::Rsqrt => b.rsqrt(x)?,
                     Unary::Neg => b.neg(x)?,
                 };

@@ -205,6 +205,7 @@ impl<'k> Emitter<'k> {
                 let name = match op {
                     Unary::Exp => "math.exp",
                     Unary::Log => "math.log",
+                    Unary::Log1p => "math.log1p",
                     Unary::Rsqrt => "math.rsqrt",
                     Unary::Neg => "arith.negf",
                 };
