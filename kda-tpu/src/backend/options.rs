@@ -38,7 +38,7 @@ pub enum Split {
     Context,
 }
 
-/// How a [`PjrtBackend`] is built: the plugin, the compile cache, host-memory tuning and the
+/// How a [`PjrtBackend`](crate::PjrtBackend) is built: the plugin, the compile cache, host-memory tuning and the
 /// program configuration. Every field has a default; nothing here changes the process until
 /// [`PjrtOptions::build`].
 ///

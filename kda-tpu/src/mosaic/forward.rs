@@ -1,6 +1,6 @@
-//! The chunked KDA forward as one Mosaic kernel (docs/kda.md, Chunks): a grid over lanes (one
-//! lane per head, and per row when rows have a fixed length; `parallel`) and chunk positions
-//! (`arbitrary`), the state `S` `[K, V]` in VMEM scratch across the chunks of a lane. Per chunk:
+//! The chunked KDA forward as one Mosaic kernel (docs/kda.md, Chunks): a grid over heads and
+//! rows (`parallel`; packed rows are one row of chunks) and chunk positions (`arbitrary`), the
+//! state `S` `[K, V]` of a lane (a head of a row) in VMEM scratch across its chunks. Per chunk:
 //! [`super::blocks::chunk_terms`], `A = (I + L)^-1` ([`super::blocks::unit_lower_inverse`]),
 //! `u = A (beta v)`, `w = A (beta k e^G)`, `v_new = u - w S`, `o = scale (q e^G) S + Aqk v_new`,
 //! `S <- e^(G_C) S + (k e^(G_C - G))^T v_new`.
@@ -10,12 +10,12 @@
 //! `last[c] = 1` it is written to `ht` of that slot. Fixed-length rows are the tables
 //! `first = [1, 0, ..]`, `last = [.., 0, 1]`, `slot = 0`; one kernel serves both.
 //!
-//! Its operands are the lanes' chunk-aligned tokens as `[L, NT * 64, D]`, `g` already
-//! activated and floored (f32), `beta` `[L, NT * 64, 1]`, `h0` `[L, S, K, V]` f32 (`S` state
-//! slots per lane); its results `o` `[L, NT * 64, V]` (in `v`'s dtype), `ht` `[L, S, K, V]`
-//! f32, and optionally `h` `[L, NT, K, V]` f32, the state entering every chunk (what the
-//! saved-state backward reads). bf16 blocks are widened in the kernel; everything accumulates
-//! in f32.
+//! Its per-token operands hold their tokens as [`Tokens`] says (the caller's head-first or
+//! batch-first tensors in place, or lanes `[L, NT * 64, D]` that XLA made); the kernel widens
+//! bf16 blocks, L2-normalises q and k when asked, applies the [`Gate`] and the floor to `g`, and
+//! accumulates everything in f32. `h0` and `ht` are `[L, S, K, V]` f32 (`S` state slots per
+//! lane), `h` `[L, NT, K, V]` f32, the state entering every chunk (what the saved-state
+//! backward reads).
 
 use kda_core::DType;
 
@@ -94,27 +94,6 @@ pub struct ForwardDims {
 }
 
 impl ForwardDims {
-    /// Fixed-length lanes of `t` tokens (a multiple of 64) made by the caller, the inputs of one
-    /// `dtype`, a preactivated gate, `h0` and `ht`, no per-chunk states.
-    pub fn fixed(lanes: i64, t: i64, k: i64, v: i64, dtype: DType) -> Self {
-        ForwardDims {
-            heads: lanes,
-            rows: 1,
-            chunks: t / C,
-            slots: 1,
-            k,
-            v,
-            qk: dtype,
-            g: dtype,
-            dtype,
-            tokens: Tokens::Lanes,
-            l2norm: false,
-            gate: Gate::Preactivated,
-            h0: true,
-            ht: true,
-            states: false,
-        }
-    }
     fn lanes(&self) -> i64 {
         self.heads * self.rows
     }
@@ -122,17 +101,6 @@ impl ForwardDims {
 
 /// The largest key or value width of the kernel (docs/kda.md, Shapes).
 pub const MAX_WIDTH: i64 = 256;
-
-/// The chunk tables of fixed-length lanes of `chunks` chunks: `first`, `last`, `slot`.
-pub fn fixed_tables(chunks: usize) -> [Vec<i32>; 3] {
-    let mut first = vec![0; chunks];
-    let mut last = vec![0; chunks];
-    if chunks > 0 {
-        first[0] = 1;
-        last[chunks - 1] = 1;
-    }
-    [first, last, vec![0; chunks]]
-}
 
 /// The type, block and block indices of a per-token operand of width `w`, for the grid
 /// (heads, rows, chunks).
