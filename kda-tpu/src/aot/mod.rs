@@ -2,9 +2,13 @@
 //! compiler for a named topology and returns its memory statistics (with peak) and cost analysis.
 //! Nothing runs: numbers of record come from the CPU plugin.
 
+pub mod cycles;
+
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
+
+pub use cycles::StaticCycles;
 
 use crate::error::{Result, TpuError};
 use crate::runtime::guard::guarded;
@@ -43,12 +47,16 @@ pub struct AotReport {
     /// its custom call in the optimized program), in program order; empty without kernels,
     /// and when the plugin does not hand out the optimized program.
     pub kernel_vmem_bytes: Vec<u64>,
+    /// The static cycle count from libtpu's bundle listings ([`cycles`]), when the compiler
+    /// was set up to read them ([`TpuCompiler::with_listings`]).
+    pub static_cycles: Option<StaticCycles>,
 }
 
 /// libtpu loaded for deviceless compiles. Not `Send` (it holds the raw plugin table).
 pub struct TpuCompiler {
     raw: RawApi,
     version: (i32, i32),
+    listings: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for TpuCompiler {
@@ -81,7 +89,16 @@ impl TpuCompiler {
         }
         let (_api, raw) = plugin::load(loc)?;
         let version = raw.version();
-        Ok(Self { raw, version })
+        Ok(Self { raw, version, listings: None })
+    }
+
+    /// Counts static cycles ([`AotReport::static_cycles`]) from the listings libtpu writes to
+    /// `dir`, which needs `LIBTPU_INIT_ARGS` to hold [`cycles::listing_flags`]`(dir)` before
+    /// libtpu is loaded (the library leaves the environment to its caller). Each compile reads
+    /// the files it added and removes them (tens of MB per program).
+    pub fn with_listings(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.listings = Some(dir.into());
+        self
     }
 
     /// libtpu's PJRT C API version.
@@ -109,6 +126,7 @@ impl TpuCompiler {
         // Replicas map to the topology's devices 0..n in order (deviceless: ids, no devices).
         let ids: Vec<i64> = (0..options.replicas() as i64).collect();
         let encoded = options.to_pjrt(&ids).encode();
+        let before = self.listings.as_deref().map(listing_files).transpose()?;
         let (memory, properties, optimized) = guarded("aot compile", || {
             self.raw.compile_for_topology(topology, program, &encoded, |raw, exe| {
                 Ok((raw.memory_stats(exe)?, raw.cost_analysis(exe)?, raw.optimized_program(exe).ok()))
@@ -129,13 +147,38 @@ impl TpuCompiler {
             properties: properties.clone(),
         };
         let kernel_vmem_bytes = optimized.as_deref().map(scoped_vmem).unwrap_or_default();
+        let compile_time = started.elapsed();
+        let static_cycles = match (self.listings.as_deref(), before) {
+            (Some(dir), Some(before)) => {
+                let _span = tracing::info_span!("static_cycles").entered();
+                let new: Vec<PathBuf> =
+                    listing_files(dir)?.into_iter().filter(|f| !before.contains(f)).collect();
+                let counted = cycles::count(&new);
+                for f in &new {
+                    // Best effort: a listing left behind only costs disk.
+                    let _ = std::fs::remove_file(f);
+                }
+                Some(counted?)
+            }
+            _ => None,
+        };
         Ok(AotReport {
             topology: topology.to_string(),
             memory,
             cost,
-            compile_time: started.elapsed(),
+            compile_time,
             kernel_vmem_bytes,
+            static_cycles,
         })
+    }
+}
+
+/// The files in `dir` (none when it does not exist yet).
+fn listing_files(dir: &Path) -> Result<std::collections::BTreeSet<PathBuf>> {
+    match std::fs::read_dir(dir) {
+        Ok(entries) => Ok(entries.filter_map(|e| e.ok().map(|e| e.path())).collect()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Default::default()),
+        Err(e) => Err(TpuError::Compile { message: format!("cannot list {}: {e}", dir.display()) }),
     }
 }
 

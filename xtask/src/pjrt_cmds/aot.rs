@@ -4,7 +4,7 @@ use super::{compile_aot_replicas, err, kind, problem_of};
 use crate::aot_cmd::AotOptions;
 use crate::bench::Memory;
 use kda_testkit::CaseSegments;
-use kda_tpu::{PjrtBackend, TpuCompiler};
+use kda_tpu::PjrtBackend;
 
 fn mb(bytes: i64) -> String {
     format!("{:.2} MB", bytes as f64 / 1e6)
@@ -14,21 +14,30 @@ fn mb(bytes: i64) -> String {
 struct Row {
     program: &'static str,
     kernel_vmem: i64,
+    cycles: i64,
     shape: &'static str,
     dtype: String,
     memory: Memory,
     flops: f64,
 }
 
+/// `N (kernels M)`, with the loops of unknown trip count when there are any.
+fn cycles_line(r: &super::AotFigures) -> String {
+    if r.cycles < 0 {
+        return "not counted".to_string();
+    }
+    let mut s = format!("{} (Mosaic kernels {})", r.cycles, r.kernel_cycles);
+    if r.unknown_loops > 0 {
+        s += &format!(", {} loops of run-time trip count counted once: a lower bound", r.unknown_loops);
+    }
+    s + "; bundles along the executed path (a model, not a time)"
+}
+
 /// Compiles every (shape, dtype, program) of `o` for its topology and prints the figures.
 pub fn run(o: &AotOptions) -> Result<(), String> {
     kda_tpu::aot::check_topology(&o.topology).map_err(err)?;
     crate::progress::step("aot", format_args!("loading libtpu..."));
-    let tpu = match &o.libtpu {
-        Some(path) => TpuCompiler::with_libtpu(path),
-        None => TpuCompiler::load(),
-    }
-    .map_err(err)?;
+    let tpu = super::load_tpu(o.libtpu.as_deref())?;
     // The CPU plugin only serves `spec()` (the packed capacity plan); nothing runs on it.
     let be = PjrtBackend::new().map_err(err)?;
     let (major, minor) = tpu.plugin_version();
@@ -125,6 +134,7 @@ pub fn run(o: &AotOptions) -> Result<(), String> {
                         r.kernel_vmem
                     );
                 }
+                println!("  static cycles: {}", cycles_line(&r));
                 println!(
                     "  cost:   {:.3} GFLOP, {:.3} GB accessed (optimal_seconds {:.3e}: not \
                      meaningful for programs with while loops)",
@@ -152,11 +162,15 @@ pub fn run(o: &AotOptions) -> Result<(), String> {
                     "output_bytes": m.output,
                     "code_bytes": m.code,
                     "kernel_vmem_bytes": r.kernel_vmem,
+                    "static_cycles": r.cycles,
+                    "kernel_cycles": r.kernel_cycles,
+                    "unknown_trip_loops": r.unknown_loops,
                     "gflop": r.flops / 1e9,
                 }));
                 rows.push(Row {
                     program: program.name(),
                     kernel_vmem: r.kernel_vmem,
+                    cycles: r.cycles,
                     shape: shape.name(),
                     dtype: dtype.to_string(),
                     memory: m,
@@ -172,12 +186,12 @@ pub fn run(o: &AotOptions) -> Result<(), String> {
     }
     if rows.len() > 1 {
         println!(
-            "\n{:<21} {:<17} {:<5} {:>12} {:>12} {:>9} {:>9} {:>9}",
-            "program", "shape", "dtype", "peak MB", "temp MB", "code MB", "VMEM MB", "GFLOP"
+            "\n{:<21} {:<17} {:<5} {:>12} {:>12} {:>9} {:>9} {:>9} {:>12}",
+            "program", "shape", "dtype", "peak MB", "temp MB", "code MB", "VMEM MB", "GFLOP", "k cycles"
         );
         for r in &rows {
             println!(
-                "{:<21} {:<17} {:<5} {:>12.2} {:>12.2} {:>9.2} {:>9.2} {:>9.3}",
+                "{:<21} {:<17} {:<5} {:>12.2} {:>12.2} {:>9.2} {:>9.2} {:>9.3} {:>12.1}",
                 r.program,
                 r.shape,
                 r.dtype,
@@ -185,7 +199,8 @@ pub fn run(o: &AotOptions) -> Result<(), String> {
                 r.memory.temp as f64 / 1e6,
                 r.memory.code as f64 / 1e6,
                 r.kernel_vmem as f64 / 1e6,
-                r.flops / 1e9
+                r.flops / 1e9,
+                r.cycles as f64 / 1e3
             );
         }
     }

@@ -64,11 +64,17 @@ pub struct AotFigures {
     pub kernel_vmem: i64,
     /// Mosaic kernels in the program.
     pub kernels: i64,
+    /// Static cycles from libtpu's bundle listings (`kda_tpu::aot::cycles`).
+    pub cycles: i64,
+    /// The part of `cycles` inside Mosaic kernels.
+    pub kernel_cycles: i64,
+    /// Loops whose trip count is unknown statically (counted once in `cycles`).
+    pub unknown_loops: i64,
     /// Whether the figures came from the cache.
     pub cached: bool,
 }
 
-const CACHE_FIELDS: [&str; 12] = [
+const CACHE_FIELDS: [&str; 15] = [
     "argument",
     "output",
     "alias",
@@ -81,6 +87,9 @@ const CACHE_FIELDS: [&str; 12] = [
     "compile_ms",
     "kernel_vmem",
     "kernels",
+    "cycles",
+    "kernel_cycles",
+    "unknown_loops",
 ];
 
 /// FNV-1a, 64 bit: a hash that stays the same across Rust versions.
@@ -131,6 +140,9 @@ pub fn compile_aot_replicas(
         compile_ms: ms(r.compile_time),
         kernel_vmem: r.kernel_vmem_bytes.iter().sum::<u64>() as i64,
         kernels: r.kernel_vmem_bytes.len() as i64,
+        cycles: r.static_cycles.map_or(-1, |c| c.total as i64),
+        kernel_cycles: r.static_cycles.map_or(-1, |c| c.kernels as i64),
+        unknown_loops: r.static_cycles.map_or(-1, |c| c.unknown_loops as i64),
         cached: false,
     };
     let m = f.memory;
@@ -147,11 +159,40 @@ pub fn compile_aot_replicas(
         f.compile_ms,
         f.kernel_vmem as f64,
         f.kernels as f64,
+        f.cycles as f64,
+        f.kernel_cycles as f64,
+        f.unknown_loops as f64,
     ];
     let body: String = CACHE_FIELDS.iter().zip(values).map(|(k, v)| format!("{k} {v:?}\n")).collect();
     // Best effort: a cache that cannot be written only costs the next run a compile.
     let _ = std::fs::create_dir_all(cache_dir()).and_then(|()| std::fs::write(&file, body));
     Ok(f)
+}
+
+/// Where libtpu writes the bundle listings the static cycle count reads (each compile removes
+/// its own).
+pub fn listing_dir() -> PathBuf {
+    crate::cargo_cmd::root().join("target/xtask-aot-listings")
+}
+
+/// Loads libtpu (`path`, else the setup's) with the listing flags in `LIBTPU_INIT_ARGS`, so that
+/// every compile reports its static cycles.
+pub fn load_tpu(path: Option<&str>) -> Result<TpuCompiler, String> {
+    let dir = listing_dir();
+    let flags = kda_tpu::aot::cycles::listing_flags(&dir);
+    let args = match std::env::var("LIBTPU_INIT_ARGS") {
+        Ok(a) if !a.trim().is_empty() => format!("{a} {flags}"),
+        _ => flags,
+    };
+    // xtask's own environment, read by libtpu when it loads below.
+    std::env::set_var("LIBTPU_INIT_ARGS", args);
+    std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let tpu = match path {
+        Some(p) => TpuCompiler::with_libtpu(p),
+        None => TpuCompiler::load(),
+    }
+    .map_err(err)?;
+    Ok(tpu.with_listings(dir))
 }
 
 fn cache_dir() -> PathBuf {
@@ -186,6 +227,9 @@ fn parse_cached(s: &str) -> Option<AotFigures> {
         compile_ms: v[9],
         kernel_vmem: i(v[10]),
         kernels: i(v[11]),
+        cycles: i(v[12]),
+        kernel_cycles: i(v[13]),
+        unknown_loops: i(v[14]),
         cached: true,
     })
 }

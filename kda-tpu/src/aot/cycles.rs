@@ -1,0 +1,330 @@
+//! A static cycle count from libtpu's final bundle listings (the method of
+//! `shared/docs/TPU_CYCLES.md`): every bundle is one issue cycle; loops count their body times
+//! their trip count, calls (`inlined_call` in the top-level program) the callee's count. A
+//! Mosaic grid, or any loop, that ends in `scmp.ge.s32 .., N /* loop exit test */` runs N
+//! times; an XLA `while` of the top-level program takes its trip count from the HLO condition
+//! (`compare(i, constant(N)), direction=LT`); a loop whose count is neither is counted once and
+//! reported. Predicated regions count in full (the longest path). A model, not a time: stalls
+//! are not in it.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use crate::error::{Result, TpuError};
+
+/// The flags that make libtpu write the listings this module reads into `dir`; put them in
+/// `LIBTPU_INIT_ARGS` before libtpu is loaded.
+pub fn listing_flags(dir: &Path) -> String {
+    format!(
+        "--xla_jf_dump_to={} --xla_jf_dump_llo_pass_label_regex=final_bundles|deduplication-map",
+        dir.display()
+    )
+}
+
+/// A program's static cycle count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StaticCycles {
+    /// Bundles along the executed path, loops times their trip counts.
+    pub total: u64,
+    /// The part inside Mosaic kernels.
+    pub kernels: u64,
+    /// Loops whose trip count is unknown statically (counted once).
+    pub unknown_loops: usize,
+}
+
+#[derive(Debug)]
+struct Bundle {
+    depth: usize,
+    loop_body: bool,
+    exit_trips: Option<u64>,
+    /// The callee (`inlined_call`).
+    call: Option<String>,
+}
+
+/// The bundles of one listing.
+fn bundles(text: &str) -> Vec<Bundle> {
+    let mut out: Vec<(Bundle, String)> = Vec::new();
+    for line in text.lines() {
+        match bundle_head(line) {
+            Some((depth, loop_body)) => {
+                out.push((Bundle { depth, loop_body, exit_trips: None, call: None }, line.to_string()))
+            }
+            None => {
+                if let Some((_, t)) = out.last_mut() {
+                    t.push('\n');
+                    t.push_str(line);
+                }
+            }
+        }
+    }
+    out.into_iter()
+        .map(|(mut b, t)| {
+            b.exit_trips = exit_trips(&t);
+            b.call = call(&t);
+            b
+        })
+        .collect()
+}
+
+/// `ADDR [MARK]: [>..] {`: the nesting depth and whether the bundle starts a loop body.
+fn bundle_head(line: &str) -> Option<(usize, bool)> {
+    let s = line.trim_start();
+    let addr_end = s.find(|c: char| c.is_whitespace())?;
+    let addr = &s[..addr_end];
+    let hex = addr.strip_prefix("0x").map(|h| !h.is_empty() && h.chars().all(|c| c.is_ascii_hexdigit()));
+    if !(addr == "0" || hex == Some(true)) {
+        return None;
+    }
+    let rest = s[addr_end..].trim_start();
+    let (mark, rest) = rest.split_once(':')?;
+    let mark = mark.trim();
+    if !(mark.is_empty() || (mark.len() == 2 && mark.chars().all(|c| c.is_ascii_uppercase()))) {
+        return None;
+    }
+    let rest = rest.trim_start();
+    let depth = rest.chars().take_while(|&c| c == '>').count();
+    rest[depth..].trim_start().starts_with('{').then_some((depth, mark == "LB"))
+}
+
+fn exit_trips(t: &str) -> Option<u64> {
+    let at = t.find("/* loop exit test */")?;
+    let before = t[..at].trim_end();
+    let n = before.rsplit([',', ' ']).next()?;
+    n.parse().ok()
+}
+
+fn call(t: &str) -> Option<String> {
+    let at = t.find("= inlined_call")?;
+    let rest = &t[at + "= inlined_call".len()..];
+    if !rest.starts_with([' ', '\n']) {
+        return None;
+    }
+    let c = rest.find("/* ")?;
+    let comment = &rest[c + 3..];
+    let name = comment.split([' ', '*']).next()?.trim_start_matches('%');
+    (!name.is_empty()).then(|| name.to_string())
+}
+
+/// While loops of the top-level HLO: the computation holding each instruction, and each body
+/// computation's trip count (`None` when its condition is not `i < constant`).
+#[derive(Default)]
+struct Hlo {
+    computation_of: HashMap<String, String>,
+    trips_of_body: HashMap<String, Option<u64>>,
+    /// The Mosaic kernels (`custom_call_target="tpu_custom_call"`).
+    kernels: std::collections::HashSet<String>,
+}
+
+fn hlo(text: &str) -> Hlo {
+    let mut h = Hlo::default();
+    let mut current = String::new();
+    let mut conditions: HashMap<String, Vec<String>> = HashMap::new();
+    let mut whiles: Vec<(String, String)> = Vec::new();
+    for line in text.lines() {
+        if !line.starts_with(' ') && line.trim_end().ends_with('{') {
+            let head = line.trim_start_matches("ENTRY ").trim_start();
+            current = head.split([' ', '(']).next().unwrap_or("").trim_start_matches('%').to_string();
+            continue;
+        }
+        let s = line.trim_start().trim_start_matches("ROOT ");
+        let Some(name) = s.strip_prefix('%').and_then(|r| r.split(' ').next()) else { continue };
+        h.computation_of.insert(name.to_string(), current.clone());
+        if s.contains("custom_call_target=\"tpu_custom_call\"") {
+            h.kernels.insert(name.to_string());
+        }
+        conditions.entry(current.clone()).or_default().push(s.to_string());
+        if s.contains(" while(") {
+            let attr = |key: &str| {
+                s.split(key).nth(1).map(|r| {
+                    r.split([',', ' ', '}']).next().unwrap_or("").trim_start_matches('%').to_string()
+                })
+            };
+            if let (Some(c), Some(b)) = (attr("condition="), attr("body=")) {
+                whiles.push((c, b));
+            }
+        }
+    }
+    for (cond, body) in whiles {
+        let lines = conditions.get(&cond).map(Vec::as_slice).unwrap_or(&[]);
+        let lt = lines.iter().any(|l| l.contains(" compare(") && l.contains("direction=LT"));
+        let constant = lines
+            .iter()
+            .filter(|l| l.split("= ").nth(1).is_some_and(|t| t.starts_with("s32[]")) && l.contains(" constant("))
+            .filter_map(|l| l.split("constant(").nth(1)?.split(')').next()?.parse::<u64>().ok())
+            .next();
+        h.trips_of_body.insert(body, if lt { constant } else { None });
+    }
+    h
+}
+
+struct Listings {
+    files: HashMap<String, PathBuf>,
+    alias: HashMap<String, String>,
+    hlo: Hlo,
+    memo: HashMap<String, StaticCycles>,
+}
+
+impl Listings {
+    fn cycles_of(&mut self, name: &str, kernel: bool) -> Result<StaticCycles> {
+        let key = self.alias.get(name).cloned().unwrap_or_else(|| name.to_string());
+        if let Some(c) = self.memo.get(&key) {
+            return Ok(*c);
+        }
+        let Some(path) = self.files.get(&key).cloned() else {
+            // A callee without a listing (an empty region): no bundles of its own.
+            return Ok(StaticCycles::default());
+        };
+        let text = std::fs::read_to_string(&path).map_err(|e| io(&path, e))?;
+        let b = bundles(&text);
+        let mut c = self.region(&b, 0, b.len(), 0, key == "TLP")?;
+        if kernel {
+            c.kernels = c.total;
+        }
+        self.memo.insert(key, c);
+        Ok(c)
+    }
+
+    /// Bundles `from..to` at nesting `depth` (deeper runs are loops).
+    fn region(
+        &mut self,
+        b: &[Bundle],
+        from: usize,
+        to: usize,
+        depth: usize,
+        top: bool,
+    ) -> Result<StaticCycles> {
+        let mut c = StaticCycles::default();
+        let mut i = from;
+        while i < to {
+            if b[i].depth <= depth {
+                c.total += 1;
+                if let Some(name) = &b[i].call {
+                    let kernel = self.hlo.kernels.contains(name);
+                    let name = name.clone();
+                    add(&mut c, self.cycles_of(&name, kernel)?, 1);
+                }
+                i += 1;
+                continue;
+            }
+            // One loop: a run deeper than `depth`, split where a sibling loop body starts.
+            let mut j = i + 1;
+            while j < to && b[j].depth > depth && !(b[j].depth == depth + 1 && b[j].loop_body) {
+                j += 1;
+            }
+            let body = self.region(b, i, j, depth + 1, top)?;
+            let exit = b[i..j].iter().filter(|x| x.depth == depth + 1).filter_map(|x| x.exit_trips).next_back();
+            let trips = exit.or_else(|| if top { self.while_trips(&b[i..j], depth + 1) } else { None });
+            if trips.is_none() {
+                c.unknown_loops += 1;
+            }
+            add(&mut c, body, trips.unwrap_or(1));
+            i = j;
+        }
+        Ok(c)
+    }
+
+    /// The trip count of the XLA `while` whose body holds the loop's first call at its level.
+    fn while_trips(&self, b: &[Bundle], depth: usize) -> Option<u64> {
+        let first = b.iter().filter(|x| x.depth == depth).find_map(|x| x.call.as_ref())?;
+        let body = self.hlo.computation_of.get(first)?;
+        self.hlo.trips_of_body.get(body).copied().flatten()
+    }
+}
+
+fn add(c: &mut StaticCycles, x: StaticCycles, times: u64) {
+    c.total += x.total * times;
+    c.kernels += x.kernels * times;
+    c.unknown_loops += x.unknown_loops;
+}
+
+fn io(path: &Path, e: std::io::Error) -> TpuError {
+    TpuError::Compile { message: format!("cannot read the listing {}: {e}", path.display()) }
+}
+
+/// The static cycle count of the one program whose listings are `files` (the files libtpu
+/// wrote while compiling it: `*-final_bundles.txt`, `*-deduplication-map.txt`, `*-TLP-hlo.txt`).
+pub fn count(files: &[PathBuf]) -> Result<StaticCycles> {
+    let mut l =
+        Listings { files: HashMap::new(), alias: HashMap::new(), hlo: Hlo::default(), memo: HashMap::new() };
+    for f in files {
+        let Some(name) = f.file_name().and_then(|n| n.to_str()) else { continue };
+        // `<fingerprint>-<computation>-<NN>-<pass>.txt`.
+        let Some((_, rest)) = name.split_once('-') else { continue };
+        if let Some(stem) = rest.strip_suffix("-final_bundles.txt") {
+            if let Some((computation, nn)) = stem.rsplit_once('-') {
+                if nn.chars().all(|c| c.is_ascii_digit()) {
+                    l.files.insert(computation.to_string(), f.clone());
+                }
+            }
+        } else if rest.ends_with("-deduplication-map.txt") {
+            let text = std::fs::read_to_string(f).map_err(|e| io(f, e))?;
+            let mut key = String::new();
+            for line in text.lines() {
+                if let Some(k) = line.strip_prefix("key:") {
+                    key = k.trim().to_string();
+                } else if line.starts_with("  ") {
+                    l.alias.insert(line.trim().to_string(), key.clone());
+                }
+            }
+        } else if rest == "TLP-hlo.txt" {
+            l.hlo = hlo(&std::fs::read_to_string(f).map_err(|e| io(f, e))?);
+        }
+    }
+    if !l.files.contains_key("TLP") {
+        return Err(TpuError::Compile {
+            message: "no top-level bundle listing among the compile's files (was libtpu loaded with the listing flags?)"
+                .to_string(),
+        });
+    }
+    l.cycles_of("TLP", false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+        let p = dir.join(name);
+        std::fs::write(&p, text).expect("write");
+        p
+    }
+
+    /// A top-level program with a call, a `while` of 4 trips (from the HLO) and a kernel whose
+    /// grid loop of 3 bundles exits after 10: 3 + 4 * (2 + fusion 2) + kernel (1 + 10 * 3).
+    #[test]
+    fn counts_loops_calls_and_kernels() {
+        let dir = std::env::temp_dir().join(format!("kda-cycles-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let tlp = "header\n     0   :  { %1 = sld }\n   0x1 LB: > { %2 = inlined_call %s1 /* %fusion.3 = fusion(%a) */ }\n   0x2   : > { %3 = sadd }\n   0x3   :  { %4 = inlined_call %s2 /* %k.1 = custom-call(%b), custom_call_target=\"tpu_custom_call\" */ }\n   0x4   :  { %5 = inlined_call /* <late-finalization> */ }\n";
+        let fusion = "     0   :  { %1 = vld }\n   0x1   :  { %2 = vst\n   multi-line comment */ }\n";
+        let kernel = "     0   :  { %1 = inlined_call_operand.vmem [shape: s32[16]] }\n   0x1 LB: > { %2 = vld }\n   0x2   : > { %3 = vmatmul }\n   0x3   : > { %p = scmp.ge.s32.totalorder %s9, 10 /* loop exit test */ }\n";
+        let hlo = "ENTRY %main (a: f32[]) -> f32[] {\n  %w = (s32[]) while(%t), condition=%cond, body=%body\n  %k.1 = f32[8]{0} custom-call(%b), custom_call_target=\"tpu_custom_call\"\n}\n\n%body (p: (s32[])) -> (s32[]) {\n  %fusion.3 = f32[] fusion(%a), kind=kLoop\n}\n\n%cond (p: (s32[])) -> pred[] {\n  %constant.1 = s32[]{:T(128)} constant(4)\n  ROOT %compare.2 = pred[] compare(%g, %constant.1), direction=LT\n}\n";
+        let files = vec![
+            write(&dir, "11-TLP-02-final_bundles.txt", tlp),
+            write(&dir, "12-fusion.9-01-final_bundles.txt", fusion),
+            write(&dir, "13-k.1-01-final_bundles.txt", kernel),
+            write(&dir, "11-TLP-01-schedule-analysis_final_bundles.txt", "Schedule analysis:\n"),
+            write(
+                &dir,
+                "11-TLP-00-deduplication-map.txt",
+                "key:fusion.9\nordinal:1\nequivalent_hlos[size=1]:\n  fusion.3\n",
+            ),
+            write(&dir, "11-TLP-hlo.txt", hlo),
+        ];
+        let c = count(&files).expect("counted");
+        std::fs::remove_dir_all(&dir).ok();
+        assert_eq!(c, StaticCycles { total: 3 + 4 * (2 + 2) + (1 + 10 * 3), kernels: 31, unknown_loops: 0 });
+    }
+
+    #[test]
+    fn a_loop_without_a_count_is_counted_once_and_reported() {
+        let dir = std::env::temp_dir().join(format!("kda-cycles-unknown-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let tlp = "     0   :  { %1 = sld }\n   0x1 LB: > { %2 = sadd }\n   0x2   : > { %3 = sbr.rel }\n";
+        let files = vec![write(&dir, "1-TLP-02-final_bundles.txt", tlp)];
+        let c = count(&files).expect("counted");
+        std::fs::remove_dir_all(&dir).ok();
+        assert_eq!(c, StaticCycles { total: 3, kernels: 0, unknown_loops: 1 });
+        assert!(count(&[]).is_err());
+    }
+}
