@@ -672,6 +672,7 @@ mod interpret {
     #[rstest]
     #[case::fixed_small_f32("fixed_small", F32)]
     #[case::packed_rows_differ_f32("packed_rows_differ", F32)]
+    #[case::lower_bound_l2norm_bf16("gate_lower_bound_l2norm", BF16)]
     fn saved_state_backward_reads_the_kernel_states(#[case] name: &str, #[case] dtype: DType) {
         run(backward(&backend(), name, dtype, BackwardStrategy::SavedState, Path::Split));
     }

@@ -426,8 +426,8 @@ fn chunk_terms() -> Result<Case> {
                 &x[2],
                 &x[3],
                 scale,
-                Ref::Scratch(0),
-                Ref::Scratch(1),
+                (Ref::Scratch(0), Ref::Scratch(1)),
+                MatPrecision::Highest,
             )?;
             for (i, v) in [c.aqk, c.l, c.qg, c.kg, c.kbg, c.eg_last].iter().enumerate() {
                 b.store_all(Ref::Output(i), v)?;

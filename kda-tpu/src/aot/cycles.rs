@@ -149,7 +149,9 @@ fn hlo(text: &str) -> Hlo {
         let lt = lines.iter().any(|l| l.contains(" compare(") && l.contains("direction=LT"));
         let constant = lines
             .iter()
-            .filter(|l| l.split("= ").nth(1).is_some_and(|t| t.starts_with("s32[]")) && l.contains(" constant("))
+            .filter(|l| {
+                l.split("= ").nth(1).is_some_and(|t| t.starts_with("s32[]")) && l.contains(" constant(")
+            })
             .filter_map(|l| l.split("constant(").nth(1)?.split(')').next()?.parse::<u64>().ok())
             .next();
         h.trips_of_body.insert(body, if lt { constant } else { None });
@@ -212,7 +214,8 @@ impl Listings {
                 j += 1;
             }
             let body = self.region(b, i, j, depth + 1, top)?;
-            let exit = b[i..j].iter().filter(|x| x.depth == depth + 1).filter_map(|x| x.exit_trips).next_back();
+            let exit =
+                b[i..j].iter().filter(|x| x.depth == depth + 1).filter_map(|x| x.exit_trips).next_back();
             let trips = exit.or_else(|| if top { self.while_trips(&b[i..j], depth + 1) } else { None });
             if trips.is_none() {
                 c.unknown_loops += 1;

@@ -116,8 +116,8 @@ fn add(b: &mut Body, x: &V, y: &V) -> Result<V> {
 
 /// `[t, j] -> sum_i x[t, i] yf[t * 16 + j, i]` over a 16x16 tile, from the row selection
 /// `sel_t` `[256, 16]` and the other operand already paired and decayed, `yf` `[256, K]`.
-fn pair_products(b: &mut Body, sel_t: &V, x: &V, yf: &V) -> Result<V> {
-    let xr = mm(b, sel_t, x)?;
+fn pair_products(b: &mut Body, sel_t: &V, x: &V, yf: &V, data: MatPrecision) -> Result<V> {
+    let xr = b.matmul(sel_t, x, (1, 0), data)?;
     let p = mul(b, &xr, yf)?;
     let r = b.reduce(super::body::Reduction::Sum, &p, 1)?;
     b.reshape(&r, &[S, S])
@@ -129,7 +129,8 @@ fn pair_products(b: &mut Body, sel_t: &V, x: &V, yf: &V) -> Result<V> {
 /// `e^(G_t - G_j) = e^(sum_{16I <= s <= t} g_s) e^(sum_{j < s < 16I} g_s)`, one matmul per
 /// tile; the diagonal tiles sum `g` over `j < s <= t` for each of their 256 pairs with a 0/1
 /// matmul and contract over `K` elementwise. `work` is a `[64, K]` f32 scratch, `tiles` a
-/// `[64, 64]` f32 scratch.
+/// `[64, 64]` f32 scratch. The sums of `g` run at full precision; the products of q and k run
+/// at `data` (`Default`, one bf16 pass, for bf16 inputs).
 #[allow(clippy::too_many_arguments)]
 pub fn chunk_terms(
     b: &mut Body,
@@ -138,8 +139,8 @@ pub fn chunk_terms(
     g: &V,
     beta: &V,
     scale: f64,
-    work: Ref,
-    tiles: Ref,
+    (work, tiles): (Ref, Ref),
+    data: MatPrecision,
 ) -> Result<ChunkTerms> {
     let kd = g.ty.dims.get(1).copied().unwrap_or(0);
     let ok = |v: &V, w: i64| v.ty.elem == DType::F32 && v.ty.dims == [C, w];
@@ -224,7 +225,7 @@ pub fn chunk_terms(
     for i in 0..nb {
         let d = mm(b, &between_pair, &gb[i])?;
         let f = exp(b, &d)?;
-        let kr = mm(b, &sel_j, &kb[i])?;
+        let kr = b.matmul(&sel_j, &kb[i], (1, 0), data)?;
         kf.push(mul(b, &kr, &f)?);
         er.push(exp(b, &lc[i])?);
         let mut cols = Vec::with_capacity(i);
@@ -241,12 +242,12 @@ pub fn chunk_terms(
         let zero = b.splat(0.0, DType::F32, &[C, C])?;
         b.store_all(tiles, &zero)?;
         for i in 0..nb {
-            let t = pair_products(b, &sel_t, &left[i], &kf[i])?;
+            let t = pair_products(b, &sel_t, &left[i], &kf[i], data)?;
             let t = mul(b, &t, keep)?;
             b.store(tiles, &at(i as i64 * S, i as i64 * S), &t)?;
             let xr = mul(b, &left[i], &er[i])?;
             for (j, c) in kc[i].iter().enumerate() {
-                let a = b.matmul(&xr, c, (1, 1), MatPrecision::Highest)?;
+                let a = b.matmul(&xr, c, (1, 1), data)?;
                 b.store(tiles, &at(i as i64 * S, j as i64 * S), &a)?;
             }
         }

@@ -179,12 +179,19 @@ impl Step<'_> {
                 return Ok(());
             }
             Op::Matmul { out, a, b: y, contract, precision } => {
-                let (x, y) = (get(vals, a)?, get(vals, y)?);
+                let (mut x, mut y) = (get(vals, a)?, get(vals, y)?);
+                // The MXU's one bf16 pass: f32 operands rounded to bf16, exact products, f32
+                // sums (the CPU plugin would otherwise multiply in f32 whatever the precision).
+                if *precision == MatPrecision::Default {
+                    for v in [&mut x, &mut y] {
+                        if v.elem() == DType::F32 {
+                            let r = b.convert(*v, DType::BF16)?;
+                            *v = b.convert(r, DType::F32)?;
+                        }
+                    }
+                }
                 let before = b.dot_precision();
-                b.set_dot_precision(match precision {
-                    MatPrecision::Highest => Precision::Highest,
-                    MatPrecision::Default => Precision::Default,
-                });
+                b.set_dot_precision(Precision::Highest);
                 let v = b.dot_general(x, y, &[], &[], &[contract.0 as i64], &[contract.1 as i64], DType::F32);
                 b.set_dot_precision(before);
                 (out, v?)
