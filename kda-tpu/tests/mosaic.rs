@@ -12,6 +12,7 @@ use half::bf16;
 use hlo_support::{assert_close, rand_vec, In};
 use kda_core::DType;
 use kda_tpu::hlo::{Cmp, TensorType};
+use kda_tpu::mosaic::blocks::TermScratch;
 use kda_tpu::mosaic::{
     Binary, Cost, Index, Kernel, KernelBuilder, Lowering, MatPrecision, Offset, Operand, Reduction, Ref,
     Semantics, Unary,
@@ -362,11 +363,9 @@ fn unit_lower_inverse() -> Result<Case> {
     let kernel = one_step("unit_lower_inverse")
         .input(Operand::whole("l", t(DType::F32, &[64, 64])))
         .output(Operand::whole("a", t(DType::F32, &[64, 64])))
-        .scratch("work", t(DType::F32, &[64, 64]))
-        .scratch("out", t(DType::F32, &[64, 64]))
         .build(|b| {
             let l = b.load_all(Ref::Input(0))?;
-            let a = kda_tpu::mosaic::blocks::unit_lower_inverse(b, &l, Ref::Scratch(0), Ref::Scratch(1))?;
+            let a = kda_tpu::mosaic::blocks::unit_lower_inverse(b, &l, MatPrecision::Highest)?;
             b.store_all(Ref::Output(0), &a)
         })?;
     // Forward substitution in f64: (I + L) A = I, row by row.
@@ -404,6 +403,7 @@ fn chunk_terms() -> Result<Case> {
     let beta = rand_vec(64, 21, 0.0, 1.0);
     let scale = 1.0 / (kd as f64).sqrt();
     let ty = |d: &[i64]| t(DType::F32, d);
+    let [masks, sums, rows, pairs] = TermScratch::types(128);
     let kernel = one_step("chunk_terms")
         .input(Operand::whole("q", ty(&[64, 128])))
         .input(Operand::whole("k", ty(&[64, 128])))
@@ -415,8 +415,10 @@ fn chunk_terms() -> Result<Case> {
         .output(Operand::whole("kg", ty(&[64, 128])))
         .output(Operand::whole("kbg", ty(&[64, 128])))
         .output(Operand::whole("eg_last", ty(&[1, 128])))
-        .scratch("work", ty(&[64, 128]))
-        .scratch("tiles", ty(&[64, 64]))
+        .scratch("masks", masks)
+        .scratch("sums", sums)
+        .scratch("rows", rows)
+        .scratch("pairs", pairs)
         .build(|b| {
             let x: Vec<_> = (0..4).map(|i| b.load_all(Ref::Input(i))).collect::<Result<_>>()?;
             let c = kda_tpu::mosaic::blocks::chunk_terms(
@@ -426,8 +428,14 @@ fn chunk_terms() -> Result<Case> {
                 &x[2],
                 &x[3],
                 scale,
-                (Ref::Scratch(0), Ref::Scratch(1)),
+                TermScratch {
+                    masks: Ref::Scratch(0),
+                    sums: Ref::Scratch(1),
+                    rows: Ref::Scratch(2),
+                    pairs: Ref::Scratch(3),
+                },
                 MatPrecision::Highest,
+                2,
             )?;
             for (i, v) in [c.aqk, c.l, c.qg, c.kg, c.kbg, c.eg_last].iter().enumerate() {
                 b.store_all(Ref::Output(i), v)?;

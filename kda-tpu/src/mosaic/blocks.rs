@@ -10,8 +10,6 @@ use crate::hlo::Cmp;
 /// Rows of a chunk and of its diagonal blocks.
 const C: i64 = 64;
 const S: i64 = 16;
-/// Rows of the blocks of [`chunk_terms`] (its diagonal tiles are `T x T`).
-const T: i64 = 8;
 
 fn at(r: i64, c: i64) -> [Offset; 2] {
     [Offset::Const(r), Offset::Const(c)]
@@ -29,51 +27,216 @@ fn eye(b: &mut Body, n: i64) -> Result<V> {
     b.select(&d, &one, &zero)
 }
 
-/// `(I + L)^-1` of a strictly lower 16x16 `l`: `(I - L)(I + L^2)(I + L^4)(I + L^8)`, exact for
-/// a nilpotent `L` of that size.
-fn diagonal_inverse(b: &mut Body, l: &V) -> Result<V> {
-    let i = eye(b, S)?;
-    let mut e = b.binary(Binary::Sub, &i, l)?;
-    let mut p = l.clone();
-    for _ in 0..3 {
-        p = mm(b, &p, &p)?;
-        let f = b.binary(Binary::Add, &i, &p)?;
-        e = mm(b, &e, &f)?;
+/// The 0/1 f32 `n x n` mask of the diagonal `block x block` blocks.
+fn block_diagonal(b: &mut Body, n: i64, block: i64) -> Result<V> {
+    let (r, c) = (b.iota(&[n, n], 0)?, b.iota(&[n, n], 1)?);
+    let one = b.splat(1.0, DType::F32, &[n, n])?;
+    let mut m = b.splat(0.0, DType::F32, &[n, n])?;
+    for lo in (0..n).step_by(block as usize) {
+        let (lo_v, hi_v) =
+            (b.splat(lo as f64, DType::I32, &[n, n])?, b.splat((lo + block) as f64, DType::I32, &[n, n])?);
+        let mut inside = one.clone();
+        for (x, cmp, bound) in
+            [(&r, Cmp::Ge, &lo_v), (&r, Cmp::Lt, &hi_v), (&c, Cmp::Ge, &lo_v), (&c, Cmp::Lt, &hi_v)]
+        {
+            let t = b.compare(cmp, x, bound)?;
+            inside = b.select(&t, &inside, &m)?;
+        }
+        m = inside;
     }
-    Ok(e)
+    Ok(m)
 }
 
-/// `A = (I + L)^-1` of a strictly lower 64x64 f32 `l`, as the XLA programs build it: each
-/// 16-row diagonal block inverted by repeated squaring, then inverses doubled in size (with
-/// `E_u`, `E_l` the inverses of a block's diagonal halves, its inverse is
-/// `[[E_u, 0], [-E_l L_lu E_u, E_l]]`), 16 -> 32 -> 64 rows. `work` and `out` are 64x64 f32
-/// scratch buffers of the kernel (`out` holds `A` afterwards).
-pub fn unit_lower_inverse(b: &mut Body, l: &V, work: Ref, out: Ref) -> Result<V> {
+/// `x y` (contracting `contract`) to about f32 accuracy in three one-pass products: each
+/// operand split into a bf16 head and a bf16 tail (`x = xh + xt` to 16 bits), the products
+/// `xh yh + xh yt + xt yh` summed in f32 (relative error near 2^-16 against six passes of
+/// `Highest`; the inverse needs no more for bf16 inputs).
+fn split_matmul(b: &mut Body, x: &V, y: &V, contract: (usize, usize)) -> Result<V> {
+    let head = |b: &mut Body, v: &V| -> Result<(V, V)> {
+        let r = b.cast(v, DType::BF16)?;
+        let h = b.cast(&r, DType::F32)?;
+        let t = b.binary(Binary::Sub, v, &h)?;
+        Ok((h, t))
+    };
+    let ((xh, xt), (yh, yt)) = (head(b, x)?, head(b, y)?);
+    let one = |b: &mut Body, x: &V, y: &V| b.matmul(x, y, contract, MatPrecision::Default);
+    let hh = one(b, &xh, &yh)?;
+    let ht = one(b, &xh, &yt)?;
+    let th = one(b, &xt, &yh)?;
+    let small = b.binary(Binary::Add, &ht, &th)?;
+    b.binary(Binary::Add, &hh, &small)
+}
+
+/// `x y` at `p`: `Highest` as Mosaic's full f32 product, `Default` in three split passes
+/// ([`split_matmul`]).
+fn accurate_mm(b: &mut Body, x: &V, y: &V, p: MatPrecision) -> Result<V> {
+    match p {
+        MatPrecision::Highest => mm(b, x, y),
+        MatPrecision::Default => split_matmul(b, x, y, (1, 0)),
+    }
+}
+
+/// `A = (I + L)^-1` of a strictly lower 64x64 f32 `l` in whole-chunk products (ten 64x64
+/// products, eight deep): with `Lb` the 16x16 diagonal blocks of `L` and `N = L - Lb`,
+/// `D^-1 = (I + Lb)^-1 = (I - Lb)(I + Lb^2)(I + Lb^4)(I + Lb^8)` (each block nilpotent of
+/// order 16), `M = D^-1 N` (nilpotent of order 4: four block rows) and
+/// `A = (I + M)^-1 D^-1 = (I - M)(I + M^2) D^-1`. Products run at `p` (see [`accurate_mm`]).
+pub fn unit_lower_inverse(b: &mut Body, l: &V, p: MatPrecision) -> Result<V> {
     if l.ty.elem != DType::F32 || l.ty.dims != [C, C] {
         return Err(TpuError::builder("mosaic unit_lower_inverse", format!("a 64x64 f32 L, not {:?}", l.ty)));
     }
-    b.store_all(work, l)?;
+    let i = eye(b, C)?;
+    let bd = block_diagonal(b, C, S)?;
+    let lb = mul(b, l, &bd)?;
+    let n = b.binary(Binary::Sub, l, &lb)?;
+    let p2 = accurate_mm(b, &lb, &lb, p)?;
+    let p4 = accurate_mm(b, &p2, &p2, p)?;
+    let p8 = accurate_mm(b, &p4, &p4, p)?;
+    let mut d = b.binary(Binary::Sub, &i, &lb)?;
+    for q in [&p2, &p4, &p8] {
+        let f = add(b, &i, q)?;
+        d = accurate_mm(b, &d, &f, p)?;
+    }
+    let m = accurate_mm(b, &d, &n, p)?;
+    let m2 = accurate_mm(b, &m, &m, p)?;
+    let left = b.binary(Binary::Sub, &i, &m)?;
+    let right = add(b, &i, &m2)?;
+    let x = accurate_mm(b, &left, &right, p)?;
+    accurate_mm(b, &x, &d, p)
+}
+
+fn exp(b: &mut Body, v: &V) -> Result<V> {
+    b.unary(super::body::Unary::Exp, v)
+}
+
+fn mul(b: &mut Body, x: &V, y: &V) -> Result<V> {
+    b.binary(Binary::Mul, x, y)
+}
+
+fn add(b: &mut Body, x: &V, y: &V) -> Result<V> {
+    b.binary(Binary::Add, x, y)
+}
+
+/// Block sizes of the hierarchy of [`chunk_terms`]: a pair `j < t` of one chunk falls in one
+/// 4-token block (level 0) or first parts in the two halves of one block of `2B` (level of `B`).
+const HALVES: [i64; 4] = [4, 8, 16, 32];
+
+/// Integer index helpers over `[n, m]` iotas (i32): `x / d` for a power of two `d`, exact.
+fn div(b: &mut Body, x: &V, d: i64) -> Result<V> {
+    let f = b.cast(x, DType::F32)?;
+    let r = b.splat(1.0 / d as f64, DType::F32, &x.ty.dims)?;
+    let f = b.binary(Binary::Mul, &f, &r)?;
+    b.cast(&f, DType::I32)
+}
+
+fn int(b: &mut Body, v: i64, like: &V) -> Result<V> {
+    b.splat(v as f64, DType::I32, &like.ty.dims)
+}
+
+/// `cond ? then : other` on f32 values, with `cond` from `cmp(x, y)`.
+fn pick(b: &mut Body, x: &V, cmp: Cmp, y: &V, then: &V, other: &V) -> Result<V> {
+    let c = b.compare(cmp, x, y)?;
+    b.select(&c, then, other)
+}
+
+/// The `[64, 64]` coefficient masks of the exponents [`chunk_terms`] sums from `g` (row `t`,
+/// column `s`), in order: `G` (`s <= t`), the strict suffix (`s > t`), the 4-block mid-anchor
+/// exponent `G_t - G_a` (`a = 4 floor(t / 4) + 1`; signed), and per `B` of [`HALVES`] the
+/// level exponent: the sum from the start of `t`'s `B` block to `t` when `t` lies in the
+/// second half of its `2B` block, the sum after `t` to the end of its `B` block otherwise.
+fn exponent_masks(b: &mut Body) -> Result<Vec<V>> {
+    let (t, s) = (b.iota(&[C, C], 0)?, b.iota(&[C, C], 1)?);
+    let one = b.splat(1.0, DType::F32, &[C, C])?;
     let zero = b.splat(0.0, DType::F32, &[C, C])?;
-    b.store_all(out, &zero)?;
-    for i in 0..C / S {
-        let li = b.load(work, &at(i * S, i * S), &[S, S])?;
-        let ei = diagonal_inverse(b, &li)?;
-        b.store(out, &at(i * S, i * S), &ei)?;
+    let minus = b.splat(-1.0, DType::F32, &[C, C])?;
+    let upto = pick(b, &s, Cmp::Le, &t, &one, &zero)?;
+    let after = pick(b, &s, Cmp::Gt, &t, &one, &zero)?;
+    // Mid anchor: +1 on (a, t], -1 on (t, a].
+    let a = {
+        let q = div(b, &t, 4)?;
+        let four = int(b, 4, &t)?;
+        let base = b.binary(Binary::Mul, &q, &four)?;
+        let one_i = int(b, 1, &t)?;
+        b.binary(Binary::Add, &base, &one_i)?
+    };
+    let pos = pick(b, &s, Cmp::Gt, &a, &upto, &zero)?;
+    let neg_in = pick(b, &s, Cmp::Le, &a, &minus, &zero)?;
+    let neg = pick(b, &s, Cmp::Gt, &t, &neg_in, &zero)?;
+    let mid = add(b, &pos, &neg)?;
+    let mut masks = vec![upto.clone(), after.clone(), mid];
+    for &half in &HALVES {
+        let (bt, bs) = (div(b, &t, half)?, div(b, &s, half)?);
+        let same = pick(b, &bt, Cmp::Eq, &bs, &one, &zero)?;
+        let (p, q) = (mul(b, &same, &upto)?, mul(b, &same, &after)?);
+        // `t` in the second half of its 2B block: floor(t / B) odd.
+        let pair = div(b, &t, 2 * half)?;
+        let two = int(b, 2, &t)?;
+        let even = b.binary(Binary::Mul, &pair, &two)?;
+        masks.push(pick(b, &bt, Cmp::Ne, &even, &p, &q)?);
     }
-    // Doublings: blocks of `half` rows pair up into blocks of `2 * half`.
-    for half in [S, 2 * S] {
-        for top in (0..C).step_by((2 * half) as usize) {
-            let eu = b.load(out, &at(top, top), &[half, half])?;
-            let el = b.load(out, &at(top + half, top + half), &[half, half])?;
-            let llu = b.load(work, &at(top + half, top), &[half, half])?;
-            let t = mm(b, &el, &llu)?;
-            let t = mm(b, &t, &eu)?;
-            let z = b.splat(0.0, DType::F32, &[half, half])?;
-            let off = b.binary(Binary::Sub, &z, &t)?;
-            b.store(out, &at(top + half, top), &off)?;
-        }
+    Ok(masks)
+}
+
+/// The 0/1 `[128, 64]` masks of the levels of [`chunk_terms`] (rows `0..64` the `Aqk` rows
+/// `t`, causal with the diagonal; rows `64..128` the `L` rows `t`, strictly causal): level 0
+/// pairs in one 4-token block, then per `B` of [`HALVES`] the pairs whose 4-blocks first differ
+/// at `B`.
+fn level_masks(b: &mut Body) -> Result<Vec<V>> {
+    let dims = [2 * C, C];
+    let (r, j) = (b.iota(&dims, 0)?, b.iota(&dims, 1)?);
+    let c = int(b, C, &r)?;
+    let (zero_i, one_i) = (int(b, 0, &r)?, int(b, 1, &r)?);
+    let second = b.compare(Cmp::Ge, &r, &c)?;
+    let r_minus = b.binary(Binary::Sub, &r, &c)?;
+    let t = b.select(&second, &r_minus, &r)?;
+    let strict = b.select(&second, &one_i, &zero_i)?;
+    let gap = b.binary(Binary::Sub, &t, &j)?;
+    let causal = b.compare(Cmp::Ge, &gap, &strict)?;
+    // Level: how many of the block sizes 4, 8, 16, 32 put t and j in different blocks.
+    let mut level = zero_i.clone();
+    for &half in &HALVES {
+        let (bt, bj) = (div(b, &t, half)?, div(b, &j, half)?);
+        let ne = b.compare(Cmp::Ne, &bt, &bj)?;
+        let inc = b.select(&ne, &one_i, &zero_i)?;
+        level = b.binary(Binary::Add, &level, &inc)?;
     }
-    b.load_all(out)
+    let one = b.splat(1.0, DType::F32, &dims)?;
+    let zero = b.splat(0.0, DType::F32, &dims)?;
+    let kept = b.select(&causal, &one, &zero)?;
+    (0..=HALVES.len() as i64)
+        .map(|l| {
+            let li = int(b, l, &r)?;
+            pick(b, &level, Cmp::Eq, &li, &kept, &zero)
+        })
+        .collect()
+}
+
+/// `mask @ g` for a coefficient `mask` of small integers: at full precision, or with
+/// `passes` one-pass products of `g` split into bf16 parts (`g = p1 + p2 + ..`; a product of
+/// a small integer and a bf16 part is exact, the sums are f32): one pass for a `g` already
+/// bf16 (a pre-activated bf16 gate), two for about 16 bits.
+fn mask_sum(b: &mut Body, mask: &V, g: &V, data: MatPrecision, passes: usize) -> Result<V> {
+    if data == MatPrecision::Highest {
+        return mm(b, mask, g);
+    }
+    let mut rest = g.clone();
+    let mut acc: Option<V> = None;
+    for i in 0..passes {
+        let part = if i + 1 == passes {
+            rest.clone()
+        } else {
+            let r = b.cast(&rest, DType::BF16)?;
+            let part = b.cast(&r, DType::F32)?;
+            rest = b.binary(Binary::Sub, &rest, &part)?;
+            part
+        };
+        let t = b.matmul(mask, &part, (1, 0), MatPrecision::Default)?;
+        acc = Some(match acc {
+            Some(a) => add(b, &a, &t)?,
+            None => t,
+        });
+    }
+    acc.ok_or_else(|| TpuError::builder("mosaic mask_sum", "one pass or more"))
 }
 
 /// The chunk-local terms of the chunked forward (docs/kda.md, Chunks) from one chunk's
@@ -96,44 +259,39 @@ pub struct ChunkTerms {
     pub eg_last: V,
 }
 
-/// A 0/1 f32 array of `dims` that is 1 where iota `a` compares `cmp` to iota `b`.
-fn mask(b: &mut Body, dims: &[i64], a: usize, cmp: Cmp, c: usize) -> Result<V> {
-    let (x, y) = (b.iota(dims, a)?, b.iota(dims, c)?);
-    let m = b.compare(cmp, &x, &y)?;
-    let (one, zero) = (b.splat(1.0, DType::F32, dims)?, b.splat(0.0, DType::F32, dims)?);
-    b.select(&m, &one, &zero)
+/// The scratch buffers of [`chunk_terms`], f32: `masks` `[448, 64]`, `sums` `[448, K]`,
+/// `rows` `[640, K]`, `pairs` `[128, 64]`.
+#[derive(Clone, Copy, Debug)]
+pub struct TermScratch {
+    /// The stacked exponent masks.
+    pub masks: Ref,
+    /// The stacked exponents.
+    pub sums: Ref,
+    /// The `[q; beta k]` operands of the five levels.
+    pub rows: Ref,
+    /// The `[Aqk; L]` result.
+    pub pairs: Ref,
 }
 
-fn exp(b: &mut Body, v: &V) -> Result<V> {
-    b.unary(super::body::Unary::Exp, v)
+impl TermScratch {
+    /// The scratch types for key width `k`, in field order.
+    pub fn types(k: i64) -> [crate::hlo::TensorType; 4] {
+        let t = |d: &[i64]| crate::hlo::TensorType::new(DType::F32, d);
+        let n = 3 + HALVES.len() as i64;
+        [t(&[n * C, C]), t(&[n * C, k]), t(&[(1 + HALVES.len() as i64) * 2 * C, k]), t(&[2 * C, C])]
+    }
 }
 
-fn mul(b: &mut Body, x: &V, y: &V) -> Result<V> {
-    b.binary(Binary::Mul, x, y)
-}
-
-fn add(b: &mut Body, x: &V, y: &V) -> Result<V> {
-    b.binary(Binary::Add, x, y)
-}
-
-/// `[t, j] -> sum_i x[t, i] yf[t * 8 + j, i]` over an 8x8 tile, from the row selection
-/// `sel_t` `[64, 8]` and the other operand already paired and decayed, `yf` `[64, K]`.
-fn pair_products(b: &mut Body, sel_t: &V, x: &V, yf: &V, data: MatPrecision) -> Result<V> {
-    let xr = b.matmul(sel_t, x, (1, 0), data)?;
-    let p = mul(b, &xr, yf)?;
-    let r = b.reduce(super::body::Reduction::Sum, &p, 1)?;
-    b.reshape(&r, &[T, T])
-}
-
-/// Terms of one chunk, every exponent a direct sum of `g <= 0` (no positive exponent, no
-/// difference of long cumulative sums). Rows of block `I` (8 rows) against columns of an
-/// earlier block `J` factor through the block boundary,
-/// `e^(G_t - G_j) = e^(sum_{8I <= s <= t} g_s) e^(sum_{j < s < 8I} g_s)`, one matmul per
-/// tile; the diagonal tiles sum `g` over `j < s <= t` for each of their 64 pairs with a 0/1
-/// matmul and contract over `K` elementwise. (8-row blocks: 352 k static cycles for the bf16
-/// forward at the primary shape, against 392 k with 16 and 492 k with 4.) `work` is a `[64, K]` f32 scratch, `tiles` a
-/// `[64, 64]` f32 scratch. The sums of `g` run at full precision; the products of q and k run
-/// at `data` (`Default`, one bf16 pass, for bf16 inputs).
+/// Terms of one chunk with every exponential at most 1 or bounded, and every exponent a direct
+/// sum of `g` (no difference of long cumulative sums), in five matmuls of the whole chunk. A
+/// pair `j <= t` in one 4-token block factors through the block's anchor `a` (its second token),
+/// `e^(G_t - G_j) = e^(G_t - G_a) e^(G_a - G_j)`, each factor within `e^(+-3 * 30)` under the
+/// floor of -30 (no overflow, no underflow); a pair whose 4-blocks first part at block size `B`
+/// (`t` in the second half of a `2B` block, `j` in the first) factors through the start of that
+/// second half, both factors at most 1. Each level is one `[q; beta k] x k^T` product of the
+/// whole chunk kept where the level's mask is 1. The exponents come from one coefficient-mask
+/// product with `g` (split into `g_passes` bf16 parts for `data = Default`). `data` is the
+/// products' precision (`Default`, one bf16 pass, for bf16 inputs).
 #[allow(clippy::too_many_arguments)]
 pub fn chunk_terms(
     b: &mut Body,
@@ -142,125 +300,63 @@ pub fn chunk_terms(
     g: &V,
     beta: &V,
     scale: f64,
-    (work, tiles): (Ref, Ref),
+    scratch: TermScratch,
     data: MatPrecision,
+    g_passes: usize,
 ) -> Result<ChunkTerms> {
     let kd = g.ty.dims.get(1).copied().unwrap_or(0);
     let ok = |v: &V, w: i64| v.ty.elem == DType::F32 && v.ty.dims == [C, w];
     if !ok(q, kd) || !ok(k, kd) || !ok(g, kd) || !ok(beta, 1) {
         return Err(TpuError::builder("mosaic chunk_terms", "q, k, g [64, K] and beta [64, 1], f32"));
     }
-    let nb = (C / T) as usize;
-    let blocks = |b: &mut Body, x: &V| -> Result<Vec<V>> {
-        b.store_all(work, x)?;
-        (0..nb).map(|i| b.load(work, &at(i as i64 * T, 0), &[T, kd])).collect()
-    };
-    let (gb, qb, kb) = (blocks(b, g)?, blocks(b, q)?, blocks(b, k)?);
+    let masks = exponent_masks(b)?;
+    for (i, m) in masks.iter().enumerate() {
+        b.store(scratch.masks, &at(i as i64 * C, 0), m)?;
+    }
+    let all = b.load_all(scratch.masks)?;
+    let sums = mask_sum(b, &all, g, data, g_passes)?;
+    b.store_all(scratch.sums, &sums)?;
+    let part = |b: &mut Body, i: i64| b.load(scratch.sums, &at(i * C, 0), &[C, kd]);
+    let (gc, gs, mid) = (part(b, 0)?, part(b, 1)?, part(b, 2)?);
+    let last = b.load(scratch.sums, &at(C - 1, 0), &[1, kd])?;
+    let eg_last = exp(b, &last)?;
+    let egc = exp(b, &gc)?;
+    let qg = mul(b, q, &egc)?;
     let wide_beta = b.broadcast(beta, &[C, kd])?;
-    let bb = blocks(b, &wide_beta)?;
-    // Per block: inclusive in-block sums `lc`, strict in-block suffix sums `sx`, totals `tot`.
-    let lower = mask(b, &[T, T], 0, Cmp::Ge, 1)?;
-    let upper = mask(b, &[T, T], 0, Cmp::Lt, 1)?;
-    let ones = b.splat(1.0, DType::F32, &[1, T])?;
-    let (mut lc, mut sx, mut tot) = (Vec::new(), Vec::new(), Vec::new());
-    for gi in &gb {
-        lc.push(mm(b, &lower, gi)?);
-        sx.push(mm(b, &upper, gi)?);
-        tot.push(mm(b, &ones, gi)?);
+    let bk = mul(b, k, &wide_beta)?;
+    let kbg = mul(b, &bk, &egc)?;
+    let egs = exp(b, &gs)?;
+    let kg = mul(b, k, &egs)?;
+    // Row and column factors per level: the mid anchor's pair, then one factor per level (rows
+    // in second halves and columns in first halves read the same exponent array).
+    let neg_mid = b.unary(super::body::Unary::Neg, &mid)?;
+    let mut factors = vec![(exp(b, &mid)?, exp(b, &neg_mid)?)];
+    for i in 0..HALVES.len() as i64 {
+        let x = part(b, 3 + i)?;
+        let f = exp(b, &x)?;
+        factors.push((f.clone(), f));
     }
-    let zero_row = b.splat(0.0, DType::F32, &[1, kd])?;
-    // The sum of whole blocks `from..to`, broadcast to a block's rows.
-    let span = |b: &mut Body, from: usize, to: usize| -> Result<V> {
-        let mut acc = zero_row.clone();
-        for t in &tot[from..to] {
-            acc = add(b, &acc, t)?;
-        }
-        b.broadcast(&acc, &[T, kd])
-    };
-    let all = {
-        let mut acc = zero_row.clone();
-        for t in &tot {
-            acc = add(b, &acc, t)?;
-        }
-        acc
-    };
-    let eg_last = exp(b, &all)?;
-    // qg, kg, kbg block by block, then whole.
-    let (mut qg, mut kg, mut kbg) = (Vec::new(), Vec::new(), Vec::new());
-    for i in 0..nb {
-        let before = span(b, 0, i)?;
-        let after = span(b, i + 1, nb)?;
-        let eg = add(b, &lc[i], &before)?;
-        let eg = exp(b, &eg)?;
-        let rest = add(b, &sx[i], &after)?;
-        let rest = exp(b, &rest)?;
-        qg.push(mul(b, &qb[i], &eg)?);
-        kg.push(mul(b, &kb[i], &rest)?);
-        let kbi = mul(b, &kb[i], &bb[i])?;
-        kbg.push(mul(b, &kbi, &eg)?);
+    let levels = level_masks(b)?;
+    let zero = b.splat(0.0, DType::F32, &[2 * C, C])?;
+    let mut acc = zero.clone();
+    for (i, ((fr, fc), keep)) in factors.iter().zip(&levels).enumerate() {
+        let base = i as i64 * 2 * C;
+        let qr = mul(b, q, fr)?;
+        b.store(scratch.rows, &at(base, 0), &qr)?;
+        let kr = mul(b, &bk, fr)?;
+        b.store(scratch.rows, &at(base + C, 0), &kr)?;
+        let rows = b.load(scratch.rows, &at(base, 0), &[2 * C, kd])?;
+        let cols = mul(b, k, fc)?;
+        let p = b.matmul(&rows, &cols, (1, 1), data)?;
+        // Select, not multiply: outside its mask the mid-anchor level may overflow.
+        let one = b.splat(1.0, DType::F32, &[2 * C, C])?;
+        let kept = pick(b, keep, Cmp::Eq, &one, &p, &zero)?;
+        acc = add(b, &acc, &kept)?;
     }
-    let whole = |b: &mut Body, parts: &[V]| -> Result<V> {
-        for (i, p) in parts.iter().enumerate() {
-            b.store(work, &at(i as i64 * T, 0), p)?;
-        }
-        b.load_all(work)
-    };
-    let (qg, kg, kbg) = (whole(b, &qg)?, whole(b, &kg)?, whole(b, &kbg)?);
-    // Pair selections and in-tile sums of the diagonal tiles.
-    let eye = eye(b, T)?;
-    let eye3 = b.reshape(&eye, &[T, 1, T])?;
-    let sel_t = b.broadcast(&eye3, &[T, T, T])?;
-    let sel_t = b.reshape(&sel_t, &[T * T, T])?;
-    let sel_j = b.broadcast(&eye, &[T, T, T])?;
-    let sel_j = b.reshape(&sel_j, &[T * T, T])?;
-    let after_j = mask(b, &[T, T, T], 2, Cmp::Gt, 1)?;
-    let upto_t = mask(b, &[T, T, T], 2, Cmp::Le, 0)?;
-    let between_pair = mul(b, &after_j, &upto_t)?;
-    let between_pair = b.reshape(&between_pair, &[T * T, T])?;
-    let causal = mask(b, &[T, T], 0, Cmp::Ge, 1)?;
-    let strict = mask(b, &[T, T], 0, Cmp::Gt, 1)?;
-    // The causal tiles of `sum_i x[t, i] k[j, i] e^(G_t[i] - G_j[i])`, kept where `keep` is 1.
-    // The factors Aqk and L share, formed once: per diagonal tile `(sel_j k) e^(sum_{j<s<=t} g)`,
-    // per block the row factor `e^(lc)`, per earlier block the decayed key columns.
-    let mut kf = Vec::with_capacity(nb);
-    let mut er = Vec::with_capacity(nb);
-    let mut kc: Vec<Vec<V>> = Vec::with_capacity(nb);
-    for i in 0..nb {
-        let d = mm(b, &between_pair, &gb[i])?;
-        let f = exp(b, &d)?;
-        let kr = b.matmul(&sel_j, &kb[i], (1, 0), data)?;
-        kf.push(mul(b, &kr, &f)?);
-        er.push(exp(b, &lc[i])?);
-        let mut cols = Vec::with_capacity(i);
-        for j in 0..i {
-            let mid = span(b, j + 1, i)?;
-            let ec = add(b, &sx[j], &mid)?;
-            let ec = exp(b, &ec)?;
-            cols.push(mul(b, &kb[j], &ec)?);
-        }
-        kc.push(cols);
-    }
-    // The causal tiles of `sum_i x[t, i] k[j, i] e^(G_t[i] - G_j[i])`, kept where `keep` is 1.
-    let tiles_of = |b: &mut Body, left: &[V], keep: &V| -> Result<V> {
-        let zero = b.splat(0.0, DType::F32, &[C, C])?;
-        b.store_all(tiles, &zero)?;
-        for i in 0..nb {
-            let t = pair_products(b, &sel_t, &left[i], &kf[i], data)?;
-            let t = mul(b, &t, keep)?;
-            b.store(tiles, &at(i as i64 * T, i as i64 * T), &t)?;
-            let xr = mul(b, &left[i], &er[i])?;
-            for (j, c) in kc[i].iter().enumerate() {
-                let a = b.matmul(&xr, c, (1, 1), data)?;
-                b.store(tiles, &at(i as i64 * T, j as i64 * T), &a)?;
-            }
-        }
-        b.load_all(tiles)
-    };
-    let aqk = tiles_of(b, &qb, &causal)?;
+    b.store_all(scratch.pairs, &acc)?;
+    let aqk = b.load(scratch.pairs, &at(0, 0), &[C, C])?;
     let scale_c = b.splat(scale, DType::F32, &[C, C])?;
     let aqk = mul(b, &aqk, &scale_c)?;
-    let lk = tiles_of(b, &kb, &strict)?;
-    let beta_rows = b.broadcast(beta, &[C, C])?;
-    let l = mul(b, &lk, &beta_rows)?;
+    let l = b.load(scratch.pairs, &at(C, 0), &[C, C])?;
     Ok(ChunkTerms { aqk, l, qg, kg, kbg, eg_last })
 }

@@ -19,7 +19,7 @@
 
 use kda_core::DType;
 
-use super::blocks::{chunk_terms, unit_lower_inverse};
+use super::blocks::{chunk_terms, unit_lower_inverse, TermScratch};
 use super::body::{Binary, Body, MatPrecision, Offset, Reduction, Ref, Unary, V};
 use super::kernel::{Cost, Index, Kernel, KernelBuilder, Operand, Semantics};
 use crate::error::{Result, TpuError};
@@ -205,11 +205,14 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
     let out_h = Ref::Output(1 + usize::from(d.ht));
     let transcendentals = (l * t * k) as f64 * (4.0 + if gated { 2.0 } else { 0.0 })
         + if d.l2norm { 2.0 * (l * t) as f64 } else { 0.0 };
+    let [masks, sums, rows, pairs] = TermScratch::types(k);
+    // A pre-activated bf16 g is bf16 after the floor: one pass sums it exactly.
+    let g_passes = if d.g == DType::BF16 && !gated { 1 } else { 2 };
     kb.scratch("state", ty(DType::F32, &[k, v]))
-        .scratch("work", ty(DType::F32, &[C, k]))
-        .scratch("tiles", ty(DType::F32, &[C, C]))
-        .scratch("solve_work", ty(DType::F32, &[C, C]))
-        .scratch("solve_out", ty(DType::F32, &[C, C]))
+        .scratch("masks", masks)
+        .scratch("sums", sums)
+        .scratch("rows", rows)
+        .scratch("pairs", pairs)
         .cost(Cost { flops, transcendentals, bytes })
         .build(|b| {
             let c = b.program_id(2)?;
@@ -237,8 +240,14 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
                 kk = l2_normalise(b, &kk)?;
             }
             let g = activate(b, &g, d.gate, 5)?;
-            let terms = chunk_terms(b, &q, &kk, &g, &beta, scale, (Ref::Scratch(1), Ref::Scratch(2)), p)?;
-            let a = unit_lower_inverse(b, &terms.l, Ref::Scratch(3), Ref::Scratch(4))?;
+            let scratch = TermScratch {
+                masks: Ref::Scratch(1),
+                sums: Ref::Scratch(2),
+                rows: Ref::Scratch(3),
+                pairs: Ref::Scratch(4),
+            };
+            let terms = chunk_terms(b, &q, &kk, &g, &beta, scale, scratch, p, g_passes)?;
+            let a = unit_lower_inverse(b, &terms.l, p)?;
             let bv = b.broadcast(&beta, &[C, v])?;
             let bv = b.binary(Binary::Mul, &vv, &bv)?;
             let u = b.matmul(&a, &bv, (1, 0), p)?;
