@@ -12,7 +12,7 @@ use half::bf16;
 use hlo_support::{assert_close, rand_vec, In};
 use kda_core::DType;
 use kda_tpu::hlo::{Cmp, TensorType};
-use kda_tpu::mosaic::blocks::TermScratch;
+use kda_tpu::mosaic::blocks::{TermMasks, TermScratch};
 use kda_tpu::mosaic::{
     Binary, Cost, Index, Kernel, KernelBuilder, Lowering, MatPrecision, Offset, Operand, Reduction, Ref,
     Semantics, Unary,
@@ -403,7 +403,7 @@ fn chunk_terms() -> Result<Case> {
     let beta = rand_vec(64, 21, 0.0, 1.0);
     let scale = 1.0 / (kd as f64).sqrt();
     let ty = |d: &[i64]| t(DType::F32, d);
-    let [masks, sums, rows, pairs] = TermScratch::types(128);
+    let [sums, rows, pairs, staging] = TermScratch::types(128);
     let kernel = one_step("chunk_terms")
         .input(Operand::whole("q", ty(&[64, 128])))
         .input(Operand::whole("k", ty(&[64, 128])))
@@ -415,10 +415,10 @@ fn chunk_terms() -> Result<Case> {
         .output(Operand::whole("kg", ty(&[64, 128])))
         .output(Operand::whole("kbg", ty(&[64, 128])))
         .output(Operand::whole("eg_last", ty(&[1, 128])))
-        .scratch("masks", masks)
         .scratch("sums", sums)
         .scratch("rows", rows)
         .scratch("pairs", pairs)
+        .scratch("staging", staging)
         .build(|b| {
             let x: Vec<_> = (0..4).map(|i| b.load_all(Ref::Input(i))).collect::<Result<_>>()?;
             let c = kda_tpu::mosaic::blocks::chunk_terms(
@@ -429,10 +429,10 @@ fn chunk_terms() -> Result<Case> {
                 &x[3],
                 scale,
                 TermScratch {
-                    masks: Ref::Scratch(0),
-                    sums: Ref::Scratch(1),
-                    rows: Ref::Scratch(2),
-                    pairs: Ref::Scratch(3),
+                    masks: TermMasks::Build { staging: Ref::Scratch(3) },
+                    sums: Ref::Scratch(0),
+                    rows: Ref::Scratch(1),
+                    pairs: Ref::Scratch(2),
                 },
                 MatPrecision::Highest,
                 2,

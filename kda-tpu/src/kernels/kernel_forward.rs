@@ -158,6 +158,12 @@ pub(super) fn forward_body(
         None => None,
     };
     ops.extend(h0);
+    // The chunk terms' constant masks, made once by their own one-step kernel.
+    let masks = crate::mosaic::blocks::term_masks_kernel()?;
+    ops.extend(match lowering {
+        Lowering::Mosaic => masks.call_mosaic(b, &[])?,
+        Lowering::Interpret => masks.call_interpret(b, &[])?,
+    });
     let dims = ForwardDims {
         heads: s.h as i64,
         rows: (s.lanes() / s.h) as i64,

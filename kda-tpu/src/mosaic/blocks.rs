@@ -47,40 +47,18 @@ fn block_diagonal(b: &mut Body, n: i64, block: i64) -> Result<V> {
     Ok(m)
 }
 
-/// `x y` (contracting `contract`) to about f32 accuracy in three one-pass products: each
-/// operand split into a bf16 head and a bf16 tail (`x = xh + xt` to 16 bits), the products
-/// `xh yh + xh yt + xt yh` summed in f32 (relative error near 2^-16 against six passes of
-/// `Highest`; the inverse needs no more for bf16 inputs).
-fn split_matmul(b: &mut Body, x: &V, y: &V, contract: (usize, usize)) -> Result<V> {
-    let head = |b: &mut Body, v: &V| -> Result<(V, V)> {
-        let r = b.cast(v, DType::BF16)?;
-        let h = b.cast(&r, DType::F32)?;
-        let t = b.binary(Binary::Sub, v, &h)?;
-        Ok((h, t))
-    };
-    let ((xh, xt), (yh, yt)) = (head(b, x)?, head(b, y)?);
-    let one = |b: &mut Body, x: &V, y: &V| b.matmul(x, y, contract, MatPrecision::Default);
-    let hh = one(b, &xh, &yh)?;
-    let ht = one(b, &xh, &yt)?;
-    let th = one(b, &xt, &yh)?;
-    let small = b.binary(Binary::Add, &ht, &th)?;
-    b.binary(Binary::Add, &hh, &small)
-}
-
-/// `x y` at `p`: `Highest` as Mosaic's full f32 product, `Default` in three split passes
-/// ([`split_matmul`]).
-fn accurate_mm(b: &mut Body, x: &V, y: &V, p: MatPrecision) -> Result<V> {
-    match p {
-        MatPrecision::Highest => mm(b, x, y),
-        MatPrecision::Default => split_matmul(b, x, y, (1, 0)),
-    }
+/// `x y` at `p`: `Highest` (f32 inputs) or one bf16 pass (bf16 inputs, whose `L` carries the
+/// one-pass rounding already: a three-pass inverse left their `o` and final states unchanged to
+/// three digits).
+fn product(b: &mut Body, x: &V, y: &V, p: MatPrecision) -> Result<V> {
+    b.matmul(x, y, (1, 0), p)
 }
 
 /// `A = (I + L)^-1` of a strictly lower 64x64 f32 `l` in whole-chunk products (ten 64x64
 /// products, eight deep): with `Lb` the 16x16 diagonal blocks of `L` and `N = L - Lb`,
 /// `D^-1 = (I + Lb)^-1 = (I - Lb)(I + Lb^2)(I + Lb^4)(I + Lb^8)` (each block nilpotent of
 /// order 16), `M = D^-1 N` (nilpotent of order 4: four block rows) and
-/// `A = (I + M)^-1 D^-1 = (I - M)(I + M^2) D^-1`. Products run at `p` (see [`accurate_mm`]).
+/// `A = (I + M)^-1 D^-1 = (I - M)(I + M^2) D^-1`. Products run at `p` (see [`product`]).
 pub fn unit_lower_inverse(b: &mut Body, l: &V, p: MatPrecision) -> Result<V> {
     if l.ty.elem != DType::F32 || l.ty.dims != [C, C] {
         return Err(TpuError::builder("mosaic unit_lower_inverse", format!("a 64x64 f32 L, not {:?}", l.ty)));
@@ -89,20 +67,20 @@ pub fn unit_lower_inverse(b: &mut Body, l: &V, p: MatPrecision) -> Result<V> {
     let bd = block_diagonal(b, C, S)?;
     let lb = mul(b, l, &bd)?;
     let n = b.binary(Binary::Sub, l, &lb)?;
-    let p2 = accurate_mm(b, &lb, &lb, p)?;
-    let p4 = accurate_mm(b, &p2, &p2, p)?;
-    let p8 = accurate_mm(b, &p4, &p4, p)?;
+    let p2 = product(b, &lb, &lb, p)?;
+    let p4 = product(b, &p2, &p2, p)?;
+    let p8 = product(b, &p4, &p4, p)?;
     let mut d = b.binary(Binary::Sub, &i, &lb)?;
     for q in [&p2, &p4, &p8] {
         let f = add(b, &i, q)?;
-        d = accurate_mm(b, &d, &f, p)?;
+        d = product(b, &d, &f, p)?;
     }
-    let m = accurate_mm(b, &d, &n, p)?;
-    let m2 = accurate_mm(b, &m, &m, p)?;
+    let m = product(b, &d, &n, p)?;
+    let m2 = product(b, &m, &m, p)?;
     let left = b.binary(Binary::Sub, &i, &m)?;
     let right = add(b, &i, &m2)?;
-    let x = accurate_mm(b, &left, &right, p)?;
-    accurate_mm(b, &x, &d, p)
+    let x = product(b, &left, &right, p)?;
+    product(b, &x, &d, p)
 }
 
 fn exp(b: &mut Body, v: &V) -> Result<V> {
@@ -259,12 +237,52 @@ pub struct ChunkTerms {
     pub eg_last: V,
 }
 
-/// The scratch buffers of [`chunk_terms`], f32: `masks` `[448, 64]`, `sums` `[448, K]`,
-/// `rows` `[640, K]`, `pairs` `[128, 64]`.
+/// Rows of the exponent masks ([`exponent_masks`], stacked) in [`term_masks_kernel`]'s
+/// result; the level masks ([`level_masks`], `[128, 64]` each) follow them.
+const EXPONENT_ROWS: i64 = (3 + HALVES.len() as i64) * C;
+
+/// Rows of [`term_masks_kernel`]'s result `[MASK_ROWS, 64]` f32.
+pub const MASK_ROWS: i64 = EXPONENT_ROWS + (1 + HALVES.len() as i64) * 2 * C;
+
+/// Where [`chunk_terms`] finds its constant masks: made in the body at every step (`Build`,
+/// through the `[448, 64]` f32 scratch `staging`), or read from an input holding
+/// [`term_masks_kernel`]'s result (`Input`, one block for the whole grid, fetched once).
+#[derive(Clone, Copy, Debug)]
+pub enum TermMasks {
+    /// Made by the body; `staging` stacks the exponent masks for their product.
+    Build {
+        /// A `[448, 64]` f32 scratch.
+        staging: Ref,
+    },
+    /// Read from a `[MASK_ROWS, 64]` f32 block.
+    Input(Ref),
+}
+
+/// The one-step kernel writing the masks [`chunk_terms`] reads with [`TermMasks::Input`]: the
+/// same definitions as [`TermMasks::Build`], made once per call instead of once per step.
+pub fn term_masks_kernel() -> Result<super::kernel::Kernel> {
+    use super::kernel::{KernelBuilder, Operand, Semantics};
+    let ty = crate::hlo::TensorType::new(DType::F32, &[MASK_ROWS, C]);
+    KernelBuilder::new("kda_term_masks")
+        .grid(1, Semantics::Arbitrary)
+        .output(Operand::whole("masks", ty))
+        .build(|b| {
+            for (i, m) in exponent_masks(b)?.iter().enumerate() {
+                b.store(Ref::Output(0), &at(i as i64 * C, 0), m)?;
+            }
+            for (i, m) in level_masks(b)?.iter().enumerate() {
+                b.store(Ref::Output(0), &at(EXPONENT_ROWS + i as i64 * 2 * C, 0), m)?;
+            }
+            Ok(())
+        })
+}
+
+/// The scratch buffers of [`chunk_terms`], f32: `sums` `[448, K]`, `rows` `[640, K]`,
+/// `pairs` `[128, 64]`.
 #[derive(Clone, Copy, Debug)]
 pub struct TermScratch {
-    /// The stacked exponent masks.
-    pub masks: Ref,
+    /// Where the masks come from.
+    pub masks: TermMasks,
     /// The stacked exponents.
     pub sums: Ref,
     /// The `[q; beta k]` operands of the five levels.
@@ -274,11 +292,11 @@ pub struct TermScratch {
 }
 
 impl TermScratch {
-    /// The scratch types for key width `k`, in field order.
+    /// The types of `sums`, `rows`, `pairs` for key width `k`, and of a `Build` staging buffer.
     pub fn types(k: i64) -> [crate::hlo::TensorType; 4] {
         let t = |d: &[i64]| crate::hlo::TensorType::new(DType::F32, d);
-        let n = 3 + HALVES.len() as i64;
-        [t(&[n * C, C]), t(&[n * C, k]), t(&[(1 + HALVES.len() as i64) * 2 * C, k]), t(&[2 * C, C])]
+        let levels = 1 + HALVES.len() as i64;
+        [t(&[EXPONENT_ROWS, k]), t(&[levels * 2 * C, k]), t(&[2 * C, C]), t(&[EXPONENT_ROWS, C])]
     }
 }
 
@@ -309,11 +327,21 @@ pub fn chunk_terms(
     if !ok(q, kd) || !ok(k, kd) || !ok(g, kd) || !ok(beta, 1) {
         return Err(TpuError::builder("mosaic chunk_terms", "q, k, g [64, K] and beta [64, 1], f32"));
     }
-    let masks = exponent_masks(b)?;
-    for (i, m) in masks.iter().enumerate() {
-        b.store(scratch.masks, &at(i as i64 * C, 0), m)?;
-    }
-    let all = b.load_all(scratch.masks)?;
+    let (all, levels) = match scratch.masks {
+        TermMasks::Build { staging } => {
+            for (i, m) in exponent_masks(b)?.iter().enumerate() {
+                b.store(staging, &at(i as i64 * C, 0), m)?;
+            }
+            (b.load_all(staging)?, level_masks(b)?)
+        }
+        TermMasks::Input(r) => {
+            let all = b.load(r, &at(0, 0), &[EXPONENT_ROWS, C])?;
+            let levels = (0..=HALVES.len() as i64)
+                .map(|i| b.load(r, &at(EXPONENT_ROWS + i * 2 * C, 0), &[2 * C, C]))
+                .collect::<Result<Vec<_>>>()?;
+            (all, levels)
+        }
+    };
     let sums = mask_sum(b, &all, g, data, g_passes)?;
     b.store_all(scratch.sums, &sums)?;
     let part = |b: &mut Body, i: i64| b.load(scratch.sums, &at(i * C, 0), &[C, kd]);
@@ -336,7 +364,6 @@ pub fn chunk_terms(
         let f = exp(b, &x)?;
         factors.push((f.clone(), f));
     }
-    let levels = level_masks(b)?;
     let zero = b.splat(0.0, DType::F32, &[2 * C, C])?;
     let mut acc = zero.clone();
     for (i, ((fr, fc), keep)) in factors.iter().zip(&levels).enumerate() {

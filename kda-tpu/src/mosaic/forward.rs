@@ -19,7 +19,7 @@
 
 use kda_core::DType;
 
-use super::blocks::{chunk_terms, unit_lower_inverse, TermScratch};
+use super::blocks::{chunk_terms, unit_lower_inverse, TermMasks, TermScratch, MASK_ROWS};
 use super::body::{Binary, Body, MatPrecision, Offset, Reduction, Ref, Unary, V};
 use super::kernel::{Cost, Index, Kernel, KernelBuilder, Operand, Semantics};
 use crate::error::{Result, TpuError};
@@ -118,8 +118,9 @@ fn token_operand(name: &str, d: &ForwardDims, dtype: DType, w: i64) -> Operand {
 /// The forward kernel of `d` with output scale `scale`, on the grid (heads, rows: parallel;
 /// chunks: arbitrary). Its operands: the tables `first`, `last`, `slot` (`[NT]` i32; `slot`
 /// must not decrease, padding chunks after the last segment repeating its slot, since a result
-/// block revisited later would be written back stale), then `q k v g beta [gate] [h0]` (beta
-/// `[L, T, 1]` for [`Tokens::Lanes`], else `[H, R * T, 1]`; `h0` `[L, S, K, V]` f32); its results
+/// block revisited later would be written back stale), then `q k v g beta [gate] [h0] masks` (beta
+/// `[L, T, 1]` for [`Tokens::Lanes`], else `[H, R * T, 1]`; `h0` `[L, S, K, V]` f32; `masks` the result of
+/// [`super::blocks::term_masks_kernel`]); its results
 /// `o [ht] [h]` (`o` laid out as `v`).
 pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
     let float = |t: DType| matches!(t, DType::F32 | DType::BF16);
@@ -185,6 +186,8 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
     if d.h0 {
         kb = kb.input(Operand::blocked("h0", ty(DType::F32, &[l, d.slots, k, v]), &[1, 1, k, v], slot()));
     }
+    let masks_input = h0_input + usize::from(d.h0);
+    kb = kb.input(Operand::whole("masks", ty(DType::F32, &[MASK_ROWS, C])));
     kb = kb.output(token_operand("o", &d, x, v));
     if d.ht {
         kb = kb.output(Operand::blocked("ht", ty(DType::F32, &[l, d.slots, k, v]), &[1, 1, k, v], slot()));
@@ -205,11 +208,10 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
     let out_h = Ref::Output(1 + usize::from(d.ht));
     let transcendentals = (l * t * k) as f64 * (4.0 + if gated { 2.0 } else { 0.0 })
         + if d.l2norm { 2.0 * (l * t) as f64 } else { 0.0 };
-    let [masks, sums, rows, pairs] = TermScratch::types(k);
+    let [sums, rows, pairs, _] = TermScratch::types(k);
     // A pre-activated bf16 g is bf16 after the floor: one pass sums it exactly.
     let g_passes = if d.g == DType::BF16 && !gated { 1 } else { 2 };
     kb.scratch("state", ty(DType::F32, &[k, v]))
-        .scratch("masks", masks)
         .scratch("sums", sums)
         .scratch("rows", rows)
         .scratch("pairs", pairs)
@@ -241,10 +243,10 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
             }
             let g = activate(b, &g, d.gate, 5)?;
             let scratch = TermScratch {
-                masks: Ref::Scratch(1),
-                sums: Ref::Scratch(2),
-                rows: Ref::Scratch(3),
-                pairs: Ref::Scratch(4),
+                masks: TermMasks::Input(Ref::Input(masks_input)),
+                sums: Ref::Scratch(1),
+                rows: Ref::Scratch(2),
+                pairs: Ref::Scratch(3),
             };
             let terms = chunk_terms(b, &q, &kk, &g, &beta, scale, scratch, p, g_passes)?;
             let a = unit_lower_inverse(b, &terms.l, p)?;
