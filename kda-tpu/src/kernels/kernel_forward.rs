@@ -158,12 +158,6 @@ pub(super) fn forward_body(
         None => None,
     };
     ops.extend(h0);
-    // The chunk terms' constant masks, made once by their own one-step kernel.
-    let masks = crate::mosaic::blocks::term_masks_kernel()?;
-    ops.extend(match lowering {
-        Lowering::Mosaic => masks.call_mosaic(b, &[])?,
-        Lowering::Interpret => masks.call_interpret(b, &[])?,
-    });
     let dims = ForwardDims {
         heads: s.h as i64,
         rows: (s.lanes() / s.h) as i64,
@@ -181,6 +175,12 @@ pub(super) fn forward_body(
         ht: s.final_state,
         states: keep_h,
     };
+    // The chunk terms' constant masks, made once by their own one-step kernel.
+    let masks = crate::mosaic::blocks::term_masks_kernel(dims.mask_dtype())?;
+    ops.extend(match lowering {
+        Lowering::Mosaic => masks.call_mosaic(b, &[])?,
+        Lowering::Interpret => masks.call_interpret(b, &[])?,
+    });
     let kernel = forward_kernel(dims, s.scale)?;
     let outs = match lowering {
         Lowering::Mosaic => kernel.call_mosaic(b, &ops)?,

@@ -197,6 +197,7 @@ fn mask_sum(b: &mut Body, mask: &V, g: &V, data: MatPrecision, passes: usize) ->
     if data == MatPrecision::Highest {
         return mm(b, mask, g);
     }
+    let mask = if mask.ty.elem == DType::BF16 { mask.clone() } else { b.cast(mask, DType::BF16)? };
     let mut rest = g.clone();
     let mut acc: Option<V> = None;
     for i in 0..passes {
@@ -208,7 +209,8 @@ fn mask_sum(b: &mut Body, mask: &V, g: &V, data: MatPrecision, passes: usize) ->
             rest = b.binary(Binary::Sub, &rest, &part)?;
             part
         };
-        let t = b.matmul(mask, &part, (1, 0), MatPrecision::Default)?;
+        let part = b.cast(&part, DType::BF16)?;
+        let t = b.matmul(&mask, &part, (1, 0), MatPrecision::Default)?;
         acc = Some(match acc {
             Some(a) => add(b, &a, &t)?,
             None => t,
@@ -237,16 +239,15 @@ pub struct ChunkTerms {
     pub eg_last: V,
 }
 
-/// Rows of the exponent masks ([`exponent_masks`], stacked) in [`term_masks_kernel`]'s
-/// result; the level masks ([`level_masks`], `[128, 64]` each) follow them.
-const EXPONENT_ROWS: i64 = (3 + HALVES.len() as i64) * C;
+/// Rows of the stacked exponent masks ([`exponent_masks`]): `[EXPONENT_ROWS, 64]`.
+pub const EXPONENT_ROWS: i64 = (3 + HALVES.len() as i64) * C;
 
-/// Rows of [`term_masks_kernel`]'s result `[MASK_ROWS, 64]` f32.
-pub const MASK_ROWS: i64 = EXPONENT_ROWS + (1 + HALVES.len() as i64) * 2 * C;
+/// Rows of the stacked level masks ([`level_masks`], `[128, 64]` each): `[LEVEL_ROWS, 64]` f32.
+pub const LEVEL_ROWS: i64 = (1 + HALVES.len() as i64) * 2 * C;
 
 /// Where [`chunk_terms`] finds its constant masks: made in the body at every step (`Build`,
-/// through the `[448, 64]` f32 scratch `staging`), or read from an input holding
-/// [`term_masks_kernel`]'s result (`Input`, one block for the whole grid, fetched once).
+/// through the `[448, 64]` f32 scratch `staging`), or read from inputs holding
+/// [`term_masks_kernel`]'s results (`Input`, one block each for the whole grid, fetched once).
 #[derive(Clone, Copy, Debug)]
 pub enum TermMasks {
     /// Made by the body; `staging` stacks the exponent masks for their product.
@@ -254,24 +255,34 @@ pub enum TermMasks {
         /// A `[448, 64]` f32 scratch.
         staging: Ref,
     },
-    /// Read from a `[MASK_ROWS, 64]` f32 block.
-    Input(Ref),
+    /// Read from blocks: the exponent masks `[EXPONENT_ROWS, 64]` in the products' dtype (bf16
+    /// for one-pass products: their entries -1, 0, 1 are exact) and the level masks
+    /// `[LEVEL_ROWS, 64]` f32.
+    Input {
+        /// The exponent masks.
+        exponents: Ref,
+        /// The level masks.
+        levels: Ref,
+    },
 }
 
-/// The one-step kernel writing the masks [`chunk_terms`] reads with [`TermMasks::Input`]: the
-/// same definitions as [`TermMasks::Build`], made once per call instead of once per step.
-pub fn term_masks_kernel() -> Result<super::kernel::Kernel> {
+/// The one-step kernel writing the masks [`chunk_terms`] reads with [`TermMasks::Input`] (the
+/// exponent masks in `dtype`, the level masks in f32): the same definitions as
+/// [`TermMasks::Build`], made once per call instead of once per step.
+pub fn term_masks_kernel(dtype: DType) -> Result<super::kernel::Kernel> {
     use super::kernel::{KernelBuilder, Operand, Semantics};
-    let ty = crate::hlo::TensorType::new(DType::F32, &[MASK_ROWS, C]);
+    let ty = |t: DType, rows: i64| crate::hlo::TensorType::new(t, &[rows, C]);
     KernelBuilder::new("kda_term_masks")
         .grid(1, Semantics::Arbitrary)
-        .output(Operand::whole("masks", ty))
+        .output(Operand::whole("exponents", ty(dtype, EXPONENT_ROWS)))
+        .output(Operand::whole("levels", ty(DType::F32, LEVEL_ROWS)))
         .build(|b| {
             for (i, m) in exponent_masks(b)?.iter().enumerate() {
-                b.store(Ref::Output(0), &at(i as i64 * C, 0), m)?;
+                let m = if dtype == DType::F32 { m.clone() } else { b.cast(m, dtype)? };
+                b.store(Ref::Output(0), &at(i as i64 * C, 0), &m)?;
             }
             for (i, m) in level_masks(b)?.iter().enumerate() {
-                b.store(Ref::Output(0), &at(EXPONENT_ROWS + i as i64 * 2 * C, 0), m)?;
+                b.store(Ref::Output(1), &at(i as i64 * 2 * C, 0), m)?;
             }
             Ok(())
         })
@@ -334,10 +345,10 @@ pub fn chunk_terms(
             }
             (b.load_all(staging)?, level_masks(b)?)
         }
-        TermMasks::Input(r) => {
-            let all = b.load(r, &at(0, 0), &[EXPONENT_ROWS, C])?;
+        TermMasks::Input { exponents, levels } => {
+            let all = b.load_all(exponents)?;
             let levels = (0..=HALVES.len() as i64)
-                .map(|i| b.load(r, &at(EXPONENT_ROWS + i * 2 * C, 0), &[2 * C, C]))
+                .map(|i| b.load(levels, &at(i * 2 * C, 0), &[2 * C, C]))
                 .collect::<Result<Vec<_>>>()?;
             (all, levels)
         }

@@ -19,7 +19,7 @@
 
 use kda_core::DType;
 
-use super::blocks::{chunk_terms, unit_lower_inverse, TermMasks, TermScratch, MASK_ROWS};
+use super::blocks::{chunk_terms, unit_lower_inverse, TermMasks, TermScratch, EXPONENT_ROWS, LEVEL_ROWS};
 use super::body::{Binary, Body, MatPrecision, Offset, Reduction, Ref, Unary, V};
 use super::kernel::{Cost, Index, Kernel, KernelBuilder, Operand, Semantics};
 use crate::error::{Result, TpuError};
@@ -97,6 +97,27 @@ impl ForwardDims {
     fn lanes(&self) -> i64 {
         self.heads * self.rows
     }
+
+    /// The precision of the kernel's products: f32 inputs keep f32 products (the MXU at full
+    /// precision); bf16 inputs run them in one bf16 pass with f32 accumulation, as their inputs'
+    /// precision allows (docs/kda.md, Accuracy: 2e-2), but for the sums of `g`
+    /// ([`super::blocks::chunk_terms`]).
+    pub fn precision(&self) -> MatPrecision {
+        if self.dtype == DType::BF16 && self.qk == DType::BF16 {
+            MatPrecision::Default
+        } else {
+            MatPrecision::Highest
+        }
+    }
+
+    /// The dtype of the exponent masks the kernel reads
+    /// ([`super::blocks::term_masks_kernel`]): bf16 for one-pass products, else f32.
+    pub fn mask_dtype(&self) -> DType {
+        match self.precision() {
+            MatPrecision::Default => DType::BF16,
+            MatPrecision::Highest => DType::F32,
+        }
+    }
 }
 
 /// The largest key or value width of the kernel (docs/kda.md, Shapes).
@@ -118,8 +139,8 @@ fn token_operand(name: &str, d: &ForwardDims, dtype: DType, w: i64) -> Operand {
 /// The forward kernel of `d` with output scale `scale`, on the grid (heads, rows: parallel;
 /// chunks: arbitrary). Its operands: the tables `first`, `last`, `slot` (`[NT]` i32; `slot`
 /// must not decrease, padding chunks after the last segment repeating its slot, since a result
-/// block revisited later would be written back stale), then `q k v g beta [gate] [h0] masks` (beta
-/// `[L, T, 1]` for [`Tokens::Lanes`], else `[H, R * T, 1]`; `h0` `[L, S, K, V]` f32; `masks` the result of
+/// block revisited later would be written back stale), then `q k v g beta [gate] [h0] exponent_masks level_masks` (beta
+/// `[L, T, 1]` for [`Tokens::Lanes`], else `[H, R * T, 1]`; `h0` `[L, S, K, V]` f32; the masks the results of
 /// [`super::blocks::term_masks_kernel`]); its results
 /// `o [ht] [h]` (`o` laid out as `v`).
 pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
@@ -187,7 +208,8 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
         kb = kb.input(Operand::blocked("h0", ty(DType::F32, &[l, d.slots, k, v]), &[1, 1, k, v], slot()));
     }
     let masks_input = h0_input + usize::from(d.h0);
-    kb = kb.input(Operand::whole("masks", ty(DType::F32, &[MASK_ROWS, C])));
+    kb = kb.input(Operand::whole("exponent_masks", ty(d.mask_dtype(), &[EXPONENT_ROWS, C])));
+    kb = kb.input(Operand::whole("level_masks", ty(DType::F32, &[LEVEL_ROWS, C])));
     kb = kb.output(token_operand("o", &d, x, v));
     if d.ht {
         kb = kb.output(Operand::blocked("ht", ty(DType::F32, &[l, d.slots, k, v]), &[1, 1, k, v], slot()));
@@ -196,14 +218,7 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
         let at = vec![lane(), g2.clone(), Index::Const(0), Index::Const(0)];
         kb = kb.output(Operand::blocked("h", ty(DType::F32, &[l, nt, k, v]), &[1, 1, k, v], at));
     }
-    // f32 inputs keep f32 products (the MXU at full precision, six bf16 passes); bf16 inputs run
-    // their products in one bf16 pass with f32 accumulation, as their inputs' precision allows
-    // (docs/kda.md, Accuracy: 2e-2). The sums of g and the inverse stay at full precision.
-    let p = if d.dtype == DType::BF16 && d.qk == DType::BF16 {
-        MatPrecision::Default
-    } else {
-        MatPrecision::Highest
-    };
+    let p = d.precision();
     let out_ht = Ref::Output(1);
     let out_h = Ref::Output(1 + usize::from(d.ht));
     let transcendentals = (l * t * k) as f64 * (4.0 + if gated { 2.0 } else { 0.0 })
@@ -215,6 +230,8 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
         .scratch("sums", sums)
         .scratch("rows", rows)
         .scratch("pairs", pairs)
+        .scratch("wq", ty(DType::F32, &[2 * C, k]))
+        .scratch("wq_s", ty(DType::F32, &[2 * C, v]))
         .cost(Cost { flops, transcendentals, bytes })
         .build(|b| {
             let c = b.program_id(2)?;
@@ -243,7 +260,10 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
             }
             let g = activate(b, &g, d.gate, 5)?;
             let scratch = TermScratch {
-                masks: TermMasks::Input(Ref::Input(masks_input)),
+                masks: TermMasks::Input {
+                    exponents: Ref::Input(masks_input),
+                    levels: Ref::Input(masks_input + 1),
+                },
                 sums: Ref::Scratch(1),
                 rows: Ref::Scratch(2),
                 pairs: Ref::Scratch(3),
@@ -259,9 +279,16 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
                 let h = b.reshape(&s, &[1, 1, k, v])?;
                 b.store_all(out_h, &h)?;
             }
-            let ws = b.matmul(&w, &s, (1, 0), p)?;
+            // `[w; qg] S` in one product (the state pushed to the MXU once).
+            let at = |r: i64| [Offset::Const(r), Offset::Const(0)];
+            b.store(Ref::Scratch(4), &at(0), &w)?;
+            b.store(Ref::Scratch(4), &at(C), &terms.qg)?;
+            let wq = b.load_all(Ref::Scratch(4))?;
+            let both = b.matmul(&wq, &s, (1, 0), p)?;
+            b.store_all(Ref::Scratch(5), &both)?;
+            let ws = b.load(Ref::Scratch(5), &at(0), &[C, v])?;
             let v_new = b.binary(Binary::Sub, &u, &ws)?;
-            let inter = b.matmul(&terms.qg, &s, (1, 0), p)?;
+            let inter = b.load(Ref::Scratch(5), &at(C), &[C, v])?;
             let sc = b.splat(scale, DType::F32, &[C, v])?;
             let inter = b.binary(Binary::Mul, &inter, &sc)?;
             let intra = b.matmul(&terms.aqk, &v_new, (1, 0), p)?;
