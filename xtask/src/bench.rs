@@ -128,7 +128,7 @@ impl Suite {
     /// The variants the suite times.
     pub fn variants(self, baseline: bool) -> Vec<Variant> {
         match self {
-            Suite::Forward => vec![Variant::Forward],
+            Suite::Forward => vec![Variant::Forward, Variant::ForwardMosaic],
             Suite::Scaling => vec![Variant::FusedSavedState],
             Suite::Api => {
                 vec![Variant::FusedSavedState, Variant::DeviceApi, Variant::HostApi, Variant::HostCopy]
@@ -150,6 +150,10 @@ impl Suite {
 pub enum Variant {
     /// The forward program without residuals.
     Forward,
+    /// The same program around the Mosaic forward kernel: tpu7x figures of its Mosaic lowering,
+    /// CPU figures and times of its interpret lowering (the grid as loops on the CPU plugin,
+    /// which says nothing of TPU speed).
+    ForwardMosaic,
     /// Staged saved-state: forward program, `h` through host memory, backward program.
     Baseline,
     /// Fused forward+VJP, saved state.
@@ -166,8 +170,9 @@ pub enum Variant {
 
 impl Variant {
     /// Every variant.
-    pub const ALL: [Variant; 7] = [
+    pub const ALL: [Variant; 8] = [
         Variant::Forward,
+        Variant::ForwardMosaic,
         Variant::Baseline,
         Variant::FusedSavedState,
         Variant::FusedRemat,
@@ -183,6 +188,7 @@ impl Variant {
     pub fn name(self) -> &'static str {
         match self {
             Variant::Forward => "forward",
+            Variant::ForwardMosaic => "forward-mosaic",
             Variant::Baseline => "baseline",
             Variant::FusedSavedState => "fused-saved-state",
             Variant::FusedRemat => "fused-remat",
@@ -359,6 +365,8 @@ pub struct TpuFigures {
     pub bytes_accessed: f64,
     /// Compile wall time.
     pub compile_ms: f64,
+    /// Static cycles from libtpu's bundle listings (`kda_tpu::aot::cycles`), when counted.
+    pub cycles: Option<i64>,
 }
 
 /// One compiled program of a variant (the baseline has two).
@@ -451,6 +459,11 @@ impl BenchRecord {
     pub fn tpu_flops(&self) -> Option<f64> {
         self.programs.iter().map(|p| p.tpu.map(|t| t.flops)).sum()
     }
+    /// tpu7x static cycles, summed over the programs (the staged baseline runs two); `None`
+    /// without AOT figures or where one program's count is missing.
+    pub fn tpu_cycles(&self) -> Option<i64> {
+        self.programs.iter().map(|p| p.tpu.and_then(|t| t.cycles)).sum()
+    }
     fn segments_label(&self) -> String {
         if self.suite == Suite::Scaling {
             let kind = match &self.segments {
@@ -489,11 +502,15 @@ fn opt_mb(bytes: Option<i64>) -> String {
     bytes.map_or("-".to_string(), mb)
 }
 
+fn opt_kcycles(cycles: Option<i64>) -> String {
+    cycles.map_or("-".to_string(), |c| format!("{:.1}", c as f64 / 1e3))
+}
+
 fn opt_gflop(flops: Option<f64>) -> String {
     flops.map_or("-".to_string(), |f| format!("{:.2}", f / 1e9))
 }
 
-const COLUMNS: [&str; 11] = [
+const COLUMNS: [&str; 12] = [
     "variant",
     "dtype",
     "segments",
@@ -504,10 +521,11 @@ const COLUMNS: [&str; 11] = [
     "CPU peak MB",
     "CPU temp MB",
     "tpu7x peak MB",
+    "tpu7x k cycles",
     "tpu7x GFLOP",
 ];
 
-fn row(r: &BenchRecord) -> [String; 11] {
+fn row(r: &BenchRecord) -> [String; 12] {
     let mut cells = row_cells(r);
     if r.programs.is_empty() {
         // The api suite's call timings: no program figures of their own.
@@ -518,7 +536,7 @@ fn row(r: &BenchRecord) -> [String; 11] {
     cells
 }
 
-fn row_cells(r: &BenchRecord) -> [String; 11] {
+fn row_cells(r: &BenchRecord) -> [String; 12] {
     [
         r.variant.name().to_string(),
         r.dtype.to_string(),
@@ -533,13 +551,14 @@ fn row_cells(r: &BenchRecord) -> [String; 11] {
             1 => opt_mb(r.tpu_peak()),
             n => format!("{} (D={n})", opt_mb(r.tpu_peak())),
         },
+        opt_kcycles(r.tpu_cycles()),
         opt_gflop(r.tpu_flops()),
     ]
 }
 
 /// A plain-text table of records for the console.
 pub fn console_table(records: &[BenchRecord]) -> String {
-    let rows: Vec<[String; 11]> = records.iter().map(row).collect();
+    let rows: Vec<[String; 12]> = records.iter().map(row).collect();
     let width = |i: usize| rows.iter().map(|r| r[i].len()).chain([COLUMNS[i].len()]).max().unwrap_or(0);
     let widths: Vec<usize> = (0..COLUMNS.len()).map(width).collect();
     let line = |cells: &[&str]| -> String {
@@ -593,7 +612,7 @@ pub fn markdown_section(suite: Suite, records: &[BenchRecord], info: &RunInfo) -
     out += &markdown_table(records);
     if records.iter().any(|r| r.variant == Variant::Baseline) {
         out += "\nbaseline: memory columns are the larger of its forward and backward programs'; \
-                GFLOP is their sum.\n";
+                k cycles and GFLOP are their sums.\n";
     }
     if suite == Suite::Api {
         out += &format!("\n{}", api_summary(records));
@@ -694,7 +713,9 @@ Written by `cargo xtask bench` (see `cargo xtask bench --help`) from `bench/resu
 each suite's section holds its latest run and is replaced by the next one. Shapes and variants: docs/kda.md, Benchmarks (primary shape
 H=8, B=1, T=1024, K=V=128; packed = four segments 200, 311, 77, 436 in one row).
 
-- Variants: `forward` (forward program, no residuals kept); `baseline` (staged saved-state: the
+- Variants: `forward` (forward program, no residuals kept); `forward-mosaic` (the same program
+  around the Mosaic forward kernel: tpu7x figures of its Mosaic lowering, CPU times and memory
+  of its interpret lowering, which say nothing of TPU speed); `baseline` (staged saved-state: the
   forward program, its per-chunk states downloaded to the host and uploaded again, then the
   backward program; run by default, `--no-baseline` skips it); `fused-saved-state` and
   `fused-remat` (one forward+VJP executable per strategy).
@@ -706,7 +727,9 @@ H=8, B=1, T=1024, K=V=128; packed = four segments 200, 311, 77, 436 in one row).
 - CPU peak MB: the CPU compiler's `peak_memory_in_bytes` for the program (MB = 10^6 bytes). The
   CPU plugin counts arguments and outputs in it, not scratch: CPU temp MB is its `temp_size`.
 - tpu7x: the same StableHLO text compiled ahead of time (deviceless) for `tpu7x:2x2x1` through
-  libtpu: the compiler's peak memory and its cost-analysis flops. Nothing runs on a TPU.
+  libtpu: the compiler's peak memory, its static cycles (bundles of libtpu's final listings along
+  the executed path, `kda_tpu::aot::cycles`: a model of issue cycles, not a time) and its
+  cost-analysis flops. Nothing runs on a TPU.
 ";
 
 /// Replaces (or appends) `section` of `suite` in the markdown text `old` (`None`: a new file).
@@ -769,6 +792,7 @@ pub fn record_json(r: &BenchRecord, info: &RunInfo) -> Json {
                     "flops": t.flops,
                     "bytes_accessed": t.bytes_accessed,
                     "compile_ms": msec(t.compile_ms),
+                    "static_cycles": t.cycles,
                 })),
             })
         })
@@ -786,6 +810,7 @@ pub fn record_json(r: &BenchRecord, info: &RunInfo) -> Json {
         "cpu_temp_bytes": r.cpu_temp(),
         "tpu7x_memory_bytes": r.tpu_peak(),
         "tpu7x_flops": r.tpu_flops(),
+        "tpu7x_static_cycles": r.tpu_cycles(),
         "case": r.case,
         "shape": { "h": h, "b": b, "t": t, "k": k, "v": v },
         "segments": r.segments,
@@ -886,7 +911,7 @@ mod tests {
 
     #[test]
     fn suites_pick_cases_and_variants() {
-        assert_eq!(Suite::Forward.variants(true), [Variant::Forward]);
+        assert_eq!(Suite::Forward.variants(true), [Variant::Forward, Variant::ForwardMosaic]);
         assert_eq!(
             Suite::Backward.variants(true),
             [Variant::Baseline, Variant::FusedSavedState, Variant::FusedRemat]
@@ -920,6 +945,7 @@ mod tests {
                         flops: 2e9,
                         bytes_accessed: 1e8,
                         compile_ms: 900.0,
+                        cycles: Some(400_000),
                     }),
                 })
                 .collect(),
@@ -979,7 +1005,7 @@ mod tests {
         let sec = markdown_section(Suite::Backward, &recs, &info());
         assert!(
             sec.contains(
-                "| fused-saved-state | f32 | fixed | 2.50 | 2.00 | 3.00 | 0.50 | 64.0 | 0.0 | 70.0 | 2.00 |"
+                "| fused-saved-state | f32 | fixed | 2.50 | 2.00 | 3.00 | 0.50 | 64.0 | 0.0 | 70.0 | 400.0 | 2.00 |"
             ),
             "{sec}"
         );

@@ -32,6 +32,10 @@ const TOKAMAX_MB: [(&str, f64, f64); 4] = [
 /// docs/kda.md, Benchmarks: the seed PR's estimated peak on TPU v7x for its fused forward+VJP (fixed,
 /// packed), bf16, primary shape.
 const SEED_PR_MB: [f64; 2] = [64.0, 97.7];
+/// docs/kda.md, Benchmarks: tokamax's Mosaic KDA (saved state) counted with the method of
+/// `kda_tpu::aot::cycles` (libtpu 0.0.52), bf16, primary shape, in thousands of static cycles,
+/// per group of [`TOKAMAX_MB`].
+const TOKAMAX_KCYCLES: [f64; 4] = [86.7, 177.0, 186.0, 361.0];
 
 type Chart = Result<String, String>;
 
@@ -184,7 +188,7 @@ fn tpu_memory(rs: &[&BenchRecord]) -> Option<Chart> {
     let mb = |r: Option<&BenchRecord>| r.and_then(BenchRecord::tpu_peak).map(|b| b as f64 / 1e6);
     let ours = |variant: Variant, packed: bool| {
         let suite = match (variant, packed) {
-            (Variant::Forward, _) => Suite::Forward,
+            (Variant::Forward | Variant::ForwardMosaic, _) => Suite::Forward,
             (_, false) => Suite::Backward,
             (_, true) => Suite::BackwardPacked,
         };
@@ -205,6 +209,10 @@ fn tpu_memory(rs: &[&BenchRecord]) -> Option<Chart> {
             "this project, remat".to_string(),
             vec![None, None, ours(Variant::FusedRemat, false), ours(Variant::FusedRemat, true)],
         ),
+        (
+            "this project, Mosaic forward".to_string(),
+            vec![ours(Variant::ForwardMosaic, false), ours(Variant::ForwardMosaic, true), None, None],
+        ),
         ("tokamax Pallas, saved state".to_string(), TOKAMAX_MB.iter().map(|t| Some(t.1)).collect()),
         (
             "seed PR (TPU v7x estimate)".to_string(),
@@ -215,6 +223,45 @@ fn tpu_memory(rs: &[&BenchRecord]) -> Option<Chart> {
         return None;
     }
     Some(bars("tpu7x:2x2x1 compiler peak memory, bf16, primary shape (MB)", "peak MB", &groups, &series))
+}
+
+/// tpu7x static cycles of the programs beside tokamax's Mosaic kernels counted the same way.
+fn tpu_cycles(rs: &[&BenchRecord]) -> Option<Chart> {
+    let k = |variant: Variant, packed: bool| {
+        let suite = match (variant, packed) {
+            (Variant::Forward | Variant::ForwardMosaic, _) => Suite::Forward,
+            (_, false) => Suite::Backward,
+            (_, true) => Suite::BackwardPacked,
+        };
+        find(rs, suite, variant, DType::BF16, packed)
+            .and_then(BenchRecord::tpu_cycles)
+            .map(|c| c as f64 / 1e3)
+    };
+    let groups: Vec<String> = TOKAMAX_MB.iter().map(|(g, _, _)| g.to_string()).collect();
+    let series = vec![
+        (
+            "this project, saved state".to_string(),
+            vec![
+                k(Variant::Forward, false),
+                k(Variant::Forward, true),
+                k(Variant::FusedSavedState, false),
+                k(Variant::FusedSavedState, true),
+            ],
+        ),
+        (
+            "this project, remat".to_string(),
+            vec![None, None, k(Variant::FusedRemat, false), k(Variant::FusedRemat, true)],
+        ),
+        (
+            "this project, Mosaic forward".to_string(),
+            vec![k(Variant::ForwardMosaic, false), k(Variant::ForwardMosaic, true), None, None],
+        ),
+        ("tokamax Mosaic, saved state".to_string(), TOKAMAX_KCYCLES.iter().map(|&c| Some(c)).collect()),
+    ];
+    if series[0].1.iter().all(Option::is_none) {
+        return None;
+    }
+    Some(bars("tpu7x:2x2x1 static cycles, bf16, primary shape (thousands)", "k cycles", &groups, &series))
 }
 
 /// The scaling suite: time (the program alone, and calls through the host API on one device
@@ -299,6 +346,9 @@ pub fn all(rs: &[&BenchRecord]) -> Result<Vec<(&'static str, String)>, String> {
     }
     if let Some(c) = tpu_memory(rs) {
         out.push(("tpu7x-memory.svg", c?));
+    }
+    if let Some(c) = tpu_cycles(rs) {
+        out.push(("tpu7x-cycles.svg", c?));
     }
     for (name, c) in scaling(rs) {
         out.push((name, c?));

@@ -62,6 +62,8 @@ fn program(j: &Json) -> Result<ProgramFigures, String> {
             flops: number(t, "flops")?,
             bytes_accessed: number(t, "bytes_accessed")?,
             compile_ms: number(t, "compile_ms")?,
+            // Records written before static cycles were counted have none.
+            cycles: t.get("static_cycles").and_then(Json::as_i64),
         }),
     };
     Ok(ProgramFigures {

@@ -16,7 +16,9 @@ use std::time::Instant;
 fn programs(variant: Variant) -> Vec<(&'static str, ProgramKind)> {
     use BackwardStrategy::{Rematerialize, SavedState};
     match variant {
-        Variant::Forward => vec![("forward", ProgramKind::Forward(BackwardStrategy::Rematerialize))],
+        Variant::Forward | Variant::ForwardMosaic => {
+            vec![("forward", ProgramKind::Forward(BackwardStrategy::Rematerialize))]
+        }
         Variant::Baseline => {
             vec![
                 ("forward", ProgramKind::Forward(BackwardStrategy::SavedState)),
@@ -60,8 +62,12 @@ impl Measure<'_> {
                         "bench",
                         format_args!("{label}: compiling the {name} program for {TOPOLOGY}..."),
                     );
-                    // What a TPU runs: fused programs in slabs (`PjrtBackend` off the CPU plugin).
-                    let tpu_spec = spec.clone().with_slab(kda_tpu::kernels::TPU_SLAB);
+                    // What a TPU runs: fused programs in slabs (`PjrtBackend` off the CPU plugin),
+                    // the Mosaic lowering of a kernel the CPU runs interpreted.
+                    let mut tpu_spec = spec.clone().with_slab(kda_tpu::kernels::TPU_SLAB);
+                    if variant == Variant::ForwardMosaic {
+                        tpu_spec = tpu_spec.with_implementation(kda_tpu::Implementation::Mosaic);
+                    }
                     let text = kda_tpu::kernels::program(&tpu_spec, kind).map_err(err)?;
                     let f = compile_aot(c, &text, TOPOLOGY)
                         .map_err(|e| format!("{label}: {TOPOLOGY} compile: {e}"))?;
@@ -77,6 +83,7 @@ impl Measure<'_> {
                         flops: f.flops,
                         bytes_accessed: f.bytes_accessed,
                         compile_ms: f.compile_ms,
+                        cycles: (f.cycles >= 0).then_some(f.cycles),
                     })
                 }
             };
@@ -224,6 +231,7 @@ fn tpu_figures(tpu: &TpuCompiler, text: &str, replicas: usize, label: &str) -> R
         flops: f.flops,
         bytes_accessed: f.bytes_accessed,
         compile_ms: f.compile_ms,
+        cycles: (f.cycles >= 0).then_some(f.cycles),
     })
 }
 
@@ -393,7 +401,9 @@ pub fn run(opts: &BenchOptions, args: &[String]) -> Result<(), String> {
     let machine = Machine::collect();
     let tpu = if opts.aot {
         crate::progress::step("bench", format_args!("loading libtpu for the {TOPOLOGY} compiles..."));
-        let c = TpuCompiler::load().map_err(|e| format!("{e}\n(pass --no-aot to skip the TPU compiles)"))?;
+        // With libtpu's bundle listings on: every compile reports its static cycles.
+        let c =
+            super::load_tpu(None).map_err(|e| format!("{e}\n(pass --no-aot to skip the TPU compiles)"))?;
         Some(c)
     } else {
         None
@@ -453,6 +463,18 @@ pub fn run(opts: &BenchOptions, args: &[String]) -> Result<(), String> {
                 let call = DeviceCall::upload(&be, &data.inputs, cot).map_err(err)?;
                 let m = Measure { be: &be, tpu: tpu.as_ref(), call: &call, iterations: opts.iterations };
                 for variant in suite.variants(opts.baseline) {
+                    if variant == Variant::ForwardMosaic {
+                        // The kernel's interpret lowering on this plugin, its own handle and call.
+                        let be = be
+                            .clone()
+                            .with_implementation(kda_tpu::Implementation::Interpret)
+                            .map_err(err)?;
+                        let call = DeviceCall::upload(&be, &data.inputs, cot).map_err(err)?;
+                        let m =
+                            Measure { be: &be, tpu: tpu.as_ref(), call: &call, iterations: opts.iterations };
+                        records.push(m.run(suite, variant, &case, dtype)?);
+                        continue;
+                    }
                     records.push(m.run(suite, variant, &case, dtype)?);
                 }
                 if let (Suite::Scaling, Some(cp)) = (suite, &cp) {
