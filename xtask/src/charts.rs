@@ -183,84 +183,61 @@ fn variant_times(rs: &[&BenchRecord]) -> Option<Chart> {
     Some(bars("Forward+VJP on the CPU plugin, primary shape (median ms)", "median ms", &groups, &series))
 }
 
-/// tpu7x compiler peaks (bf16) of this project's programs beside the anchors of docs/kda.md.
-fn tpu_memory(rs: &[&BenchRecord]) -> Option<Chart> {
-    let mb = |r: Option<&BenchRecord>| r.and_then(BenchRecord::tpu_peak).map(|b| b as f64 / 1e6);
+/// This project's series of the tpu7x charts over the groups of [`TOKAMAX_MB`] (bf16, primary
+/// shape): `figure` of each variant's record, fixed or packed.
+fn our_series(
+    rs: &[&BenchRecord],
+    figure: impl Fn(&BenchRecord) -> Option<f64>,
+) -> Vec<(String, Vec<Option<f64>>)> {
     let ours = |variant: Variant, packed: bool| {
         let suite = match (variant, packed) {
             (Variant::Forward | Variant::ForwardMosaic, _) => Suite::Forward,
             (_, false) => Suite::Backward,
             (_, true) => Suite::BackwardPacked,
         };
-        mb(find(rs, suite, variant, DType::BF16, packed))
+        find(rs, suite, variant, DType::BF16, packed).and_then(&figure)
     };
-    let groups: Vec<String> = TOKAMAX_MB.iter().map(|(g, _, _)| g.to_string()).collect();
-    let series = vec![
+    let (fwd, mosaic, saved, remat) =
+        (Variant::Forward, Variant::ForwardMosaic, Variant::FusedSavedState, Variant::FusedRemat);
+    vec![
         (
             "this project, saved state".to_string(),
-            vec![
-                ours(Variant::Forward, false),
-                ours(Variant::Forward, true),
-                ours(Variant::FusedSavedState, false),
-                ours(Variant::FusedSavedState, true),
-            ],
+            vec![ours(fwd, false), ours(fwd, true), ours(saved, false), ours(saved, true)],
         ),
-        (
-            "this project, remat".to_string(),
-            vec![None, None, ours(Variant::FusedRemat, false), ours(Variant::FusedRemat, true)],
-        ),
+        ("this project, remat".to_string(), vec![None, None, ours(remat, false), ours(remat, true)]),
         (
             "this project, Mosaic forward".to_string(),
-            vec![ours(Variant::ForwardMosaic, false), ours(Variant::ForwardMosaic, true), None, None],
+            vec![ours(mosaic, false), ours(mosaic, true), None, None],
         ),
-        ("tokamax Pallas, saved state".to_string(), TOKAMAX_MB.iter().map(|t| Some(t.1)).collect()),
-        (
-            "seed PR (TPU v7x estimate)".to_string(),
-            vec![None, None, Some(SEED_PR_MB[0]), Some(SEED_PR_MB[1])],
-        ),
-    ];
+    ]
+}
+
+/// tpu7x compiler peaks (bf16) of this project's programs beside the anchors of docs/kda.md.
+fn tpu_memory(rs: &[&BenchRecord]) -> Option<Chart> {
+    let mut series = our_series(rs, |r| r.tpu_peak().map(|b| b as f64 / 1e6));
     if series[0].1.iter().all(Option::is_none) {
         return None;
     }
+    series.push(("tokamax Pallas, saved state".to_string(), TOKAMAX_MB.iter().map(|t| Some(t.1)).collect()));
+    series.push((
+        "seed PR (TPU v7x estimate)".to_string(),
+        vec![None, None, Some(SEED_PR_MB[0]), Some(SEED_PR_MB[1])],
+    ));
+    let groups: Vec<String> = TOKAMAX_MB.iter().map(|(g, _, _)| g.to_string()).collect();
     Some(bars("tpu7x:2x2x1 compiler peak memory, bf16, primary shape (MB)", "peak MB", &groups, &series))
 }
 
 /// tpu7x static cycles of the programs beside tokamax's Mosaic kernels counted the same way.
 fn tpu_cycles(rs: &[&BenchRecord]) -> Option<Chart> {
-    let k = |variant: Variant, packed: bool| {
-        let suite = match (variant, packed) {
-            (Variant::Forward | Variant::ForwardMosaic, _) => Suite::Forward,
-            (_, false) => Suite::Backward,
-            (_, true) => Suite::BackwardPacked,
-        };
-        find(rs, suite, variant, DType::BF16, packed)
-            .and_then(BenchRecord::tpu_cycles)
-            .map(|c| c as f64 / 1e3)
-    };
-    let groups: Vec<String> = TOKAMAX_MB.iter().map(|(g, _, _)| g.to_string()).collect();
-    let series = vec![
-        (
-            "this project, saved state".to_string(),
-            vec![
-                k(Variant::Forward, false),
-                k(Variant::Forward, true),
-                k(Variant::FusedSavedState, false),
-                k(Variant::FusedSavedState, true),
-            ],
-        ),
-        (
-            "this project, remat".to_string(),
-            vec![None, None, k(Variant::FusedRemat, false), k(Variant::FusedRemat, true)],
-        ),
-        (
-            "this project, Mosaic forward".to_string(),
-            vec![k(Variant::ForwardMosaic, false), k(Variant::ForwardMosaic, true), None, None],
-        ),
-        ("tokamax Mosaic, saved state".to_string(), TOKAMAX_KCYCLES.iter().map(|&c| Some(c)).collect()),
-    ];
+    let mut series = our_series(rs, |r| r.tpu_cycles().map(|c| c as f64 / 1e3));
     if series[0].1.iter().all(Option::is_none) {
         return None;
     }
+    series.push((
+        "tokamax Mosaic, saved state".to_string(),
+        TOKAMAX_KCYCLES.iter().map(|&c| Some(c)).collect(),
+    ));
+    let groups: Vec<String> = TOKAMAX_MB.iter().map(|(g, _, _)| g.to_string()).collect();
     Some(bars("tpu7x:2x2x1 static cycles, bf16, primary shape (thousands)", "k cycles", &groups, &series))
 }
 
