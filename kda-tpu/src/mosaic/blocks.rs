@@ -96,10 +96,11 @@ fn add(b: &mut Body, x: &V, y: &V) -> Result<V> {
 }
 
 /// Block sizes of the hierarchy of [`chunk_terms`]: a pair `j < t` of one chunk falls in one
-/// 4-token block (level 0) or first parts in the two halves of one block of `2B` (level of `B`).
+/// 4-token block (level 0), or its tokens first part at block size `B`: in the two halves of one
+/// block of `2B` (the level of `B`).
 const HALVES: [i64; 4] = [4, 8, 16, 32];
 
-/// Integer index helpers over `[n, m]` iotas (i32): `x / d` for a power of two `d`, exact.
+/// `x / d` of non-negative i32 indices for a power of two `d`, exact (through f32).
 fn div(b: &mut Body, x: &V, d: i64) -> Result<V> {
     let f = b.cast(x, DType::F32)?;
     let r = b.splat(1.0 / d as f64, DType::F32, &x.ty.dims)?;
@@ -314,7 +315,7 @@ impl TermScratch {
 /// Terms of one chunk with every exponential at most 1 or bounded, and every exponent a direct
 /// sum of `g` (no difference of long cumulative sums), in five matmuls of the whole chunk. A
 /// pair `j <= t` in one 4-token block factors through the block's anchor `a` (its second token),
-/// `e^(G_t - G_j) = e^(G_t - G_a) e^(G_a - G_j)`, each factor within `e^(+-3 * 30)` under the
+/// `e^(G_t - G_j) = e^(G_t - G_a) e^(G_a - G_j)`, each factor within `e^(+-60)` under the
 /// floor of -30 (no overflow, no underflow); a pair whose 4-blocks first part at block size `B`
 /// (`t` in the second half of a `2B` block, `j` in the first) factors through the start of that
 /// second half, both factors at most 1. Each level is one `[q; beta k] x k^T` product of the

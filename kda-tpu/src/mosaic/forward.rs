@@ -139,9 +139,10 @@ fn token_operand(name: &str, d: &ForwardDims, dtype: DType, w: i64) -> Operand {
 /// The forward kernel of `d` with output scale `scale`, on the grid (heads, rows: parallel;
 /// chunks: arbitrary). Its operands: the tables `first`, `last`, `slot` (`[NT]` i32; `slot`
 /// must not decrease, padding chunks after the last segment repeating its slot, since a result
-/// block revisited later would be written back stale), then `q k v g beta [gate] [h0] exponent_masks level_masks` (beta
-/// `[L, T, 1]` for [`Tokens::Lanes`], else `[H, R * T, 1]`; `h0` `[L, S, K, V]` f32; the masks the results of
-/// [`super::blocks::term_masks_kernel`]); its results
+/// block revisited later would be written back stale), then
+/// `q k v g beta [gate] [h0] exponent_masks level_masks` (beta `[L, T, 1]` for
+/// [`Tokens::Lanes`], else `[H, R * T, 1]`; `h0` `[L, S, K, V]` f32; the masks are the results
+/// of [`super::blocks::term_masks_kernel`] for [`ForwardDims::mask_dtype`]); its results
 /// `o [ht] [h]` (`o` laid out as `v`).
 pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
     let float = |t: DType| matches!(t, DType::F32 | DType::BF16);
