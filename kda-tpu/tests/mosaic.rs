@@ -365,7 +365,7 @@ fn unit_lower_inverse() -> Result<Case> {
         .output(Operand::whole("a", t(DType::F32, &[64, 64])))
         .build(|b| {
             let l = b.load_all(Ref::Input(0))?;
-            let a = kda_tpu::mosaic::blocks::unit_lower_inverse(b, &l, MatPrecision::Highest)?;
+            let a = kda_tpu::mosaic::blocks::unit_lower_inverse(b, &l, MatPrecision::Highest, None)?;
             b.store_all(Ref::Output(0), &a)
         })?;
     // Forward substitution in f64: (I + L) A = I, row by row.
@@ -403,7 +403,6 @@ fn chunk_terms() -> Result<Case> {
     let beta = rand_vec(64, 21, 0.0, 1.0);
     let scale = 1.0 / (kd as f64).sqrt();
     let ty = |d: &[i64]| t(DType::F32, d);
-    let [sums, rows, pairs, staging] = TermScratch::types(128);
     let kernel = one_step("chunk_terms")
         .input(Operand::whole("q", ty(&[64, 128])))
         .input(Operand::whole("k", ty(&[64, 128])))
@@ -415,10 +414,7 @@ fn chunk_terms() -> Result<Case> {
         .output(Operand::whole("kg", ty(&[64, 128])))
         .output(Operand::whole("kbg", ty(&[64, 128])))
         .output(Operand::whole("eg_last", ty(&[1, 128])))
-        .scratch("sums", sums)
-        .scratch("rows", rows)
-        .scratch("pairs", pairs)
-        .scratch("staging", staging)
+        .scratch("sums", ty(&[64, 128]))
         .build(|b| {
             let x: Vec<_> = (0..4).map(|i| b.load_all(Ref::Input(i))).collect::<Result<_>>()?;
             let c = kda_tpu::mosaic::blocks::chunk_terms(
@@ -428,12 +424,7 @@ fn chunk_terms() -> Result<Case> {
                 &x[2],
                 &x[3],
                 scale,
-                TermScratch {
-                    masks: TermMasks::Build { staging: Ref::Scratch(3) },
-                    sums: Ref::Scratch(0),
-                    rows: Ref::Scratch(1),
-                    pairs: Ref::Scratch(2),
-                },
+                TermScratch { masks: TermMasks::Build, sums: Ref::Scratch(0) },
                 MatPrecision::Highest,
                 2,
             )?;

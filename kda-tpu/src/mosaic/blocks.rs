@@ -59,12 +59,14 @@ fn product(b: &mut Body, x: &V, y: &V, p: MatPrecision) -> Result<V> {
 /// `D^-1 = (I + Lb)^-1 = (I - Lb)(I + Lb^2)(I + Lb^4)(I + Lb^8)` (each block nilpotent of
 /// order 16), `M = D^-1 N` (nilpotent of order 4: four block rows) and
 /// `A = (I + M)^-1 D^-1 = (I - M)(I + M^2) D^-1`. Products run at `p` (see [`product`]).
-pub fn unit_lower_inverse(b: &mut Body, l: &V, p: MatPrecision) -> Result<V> {
+pub fn unit_lower_inverse(b: &mut Body, l: &V, p: MatPrecision, masks: Option<&InverseMasks>) -> Result<V> {
     if l.ty.elem != DType::F32 || l.ty.dims != [C, C] {
         return Err(TpuError::builder("mosaic unit_lower_inverse", format!("a 64x64 f32 L, not {:?}", l.ty)));
     }
-    let i = eye(b, C)?;
-    let bd = block_diagonal(b, C, S)?;
+    let (i, bd) = match masks {
+        Some(m) => (m.eye.clone(), m.blocks.clone()),
+        None => (eye(b, C)?, block_diagonal(b, C, S)?),
+    };
     let lb = mul(b, l, &bd)?;
     let n = b.binary(Binary::Sub, l, &lb)?;
     let p2 = product(b, &lb, &lb, p)?;
@@ -156,21 +158,13 @@ fn exponent_masks(b: &mut Body) -> Result<Vec<V>> {
     Ok(masks)
 }
 
-/// The 0/1 `[128, 64]` masks of the levels of [`chunk_terms`] (rows `0..64` the `Aqk` rows
-/// `t`, causal with the diagonal; rows `64..128` the `L` rows `t`, strictly causal): level 0
-/// pairs in one 4-token block, then per `B` of [`HALVES`] the pairs whose 4-blocks first differ
-/// at `B`.
+/// The 0/1 `[64, 64]` masks of the levels of [`chunk_terms`], two per level (the `Aqk` mask,
+/// causal with the diagonal, then the `L` mask, strictly causal): level 0 the pairs in one
+/// 4-token block, then per `B` of [`HALVES`] the pairs whose 4-blocks first part at `B`.
 fn level_masks(b: &mut Body) -> Result<Vec<V>> {
-    let dims = [2 * C, C];
-    let (r, j) = (b.iota(&dims, 0)?, b.iota(&dims, 1)?);
-    let c = int(b, C, &r)?;
-    let (zero_i, one_i) = (int(b, 0, &r)?, int(b, 1, &r)?);
-    let second = b.compare(Cmp::Ge, &r, &c)?;
-    let r_minus = b.binary(Binary::Sub, &r, &c)?;
-    let t = b.select(&second, &r_minus, &r)?;
-    let strict = b.select(&second, &one_i, &zero_i)?;
-    let gap = b.binary(Binary::Sub, &t, &j)?;
-    let causal = b.compare(Cmp::Ge, &gap, &strict)?;
+    let dims = [C, C];
+    let (t, j) = (b.iota(&dims, 0)?, b.iota(&dims, 1)?);
+    let (zero_i, one_i) = (int(b, 0, &t)?, int(b, 1, &t)?);
     // Level: how many of the block sizes 4, 8, 16, 32 put t and j in different blocks.
     let mut level = zero_i.clone();
     for &half in &HALVES {
@@ -181,13 +175,16 @@ fn level_masks(b: &mut Body) -> Result<Vec<V>> {
     }
     let one = b.splat(1.0, DType::F32, &dims)?;
     let zero = b.splat(0.0, DType::F32, &dims)?;
-    let kept = b.select(&causal, &one, &zero)?;
-    (0..=HALVES.len() as i64)
-        .map(|l| {
-            let li = int(b, l, &r)?;
-            pick(b, &level, Cmp::Eq, &li, &kept, &zero)
-        })
-        .collect()
+    let causal = pick(b, &t, Cmp::Ge, &j, &one, &zero)?;
+    let strict = pick(b, &t, Cmp::Gt, &j, &one, &zero)?;
+    let mut masks = Vec::new();
+    for l in 0..=HALVES.len() as i64 {
+        let li = int(b, l, &t)?;
+        for kept in [&causal, &strict] {
+            masks.push(pick(b, &level, Cmp::Eq, &li, kept, &zero)?);
+        }
+    }
+    Ok(masks)
 }
 
 /// `mask @ g` for a coefficient `mask` of small integers: at full precision, or with
@@ -220,6 +217,16 @@ fn mask_sum(b: &mut Body, mask: &V, g: &V, data: MatPrecision, passes: usize) ->
     acc.ok_or_else(|| TpuError::builder("mosaic mask_sum", "one pass or more"))
 }
 
+/// The constant masks [`unit_lower_inverse`] needs, when the caller has them: the identity
+/// and the 0/1 mask of the 16x16 diagonal blocks, `[64, 64]` f32.
+#[derive(Clone, Debug)]
+pub struct InverseMasks {
+    /// The identity.
+    pub eye: V,
+    /// 1 on the 16x16 diagonal blocks (only their strictly lower part is read).
+    pub blocks: V,
+}
+
 /// The chunk-local terms of the chunked forward (docs/kda.md, Chunks) from one chunk's
 /// `q`, `k` `[64, K]` f32, log-decays `g` `[64, K]` f32 (already floored) and `beta` `[64, 1]`:
 /// `aqk` (`scale` included, causal with the diagonal), `l` (strictly lower, `beta` applied),
@@ -238,24 +245,23 @@ pub struct ChunkTerms {
     pub kbg: V,
     /// `e^(G_C)`, the whole chunk's decay, `[1, K]`.
     pub eg_last: V,
+    /// The inverse's masks, from the level masks.
+    pub inverse_masks: InverseMasks,
 }
 
 /// Rows of the stacked exponent masks ([`exponent_masks`]): `[EXPONENT_ROWS, 64]`.
 pub const EXPONENT_ROWS: i64 = (3 + HALVES.len() as i64) * C;
 
-/// Rows of the stacked level masks ([`level_masks`], `[128, 64]` each): `[LEVEL_ROWS, 64]` f32.
+/// Rows of the stacked level masks ([`level_masks`], `[64, 64]` each): `[LEVEL_ROWS, 64]` f32.
 pub const LEVEL_ROWS: i64 = (1 + HALVES.len() as i64) * 2 * C;
 
-/// Where [`chunk_terms`] finds its constant masks: made in the body at every step (`Build`,
-/// through the `[448, 64]` f32 scratch `staging`), or read from inputs holding
-/// [`term_masks_kernel`]'s results (`Input`, one block each for the whole grid, fetched once).
+/// Where [`chunk_terms`] finds its constant masks: made in the body at every step (`Build`), or
+/// read from inputs holding [`term_masks_kernel`]'s results (`Input`, one block each for the
+/// whole grid, fetched once).
 #[derive(Clone, Copy, Debug)]
 pub enum TermMasks {
-    /// Made by the body; `staging` stacks the exponent masks for their product.
-    Build {
-        /// A `[448, 64]` f32 scratch.
-        staging: Ref,
-    },
+    /// Made by the body.
+    Build,
     /// Read from blocks: the exponent masks `[EXPONENT_ROWS, 64]` in the products' dtype (bf16
     /// for one-pass products: their entries -1, 0, 1 are exact) and the level masks
     /// `[LEVEL_ROWS, 64]` f32.
@@ -283,33 +289,20 @@ pub fn term_masks_kernel(dtype: DType) -> Result<super::kernel::Kernel> {
                 b.store(Ref::Output(0), &at(i as i64 * C, 0), &m)?;
             }
             for (i, m) in level_masks(b)?.iter().enumerate() {
-                b.store(Ref::Output(1), &at(i as i64 * 2 * C, 0), m)?;
+                b.store(Ref::Output(1), &at(i as i64 * C, 0), m)?;
             }
             Ok(())
         })
 }
 
-/// The scratch buffers of [`chunk_terms`], f32: `sums` `[448, K]`, `rows` `[640, K]`,
-/// `pairs` `[128, 64]`.
+/// The memory [`chunk_terms`] uses: where its masks come from, and `sums`, a `[64, K]` f32
+/// scratch holding `G` (whose last row is the chunk's total).
 #[derive(Clone, Copy, Debug)]
 pub struct TermScratch {
     /// Where the masks come from.
     pub masks: TermMasks,
-    /// The stacked exponents.
+    /// `G`, whose last row is the chunk's total.
     pub sums: Ref,
-    /// The `[q; beta k]` operands of the five levels.
-    pub rows: Ref,
-    /// The `[Aqk; L]` result.
-    pub pairs: Ref,
-}
-
-impl TermScratch {
-    /// The types of `sums`, `rows`, `pairs` for key width `k`, and of a `Build` staging buffer.
-    pub fn types(k: i64) -> [crate::hlo::TensorType; 4] {
-        let t = |d: &[i64]| crate::hlo::TensorType::new(DType::F32, d);
-        let levels = 1 + HALVES.len() as i64;
-        [t(&[EXPONENT_ROWS, k]), t(&[levels * 2 * C, k]), t(&[2 * C, C]), t(&[EXPONENT_ROWS, C])]
-    }
 }
 
 /// Terms of one chunk with every exponential at most 1 or bounded, and every exponent a direct
@@ -339,63 +332,58 @@ pub fn chunk_terms(
     if !ok(q, kd) || !ok(k, kd) || !ok(g, kd) || !ok(beta, 1) {
         return Err(TpuError::builder("mosaic chunk_terms", "q, k, g [64, K] and beta [64, 1], f32"));
     }
-    let (all, levels) = match scratch.masks {
-        TermMasks::Build { staging } => {
-            for (i, m) in exponent_masks(b)?.iter().enumerate() {
-                b.store(staging, &at(i as i64 * C, 0), m)?;
-            }
-            (b.load_all(staging)?, level_masks(b)?)
-        }
+    let (masks, levels) = match scratch.masks {
+        TermMasks::Build => (exponent_masks(b)?, level_masks(b)?),
         TermMasks::Input { exponents, levels } => {
-            let all = b.load_all(exponents)?;
-            let levels = (0..=HALVES.len() as i64)
-                .map(|i| b.load(levels, &at(i * 2 * C, 0), &[2 * C, C]))
-                .collect::<Result<Vec<_>>>()?;
-            (all, levels)
+            let rows = |b: &mut Body, r: Ref, n: usize| -> Result<Vec<V>> {
+                (0..n as i64).map(|i| b.load(r, &at(i * C, 0), &[C, C])).collect()
+            };
+            (rows(b, exponents, 3 + HALVES.len())?, rows(b, levels, 2 * (1 + HALVES.len()))?)
         }
     };
-    let sums = mask_sum(b, &all, g, data, g_passes)?;
-    b.store_all(scratch.sums, &sums)?;
-    let part = |b: &mut Body, i: i64| b.load(scratch.sums, &at(i * C, 0), &[C, kd]);
-    let (gc, gs, mid) = (part(b, 0)?, part(b, 1)?, part(b, 2)?);
+    // One product per exponent array: each used as it comes, nothing through VMEM.
+    let sums = masks.iter().map(|m| mask_sum(b, m, g, data, g_passes)).collect::<Result<Vec<_>>>()?;
+    let (gc, gs, mid) = (&sums[0], &sums[1], &sums[2]);
+    b.store_all(scratch.sums, gc)?;
     let last = b.load(scratch.sums, &at(C - 1, 0), &[1, kd])?;
     let eg_last = exp(b, &last)?;
-    let egc = exp(b, &gc)?;
+    let egc = exp(b, gc)?;
     let qg = mul(b, q, &egc)?;
     let wide_beta = b.broadcast(beta, &[C, kd])?;
     let bk = mul(b, k, &wide_beta)?;
     let kbg = mul(b, &bk, &egc)?;
-    let egs = exp(b, &gs)?;
+    let egs = exp(b, gs)?;
     let kg = mul(b, k, &egs)?;
     // Row and column factors per level: the mid anchor's pair, then one factor per level (rows
     // in second halves and columns in first halves read the same exponent array).
-    let neg_mid = b.unary(super::body::Unary::Neg, &mid)?;
-    let mut factors = vec![(exp(b, &mid)?, exp(b, &neg_mid)?)];
-    for i in 0..HALVES.len() as i64 {
-        let x = part(b, 3 + i)?;
-        let f = exp(b, &x)?;
+    let neg_mid = b.unary(super::body::Unary::Neg, mid)?;
+    let mut factors = vec![(exp(b, mid)?, exp(b, &neg_mid)?)];
+    for x in &sums[3..] {
+        let f = exp(b, x)?;
         factors.push((f.clone(), f));
     }
-    let zero = b.splat(0.0, DType::F32, &[2 * C, C])?;
-    let mut acc = zero.clone();
-    for (i, ((fr, fc), keep)) in factors.iter().zip(&levels).enumerate() {
-        let base = i as i64 * 2 * C;
-        let qr = mul(b, q, fr)?;
-        b.store(scratch.rows, &at(base, 0), &qr)?;
-        let kr = mul(b, &bk, fr)?;
-        b.store(scratch.rows, &at(base + C, 0), &kr)?;
-        let rows = b.load(scratch.rows, &at(base, 0), &[2 * C, kd])?;
+    // Each level's `Aqk` and `L` rows as two products sharing the column operand, kept where the
+    // level's mask is 1 (select, not multiply: outside its mask the mid-anchor level may
+    // overflow).
+    let zero = b.splat(0.0, DType::F32, &[C, C])?;
+    let one = b.splat(1.0, DType::F32, &[C, C])?;
+    let (mut aqk, mut l) = (zero.clone(), zero.clone());
+    for ((fr, fc), keep) in factors.iter().zip(levels.chunks(2)) {
         let cols = mul(b, k, fc)?;
-        let p = b.matmul(&rows, &cols, (1, 1), data)?;
-        // Select, not multiply: outside its mask the mid-anchor level may overflow.
-        let one = b.splat(1.0, DType::F32, &[2 * C, C])?;
-        let kept = pick(b, keep, Cmp::Eq, &one, &p, &zero)?;
-        acc = add(b, &acc, &kept)?;
+        for (x, m, acc) in [(q, &keep[0], &mut aqk), (&bk, &keep[1], &mut l)] {
+            let rows = mul(b, x, fr)?;
+            let p = b.matmul(&rows, &cols, (1, 1), data)?;
+            let kept = pick(b, m, Cmp::Eq, &one, &p, &zero)?;
+            *acc = add(b, acc, &kept)?;
+        }
     }
-    b.store_all(scratch.pairs, &acc)?;
-    let aqk = b.load(scratch.pairs, &at(0, 0), &[C, C])?;
     let scale_c = b.splat(scale, DType::F32, &[C, C])?;
     let aqk = mul(b, &aqk, &scale_c)?;
-    let l = b.load(scratch.pairs, &at(C, 0), &[C, C])?;
-    Ok(ChunkTerms { aqk, l, qg, kg, kbg, eg_last })
+    // The identity is level 0's causal mask less its strict one; the strictly lower 16x16
+    // diagonal blocks are the strict masks of levels 0 to 2 (pairs within 16 tokens).
+    let eye = b.binary(Binary::Sub, &levels[0], &levels[1])?;
+    let blocks = add(b, &levels[1], &levels[3])?;
+    let blocks = add(b, &blocks, &levels[5])?;
+    let inverse_masks = InverseMasks { eye, blocks };
+    Ok(ChunkTerms { aqk, l, qg, kg, kbg, eg_last, inverse_masks })
 }

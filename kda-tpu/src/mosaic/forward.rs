@@ -224,15 +224,10 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
     let out_h = Ref::Output(1 + usize::from(d.ht));
     let transcendentals = (l * t * k) as f64 * (4.0 + if gated { 2.0 } else { 0.0 })
         + if d.l2norm { 2.0 * (l * t) as f64 } else { 0.0 };
-    let [sums, rows, pairs, _] = TermScratch::types(k);
     // A pre-activated bf16 g is bf16 after the floor: one pass sums it exactly.
     let g_passes = if d.g == DType::BF16 && !gated { 1 } else { 2 };
     kb.scratch("state", ty(DType::F32, &[k, v]))
-        .scratch("sums", sums)
-        .scratch("rows", rows)
-        .scratch("pairs", pairs)
-        .scratch("wq", ty(DType::F32, &[2 * C, k]))
-        .scratch("wq_s", ty(DType::F32, &[2 * C, v]))
+        .scratch("sums", ty(DType::F32, &[C, k]))
         .cost(Cost { flops, transcendentals, bytes })
         .build(|b| {
             let c = b.program_id(2)?;
@@ -266,11 +261,9 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
                     levels: Ref::Input(masks_input + 1),
                 },
                 sums: Ref::Scratch(1),
-                rows: Ref::Scratch(2),
-                pairs: Ref::Scratch(3),
             };
             let terms = chunk_terms(b, &q, &kk, &g, &beta, scale, scratch, p, g_passes)?;
-            let a = unit_lower_inverse(b, &terms.l, p)?;
+            let a = unit_lower_inverse(b, &terms.l, p, Some(&terms.inverse_masks))?;
             let bv = b.broadcast(&beta, &[C, v])?;
             let bv = b.binary(Binary::Mul, &vv, &bv)?;
             let u = b.matmul(&a, &bv, (1, 0), p)?;
@@ -280,16 +273,9 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
                 let h = b.reshape(&s, &[1, 1, k, v])?;
                 b.store_all(out_h, &h)?;
             }
-            // `[w; qg] S` in one product (the state pushed to the MXU once).
-            let at = |r: i64| [Offset::Const(r), Offset::Const(0)];
-            b.store(Ref::Scratch(4), &at(0), &w)?;
-            b.store(Ref::Scratch(4), &at(C), &terms.qg)?;
-            let wq = b.load_all(Ref::Scratch(4))?;
-            let both = b.matmul(&wq, &s, (1, 0), p)?;
-            b.store_all(Ref::Scratch(5), &both)?;
-            let ws = b.load(Ref::Scratch(5), &at(0), &[C, v])?;
+            let ws = b.matmul(&w, &s, (1, 0), p)?;
             let v_new = b.binary(Binary::Sub, &u, &ws)?;
-            let inter = b.load(Ref::Scratch(5), &at(C), &[C, v])?;
+            let inter = b.matmul(&terms.qg, &s, (1, 0), p)?;
             let sc = b.splat(scale, DType::F32, &[C, v])?;
             let inter = b.binary(Binary::Mul, &inter, &sc)?;
             let intra = b.matmul(&terms.aqk, &v_new, (1, 0), p)?;
