@@ -306,14 +306,14 @@ pub struct TermScratch {
 }
 
 /// Terms of one chunk with every exponential at most 1 or bounded, and every exponent a direct
-/// sum of `g` (no difference of long cumulative sums), in five matmuls of the whole chunk. A
+/// sum of `g` (no difference of long cumulative sums), in whole-chunk products. A
 /// pair `j <= t` in one 4-token block factors through the block's anchor `a` (its second token),
 /// `e^(G_t - G_j) = e^(G_t - G_a) e^(G_a - G_j)`, each factor within `e^(+-60)` under the
 /// floor of -30 (no overflow, no underflow); a pair whose 4-blocks first part at block size `B`
 /// (`t` in the second half of a `2B` block, `j` in the first) factors through the start of that
-/// second half, both factors at most 1. Each level is one `[q; beta k] x k^T` product of the
-/// whole chunk kept where the level's mask is 1. The exponents come from one coefficient-mask
-/// product with `g` (split into `g_passes` bf16 parts for `data = Default`). `data` is the
+/// second half, both factors at most 1. Each level is `q x k^T` and `beta k x k^T` over the
+/// whole chunk, kept where the level's masks are 1. The exponents come from coefficient-mask
+/// products with `g` (split into `g_passes` bf16 parts for `data = Default`). `data` is the
 /// products' precision (`Default`, one bf16 pass, for bf16 inputs).
 #[allow(clippy::too_many_arguments)]
 pub fn chunk_terms(
