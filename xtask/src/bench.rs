@@ -17,10 +17,13 @@ usage: cargo xtask bench --suite forward|backward|backward-packed|api|scaling|al
 Times KDA programs at the primary shape of docs/kda.md, Benchmarks (H=8 B=1 T=1024 K=V=128) on the PJRT
 CPU plugin: inputs uploaded once (host preparation and compiles excluded), one warm-up run,
 then N timed runs; median, min and max. Memory: the compiler's statistics of each program on
-CPU and, unless --no-aot, from a deviceless compile of the same program text for tpu7x:2x2x1.
+CPU and, unless --no-aot, from a deviceless compile of the same program text for tpu7x:2x2x1
+(peak memory, static cycles from libtpu's bundle listings, cost-analysis flops).
 
 suites:
-  forward          forward only (no residuals kept), fixed and packed (segments 200,311,77,436)
+  forward          forward only (no residuals kept), fixed and packed (segments 200,311,77,436):
+                   the XLA program (forward) and the Mosaic kernel's (forward-mosaic: tpu7x
+                   figures of its Mosaic lowering, CPU times of its interpret lowering)
   backward         forward+VJP, fixed: variants baseline, fused-saved-state, fused-remat
   backward-packed  the same with the four packed segments
   scaling          the fused saved-state forward+VJP at the primary width (H=8, K=V=128; the
