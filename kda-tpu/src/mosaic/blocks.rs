@@ -341,7 +341,8 @@ pub fn chunk_terms(
             (rows(b, exponents, 3 + HALVES.len())?, rows(b, levels, 2 * (1 + HALVES.len()))?)
         }
     };
-    // One product per exponent array: each used as it comes, nothing through VMEM.
+    // One product per exponent array, each used as it comes (only `G` is stored, for its last
+    // row: the chunk's total).
     let sums = masks.iter().map(|m| mask_sum(b, m, g, data, g_passes)).collect::<Result<Vec<_>>>()?;
     let (gc, gs, mid) = (&sums[0], &sums[1], &sums[2]);
     b.store_all(scratch.sums, gc)?;
