@@ -533,6 +533,7 @@ mod context_parallel {
 /// saved-state backward reads the kernel's per-chunk states.
 mod interpret {
     use kda_core::{BackwardStrategy, DType, HostTensor, KdaInputs, KdaOutputs, Layout};
+    use kda_testkit::cases::CaseSegments;
     use kda_testkit::conformance::{backward, forward, Path};
     use kda_testkit::{Case, CaseGate};
     use kda_tpu::{Implementation, PjrtBackend};
@@ -595,8 +596,7 @@ mod interpret {
 
     /// The case's inputs with the tokens `pick` selects drawn again (another seed's values),
     /// and the forward's outputs of both.
-    fn forward_twice(name: &str, pick: &dyn Fn(usize, usize) -> bool) -> (Case, [KdaOutputs; 2]) {
-        let case = kda_testkit::cases::case(name).expect("case");
+    fn forward_twice(case: Case, pick: &dyn Fn(usize, usize) -> bool) -> (Case, [KdaOutputs; 2]) {
         let a = kda_testkit::case_data(&case, F32).expect("inputs").inputs;
         let other = kda_testkit::case_data(&Case { name: "another_draw", ..case.clone() }, F32)
             .expect("inputs")
@@ -625,19 +625,33 @@ mod interpret {
     /// 0..70 of every row bitwise equal, and changes later ones.
     #[test]
     fn the_kernel_forward_is_bitwise_causal() {
-        let (case, [a, b]) = forward_twice("fixed_batch_first_b2", &|_, t| t >= 70);
+        let case = kda_testkit::cases::case("fixed_batch_first_b2").expect("case");
+        let (case, [a, b]) = forward_twice(case, &|_, t| t >= 70);
         let early = |_: usize, t: usize| t < 70;
         assert_eq!(tokens(&a.o, &case, &early), tokens(&b.o, &case, &early), "outputs before token 70");
         let late = |_: usize, t: usize| t >= 70;
         assert_ne!(tokens(&a.o, &case, &late), tokens(&b.o, &case, &late));
     }
 
-    /// Changing the tokens of one segment (row 0's second, tokens 30..100) leaves every other
-    /// token's output and every other segment's final state bitwise equal.
-    #[test]
-    fn the_kernel_forward_isolates_segments() {
-        let inside = |r: usize, t: usize| r == 0 && (30..100).contains(&t);
-        let (case, [a, b]) = forward_twice("packed_rows_differ", &inside);
+    /// Packed segments the kernel reads in place (rows of 96 tokens: whole 64-token blocks):
+    /// row 0 of segments of 30, 40 and 26 tokens, row 1 of 50, 0 and 46.
+    fn packed_in_place(layout: Layout, k: usize, v: usize) -> Case {
+        Case {
+            layout,
+            segments: CaseSegments::Lengths(vec![vec![30, 40, 26], vec![50, 0, 46]]),
+            ..Case::base("kernel_packed_in_place", 2, 2, 96, k, v)
+        }
+    }
+
+    /// Changing the tokens of one segment (row 0's second, tokens `30 .. end`) leaves every
+    /// other token's output and every other segment's final state bitwise equal: through lanes
+    /// (`packed_rows_differ`) and read in place.
+    #[rstest]
+    #[case::through_lanes(kda_testkit::cases::case("packed_rows_differ").expect("case"), 100)]
+    #[case::in_place(packed_in_place(Layout::HeadFirst, 16, 24), 70)]
+    fn the_kernel_forward_isolates_segments(#[case] case: Case, #[case] end: usize) {
+        let inside = |r: usize, t: usize| r == 0 && (30..end).contains(&t);
+        let (case, [a, b]) = forward_twice(case, &inside);
         let outside = |r: usize, t: usize| !inside(r, t);
         assert_eq!(
             tokens(&a.o, &case, &outside),
@@ -658,13 +672,16 @@ mod interpret {
         }
     }
 
-    /// Fixed-length rows of whole chunks, which the kernel reads in place (head-first, and
-    /// batch-first with 128-lane heads) and whose gate and L2 norm it applies itself.
+    /// Fixed-length rows of whole chunks and packed rows of whole 64-token blocks, which the
+    /// kernel reads in place (head-first, and batch-first with 128-lane heads) and whose gate
+    /// and L2 norm it applies itself.
     #[rstest]
     #[case::head_first_softplus_f32(Case { gate: CaseGate::Softplus, ..Case::base("kernel_in_place_softplus", 2, 2, 128, 16, 24) }, F32)]
     #[case::head_first_lower_bound_l2norm_bf16(Case { gate: CaseGate::LowerBound(-5.0), l2norm: true, ..Case::base("kernel_in_place_lower_bound", 2, 1, 192, 32, 32) }, BF16)]
     #[case::batch_first_lower_bound_l2norm_f32(Case { gate: CaseGate::LowerBound(-5.0), l2norm: true, layout: Layout::BatchFirst, ..Case::base("kernel_in_place_batch_first", 2, 2, 128, 128, 128) }, F32)]
     #[case::batch_first_preactivated_bf16(Case { layout: Layout::BatchFirst, ..Case::base("kernel_in_place_batch_first_pre", 2, 1, 128, 128, 128) }, BF16)]
+    #[case::packed_head_first_softplus_f32(Case { gate: CaseGate::Softplus, ..packed_in_place(Layout::HeadFirst, 16, 24) }, F32)]
+    #[case::packed_batch_first_lower_bound_l2norm_bf16(Case { gate: CaseGate::LowerBound(-5.0), l2norm: true, ..packed_in_place(Layout::BatchFirst, 128, 128) }, BF16)]
     fn in_place_forward_meets_the_reference(#[case] case: Case, #[case] dtype: DType) {
         run(kda_testkit::conformance::forward_case(&backend(), &case, dtype));
     }

@@ -282,6 +282,92 @@ fn scalar_prefetch() -> Result<Case> {
     Ok(Case { kernel, inputs, want: vec![want], tol: 0.0 })
 }
 
+/// Value slices and concatenations: `[x[64.., ..128]; x[..64, 128..]]` along rows and
+/// `[x[..64, ..128] | x[64.., 128..]]` along lanes, of `x` `[128, 256]`.
+fn slice_concat() -> Result<Case> {
+    let x = rand_vec(128 * 256, 14, -1.0, 1.0);
+    let kernel = whole_kernel(
+        "slice_concat",
+        &[t(DType::F32, &[128, 256])],
+        &[t(DType::F32, &[128, 128]), t(DType::F32, &[64, 256])],
+        |b| {
+            let x = b.load_all(Ref::Input(0))?;
+            let part = |b: &mut kda_tpu::mosaic::Body, r: i64, c: i64| b.slice(&x, &[r, c], &[64, 128]);
+            let (a, d) = (part(b, 64, 0)?, part(b, 0, 128)?);
+            let rows = b.concat(&[a, d], 0)?;
+            b.store_all(Ref::Output(0), &rows)?;
+            let (a, d) = (part(b, 0, 0)?, part(b, 64, 128)?);
+            let lanes = b.concat(&[a, d], 1)?;
+            b.store_all(Ref::Output(1), &lanes)
+        },
+    )?;
+    let at = |r: usize, c: usize| x[r * 256 + c];
+    let rows = (0..128 * 128).map(|i| (i / 128, i % 128)).map(|(r, c)| {
+        if r < 64 {
+            at(r + 64, c)
+        } else {
+            at(r - 64, c + 128)
+        }
+    });
+    let lanes = (0..64 * 256)
+        .map(|i| (i / 256, i % 256))
+        .map(|(r, c)| if c < 128 { at(r, c) } else { at(r + 64, c) });
+    Ok(Case {
+        kernel,
+        inputs: vec![In::F32(x.clone(), vec![128, 256])],
+        want: vec![rows.collect(), lanes.collect()],
+        tol: 0.0,
+    })
+}
+
+/// The packed forward's window read: step `i` stores the aligned 64-row blocks `lo[i]` and
+/// `lo[i] + 1` of `x` into scratch and loads 64 rows from the unaligned run-time row `off[i]`.
+fn unaligned_window() -> Result<Case> {
+    let (lo, off): (Vec<i32>, Vec<i32>) = (vec![0, 2, 1], vec![13, 63, 1]);
+    let table: Vec<i32> = lo.iter().chain(&off).copied().collect();
+    let x = rand_vec(256 * 128, 15, -1.0, 1.0);
+    let block = |shift: i64| {
+        Operand::blocked(
+            "x",
+            t(DType::F32, &[256, 128]),
+            &[64, 128],
+            vec![Index::table(0, Index::Grid(0)) + Index::Const(shift), Index::Const(0)],
+        )
+    };
+    let kernel = KernelBuilder::new("unaligned_window")
+        .grid(3, Semantics::Arbitrary)
+        .table("tab", 6)
+        .input(block(0))
+        .input(block(1))
+        .output(Operand::blocked(
+            "o",
+            t(DType::F32, &[192, 128]),
+            &[64, 128],
+            vec![Index::Grid(0), Index::Const(0)],
+        ))
+        .scratch("window", t(DType::F32, &[128, 128]))
+        .build(|b| {
+            for half in 0..2 {
+                let x = b.load_all(Ref::Input(half))?;
+                b.store(Ref::Scratch(0), &[Offset::Const(64 * half as i64), Offset::Const(0)], &x)?;
+            }
+            let i = b.program_id(0)?;
+            let three = b.index(3)?;
+            let at = b.index_op(Binary::Add, &i, &three)?;
+            let off = b.read_table(0, &at)?;
+            let w = b.load(Ref::Scratch(0), &[Offset::Dyn(off, 1), Offset::Const(0)], &[64, 128])?;
+            b.store_all(Ref::Output(0), &w)
+        })?;
+    let mut want = vec![0f32; 192 * 128];
+    for i in 0..3 {
+        let start = (lo[i] * 64 + off[i]) as usize;
+        want[i * 64 * 128..(i + 1) * 64 * 128].copy_from_slice(&x[start * 128..(start + 64) * 128]);
+    }
+    let inputs =
+        vec![In::I32(table, vec![6]), In::F32(x.clone(), vec![256, 128]), In::F32(x, vec![256, 128])];
+    Ok(Case { kernel, inputs, want: vec![want], tol: 0.0 })
+}
+
 fn scratch_state() -> Result<Case> {
     // Per head h: S = sum over 8 chunks c of k[h, c]^T v[h, c], carried in VMEM scratch over the
     // arbitrary chunk axis, reset at c = 0 and written at the last chunk.
@@ -484,6 +570,8 @@ fn case(name: &str) -> Case {
         "blocked_grid" => blocked_grid(),
         "scalar_prefetch" => scalar_prefetch(),
         "scratch_state" => scratch_state(),
+        "slice_concat" => slice_concat(),
+        "unaligned_window" => unaligned_window(),
         "for_loop" => for_loop(),
         "unit_lower_inverse" => unit_lower_inverse(),
         "chunk_terms" => chunk_terms(),
@@ -505,6 +593,8 @@ fn case(name: &str) -> Case {
 #[case::blocked_grid("blocked_grid")]
 #[case::scalar_prefetch("scalar_prefetch")]
 #[case::scratch_state("scratch_state")]
+#[case::slice_concat("slice_concat")]
+#[case::unaligned_window("unaligned_window")]
 #[case::for_loop("for_loop")]
 #[case::unit_lower_inverse("unit_lower_inverse")]
 #[case::chunk_terms("chunk_terms")]

@@ -1,12 +1,13 @@
 //! The forward program around the Mosaic forward kernel ([`crate::mosaic::forward`]): the same
 //! signature as the XLA forward, so the backend, the compile cache and the backward read it
 //! unchanged. The kernel reads the caller's tensors as they are (fixed-length rows of whole
-//! chunks, [`Tokens::HeadFirst`] and [`Tokens::BatchFirst`]) and applies the L2 norm, the gate
-//! and its floor itself, so nothing of the size of the inputs is made before it; otherwise XLA
-//! makes lanes first (a transpose, the padding of T to whole chunks, or the gather of packed
-//! segments into chunk-aligned work, in the inputs' own dtypes). After the kernel: `o` in the
-//! caller's layout (in place, or back from lanes) and the final states of segments that hold
-//! no chunk (their initial states).
+//! chunks, [`Tokens::HeadFirst`] and [`Tokens::BatchFirst`]; packed rows of whole 64-token
+//! blocks through windows, [`Tokens::PackedHeadFirst`] and [`Tokens::PackedBatchFirst`]) and
+//! applies the L2 norm, the gate and its floor itself, so nothing of the size of the inputs is
+//! made before it; otherwise XLA makes lanes first (a transpose, the padding of T to whole
+//! chunks, or the gather of packed segments into chunk-aligned work, in the inputs' own
+//! dtypes). After the kernel: `o` in the caller's layout (in place, or back from lanes) and the
+//! final states of segments that hold no chunk (their initial states).
 
 use super::ops::{i32t, splat};
 use super::prep;
@@ -63,12 +64,19 @@ fn ended(b: &mut FnBuilder, s: &KernelSpec, last: Value, slot: Value) -> Result<
 }
 
 /// How the kernel reads the caller's tokens: in place when rows have a fixed length of whole
-/// chunks (batch-first only when each head's K and V lanes are whole 128-lane tiles, or H = 1),
-/// else through lanes that XLA makes (padded to whole chunks, or packed segments gathered).
+/// chunks, or are packed into whole 64-token blocks (batch-first only when each head's K and V
+/// lanes are whole 128-lane tiles, or H = 1), else through lanes that XLA makes (padded to whole
+/// chunks).
 fn tokens_of(s: &KernelSpec) -> Tokens {
-    let whole = s.packed_chunks.is_none() && s.t.is_multiple_of(CHUNK);
     let tiles = s.h == 1 || (s.k.is_multiple_of(128) && s.v.is_multiple_of(128));
-    match (whole, s.layout) {
+    if s.packed_chunks.is_some() {
+        return match ((s.b * s.t).is_multiple_of(CHUNK), s.layout) {
+            (true, Layout::HeadFirst) => Tokens::PackedHeadFirst,
+            (true, Layout::BatchFirst) if tiles => Tokens::PackedBatchFirst,
+            _ => Tokens::Lanes,
+        };
+    }
+    match (s.t.is_multiple_of(CHUNK), s.layout) {
         (true, Layout::HeadFirst) => Tokens::HeadFirst,
         (true, Layout::BatchFirst) if tiles => Tokens::BatchFirst,
         _ => Tokens::Lanes,
@@ -86,13 +94,43 @@ fn kernel_input(
     let d = *x.dims().last().unwrap_or(&1);
     let (h, bb, t) = (s.h as i64, s.b as i64, s.t as i64);
     match tokens {
-        Tokens::HeadFirst => b.reshape(x, &[h, bb * t, d]),
+        Tokens::HeadFirst | Tokens::PackedHeadFirst => b.reshape(x, &[h, bb * t, d]),
         Tokens::BatchFirst => b.reshape(x, &[bb, t, h * d]),
+        Tokens::PackedBatchFirst => b.reshape(x, &[1, bb * t, h * d]),
         Tokens::Lanes => {
             let x = lanes_first(b, s, x)?;
             kernel_tokens(b, s, x, slot_token)
         }
     }
+}
+
+/// The window tables of a packed kernel ([`crate::mosaic::forward::Window`]) from `slot_token`
+/// (`[NT * 64]`, the packed token of each chunk row, `B * T` on padding rows): `lo hi off len`.
+fn window_tables(b: &mut FnBuilder, s: &KernelSpec, slot_token: Value) -> Result<[Value; 4]> {
+    let (nt, c, p) = (s.chunks() as i64, CHUNK as i64, (s.b * s.t) as i64);
+    let blocks = p / c;
+    let rows = b.reshape(slot_token, &[nt, c])?;
+    let start = b.reduce_min(rows, &[1])?;
+    let pad = b.constant_i32(p as i32, i32t(&[nt, c]))?;
+    let real = b.compare(Cmp::Lt, rows, pad)?;
+    let one = b.constant_i32(1, i32t(&[nt, c]))?;
+    let zero = b.constant_i32(0, i32t(&[nt, c]))?;
+    let real = b.select(real, one, zero)?;
+    let len = b.reduce_sum(real, &[1])?;
+    let scalar = |b: &mut FnBuilder, v: i64| -> Result<Value> {
+        let x = b.constant_i32(v as i32, i32t(&[]))?;
+        b.broadcast_in_dim(x, &[nt], &[])
+    };
+    let (cv, last) = (scalar(b, c)?, scalar(b, blocks - 1)?);
+    let block = b.div(start, cv)?;
+    let lo = b.min(block, last)?;
+    let one = scalar(b, 1)?;
+    let next = b.add(lo, one)?;
+    let hi = b.min(next, last)?;
+    let base = b.mul(lo, cv)?;
+    let off = b.sub(start, base)?;
+    let off = b.min(off, cv)?;
+    Ok([lo, hi, off, len])
 }
 
 /// The kernel's gate parameters `[H, 2, K]`: `exp(a_log)` on every channel, then `dt_bias`.
@@ -119,6 +157,12 @@ pub(super) fn forward_body(
     let x = on_device(s.dtype);
     let tokens = tokens_of(s);
     let mut ops = vec![a.tables.first, a.tables.last, running_max(b, a.tables.slot)?];
+    if tokens.packed() {
+        let slot_token = a.slot_token.ok_or_else(|| {
+            crate::TpuError::builder("mosaic forward", "a packed program without slot_token")
+        })?;
+        ops.extend(window_tables(b, s, slot_token)?);
+    }
     for t in [a.q, a.k, a.v] {
         ops.push(kernel_input(b, s, t, tokens, a.slot_token)?);
     }
@@ -145,6 +189,14 @@ pub(super) fn forward_body(
         Tokens::Lanes => kernel_tokens(b, s, beta, a.slot_token)?,
         _ => b.reshape(beta, &[s.h as i64, (s.b * s.t) as i64, 1])?,
     });
+    // A packed kernel reads every per-token input through a window of two blocks: each operand
+    // twice.
+    if tokens.packed() {
+        let singles = ops.split_off(ops.len() - 5);
+        for x in singles {
+            ops.extend([x, x]);
+        }
+    }
     let gate = match (in_kernel_gate, s.gate) {
         (false, _) | (_, GateKind::Preactivated) => Gate::Preactivated,
         (true, GateKind::Softplus) => Gate::Softplus,
@@ -169,6 +221,7 @@ pub(super) fn forward_body(
         g: g_dtype,
         dtype: x,
         tokens,
+        packed_tokens: (s.b * s.t) as i64,
         l2norm: s.l2norm,
         gate,
         h0: h0.is_some(),
@@ -187,7 +240,7 @@ pub(super) fn forward_body(
         Lowering::Interpret => kernel.call_interpret(b, &ops)?,
     };
     let o = match tokens {
-        Tokens::Lanes => {
+        Tokens::Lanes | Tokens::PackedHeadFirst | Tokens::PackedBatchFirst => {
             let (l, nt) = (s.lanes() as i64, s.chunks() as i64);
             let o = b.reshape(outs[0], &[l, nt, CHUNK as i64, s.v as i64])?;
             let o = prep::from_chunks(b, s, o, a.token_slot)?;

@@ -129,6 +129,10 @@ pub enum Op {
     Transpose { out: V, a: V },
     /// Same elements, other dims.
     Reshape { out: V, a: V },
+    /// The `out.ty.dims` block of `a` from `starts` (static).
+    Slice { out: V, a: V, starts: Vec<i64> },
+    /// `parts` side by side along `dim`.
+    Concat { out: V, parts: Vec<V>, dim: usize },
     /// Runs `then` when the i1 scalar `cond` holds (stores only; no values come out).
     If { cond: V, then: Vec<Op> },
     /// `for i in lo..hi` carrying `init` as `args`; the body's `yields` become `outs`.
@@ -522,6 +526,45 @@ impl Body {
         }
         let out = self.fresh(TensorType::new(a.ty.elem, dims));
         self.push(Op::Reshape { out: out.clone(), a: a.clone() });
+        Ok(out)
+    }
+
+    /// The `dims` block of vector `a` from `starts` (a value's part, no memory access; free when
+    /// the block starts on a vreg tile).
+    pub fn slice(&mut self, a: &V, starts: &[i64], dims: &[i64]) -> Result<V> {
+        self.uses("slice", &[a])?;
+        let fits = !a.ty.dims.is_empty()
+            && starts.len() == a.ty.dims.len()
+            && dims.len() == a.ty.dims.len()
+            && positive(dims)
+            && starts.iter().zip(dims).zip(&a.ty.dims).all(|((&s, &d), &full)| s >= 0 && s + d <= full);
+        if !fits {
+            return Err(err("slice", format!("{dims:?} from {starts:?} of {}", fmt_ty(&a.ty))));
+        }
+        let out = self.fresh(TensorType::new(a.ty.elem, dims));
+        self.push(Op::Slice { out: out.clone(), a: a.clone(), starts: starts.to_vec() });
+        Ok(out)
+    }
+
+    /// `parts` (one element type and rank, equal dims but along `dim`) side by side along `dim`.
+    pub fn concat(&mut self, parts: &[V], dim: usize) -> Result<V> {
+        let refs: Vec<&V> = parts.iter().collect();
+        self.uses("concat", &refs)?;
+        let first = parts.first().ok_or_else(|| err("concat", "one part or more"))?;
+        let rank = first.ty.dims.len();
+        let same = parts.iter().all(|p| {
+            p.ty.elem == first.ty.elem
+                && p.ty.dims.len() == rank
+                && p.ty.dims.iter().zip(&first.ty.dims).enumerate().all(|(i, (a, b))| i == dim || a == b)
+        });
+        if rank == 0 || dim >= rank || !same {
+            let tys: Vec<String> = parts.iter().map(|p| fmt_ty(&p.ty)).collect();
+            return Err(err("concat", format!("[{}] along {dim}", tys.join(", "))));
+        }
+        let mut dims = first.ty.dims.clone();
+        dims[dim] = parts.iter().map(|p| p.ty.dims[dim]).sum();
+        let out = self.fresh(TensorType::new(first.ty.elem, &dims));
+        self.push(Op::Concat { out: out.clone(), parts: parts.to_vec(), dim });
         Ok(out)
     }
 

@@ -38,6 +38,40 @@ pub enum Tokens {
     /// `[R, T, H * D]`: the caller's batch-first `[B, T, H, D]`, read in place (each block a
     /// head's `D` lanes, so D a multiple of 128, or H = 1).
     BatchFirst,
+    /// Packed segments read in place from the caller's head-first tensors `[H, P, D]` (`P`
+    /// packed tokens, a multiple of 64; one row of chunks): chunk `c` holds the `len[c]` tokens
+    /// from `start[c]`, read through the two aligned 64-token blocks around them ([`Window`]);
+    /// `o` comes out as [`Tokens::Lanes`].
+    PackedHeadFirst,
+    /// As [`Tokens::PackedHeadFirst`] from batch-first tensors `[1, P, H * D]` (D a multiple of
+    /// 128, or H = 1).
+    PackedBatchFirst,
+}
+
+impl Tokens {
+    /// Whether the kernel reads packed tokens in place through the window tables.
+    pub fn packed(self) -> bool {
+        matches!(self, Tokens::PackedHeadFirst | Tokens::PackedBatchFirst)
+    }
+}
+
+/// The scalar-prefetch tables after `first`, `last`, `slot` with which a packed kernel
+/// ([`Tokens::packed`]) finds chunk `c`'s tokens `start[c] .. start[c] + len[c]` in place: the
+/// block indices `lo[c]` (of the block holding `start[c]`) and `hi[c]` (the next one, clamped
+/// to the last block), `off[c] = start[c] - 64 lo[c]` and `len[c]`; rows from `len[c]` on are
+/// read as zeros.
+#[derive(Clone, Copy, Debug)]
+pub struct Window;
+
+impl Window {
+    /// Table indices of `lo`, `hi`, `off` and `len`.
+    pub const LO: usize = 3;
+    /// See [`Window::LO`].
+    pub const HI: usize = 4;
+    /// See [`Window::LO`].
+    pub const OFF: usize = 5;
+    /// See [`Window::LO`].
+    pub const LEN: usize = 6;
 }
 
 /// The gate the kernel applies to `g` (docs/kda.md, Tensors), then the floor at -30 (the XLA
@@ -81,6 +115,8 @@ pub struct ForwardDims {
     pub dtype: DType,
     /// How `q k v g o` hold their tokens.
     pub tokens: Tokens,
+    /// Packed tokens `P` of [`Tokens::packed`] operands (a multiple of 64; else unused).
+    pub packed_tokens: i64,
     /// Whether the kernel L2-normalises q and k over K.
     pub l2norm: bool,
     /// The gate applied to `g`.
@@ -123,15 +159,18 @@ impl ForwardDims {
 /// The largest key or value width of the kernel (docs/kda.md, Shapes).
 pub const MAX_WIDTH: i64 = 256;
 
-/// The type, block and block indices of a per-token operand of width `w`, for the grid
-/// (heads, rows, chunks).
-fn token_operand(name: &str, d: &ForwardDims, dtype: DType, w: i64) -> Operand {
-    let (h, r, nt) = (d.heads, d.rows, d.chunks);
+/// The type, block and block indices of a per-token operand of width `w` held as `tokens`, for
+/// the grid (heads, rows, chunks): packed operands are read through window `table` (the block
+/// index table [`Window::LO`] or [`Window::HI`]) of `packed` tokens.
+fn token_operand(name: &str, d: &ForwardDims, tokens: Tokens, dtype: DType, w: i64, table: usize) -> Operand {
+    let (h, r, nt, p) = (d.heads, d.rows, d.chunks, d.packed_tokens);
     let (g0, g1, g2) = (Index::Grid(0), Index::Grid(1), Index::Grid(2));
-    let (dims, map) = match d.tokens {
+    let (dims, map) = match tokens {
         Tokens::Lanes => ([h * r, nt * C, w], vec![g0 * r + g1, g2, Index::Const(0)]),
         Tokens::HeadFirst => ([h, r * nt * C, w], vec![g0, g1 * nt + g2, Index::Const(0)]),
         Tokens::BatchFirst => ([r, nt * C, h * w], vec![g1, g2, g0]),
+        Tokens::PackedHeadFirst => ([h, p, w], vec![g0, Index::table(table, g2), Index::Const(0)]),
+        Tokens::PackedBatchFirst => ([1, p, h * w], vec![Index::Const(0), Index::table(table, g2), g0]),
     };
     Operand::blocked(name, TensorType::new(dtype, &dims), &[1, C, w], map)
 }
@@ -173,19 +212,23 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
     let states = (l * k * v) as f64
         * 4.0
         * (d.slots * (i64::from(d.h0) + i64::from(d.ht)) + nt * i64::from(d.states)) as f64;
-    let bytes = (l * t) as f64
-        * (2.0 * kf * bytes_of(d.qk) + (2.0 * vf + 1.0) * bytes_of(x) + kf * bytes_of(d.g))
-        + states;
-    let beta = match d.tokens {
-        Tokens::Lanes => {
-            Operand::blocked("beta", ty(x, &[l, t, 1]), &[1, C, 1], vec![lane(), g2.clone(), Index::Const(0)])
-        }
-        _ => Operand::blocked(
-            "beta",
-            ty(x, &[d.heads, d.rows * t, 1]),
-            &[1, C, 1],
-            vec![g0.clone(), g1.clone() * nt + g2.clone(), Index::Const(0)],
-        ),
+    let packed = d.tokens.packed();
+    if packed && (d.rows != 1 || d.packed_tokens < C || d.packed_tokens % C != 0) {
+        return Err(TpuError::unsupported(
+            "mosaic forward",
+            format!("packed tokens read in place in one row of whole 64-token blocks ({d:?})"),
+        ));
+    }
+    // Packed windows read every block twice (as a chunk's upper, then the next one's lower block).
+    let reads = if packed { 2.0 } else { 1.0 };
+    let bytes =
+        (l * t) as f64 * reads * (2.0 * kf * bytes_of(d.qk) + (vf + 1.0) * bytes_of(x) + kf * bytes_of(d.g))
+            + (l * t) as f64 * vf * bytes_of(x)
+            + states;
+    let beta_tokens = match d.tokens {
+        Tokens::Lanes => Tokens::Lanes,
+        Tokens::PackedHeadFirst | Tokens::PackedBatchFirst => Tokens::PackedHeadFirst,
+        _ => Tokens::HeadFirst,
     };
     let gated = d.gate != Gate::Preactivated;
     let mut kb = KernelBuilder::new("kda_forward")
@@ -194,24 +237,33 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
         .grid(nt, Semantics::Arbitrary)
         .table("first", nt)
         .table("last", nt)
-        .table("slot", nt)
-        .input(token_operand("q", &d, d.qk, k))
-        .input(token_operand("k", &d, d.qk, k))
-        .input(token_operand("v", &d, x, v))
-        .input(token_operand("g", &d, d.g, k))
-        .input(beta);
+        .table("slot", nt);
+    if packed {
+        kb = kb.table("lo", nt).table("hi", nt).table("off", nt).table("len", nt);
+    }
+    // q k v g beta: one operand each, or a packed window's two blocks each.
+    let windows: &[usize] = if packed { &[Window::LO, Window::HI] } else { &[0] };
+    let token_inputs =
+        [("q", d.tokens, d.qk, k), ("k", d.tokens, d.qk, k), ("v", d.tokens, x, v), ("g", d.tokens, d.g, k)];
+    for (name, tokens, dtype, w) in token_inputs.into_iter().chain([("beta", beta_tokens, x, 1)]) {
+        for &table in windows {
+            kb = kb.input(token_operand(name, &d, tokens, dtype, w, table));
+        }
+    }
+    let per_token = 5 * windows.len();
     if gated {
         let at = vec![g0.clone(), Index::Const(0), Index::Const(0)];
         kb = kb.input(Operand::blocked("gate", ty(DType::F32, &[d.heads, 2, k]), &[1, 2, k], at));
     }
-    let h0_input = 5 + usize::from(gated);
+    let h0_input = per_token + usize::from(gated);
     if d.h0 {
         kb = kb.input(Operand::blocked("h0", ty(DType::F32, &[l, d.slots, k, v]), &[1, 1, k, v], slot()));
     }
     let masks_input = h0_input + usize::from(d.h0);
     kb = kb.input(Operand::whole("exponent_masks", ty(d.mask_dtype(), &[EXPONENT_ROWS, C])));
     kb = kb.input(Operand::whole("level_masks", ty(DType::F32, &[LEVEL_ROWS, C])));
-    kb = kb.output(token_operand("o", &d, x, v));
+    let o_tokens = if packed { Tokens::Lanes } else { d.tokens };
+    kb = kb.output(token_operand("o", &d, o_tokens, x, v, 0));
     if d.ht {
         kb = kb.output(Operand::blocked("ht", ty(DType::F32, &[l, d.slots, k, v]), &[1, 1, k, v], slot()));
     }
@@ -226,79 +278,125 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
         + if d.l2norm { 2.0 * (l * t) as f64 } else { 0.0 };
     // A pre-activated bf16 g is bf16 after the floor: one pass sums it exactly.
     let g_passes = if d.g == DType::BF16 && !gated { 1 } else { 2 };
-    kb.scratch("state", ty(DType::F32, &[k, v]))
-        .scratch("sums", ty(DType::F32, &[C, k]))
-        .cost(Cost { flops, transcendentals, bytes })
-        .build(|b| {
-            let c = b.program_id(2)?;
-            let zero = b.index(0)?;
-            let first = b.read_table(0, &c)?;
-            let at_first = b.compare(Cmp::Ne, &first, &zero)?;
-            b.when(&at_first, |b| {
-                let h0 = if d.h0 {
-                    let h0 = b.load_all(Ref::Input(h0_input))?;
-                    b.reshape(&h0, &[k, v])?
-                } else {
-                    b.splat(0.0, DType::F32, &[k, v])?
-                };
-                b.store_all(Ref::Scratch(0), &h0)
-            })?;
-            let f32_2d = |b: &mut Body, i: usize, w: i64| {
-                let x = b.load_all(Ref::Input(i))?;
+    kb = kb.scratch("state", ty(DType::F32, &[k, v])).scratch("sums", ty(DType::F32, &[C, k]));
+    // A packed window's two blocks side by side, per per-token input, in f32 (scratch 2 to 6).
+    if packed {
+        for (name, w) in
+            [("q_window", k), ("k_window", k), ("v_window", v), ("g_window", k), ("beta_window", 1)]
+        {
+            kb = kb.scratch(name, ty(DType::F32, &[2 * C, w]));
+        }
+    }
+    kb.cost(Cost { flops, transcendentals, bytes }).build(|b| {
+        let c = b.program_id(2)?;
+        let zero = b.index(0)?;
+        let first = b.read_table(0, &c)?;
+        let at_first = b.compare(Cmp::Ne, &first, &zero)?;
+        b.when(&at_first, |b| {
+            let h0 = if d.h0 {
+                let h0 = b.load_all(Ref::Input(h0_input))?;
+                b.reshape(&h0, &[k, v])?
+            } else {
+                b.splat(0.0, DType::F32, &[k, v])?
+            };
+            b.store_all(Ref::Scratch(0), &h0)
+        })?;
+        // Input `i` (of the five per-token inputs) as f32 [64, w]: its block, or the rows
+        // `off .. off + 64` of its window's two blocks.
+        let window = if packed {
+            let off = b.read_table(Window::OFF, &c)?;
+            let len = b.read_table(Window::LEN, &c)?;
+            Some((off, len))
+        } else {
+            None
+        };
+        let f32_2d = |b: &mut Body, i: usize, w: i64| {
+            let block = |b: &mut Body, at: usize| {
+                let x = b.load_all(Ref::Input(at))?;
                 let x = if x.ty.elem == DType::F32 { x } else { b.cast(&x, DType::F32)? };
                 b.reshape(&x, &[C, w])
             };
-            let (mut q, mut kk, vv, g, beta) =
-                (f32_2d(b, 0, k)?, f32_2d(b, 1, k)?, f32_2d(b, 2, v)?, f32_2d(b, 3, k)?, f32_2d(b, 4, 1)?);
-            if d.l2norm {
-                q = l2_normalise(b, &q)?;
-                kk = l2_normalise(b, &kk)?;
+            match &window {
+                None => block(b, i),
+                Some((off, _)) => {
+                    let buf = Ref::Scratch(2 + i);
+                    for half in 0..2 {
+                        let x = block(b, 2 * i + half)?;
+                        b.store(buf, &[Offset::Const(half as i64 * C), Offset::Const(0)], &x)?;
+                    }
+                    b.load(buf, &[Offset::Dyn(off.clone(), 1), Offset::Const(0)], &[C, w])
+                }
             }
-            let g = activate(b, &g, d.gate, 5)?;
-            let scratch = TermScratch {
-                masks: TermMasks::Input {
-                    exponents: Ref::Input(masks_input),
-                    levels: Ref::Input(masks_input + 1),
-                },
-                sums: Ref::Scratch(1),
-            };
-            let terms = chunk_terms(b, &q, &kk, &g, &beta, scale, scratch, p, g_passes)?;
-            let a = unit_lower_inverse(b, &terms.l, p, Some(&terms.inverse_masks))?;
-            let bv = b.broadcast(&beta, &[C, v])?;
-            let bv = b.binary(Binary::Mul, &vv, &bv)?;
-            let u = b.matmul(&a, &bv, (1, 0), p)?;
-            let w = b.matmul(&a, &terms.kbg, (1, 0), p)?;
-            let s = b.load_all(Ref::Scratch(0))?;
-            if d.states {
-                let h = b.reshape(&s, &[1, 1, k, v])?;
-                b.store_all(out_h, &h)?;
+        };
+        // `x` with the rows from a packed chunk's `len` on zero.
+        let keep = |b: &mut Body, x: &V| -> Result<V> {
+            match &window {
+                None => Ok(x.clone()),
+                Some((_, len)) => {
+                    let rows = b.iota(&x.ty.dims, 0)?;
+                    let len = b.broadcast(len, &x.ty.dims)?;
+                    let inside = b.compare(Cmp::Lt, &rows, &len)?;
+                    let zero = b.splat(0.0, DType::F32, &x.ty.dims)?;
+                    b.select(&inside, x, &zero)
+                }
             }
-            let ws = b.matmul(&w, &s, (1, 0), p)?;
-            let v_new = b.binary(Binary::Sub, &u, &ws)?;
-            let inter = b.matmul(&terms.qg, &s, (1, 0), p)?;
-            let sc = b.splat(scale, DType::F32, &[C, v])?;
-            let inter = b.binary(Binary::Mul, &inter, &sc)?;
-            let intra = b.matmul(&terms.aqk, &v_new, (1, 0), p)?;
-            let o = b.binary(Binary::Add, &inter, &intra)?;
-            let o = if x == DType::F32 { o } else { b.cast(&o, x)? };
-            let o = b.reshape(&o, &[1, C, v])?;
-            b.store_all(Ref::Output(0), &o)?;
-            let decay = b.reshape(&terms.eg_last, &[k, 1])?;
-            let decay = b.broadcast(&decay, &[k, v])?;
-            let kept = b.binary(Binary::Mul, &s, &decay)?;
-            let add = b.matmul(&terms.kg, &v_new, (0, 0), p)?;
-            let s_next = b.binary(Binary::Add, &kept, &add)?;
-            b.store_all(Ref::Scratch(0), &s_next)?;
-            if d.ht {
-                let last = b.read_table(1, &c)?;
-                let at_last = b.compare(Cmp::Ne, &last, &zero)?;
-                b.when(&at_last, |b| {
-                    let ht = b.reshape(&s_next, &[1, 1, k, v])?;
-                    b.store_all(out_ht, &ht)
-                })?;
-            }
-            Ok(())
-        })
+        };
+        let (mut q, mut kk, vv, g, beta) =
+            (f32_2d(b, 0, k)?, f32_2d(b, 1, k)?, f32_2d(b, 2, v)?, f32_2d(b, 3, k)?, f32_2d(b, 4, 1)?);
+        if d.l2norm {
+            q = l2_normalise(b, &q)?;
+            kk = l2_normalise(b, &kk)?;
+        }
+        // Rows past a packed chunk's tokens: k, v, beta and the activated g zero (no part in
+        // the state, a decay of 1); q as read (each row of q reaches only its own row of
+        // `o`, and those rows are dropped).
+        let (kk, vv, beta) = (keep(b, &kk)?, keep(b, &vv)?, keep(b, &beta)?);
+        let g = activate(b, &g, d.gate, per_token)?;
+        let g = keep(b, &g)?;
+        let scratch = TermScratch {
+            masks: TermMasks::Input {
+                exponents: Ref::Input(masks_input),
+                levels: Ref::Input(masks_input + 1),
+            },
+            sums: Ref::Scratch(1),
+        };
+        let terms = chunk_terms(b, &q, &kk, &g, &beta, scale, scratch, p, g_passes)?;
+        let a = unit_lower_inverse(b, &terms.l, p, Some(&terms.inverse_masks))?;
+        let bv = b.broadcast(&beta, &[C, v])?;
+        let bv = b.binary(Binary::Mul, &vv, &bv)?;
+        let u = b.matmul(&a, &bv, (1, 0), p)?;
+        let w = b.matmul(&a, &terms.kbg, (1, 0), p)?;
+        let s = b.load_all(Ref::Scratch(0))?;
+        if d.states {
+            let h = b.reshape(&s, &[1, 1, k, v])?;
+            b.store_all(out_h, &h)?;
+        }
+        let ws = b.matmul(&w, &s, (1, 0), p)?;
+        let v_new = b.binary(Binary::Sub, &u, &ws)?;
+        let inter = b.matmul(&terms.qg, &s, (1, 0), p)?;
+        let sc = b.splat(scale, DType::F32, &[C, v])?;
+        let inter = b.binary(Binary::Mul, &inter, &sc)?;
+        let intra = b.matmul(&terms.aqk, &v_new, (1, 0), p)?;
+        let o = b.binary(Binary::Add, &inter, &intra)?;
+        let o = if x == DType::F32 { o } else { b.cast(&o, x)? };
+        let o = b.reshape(&o, &[1, C, v])?;
+        b.store_all(Ref::Output(0), &o)?;
+        let decay = b.reshape(&terms.eg_last, &[k, 1])?;
+        let decay = b.broadcast(&decay, &[k, v])?;
+        let kept = b.binary(Binary::Mul, &s, &decay)?;
+        let add = b.matmul(&terms.kg, &v_new, (0, 0), p)?;
+        let s_next = b.binary(Binary::Add, &kept, &add)?;
+        b.store_all(Ref::Scratch(0), &s_next)?;
+        if d.ht {
+            let last = b.read_table(1, &c)?;
+            let at_last = b.compare(Cmp::Ne, &last, &zero)?;
+            b.when(&at_last, |b| {
+                let ht = b.reshape(&s_next, &[1, 1, k, v])?;
+                b.store_all(out_ht, &ht)
+            })?;
+        }
+        Ok(())
+    })
 }
 
 /// `x * rsqrt(sum(x^2) + eps)` over the rows of `x` `[64, K]` (the XLA programs' L2 norm).

@@ -246,6 +246,16 @@ impl Step<'_> {
                 let x = get(vals, a)?;
                 (out, b.reshape(x, &out.ty.dims)?)
             }
+            Op::Slice { out, a, starts } => {
+                let x = get(vals, a)?;
+                let limits: Vec<i64> = starts.iter().zip(&out.ty.dims).map(|(s, d)| s + d).collect();
+                let strides = vec![1; starts.len()];
+                (out, b.slice(x, starts, &limits, &strides)?)
+            }
+            Op::Concat { out, parts, dim } => {
+                let xs = parts.iter().map(|p| get(vals, p)).collect::<Result<Vec<_>>>()?;
+                (out, b.concatenate(&xs, *dim)?)
+            }
             Op::If { cond, then } => {
                 let c = get(vals, cond)?;
                 let mut inner_vals = vals.clone();

@@ -275,6 +275,31 @@ impl<'k> Emitter<'k> {
                 ));
             }
             Op::Reshape { out, a } => self.conversion("vector.shape_cast", out, a)?,
+            Op::Slice { out, a, starts } => {
+                let an = self.name(a)?;
+                let n = self.def(out);
+                let list = |v: &[i64]| v.iter().map(i64::to_string).collect::<Vec<_>>().join(", ");
+                let ones = vec![1; starts.len()];
+                self.line(&format!(
+                    "{n} = \"vector.extract_strided_slice\"({an}) {{offsets = [{}], sizes = [{}], strides = [{}]}} : ({}) -> {}",
+                    list(starts),
+                    list(&out.ty.dims),
+                    list(&ones),
+                    vty(&a.ty),
+                    vty(&out.ty)
+                ));
+            }
+            Op::Concat { out, parts, dim } => {
+                let names = parts.iter().map(|p| self.name(p)).collect::<Result<Vec<_>>>()?;
+                let tys: Vec<String> = parts.iter().map(|p| vty(&p.ty)).collect();
+                let n = self.def(out);
+                self.line(&format!(
+                    "{n} = tpu.concatenate {} in {dim} : {} -> {}",
+                    names.join(", "),
+                    tys.join(", "),
+                    vty(&out.ty)
+                ));
+            }
             Op::If { cond, then } => {
                 let c = self.name(cond)?;
                 self.line(&format!("scf.if {c} {{"));
