@@ -451,7 +451,7 @@ fn unit_lower_inverse() -> Result<Case> {
         .output(Operand::whole("a", t(DType::F32, &[64, 64])))
         .build(|b| {
             let l = b.load_all(Ref::Input(0))?;
-            let a = kda_tpu::mosaic::blocks::unit_lower_inverse(b, &l, MatPrecision::Highest, None)?;
+            let a = kda_tpu::mosaic::blocks::unit_lower_inverse(b, &l, MatPrecision::Highest)?;
             b.store_all(Ref::Output(0), &a)
         })?;
     // Forward substitution in f64: (I + L) A = I, row by row.

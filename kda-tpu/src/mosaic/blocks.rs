@@ -59,16 +59,24 @@ fn product(b: &mut Body, x: &V, y: &V, p: MatPrecision) -> Result<V> {
 /// `D^-1 = (I + Lb)^-1 = (I - Lb)(I + Lb^2)(I + Lb^4)(I + Lb^8)` (each block nilpotent of
 /// order 16), `M = D^-1 N` (nilpotent of order 4: four block rows) and
 /// `A = (I + M)^-1 D^-1 = (I - M)(I + M^2) D^-1`. Products run at `p` (see [`product`]).
-pub fn unit_lower_inverse(b: &mut Body, l: &V, p: MatPrecision, masks: Option<&InverseMasks>) -> Result<V> {
+pub fn unit_lower_inverse(b: &mut Body, l: &V, p: MatPrecision) -> Result<V> {
     if l.ty.elem != DType::F32 || l.ty.dims != [C, C] {
         return Err(TpuError::builder("mosaic unit_lower_inverse", format!("a 64x64 f32 L, not {:?}", l.ty)));
     }
-    let (i, bd) = match masks {
-        Some(m) => (m.eye.clone(), m.blocks.clone()),
-        None => (eye(b, C)?, block_diagonal(b, C, S)?),
-    };
+    let (i, bd) = (eye(b, C)?, block_diagonal(b, C, S)?);
     let lb = mul(b, l, &bd)?;
     let n = b.binary(Binary::Sub, l, &lb)?;
+    unit_lower_inverse_of_parts(b, &lb, &n, &i, p)
+}
+
+/// [`unit_lower_inverse`] of `L = lb + n` given as its 16x16 diagonal blocks `lb` and the rest
+/// `n` (as [`ChunkTerms`] has them), with the identity `i`.
+pub fn unit_lower_inverse_of_parts(b: &mut Body, lb: &V, n: &V, i: &V, p: MatPrecision) -> Result<V> {
+    let square = |v: &V| v.ty.elem == DType::F32 && v.ty.dims == [C, C];
+    if !square(lb) || !square(n) || !square(i) {
+        return Err(TpuError::builder("mosaic unit_lower_inverse", "64x64 f32 parts and identity"));
+    }
+    let (lb, n, i) = (lb.clone(), n.clone(), i.clone());
     let p2 = product(b, &lb, &lb, p)?;
     let p4 = product(b, &p2, &p2, p)?;
     let p8 = product(b, &p4, &p4, p)?;
@@ -217,14 +225,33 @@ fn mask_sum(b: &mut Body, mask: &V, g: &V, data: MatPrecision, passes: usize) ->
     acc.ok_or_else(|| TpuError::builder("mosaic mask_sum", "one pass or more"))
 }
 
-/// The constant masks [`unit_lower_inverse`] needs, when the caller has them: the identity
-/// and the 0/1 mask of the 16x16 diagonal blocks, `[64, 64]` f32.
-#[derive(Clone, Debug)]
-pub struct InverseMasks {
-    /// The identity.
-    pub eye: V,
-    /// 1 on the 16x16 diagonal blocks (only their strictly lower part is read).
-    pub blocks: V,
+/// The `[64, K]` array of `x_t - x_r` (`plus(t)`) or `x_r - x_t` for the anchor row
+/// `(r, plus) = anchor(t)` of each row `t` of `x` `[64, K]`, built 8 rows (one vreg) at a time:
+/// the anchor rows broadcast, a select where the anchor or the sign changes inside the 8 rows.
+fn anchored(b: &mut Body, x: &V, anchor: impl Fn(i64) -> (i64, bool)) -> Result<V> {
+    let kd = x.ty.dims[1];
+    let mut pieces = Vec::new();
+    let half = {
+        let r = b.iota(&[8, kd], 0)?;
+        let four = b.splat(4.0, DType::I32, &[8, kd])?;
+        b.compare(Cmp::Lt, &r, &four)?
+    };
+    for v in 0..C / 8 {
+        let rows = b.slice(x, &[8 * v, 0], &[8, kd])?;
+        // Each 4-row half has one anchor and one sign.
+        let mut halves = Vec::new();
+        for h in 0..2 {
+            let (r, plus) = anchor(8 * v + 4 * h);
+            let row = b.slice(x, &[r, 0], &[1, kd])?;
+            let row = b.broadcast(&row, &[8, kd])?;
+            let d =
+                if plus { b.binary(Binary::Sub, &rows, &row)? } else { b.binary(Binary::Sub, &row, &rows)? };
+            halves.push((r, plus, d));
+        }
+        let same = halves[0].0 == halves[1].0 && halves[0].1 == halves[1].1;
+        pieces.push(if same { halves[0].2.clone() } else { b.select(&half, &halves[0].2, &halves[1].2)? });
+    }
+    b.concat(&pieces, 0)
 }
 
 /// The chunk-local terms of the chunked forward (docs/kda.md, Chunks) from one chunk's
@@ -245,8 +272,12 @@ pub struct ChunkTerms {
     pub kbg: V,
     /// `e^(G_C)`, the whole chunk's decay, `[1, K]`.
     pub eg_last: V,
-    /// The inverse's masks, from the level masks.
-    pub inverse_masks: InverseMasks,
+    /// `l` on its 16x16 diagonal blocks (pairs within 16 tokens), zero elsewhere.
+    pub l_blocks: V,
+    /// `l` off those blocks: `l = l_blocks + l_rest`.
+    pub l_rest: V,
+    /// The 64x64 identity (from the level masks).
+    pub eye: V,
 }
 
 /// Rows of the stacked exponent masks ([`exponent_masks`]): `[EXPONENT_ROWS, 64]`.
@@ -341,12 +372,38 @@ pub fn chunk_terms(
             (rows(b, exponents, 3 + HALVES.len())?, rows(b, levels, 2 * (1 + HALVES.len()))?)
         }
     };
-    // One product per exponent array, each used as it comes (only `G` is stored, for its last
-    // row: the chunk's total).
-    let sums = masks.iter().map(|m| mask_sum(b, m, g, data, g_passes)).collect::<Result<Vec<_>>>()?;
+    // Full precision: one product per exponent array, each used as it comes (only `G` is
+    // stored, for its last row: the chunk's total). One-pass products (bf16 inputs): `G` alone,
+    // the other arrays differences of its rows ([`anchored`]).
+    let sums = match data {
+        MatPrecision::Highest => {
+            masks.iter().map(|m| mask_sum(b, m, g, data, g_passes)).collect::<Result<Vec<_>>>()?
+        }
+        MatPrecision::Default => {
+            let gc = mask_sum(b, &masks[0], g, data, g_passes)?;
+            let mut sums = vec![gc.clone()];
+            // The suffix, G_63 - G_t; the mid-anchor exponent, G_t - G_a.
+            sums.push(anchored(b, &gc, |_| (C - 1, false))?);
+            sums.push(anchored(b, &gc, |t| (4 * (t / 4) + 1, true))?);
+            // Level B: the sum to t from its B block's start in the second half of its 2B
+            // block, G_t - G_r, else after t to its B block's end, G_r - G_t, with r the last
+            // row of the 2B block's first half.
+            for &half in &HALVES {
+                sums.push(anchored(b, &gc, |t| {
+                    (half * (2 * (t / (2 * half)) + 1) - 1, (t / half) % 2 == 1)
+                })?);
+            }
+            sums
+        }
+    };
     let (gc, gs, mid) = (&sums[0], &sums[1], &sums[2]);
-    b.store_all(scratch.sums, gc)?;
-    let last = b.load(scratch.sums, &at(C - 1, 0), &[1, kd])?;
+    let last = match data {
+        MatPrecision::Highest => {
+            b.store_all(scratch.sums, gc)?;
+            b.load(scratch.sums, &at(C - 1, 0), &[1, kd])?
+        }
+        MatPrecision::Default => b.slice(gc, &[C - 1, 0], &[1, kd])?,
+    };
     let eg_last = exp(b, &last)?;
     let egc = exp(b, gc)?;
     let qg = mul(b, q, &egc)?;
@@ -363,15 +420,17 @@ pub fn chunk_terms(
         let f = exp(b, x)?;
         factors.push((f.clone(), f));
     }
-    // Each level's `Aqk` and `L` rows as two products sharing the column operand, kept where the
-    // level's mask is 1 (select, not multiply: outside its mask the mid-anchor level may
-    // overflow).
     let zero = b.splat(0.0, DType::F32, &[C, C])?;
     let one = b.splat(1.0, DType::F32, &[C, C])?;
-    let (mut aqk, mut l) = (zero.clone(), zero.clone());
-    for ((fr, fc), keep) in factors.iter().zip(levels.chunks(2)) {
+    // Each level's `Aqk` and `L` rows as two products sharing the column operand, kept where the
+    // level's mask is 1 (select, not multiply: outside its mask the mid-anchor level may
+    // overflow). `L` comes as its 16x16 diagonal blocks (levels 0 to 2: pairs within 16 tokens)
+    // and the rest, as the inverse takes it.
+    let (mut aqk, mut l_blocks, mut l_rest) = (zero.clone(), zero.clone(), zero.clone());
+    for (level, ((fr, fc), keep)) in factors.iter().zip(levels.chunks(2)).enumerate() {
         let cols = mul(b, k, fc)?;
-        for (x, m, acc) in [(q, &keep[0], &mut aqk), (&bk, &keep[1], &mut l)] {
+        let l_acc = if level < 3 { &mut l_blocks } else { &mut l_rest };
+        for (x, m, acc) in [(q, &keep[0], &mut aqk), (&bk, &keep[1], l_acc)] {
             let rows = mul(b, x, fr)?;
             let p = b.matmul(&rows, &cols, (1, 1), data)?;
             let kept = pick(b, m, Cmp::Eq, &one, &p, &zero)?;
@@ -380,11 +439,8 @@ pub fn chunk_terms(
     }
     let scale_c = b.splat(scale, DType::F32, &[C, C])?;
     let aqk = mul(b, &aqk, &scale_c)?;
-    // The identity is level 0's causal mask less its strict one; the strictly lower 16x16
-    // diagonal blocks are the strict masks of levels 0 to 2 (pairs within 16 tokens).
+    let l = add(b, &l_blocks, &l_rest)?;
+    // The identity is level 0's causal mask less its strict one.
     let eye = b.binary(Binary::Sub, &levels[0], &levels[1])?;
-    let blocks = add(b, &levels[1], &levels[3])?;
-    let blocks = add(b, &blocks, &levels[5])?;
-    let inverse_masks = InverseMasks { eye, blocks };
-    Ok(ChunkTerms { aqk, l, qg, kg, kbg, eg_last, inverse_masks })
+    Ok(ChunkTerms { aqk, l, l_blocks, l_rest, qg, kg, kbg, eg_last, eye })
 }

@@ -19,7 +19,9 @@
 
 use kda_core::DType;
 
-use super::blocks::{chunk_terms, unit_lower_inverse, TermMasks, TermScratch, EXPONENT_ROWS, LEVEL_ROWS};
+use super::blocks::{
+    chunk_terms, unit_lower_inverse_of_parts, TermMasks, TermScratch, EXPONENT_ROWS, LEVEL_ROWS,
+};
 use super::body::{Binary, Body, MatPrecision, Offset, Reduction, Ref, Unary, V};
 use super::kernel::{Cost, Index, Kernel, KernelBuilder, Operand, Semantics};
 use crate::error::{Result, TpuError};
@@ -361,7 +363,7 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
             sums: Ref::Scratch(1),
         };
         let terms = chunk_terms(b, &q, &kk, &g, &beta, scale, scratch, p, g_passes)?;
-        let a = unit_lower_inverse(b, &terms.l, p, Some(&terms.inverse_masks))?;
+        let a = unit_lower_inverse_of_parts(b, &terms.l_blocks, &terms.l_rest, &terms.eye, p)?;
         let bv = b.broadcast(&beta, &[C, v])?;
         let bv = b.binary(Binary::Mul, &vv, &bv)?;
         let u = b.matmul(&a, &bv, (1, 0), p)?;
