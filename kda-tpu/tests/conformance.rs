@@ -693,6 +693,22 @@ mod interpret {
     fn saved_state_backward_reads_the_kernel_states(#[case] name: &str, #[case] dtype: DType) {
         run(backward(&backend(), name, dtype, BackwardStrategy::SavedState, Path::Split));
     }
+
+    /// Fixed-length rows read in place with an even chunk count run two chunks per grid step:
+    /// the per-chunk states, initial and final states and `o` of both chunks of a step.
+    #[rstest]
+    #[case::head_first_f32(Layout::HeadFirst, F32)]
+    #[case::batch_first_bf16(Layout::BatchFirst, BF16)]
+    fn two_chunks_per_step_keep_every_state(#[case] layout: Layout, #[case] dtype: DType) {
+        let case = Case { layout, ..Case::base("kernel_two_chunks_per_step", 2, 2, 256, 128, 128) };
+        run(kda_testkit::conformance::backward_case(
+            &backend(),
+            &case,
+            dtype,
+            BackwardStrategy::SavedState,
+            Path::Split,
+        ));
+    }
 }
 
 /// The whole product of the parallel factors (`cargo xtask test --full`): devices x case x

@@ -57,6 +57,18 @@ fn bundles(text: &str) -> Vec<Bundle> {
             }
         }
     }
+    // An empty bundle (`{}`, a delay slot) carries no nesting marks even inside a loop: it
+    // belongs to the shallower of its neighbours, so a loop is not cut at its delay slots.
+    let empty: Vec<bool> = out.iter().map(|(_, t)| empty_bundle(t)).collect();
+    for i in 0..out.len() {
+        if empty[i] && out[i].0.depth == 0 {
+            let prev = out[..i].iter().rev().zip(empty[..i].iter().rev()).find(|(_, &e)| !e);
+            let next = out[i + 1..].iter().zip(&empty[i + 1..]).find(|(_, &e)| !e);
+            if let (Some(((p, _), _)), Some(((n, _), _))) = (prev, next) {
+                out[i].0.depth = p.depth.min(n.depth);
+            }
+        }
+    }
     out.into_iter()
         .map(|(mut b, t)| {
             b.exit_trips = exit_trips(&t);
@@ -64,6 +76,11 @@ fn bundles(text: &str) -> Vec<Bundle> {
             b
         })
         .collect()
+}
+
+/// Whether a bundle's text holds no op: `ADDR [MARK]: {}` and perhaps a comment.
+fn empty_bundle(t: &str) -> bool {
+    t.split_once('{').is_some_and(|(_, rest)| rest.trim_start().starts_with('}'))
 }
 
 /// `ADDR [MARK]: [>..] {`: the nesting depth and whether the bundle starts a loop body.
@@ -317,6 +334,19 @@ mod tests {
         let c = count(&files).expect("counted");
         std::fs::remove_dir_all(&dir).ok();
         assert_eq!(c, StaticCycles { total: 3 + 4 * (2 + 2) + (1 + 10 * 3), kernels: 31, unknown_loops: 0 });
+    }
+
+    /// Empty bundles inside a loop (delay slots, no nesting marks) stay in the loop; those after
+    /// it do not.
+    #[test]
+    fn empty_bundles_inside_a_loop_belong_to_it() {
+        let dir = std::env::temp_dir().join(format!("kda-cycles-empty-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let tlp = "     0   :  { %1 = sld }\n   0x1 LB: > { %2 = sadd }\n   0x2   :  {}\n   0x3   : > { %3 = sadd }\n   0x4   : > { %p = scmp.ge.s32.totalorder %s9, 10 /* loop exit test */ }\n   0x5   :  { %4 = sbr.rel }\n   0x6   :  {}\n";
+        let files = vec![write(&dir, "1-TLP-02-final_bundles.txt", tlp)];
+        let c = count(&files).expect("counted");
+        std::fs::remove_dir_all(&dir).ok();
+        assert_eq!(c, StaticCycles { total: 1 + 4 * 10 + 2, kernels: 0, unknown_loops: 0 });
     }
 
     #[test]

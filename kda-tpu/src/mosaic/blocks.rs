@@ -76,19 +76,20 @@ pub fn unit_lower_inverse_of_parts(b: &mut Body, lb: &V, n: &V, i: &V, p: MatPre
     if !square(lb) || !square(n) || !square(i) {
         return Err(TpuError::builder("mosaic unit_lower_inverse", "64x64 f32 parts and identity"));
     }
-    let (lb, n, i) = (lb.clone(), n.clone(), i.clone());
-    let p2 = product(b, &lb, &lb, p)?;
-    let p4 = product(b, &p2, &p2, p)?;
-    let p8 = product(b, &p4, &p4, p)?;
-    let mut d = b.binary(Binary::Sub, &i, &lb)?;
-    for q in [&p2, &p4, &p8] {
-        let f = add(b, &i, q)?;
+    // D^-1 = (I - Lb)(I + Lb^2)(I + Lb^4)(I + Lb^8), each factor applied as soon as its power
+    // exists (the order the TPU compiler schedules best).
+    let mut d = b.binary(Binary::Sub, i, lb)?;
+    let mut pow = lb.clone();
+    for _ in 0..3 {
+        pow = product(b, &pow, &pow, p)?;
+        let f = add(b, i, &pow)?;
         d = product(b, &d, &f, p)?;
     }
-    let m = product(b, &d, &n, p)?;
+    // A = (I - M)(I + M^2) D^-1, M = D^-1 N.
+    let m = product(b, &d, n, p)?;
     let m2 = product(b, &m, &m, p)?;
-    let left = b.binary(Binary::Sub, &i, &m)?;
-    let right = add(b, &i, &m2)?;
+    let left = b.binary(Binary::Sub, i, &m)?;
+    let right = add(b, i, &m2)?;
     let x = product(b, &left, &right, p)?;
     product(b, &x, &d, p)
 }

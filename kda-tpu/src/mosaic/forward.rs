@@ -148,6 +148,24 @@ impl ForwardDims {
         }
     }
 
+    /// Whether the tokens are fixed-length rows read in place ([`Tokens::HeadFirst`],
+    /// [`Tokens::BatchFirst`]): one segment per lane, its state reset at the first chunk and
+    /// final at the last (lanes may hold packed segments).
+    pub fn fixed_rows(&self) -> bool {
+        matches!(self.tokens, Tokens::HeadFirst | Tokens::BatchFirst)
+    }
+
+    /// Chunks per grid step: two when the chunks of a lane are an even count of whole blocks
+    /// read in place or as lanes (halving the steps' own cost, and letting the second chunk's
+    /// chunk-local terms run beside the first chunk's state update), else one (packed windows).
+    pub fn chunks_per_step(&self) -> i64 {
+        if self.fixed_rows() && self.chunks % 2 == 0 {
+            2
+        } else {
+            1
+        }
+    }
+
     /// The dtype of the exponent masks the kernel reads
     /// ([`super::blocks::term_masks_kernel`]): bf16 for one-pass products, else f32.
     pub fn mask_dtype(&self) -> DType {
@@ -165,16 +183,16 @@ pub const MAX_WIDTH: i64 = 256;
 /// the grid (heads, rows, chunks): packed operands are read through window `table` (the block
 /// index table [`Window::LO`] or [`Window::HI`]) of `packed` tokens.
 fn token_operand(name: &str, d: &ForwardDims, tokens: Tokens, dtype: DType, w: i64, table: usize) -> Operand {
-    let (h, r, nt, p) = (d.heads, d.rows, d.chunks, d.packed_tokens);
+    let (h, r, nt, p, n) = (d.heads, d.rows, d.chunks, d.packed_tokens, d.chunks_per_step());
     let (g0, g1, g2) = (Index::Grid(0), Index::Grid(1), Index::Grid(2));
     let (dims, map) = match tokens {
         Tokens::Lanes => ([h * r, nt * C, w], vec![g0 * r + g1, g2, Index::Const(0)]),
-        Tokens::HeadFirst => ([h, r * nt * C, w], vec![g0, g1 * nt + g2, Index::Const(0)]),
+        Tokens::HeadFirst => ([h, r * nt * C, w], vec![g0, g1 * (nt / n) + g2, Index::Const(0)]),
         Tokens::BatchFirst => ([r, nt * C, h * w], vec![g1, g2, g0]),
         Tokens::PackedHeadFirst => ([h, p, w], vec![g0, Index::table(table, g2), Index::Const(0)]),
         Tokens::PackedBatchFirst => ([1, p, h * w], vec![Index::Const(0), Index::table(table, g2), g0]),
     };
-    Operand::blocked(name, TensorType::new(dtype, &dims), &[1, C, w], map)
+    Operand::blocked(name, TensorType::new(dtype, &dims), &[1, n * C, w], map)
 }
 
 /// The forward kernel of `d` with output scale `scale`, on the grid (heads, rows: parallel;
@@ -200,11 +218,14 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
             format!("K and V of 1 to {MAX_WIDTH} (K = {}, V = {})", d.k, d.v),
         ));
     }
-    let (l, nt, k, v, x) = (d.lanes(), d.chunks, d.k, d.v, d.dtype);
+    let (l, nt, k, v, x, n) = (d.lanes(), d.chunks, d.k, d.v, d.dtype, d.chunks_per_step());
+    let fixed_rows = d.fixed_rows();
     let t = nt * C;
     let (g0, g1, g2) = (Index::Grid(0), Index::Grid(1), Index::Grid(2));
     let lane = || g0.clone() * d.rows + g1.clone();
-    let slot = || vec![lane(), Index::table(2, g2.clone()), Index::Const(0), Index::Const(0)];
+    // A step's state slot is its first chunk's (steps of several chunks are fixed-length rows,
+    // one slot per lane).
+    let slot = || vec![lane(), Index::table(2, g2.clone() * n), Index::Const(0), Index::Const(0)];
     let ty = |dt: DType, dims: &[i64]| TensorType::new(dt, dims);
     // docs/kda.md, Work: per token and head, 6CK + 4CV + 6KV + (2/3)C^2 flops; four exponentials
     // per gate element; every operand and result once through HBM.
@@ -236,7 +257,7 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
     let mut kb = KernelBuilder::new("kda_forward")
         .grid(d.heads, Semantics::Parallel)
         .grid(d.rows, Semantics::Parallel)
-        .grid(nt, Semantics::Arbitrary)
+        .grid(nt / n, Semantics::Arbitrary)
         .table("first", nt)
         .table("last", nt)
         .table("slot", nt);
@@ -271,7 +292,7 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
     }
     if d.states {
         let at = vec![lane(), g2.clone(), Index::Const(0), Index::Const(0)];
-        kb = kb.output(Operand::blocked("h", ty(DType::F32, &[l, nt, k, v]), &[1, 1, k, v], at));
+        kb = kb.output(Operand::blocked("h", ty(DType::F32, &[l, nt, k, v]), &[1, n, k, v], at));
     }
     let p = d.precision();
     let out_ht = Ref::Output(1);
@@ -290,112 +311,175 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
         }
     }
     kb.cost(Cost { flops, transcendentals, bytes }).build(|b| {
-        let c = b.program_id(2)?;
+        let step = b.program_id(2)?;
         let zero = b.index(0)?;
-        let first = b.read_table(0, &c)?;
-        let at_first = b.compare(Cmp::Ne, &first, &zero)?;
-        b.when(&at_first, |b| {
-            let h0 = if d.h0 {
-                let h0 = b.load_all(Ref::Input(h0_input))?;
-                b.reshape(&h0, &[k, v])?
+        // First every chunk's loads and chunk-local terms (no stores yet, so that the compiler
+        // may run a later chunk's terms beside an earlier chunk's state update), then the state
+        // updates in chunk order.
+        let mut local = Vec::new();
+        for ci in 0..n {
+            let c = if n == 1 {
+                step.clone()
             } else {
-                b.splat(0.0, DType::F32, &[k, v])?
+                let (nv, iv) = (b.index(n)?, b.index(ci)?);
+                let base = b.index_op(Binary::Mul, &step, &nv)?;
+                b.index_op(Binary::Add, &base, &iv)?
             };
-            b.store_all(Ref::Scratch(0), &h0)
-        })?;
-        // Input `i` (of the five per-token inputs) as f32 [64, w]: its block, or the rows
-        // `off .. off + 64` of its window's two blocks.
-        let window = if packed {
-            let off = b.read_table(Window::OFF, &c)?;
-            let len = b.read_table(Window::LEN, &c)?;
-            Some((off, len))
-        } else {
-            None
-        };
-        let f32_2d = |b: &mut Body, i: usize, w: i64| {
-            let block = |b: &mut Body, at: usize| {
-                let x = b.load_all(Ref::Input(at))?;
-                let x = if x.ty.elem == DType::F32 { x } else { b.cast(&x, DType::F32)? };
-                b.reshape(&x, &[C, w])
+            // Input `i` (of the five per-token inputs) as f32 [64, w]: its block, or the rows
+            // `off .. off + 64` of its window's two blocks.
+            let window = if packed {
+                let off = b.read_table(Window::OFF, &c)?;
+                let len = b.read_table(Window::LEN, &c)?;
+                Some((off, len))
+            } else {
+                None
             };
-            match &window {
-                None => block(b, i),
-                Some((off, _)) => {
-                    let buf = Ref::Scratch(2 + i);
-                    for half in 0..2 {
-                        let x = block(b, 2 * i + half)?;
-                        b.store(buf, &[Offset::Const(half as i64 * C), Offset::Const(0)], &x)?;
+            let f32_2d = |b: &mut Body, i: usize, w: i64| {
+                let block = |b: &mut Body, at: usize| {
+                    let rows = [Offset::Const(0), Offset::Const(ci * C), Offset::Const(0)];
+                    let x = b.load(Ref::Input(at), &rows, &[1, C, w])?;
+                    let x = if x.ty.elem == DType::F32 { x } else { b.cast(&x, DType::F32)? };
+                    b.reshape(&x, &[C, w])
+                };
+                match &window {
+                    None => block(b, i),
+                    Some((off, _)) => {
+                        let buf = Ref::Scratch(2 + i);
+                        for half in 0..2 {
+                            let x = block(b, 2 * i + half)?;
+                            b.store(buf, &[Offset::Const(half as i64 * C), Offset::Const(0)], &x)?;
+                        }
+                        b.load(buf, &[Offset::Dyn(off.clone(), 1), Offset::Const(0)], &[C, w])
                     }
-                    b.load(buf, &[Offset::Dyn(off.clone(), 1), Offset::Const(0)], &[C, w])
                 }
+            };
+            // `x` with the rows from a packed chunk's `len` on zero.
+            let keep = |b: &mut Body, x: &V| -> Result<V> {
+                match &window {
+                    None => Ok(x.clone()),
+                    Some((_, len)) => {
+                        let rows = b.iota(&x.ty.dims, 0)?;
+                        let len = b.broadcast(len, &x.ty.dims)?;
+                        let inside = b.compare(Cmp::Lt, &rows, &len)?;
+                        let zero = b.splat(0.0, DType::F32, &x.ty.dims)?;
+                        b.select(&inside, x, &zero)
+                    }
+                }
+            };
+            let (mut q, mut kk, vv, g, beta) =
+                (f32_2d(b, 0, k)?, f32_2d(b, 1, k)?, f32_2d(b, 2, v)?, f32_2d(b, 3, k)?, f32_2d(b, 4, 1)?);
+            if d.l2norm {
+                q = l2_normalise(b, &q)?;
+                kk = l2_normalise(b, &kk)?;
+            }
+            // Rows past a packed chunk's tokens: k, v, beta and the activated g zero (no part in
+            // the state, a decay of 1); q as read (each row of q reaches only its own row of
+            // `o`, and those rows are dropped).
+            let (kk, vv, beta) = (keep(b, &kk)?, keep(b, &vv)?, keep(b, &beta)?);
+            let g = activate(b, &g, d.gate, per_token)?;
+            let g = keep(b, &g)?;
+            let scratch = TermScratch {
+                masks: TermMasks::Input {
+                    exponents: Ref::Input(masks_input),
+                    levels: Ref::Input(masks_input + 1),
+                },
+                sums: Ref::Scratch(1),
+            };
+            let terms = chunk_terms(b, &q, &kk, &g, &beta, scale, scratch, p, g_passes)?;
+            let bv = b.broadcast(&beta, &[C, v])?;
+            let bv = b.binary(Binary::Mul, &vv, &bv)?;
+            local.push((c, terms, bv));
+        }
+        // The inverses side by side (each a chain of dependent products).
+        let parts: Vec<(&V, &V)> = local.iter().map(|(_, t, _)| (&t.l_blocks, &t.l_rest)).collect();
+        let eye = local
+            .first()
+            .map(|(_, t, _)| t.eye.clone())
+            .ok_or_else(|| TpuError::builder("mosaic forward", "one chunk per step or more"))?;
+        let inverses = parts
+            .iter()
+            .map(|(lb, n)| unit_lower_inverse_of_parts(b, lb, n, &eye, p))
+            .collect::<Result<Vec<_>>>()?;
+        let mut local2 = Vec::new();
+        for ((c, terms, bv), a) in local.into_iter().zip(inverses) {
+            let u = b.matmul(&a, &bv, (1, 0), p)?;
+            let w = b.matmul(&a, &terms.kbg, (1, 0), p)?;
+            local2.push((c, terms, u, w));
+        }
+        let local = local2;
+        let start = |b: &mut Body| {
+            if d.h0 {
+                let h0 = b.load_all(Ref::Input(h0_input))?;
+                b.reshape(&h0, &[k, v])
+            } else {
+                b.splat(0.0, DType::F32, &[k, v])
             }
         };
-        // `x` with the rows from a packed chunk's `len` on zero.
-        let keep = |b: &mut Body, x: &V| -> Result<V> {
-            match &window {
-                None => Ok(x.clone()),
-                Some((_, len)) => {
-                    let rows = b.iota(&x.ty.dims, 0)?;
-                    let len = b.broadcast(len, &x.ty.dims)?;
-                    let inside = b.compare(Cmp::Lt, &rows, &len)?;
-                    let zero = b.splat(0.0, DType::F32, &x.ty.dims)?;
-                    b.select(&inside, x, &zero)
+        let mut carried: Option<V> = None;
+        for (ci, (c, terms, u, w)) in (0..n).zip(local) {
+            let first = b.read_table(0, &c)?;
+            // The state entering the chunk: fixed-length rows carry it as a value from the
+            // step's previous chunk, or select it at the step's first (the row's first chunk
+            // starts from `h0`; no branch, so that a step's chunks schedule as one block);
+            // segments reset it under a branch.
+            let s = if let Some(prev) = &carried {
+                prev.clone()
+            } else if fixed_rows {
+                let prev = b.load_all(Ref::Scratch(0))?;
+                let h0 = start(b)?;
+                let wide = b.broadcast(&first, &[k, v])?;
+                let no = b.splat(0.0, DType::I32, &[k, v])?;
+                let reset = b.compare(Cmp::Ne, &wide, &no)?;
+                b.select(&reset, &h0, &prev)?
+            } else {
+                let at_first = b.compare(Cmp::Ne, &first, &zero)?;
+                b.when(&at_first, |b| {
+                    let h0 = start(b)?;
+                    b.store_all(Ref::Scratch(0), &h0)
+                })?;
+                b.load_all(Ref::Scratch(0))?
+            };
+            if d.states {
+                let h = b.reshape(&s, &[1, 1, k, v])?;
+                let at = [Offset::Const(0), Offset::Const(ci), Offset::Const(0), Offset::Const(0)];
+                b.store(out_h, &at, &h)?;
+            }
+            let ws = b.matmul(&w, &s, (1, 0), p)?;
+            let v_new = b.binary(Binary::Sub, &u, &ws)?;
+            let inter = b.matmul(&terms.qg, &s, (1, 0), p)?;
+            let sc = b.splat(scale, DType::F32, &[C, v])?;
+            let inter = b.binary(Binary::Mul, &inter, &sc)?;
+            let intra = b.matmul(&terms.aqk, &v_new, (1, 0), p)?;
+            let o = b.binary(Binary::Add, &inter, &intra)?;
+            let o = if x == DType::F32 { o } else { b.cast(&o, x)? };
+            let o = b.reshape(&o, &[1, C, v])?;
+            b.store(Ref::Output(0), &[Offset::Const(0), Offset::Const(ci * C), Offset::Const(0)], &o)?;
+            let decay = b.reshape(&terms.eg_last, &[k, 1])?;
+            let decay = b.broadcast(&decay, &[k, v])?;
+            let kept = b.binary(Binary::Mul, &s, &decay)?;
+            let add = b.matmul(&terms.kg, &v_new, (0, 0), p)?;
+            let s_next = b.binary(Binary::Add, &kept, &add)?;
+            if fixed_rows {
+                // A row's final state: its last chunk's, the last write to its `ht` block.
+                if ci + 1 == n {
+                    b.store_all(Ref::Scratch(0), &s_next)?;
+                    if d.ht {
+                        let ht = b.reshape(&s_next, &[1, 1, k, v])?;
+                        b.store_all(out_ht, &ht)?;
+                    }
+                }
+                carried = Some(s_next);
+            } else {
+                b.store_all(Ref::Scratch(0), &s_next)?;
+                if d.ht {
+                    let last = b.read_table(1, &c)?;
+                    let at_last = b.compare(Cmp::Ne, &last, &zero)?;
+                    b.when(&at_last, |b| {
+                        let ht = b.reshape(&s_next, &[1, 1, k, v])?;
+                        b.store_all(out_ht, &ht)
+                    })?;
                 }
             }
-        };
-        let (mut q, mut kk, vv, g, beta) =
-            (f32_2d(b, 0, k)?, f32_2d(b, 1, k)?, f32_2d(b, 2, v)?, f32_2d(b, 3, k)?, f32_2d(b, 4, 1)?);
-        if d.l2norm {
-            q = l2_normalise(b, &q)?;
-            kk = l2_normalise(b, &kk)?;
-        }
-        // Rows past a packed chunk's tokens: k, v, beta and the activated g zero (no part in
-        // the state, a decay of 1); q as read (each row of q reaches only its own row of
-        // `o`, and those rows are dropped).
-        let (kk, vv, beta) = (keep(b, &kk)?, keep(b, &vv)?, keep(b, &beta)?);
-        let g = activate(b, &g, d.gate, per_token)?;
-        let g = keep(b, &g)?;
-        let scratch = TermScratch {
-            masks: TermMasks::Input {
-                exponents: Ref::Input(masks_input),
-                levels: Ref::Input(masks_input + 1),
-            },
-            sums: Ref::Scratch(1),
-        };
-        let terms = chunk_terms(b, &q, &kk, &g, &beta, scale, scratch, p, g_passes)?;
-        let a = unit_lower_inverse_of_parts(b, &terms.l_blocks, &terms.l_rest, &terms.eye, p)?;
-        let bv = b.broadcast(&beta, &[C, v])?;
-        let bv = b.binary(Binary::Mul, &vv, &bv)?;
-        let u = b.matmul(&a, &bv, (1, 0), p)?;
-        let w = b.matmul(&a, &terms.kbg, (1, 0), p)?;
-        let s = b.load_all(Ref::Scratch(0))?;
-        if d.states {
-            let h = b.reshape(&s, &[1, 1, k, v])?;
-            b.store_all(out_h, &h)?;
-        }
-        let ws = b.matmul(&w, &s, (1, 0), p)?;
-        let v_new = b.binary(Binary::Sub, &u, &ws)?;
-        let inter = b.matmul(&terms.qg, &s, (1, 0), p)?;
-        let sc = b.splat(scale, DType::F32, &[C, v])?;
-        let inter = b.binary(Binary::Mul, &inter, &sc)?;
-        let intra = b.matmul(&terms.aqk, &v_new, (1, 0), p)?;
-        let o = b.binary(Binary::Add, &inter, &intra)?;
-        let o = if x == DType::F32 { o } else { b.cast(&o, x)? };
-        let o = b.reshape(&o, &[1, C, v])?;
-        b.store_all(Ref::Output(0), &o)?;
-        let decay = b.reshape(&terms.eg_last, &[k, 1])?;
-        let decay = b.broadcast(&decay, &[k, v])?;
-        let kept = b.binary(Binary::Mul, &s, &decay)?;
-        let add = b.matmul(&terms.kg, &v_new, (0, 0), p)?;
-        let s_next = b.binary(Binary::Add, &kept, &add)?;
-        b.store_all(Ref::Scratch(0), &s_next)?;
-        if d.ht {
-            let last = b.read_table(1, &c)?;
-            let at_last = b.compare(Cmp::Ne, &last, &zero)?;
-            b.when(&at_last, |b| {
-                let ht = b.reshape(&s_next, &[1, 1, k, v])?;
-                b.store_all(out_ht, &ht)
-            })?;
         }
         Ok(())
     })
