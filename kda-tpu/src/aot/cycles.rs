@@ -309,6 +309,16 @@ mod tests {
         p
     }
 
+    /// The count of a top-level program listing `tlp` alone (written to a scratch folder `tag`).
+    fn count_top_level(tag: &str, tlp: &str) -> StaticCycles {
+        let dir = std::env::temp_dir().join(format!("kda-cycles-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let files = vec![write(&dir, "1-TLP-02-final_bundles.txt", tlp)];
+        let c = count(&files).expect("counted");
+        std::fs::remove_dir_all(&dir).ok();
+        c
+    }
+
     /// A top-level program with a call, a `while` of 4 trips (from the HLO) and a kernel whose
     /// grid loop of 3 bundles exits after 10: 3 + 4 * (2 + fusion 2) + kernel (1 + 10 * 3).
     #[test]
@@ -340,24 +350,17 @@ mod tests {
     /// it do not.
     #[test]
     fn empty_bundles_inside_a_loop_belong_to_it() {
-        let dir = std::env::temp_dir().join(format!("kda-cycles-empty-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("dir");
         let tlp = "     0   :  { %1 = sld }\n   0x1 LB: > { %2 = sadd }\n   0x2   :  {}\n   0x3   : > { %3 = sadd }\n   0x4   : > { %p = scmp.ge.s32.totalorder %s9, 10 /* loop exit test */ }\n   0x5   :  { %4 = sbr.rel }\n   0x6   :  {}\n";
-        let files = vec![write(&dir, "1-TLP-02-final_bundles.txt", tlp)];
-        let c = count(&files).expect("counted");
-        std::fs::remove_dir_all(&dir).ok();
-        assert_eq!(c, StaticCycles { total: 1 + 4 * 10 + 2, kernels: 0, unknown_loops: 0 });
+        assert_eq!(
+            count_top_level("empty", tlp),
+            StaticCycles { total: 1 + 4 * 10 + 2, kernels: 0, unknown_loops: 0 }
+        );
     }
 
     #[test]
     fn a_loop_without_a_count_is_counted_once_and_reported() {
-        let dir = std::env::temp_dir().join(format!("kda-cycles-unknown-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("dir");
         let tlp = "     0   :  { %1 = sld }\n   0x1 LB: > { %2 = sadd }\n   0x2   : > { %3 = sbr.rel }\n";
-        let files = vec![write(&dir, "1-TLP-02-final_bundles.txt", tlp)];
-        let c = count(&files).expect("counted");
-        std::fs::remove_dir_all(&dir).ok();
-        assert_eq!(c, StaticCycles { total: 3, kernels: 0, unknown_loops: 1 });
+        assert_eq!(count_top_level("unknown", tlp), StaticCycles { total: 3, kernels: 0, unknown_loops: 1 });
         assert!(count(&[]).is_err());
     }
 }

@@ -240,17 +240,24 @@ fn anchored(b: &mut Body, x: &V, anchor: impl Fn(i64) -> (i64, bool)) -> Result<
     for v in 0..C / 8 {
         let rows = b.slice(x, &[8 * v, 0], &[8, kd])?;
         // Each 4-row half has one anchor and one sign.
-        let mut halves = Vec::new();
-        for h in 0..2 {
-            let (r, plus) = anchor(8 * v + 4 * h);
+        let diff = |b: &mut Body, (r, plus): (i64, bool)| -> Result<V> {
             let row = b.slice(x, &[r, 0], &[1, kd])?;
             let row = b.broadcast(&row, &[8, kd])?;
-            let d =
-                if plus { b.binary(Binary::Sub, &rows, &row)? } else { b.binary(Binary::Sub, &row, &rows)? };
-            halves.push((r, plus, d));
-        }
-        let same = halves[0].0 == halves[1].0 && halves[0].1 == halves[1].1;
-        pieces.push(if same { halves[0].2.clone() } else { b.select(&half, &halves[0].2, &halves[1].2)? });
+            if plus {
+                b.binary(Binary::Sub, &rows, &row)
+            } else {
+                b.binary(Binary::Sub, &row, &rows)
+            }
+        };
+        let (upper, lower) = (anchor(8 * v), anchor(8 * v + 4));
+        let first = diff(b, upper)?;
+        let piece = if upper == lower {
+            first
+        } else {
+            let second = diff(b, lower)?;
+            b.select(&half, &first, &second)?
+        };
+        pieces.push(piece);
     }
     b.concat(&pieces, 0)
 }
@@ -370,7 +377,9 @@ pub fn chunk_terms(
             let rows = |b: &mut Body, r: Ref, n: usize| -> Result<Vec<V>> {
                 (0..n as i64).map(|i| b.load(r, &at(i * C, 0), &[C, C])).collect()
             };
-            (rows(b, exponents, 3 + HALVES.len())?, rows(b, levels, 2 * (1 + HALVES.len()))?)
+            // One-pass products read `G`'s mask alone (the other arrays come from `G`).
+            let exps = if data == MatPrecision::Default { 1 } else { 3 + HALVES.len() };
+            (rows(b, exponents, exps)?, rows(b, levels, 2 * (1 + HALVES.len()))?)
         }
     };
     // Full precision: one product per exponent array, each used as it comes (only `G` is

@@ -390,23 +390,17 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
             let bv = b.binary(Binary::Mul, &vv, &bv)?;
             local.push((c, terms, bv));
         }
-        // The inverses side by side (each a chain of dependent products).
-        let parts: Vec<(&V, &V)> = local.iter().map(|(_, t, _)| (&t.l_blocks, &t.l_rest)).collect();
-        let eye = local
-            .first()
-            .map(|(_, t, _)| t.eye.clone())
-            .ok_or_else(|| TpuError::builder("mosaic forward", "one chunk per step or more"))?;
-        let inverses = parts
+        // The inverses side by side (each a chain of dependent products), then `u` and `w`.
+        let inverses = local
             .iter()
-            .map(|(lb, n)| unit_lower_inverse_of_parts(b, lb, n, &eye, p))
+            .map(|(_, t, _)| unit_lower_inverse_of_parts(b, &t.l_blocks, &t.l_rest, &t.eye, p))
             .collect::<Result<Vec<_>>>()?;
-        let mut local2 = Vec::new();
+        let mut steps = Vec::new();
         for ((c, terms, bv), a) in local.into_iter().zip(inverses) {
             let u = b.matmul(&a, &bv, (1, 0), p)?;
             let w = b.matmul(&a, &terms.kbg, (1, 0), p)?;
-            local2.push((c, terms, u, w));
+            steps.push((c, terms, u, w));
         }
-        let local = local2;
         let start = |b: &mut Body| {
             if d.h0 {
                 let h0 = b.load_all(Ref::Input(h0_input))?;
@@ -416,7 +410,7 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
             }
         };
         let mut carried: Option<V> = None;
-        for (ci, (c, terms, u, w)) in (0..n).zip(local) {
+        for (ci, (c, terms, u, w)) in (0..n).zip(steps) {
             let first = b.read_table(0, &c)?;
             // The state entering the chunk: fixed-length rows carry it as a value from the
             // step's previous chunk, or select it at the step's first (the row's first chunk
