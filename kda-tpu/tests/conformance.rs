@@ -694,15 +694,22 @@ mod interpret {
         run(backward(&backend(), name, dtype, BackwardStrategy::SavedState, Path::Split));
     }
 
-    /// Fixed-length rows read in place with an even chunk count run two chunks per grid step:
-    /// the per-chunk states, initial and final states and `o` of both chunks of a step.
+    /// Fixed-length rows read in place run several chunks per grid step (two by default at
+    /// these sizes; sixteen when the inputs stream from HBM): the per-chunk states, initial and
+    /// final states and `o` of every chunk of a step.
     #[rstest]
-    #[case::head_first_f32(Layout::HeadFirst, F32)]
-    #[case::batch_first_bf16(Layout::BatchFirst, BF16)]
-    fn two_chunks_per_step_keep_every_state(#[case] layout: Layout, #[case] dtype: DType) {
-        let case = Case { layout, ..Case::base("kernel_two_chunks_per_step", 2, 2, 256, 128, 128) };
+    #[case::two_head_first_f32(Layout::HeadFirst, F32, 256, 0)]
+    #[case::two_batch_first_bf16(Layout::BatchFirst, BF16, 256, 0)]
+    #[case::sixteen_batch_first_bf16(Layout::BatchFirst, BF16, 1024, 16)]
+    fn chunks_per_step_keep_every_state(
+        #[case] layout: Layout,
+        #[case] dtype: DType,
+        #[case] t: usize,
+        #[case] step_chunks: usize,
+    ) {
+        let case = Case { layout, ..Case::base("kernel_chunks_per_step", 2, 2, t, 128, 128) };
         run(kda_testkit::conformance::backward_case(
-            &backend(),
+            &backend().with_step_chunks(step_chunks),
             &case,
             dtype,
             BackwardStrategy::SavedState,

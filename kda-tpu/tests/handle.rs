@@ -101,7 +101,7 @@ fn eight_threads_on_one_handle_match_calls_made_alone_bitwise() {
 
 /// The device-resident loop: inputs uploaded once, `do = o` taken on the device, residuals
 /// and gradients left there. After the first step only index tables cross, nothing comes
-/// back; the results equal the host API's bitwise.
+/// back and nothing is reshaped on the device; the results equal the host API's bitwise.
 #[rstest]
 #[case::fixed("fixed_batch_first_b2")]
 #[case::packed("packed_rows_differ")]
@@ -129,8 +129,15 @@ fn device_loop_moves_index_tables_once(#[case] name: &str) {
     for (step, c) in crossed.iter().enumerate() {
         assert_eq!(
             *c,
-            TransferStats { to_device: if step == 0 { tables } else { 0 }, to_host: 0, executions: 2 },
-            "step {step}: only the index tables may cross, once (the handle keeps them)"
+            TransferStats {
+                to_device: if step == 0 { tables } else { 0 },
+                to_host: 0,
+                executions: 2,
+                reshapes: 0
+            },
+            "step {step}: only the index tables may cross, once (the handle keeps them), and no \
+             argument is reshaped on the device (batch-first inputs and `do = o` are held in the \
+             programs' form)"
         );
     }
     // The same step through host tensors gives the same bits.

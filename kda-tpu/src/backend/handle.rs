@@ -52,6 +52,7 @@ pub struct PjrtBackend {
     pub(super) slab: usize,
     pub(super) split: Split,
     pub(super) implementation: Implementation,
+    step_chunks: usize,
     xla: Arc<BTreeMap<String, XlaOption>>,
     /// Index tables already on the devices, shared by the clones.
     pub(super) tables: Arc<Mutex<TableCache>>,
@@ -207,7 +208,7 @@ impl PjrtBackend {
         let tables = Arc::default();
         let implementation = options.implementation_choice()?;
         check_implementation(implementation, &shared.info.platform)?;
-        Ok(Self { shared, slab, split: options.split_choice(), implementation, xla, tables })
+        Ok(Self { shared, slab, split: options.split_choice(), implementation, step_chunks: 0, xla, tables })
     }
 
     /// This handle with fused programs in slabs of `chunks` chunk positions (0: all chunks at
@@ -225,6 +226,15 @@ impl PjrtBackend {
         check_implementation(implementation, &self.shared.info.platform).map_err(e)?;
         self.implementation = implementation;
         Ok(self)
+    }
+    /// This handle with the kernel forward running at most `chunks` chunks per grid step on
+    /// fixed-length rows (the largest power of two up to it dividing the chunk count; 0, the
+    /// default: sixteen when the inputs are too large for VMEM, else two); other clones keep
+    /// theirs. Results are the same either way; the step count trades the per-step cost of
+    /// streaming operands against code size and VMEM.
+    pub fn with_step_chunks(mut self, chunks: usize) -> Self {
+        self.step_chunks = chunks;
+        self
     }
     /// What runs this handle's forward programs.
     pub fn implementation(&self) -> Implementation {
@@ -255,7 +265,10 @@ impl PjrtBackend {
         } else {
             None
         };
-        Ok(KernelSpec::new(p, packed, has_dht).with_slab(self.slab).with_implementation(self.implementation))
+        Ok(KernelSpec::new(p, packed, has_dht)
+            .with_slab(self.slab)
+            .with_implementation(self.implementation)
+            .with_step_chunks(self.step_chunks))
     }
 
     /// The XLA options a kernel program is compiled with ([`crate::kernels::program`] text). On the CPU plugin the forward
@@ -302,12 +315,18 @@ impl PjrtBackend {
     pub(crate) fn upload_each<'t>(
         &self,
         device: usize,
-        items: impl IntoIterator<Item = (&'t HostTensor, fn(&HostTensor) -> Upload)>,
+        items: impl IntoIterator<Item = (&'t HostTensor, fn(&HostTensor) -> Upload, Option<Vec<i64>>)>,
         meanwhile: impl FnOnce() -> kda_core::Result<()>,
     ) -> kda_core::Result<Vec<DeviceTensor>> {
         let mut pending = Vec::new();
-        for (t, prepare) in items {
-            let (u, counters) = (prepare(t), self.shared.counters.clone());
+        let mut shapes = Vec::new();
+        for (t, prepare, held_as) in items {
+            let (mut u, counters) = (prepare(t), self.shared.counters.clone());
+            // Held in the programs' form (same row-major elements), seen with the caller's shape.
+            if let Some(dims) = held_as {
+                u.dims = dims;
+            }
+            shapes.push(t.shape().to_vec());
             pending.push(
                 self.shared
                     .submit("upload", move |w| {
@@ -322,7 +341,8 @@ impl PjrtBackend {
         let tensors: Vec<Result<DeviceTensor>> =
             infos.into_iter().map(|i| i.map(|i| DeviceTensor::wrap(&self.shared, i, None))).collect();
         checked?;
-        tensors.into_iter().collect::<Result<Vec<_>>>().map_err(e)
+        let tensors = tensors.into_iter().collect::<Result<Vec<_>>>().map_err(e)?;
+        tensors.into_iter().zip(shapes).map(|(t, shape)| t.reshaped(&shape)).collect()
     }
 
     /// Uploads host arrays to device `device` in one call to the worker and keeps them.

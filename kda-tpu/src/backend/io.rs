@@ -93,6 +93,20 @@ const PER_TOKEN: [&str; 5] = ["q", "k", "v", "g", "beta"];
 const F32_ON_DEVICE: [&str; 8] =
     ["initial_state", "a_log", "dt_bias", "dht", "final_state", "dh0", "da_log", "ddt_bias"];
 
+/// The dims a per-token tensor `name` of a record is held in on the device: the programs' form
+/// ([`crate::kernels::KernelSpec::token_dims`]), batch-first `[B*T, H*D]` (`beta` `[B*T, H]`),
+/// so that no program reshapes it (on a TPU a relayout of the whole tensor); `None`: as given.
+pub(crate) fn held_as(name: &str, layout: Option<Layout>, shape: &[usize]) -> Option<Vec<i64>> {
+    let token = matches!(name, "q" | "k" | "v" | "g" | "do");
+    match (layout, shape) {
+        (Some(Layout::BatchFirst), &[b, t, h, d]) if token => Some(vec![(b * t) as i64, (h * d) as i64]),
+        (Some(Layout::BatchFirst), &[b, t, h] | &[b, t, h, 1]) if name == "beta" => {
+            Some(vec![(b * t) as i64, h as i64])
+        }
+        _ => None,
+    }
+}
+
 /// How the tensor `name` of a record travels.
 fn travel_of(name: &str, travel: sealed::Travel) -> fn(&HostTensor) -> Upload {
     if name == "beta" && travel.beta == Some(DType::BF16) {
@@ -119,7 +133,9 @@ impl PjrtBackend {
         self.check_device_index(device)?;
         let travel = x.travel()?;
         let named = x.named();
-        let items = named.iter().map(|&(name, t)| (t, travel_of(name, travel)));
+        let items = named
+            .iter()
+            .map(|&(name, t)| (t, travel_of(name, travel), held_as(name, travel.layout, t.shape())));
         let mut tensors = self.upload_each(device, items, || x.check_values())?.into_iter();
         x.try_map(&mut |name, _| {
             let t = tensors.next().ok_or_else(|| too_few("upload", name))?;

@@ -227,8 +227,13 @@ impl PjrtBackend {
         let mut out = Vec::with_capacity(sig.args.len());
         for (i, port) in sig.args.iter().enumerate() {
             if let Some(j) = given.iter().position(|(n, _)| *n == port.name) {
-                let (_, a) = given.swap_remove(j);
+                let (_, mut a) = given.swap_remove(j);
                 self.check_arg(port, &a, b.device)?;
+                // Host data travels in the port's dims (its row-major elements are the same), so
+                // the device holds it in the program's form without a reshape there.
+                if let Arg::Upload(u) = &mut a {
+                    u.dims = port.ty.dims.clone();
+                }
                 out.push(a);
                 continue;
             }
@@ -377,6 +382,7 @@ pub(crate) fn run(
                     if dims != *want && dims.iter().product::<i64>() == want.iter().product::<i64>() =>
                 {
                     let reshape = w.reshape_program(dtype, &dims, want, *device)?;
+                    counters.reshapes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     let mut out = execute_on(w, &reshape, *device, vec![w.buffer(id)?])?;
                     order.push(Err(temps.len()));
                     temps.push(

@@ -205,6 +205,9 @@ pub struct TransferStats {
     pub to_host: u64,
     /// Programs executed.
     pub executions: u64,
+    /// Arguments a program read under other dims than its buffer's, reshaped on the device
+    /// first (on a TPU each a copy of the tensor; uploads travel in the programs' forms).
+    pub reshapes: u64,
 }
 
 impl TransferStats {
@@ -214,6 +217,7 @@ impl TransferStats {
             to_device: c.to_device.load(Ordering::Relaxed),
             to_host: c.to_host.load(Ordering::Relaxed),
             executions: c.executions.load(Ordering::Relaxed),
+            reshapes: c.reshapes.load(Ordering::Relaxed),
         }
     }
 
@@ -223,6 +227,7 @@ impl TransferStats {
             to_device: self.to_device - earlier.to_device,
             to_host: self.to_host - earlier.to_host,
             executions: self.executions - earlier.executions,
+            reshapes: self.reshapes - earlier.reshapes,
         }
     }
 }

@@ -126,6 +126,7 @@ pub(crate) struct Counters {
     pub(crate) to_device: AtomicU64,
     pub(crate) to_host: AtomicU64,
     pub(crate) executions: AtomicU64,
+    pub(crate) reshapes: AtomicU64,
 }
 
 /// What every clone of a handle, and every tensor, shares: the channel to the worker.

@@ -223,10 +223,7 @@ pub fn context_parallel_program(s: &KernelSpec, kind: ProgramKind, devices: usiz
     let v_in = get(&named, "v").ok_or_else(|| missing("v"))?;
     // Zero values (and cotangents) K wide, for the state-column runs.
     let zeros_k = {
-        let mut dims = v_in.dims().to_vec();
-        let last = dims.len() - 1;
-        dims[last] = k;
-        let z = b.constant_f32(0.0, f32(&dims))?;
+        let z = b.constant_f32(0.0, f32(&sk.token_dims(sk.v)))?;
         if v_in.elem() == DType::F32 {
             z
         } else {

@@ -29,9 +29,13 @@
 //! `final_state`) and `[h]` (f32 `[L, NT, K, V]`, `Forward(SavedState)`); the backward `dq dk dv dg
 //! dbeta [dh0] [da_log] [ddt_bias]` (each in its input's element type; `dh0` like `h0`,
 //! `da_log` and `ddt_bias` f32); the fused program the forward's `o [final_state]` and then the
-//! backward's results. Per-token results are flat: `o dq dk dv dg` are `[H*B*T, D]` and `dbeta`
-//! `[H*B*T]`, holding the row-major elements of the caller's shape (`token_dims(D)`,
-//! `beta_dims()`): a reshape gives that shape back.
+//! backward's results. Per-token results are 2-D: `o dq dk dv dg` are
+//! [`KernelSpec::result_token_dims`]`(D)` (`[H*B*T, D]` head-first, `[B*T, H*D]` batch-first)
+//! and `dbeta` `[H*B*T]`, holding the row-major elements of the caller's shape
+//! ([`KernelSpec::caller_token_dims`], [`KernelSpec::caller_beta_dims`]): a reshape gives that
+//! shape back. Per-token arguments, likewise, are the caller's row-major elements: head-first
+//! as given, batch-first `[B*T, H*D]` (`beta` `[B*T, H]`), the form a projection returns and
+//! the one a TPU reads a head's tokens from without a relayout.
 //!
 //! The five index tables (`chunk_first` .. `token_slot`) come from [`index_tables`]: for fixed
 //! length `chunk_first = [1, 0, ..]`, `chunk_last = [.., 0, 1]` and `chunk_slot = 0`; for packed
@@ -115,14 +119,14 @@ impl ProgramSignature {
             args.push(port("slot_token", i32, &[nt * CHUNK as i64]));
             args.push(port("token_slot", i32, &[(s.b * s.t) as i64]));
         }
-        // Per-token results are flat `[H*B*T, D]` (and `dbeta` `[H*B*T]`): the row-major bytes
-        // of the caller's shapes (a 4-D result with a unit axis made XLA copy it once more).
-        let tokens = (s.h * s.b * s.t) as i64;
-        let flat_k = [tokens, s.k as i64];
+        // Per-token results are 2-D (and `dbeta` `[H*B*T]`): the row-major bytes of the
+        // caller's shapes (a 4-D result with a unit axis made XLA copy it once more).
+        let flat_k = s.result_token_dims(s.k);
+        let flat_v = s.result_token_dims(s.v);
         let flat_beta = [s.beta_dims().iter().product::<i64>()];
         let mut results = Vec::new();
         let forward = |results: &mut Vec<Port>| {
-            results.push(port("o", e, &[tokens, s.v as i64]));
+            results.push(port("o", e, &flat_v));
             if s.final_state {
                 results.push(port("final_state", f32, &state));
             }
@@ -130,7 +134,7 @@ impl ProgramSignature {
         let grads = |results: &mut Vec<Port>| {
             results.push(port("dq", e, &flat_k));
             results.push(port("dk", e, &flat_k));
-            results.push(port("dv", e, &[tokens, s.v as i64]));
+            results.push(port("dv", e, &flat_v));
             results.push(port("dg", ge, &flat_k));
             results.push(port("dbeta", e, &flat_beta));
             if s.has_h0 {
@@ -310,6 +314,7 @@ mod tests {
             },
             slab: 0,
             implementation: super::super::spec::Implementation::Xla,
+            step_chunks: 0,
         }
     }
 
@@ -444,7 +449,14 @@ mod tests {
         assert_eq!(sig.arg_index("do"), Some(8));
         assert_eq!(sig.arg_index("h"), None);
         let sig = ProgramSignature::of(&base(false), ProgramKind::Forward(BackwardStrategy::SavedState));
+        // Batch-first (H = 2, B = 2, T = 100, K = 16, V = 8): per-token tensors `[B*T, H*D]`.
+        assert_eq!(sig.results[0].ty, TensorType::new(DType::F32, &[200, 16]));
+        assert_eq!(sig.args[0].ty, TensorType::new(DType::F32, &[200, 32]));
+        assert_eq!(sig.args[4].ty, TensorType::new(DType::F32, &[200, 2]));
+        let head_first = KernelSpec { layout: Layout::HeadFirst, ..base(false) };
+        let sig = ProgramSignature::of(&head_first, ProgramKind::Forward(BackwardStrategy::SavedState));
         assert_eq!(sig.results[0].ty, TensorType::new(DType::F32, &[400, 8]));
+        assert_eq!(sig.args[0].ty, TensorType::new(DType::F32, &[2, 2, 100, 16]));
         assert_eq!(sig.results[1].ty, TensorType::new(DType::F32, &[4, 2, 16, 8]));
     }
 

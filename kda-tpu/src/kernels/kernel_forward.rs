@@ -184,10 +184,17 @@ pub(super) fn forward_body(
     let mut beta_dims: Vec<i64> = s.layout.scalar_shape(s.h, s.b, s.t).iter().map(|&d| d as i64).collect();
     beta_dims.push(1);
     let beta = b.reshape(a.beta, &beta_dims)?;
-    let beta = lanes_first(b, s, beta)?;
     ops.push(match tokens {
-        Tokens::Lanes => kernel_tokens(b, s, beta, a.slot_token)?,
-        _ => b.reshape(beta, &[s.h as i64, (s.b * s.t) as i64, 1])?,
+        // Batch-first rows read in place: beta as the programs take it, `[B*T, H]`.
+        Tokens::BatchFirst => b.reshape(beta, &[(s.b * s.t) as i64, s.h as i64])?,
+        Tokens::Lanes => {
+            let beta = lanes_first(b, s, beta)?;
+            kernel_tokens(b, s, beta, a.slot_token)?
+        }
+        _ => {
+            let beta = lanes_first(b, s, beta)?;
+            b.reshape(beta, &[s.h as i64, (s.b * s.t) as i64, 1])?
+        }
     });
     // A packed kernel reads every per-token input through a window of two blocks: each operand
     // twice.
@@ -227,7 +234,13 @@ pub(super) fn forward_body(
         h0: h0.is_some(),
         ht: s.final_state,
         states: keep_h,
+        step_chunks: 1,
     };
+    let wish = match s.step_chunks {
+        0 => dims.default_step_chunks(),
+        n => n as i64,
+    };
+    let dims = ForwardDims { step_chunks: dims.steps_for(wish), ..dims };
     // The chunk terms' constant masks, made once by their own one-step kernel.
     let masks = crate::mosaic::blocks::term_masks_kernel(dims.mask_dtype())?;
     ops.extend(match lowering {

@@ -47,7 +47,11 @@ struct Declared {
 impl Declared {
     fn new(b: &mut FnBuilder, s: &KernelSpec, kind: ProgramKind) -> Result<Declared> {
         let sig = ProgramSignature::of(s, kind);
-        let values = sig.args.iter().map(|p| b.arg(p.ty.clone())).collect::<Result<_>>()?;
+        let mut values = Vec::with_capacity(sig.args.len());
+        for p in &sig.args {
+            let x = b.arg(p.ty.clone())?;
+            values.push(caller_view(b, s, p.name, x)?);
+        }
         Ok(Declared { sig, values })
     }
 
@@ -84,6 +88,33 @@ impl Declared {
             slot_token: self.get("slot_token"),
             token_slot: self.get("token_slot"),
         })
+    }
+}
+
+/// Per-token argument `name` (in the programs' form, [`KernelSpec::token_dims`]) in the caller's
+/// shape, as the program bodies read it (a reshape; others as they are).
+pub(super) fn caller_view(b: &mut FnBuilder, s: &KernelSpec, name: &str, x: Value) -> Result<Value> {
+    let dims = match name {
+        "q" | "k" | "g" => s.caller_token_dims(s.k),
+        "v" | "do" => s.caller_token_dims(s.v),
+        "beta" => s.caller_beta_dims(),
+        _ => return Ok(x),
+    };
+    if x.dims() == dims.as_slice() {
+        Ok(x)
+    } else {
+        b.reshape(x, &dims)
+    }
+}
+
+/// A result `x` in its port's form `ty` (a reshape of the same elements; otherwise as it is,
+/// for the signature check to name).
+pub(super) fn program_form(b: &mut FnBuilder, x: Value, ty: &TensorType) -> Result<Value> {
+    let same_count = x.dims().iter().product::<i64>() == ty.dims.iter().product::<i64>();
+    if x.dims() != ty.dims.as_slice() && same_count && x.elem() == ty.elem {
+        b.reshape(x, &ty.dims)
+    } else {
+        Ok(x)
     }
 }
 
@@ -448,6 +479,11 @@ pub(crate) fn build(
         ProgramKind::Backward(strategy) => backward_body(&mut f, s, &d, strategy)?,
         ProgramKind::Fused(strategy) => fused_body(&mut f, s, &d, strategy)?,
     };
+    let outs = outs
+        .into_iter()
+        .zip(&d.sig.results)
+        .map(|(x, p)| program_form(&mut f, x, &p.ty))
+        .collect::<Result<Vec<_>>>()?;
     let got: Vec<TensorType> = outs.iter().map(Value::ty).collect();
     if got != d.sig.result_types() {
         let names: Vec<&str> = d.sig.results.iter().map(|p| p.name).collect();

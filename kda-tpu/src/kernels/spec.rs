@@ -80,6 +80,9 @@ pub struct KernelSpec {
     pub slab: usize,
     /// What runs the forward programs' chunk loop; backward and fused programs are XLA's.
     pub implementation: Implementation,
+    /// The kernel forward's wish of chunks per grid step for fixed-length rows (0: its default,
+    /// [`crate::mosaic::forward::ForwardDims::default_step_chunks`]).
+    pub step_chunks: usize,
 }
 
 impl KernelSpec {
@@ -107,6 +110,7 @@ impl KernelSpec {
             packed_chunks,
             slab: 0,
             implementation: Implementation::Xla,
+            step_chunks: 0,
         }
     }
     /// The spec of a call's inputs, as the backend builds it: validated, packed segments at
@@ -129,6 +133,12 @@ impl KernelSpec {
     /// The same spec with fused programs in slabs of `chunks` chunk positions (0: no slabs).
     pub fn with_slab(mut self, chunks: usize) -> Self {
         self.slab = chunks;
+        self
+    }
+    /// The same spec with the kernel forward running at most `chunks` chunks per grid step
+    /// (0: its default).
+    pub fn with_step_chunks(mut self, chunks: usize) -> Self {
+        self.step_chunks = chunks;
         self
     }
     /// The same spec with its forward programs run by `implementation`.
@@ -166,17 +176,46 @@ impl KernelSpec {
         self.gate != GateKind::Preactivated
     }
     /// Shape of a per-token input of width `d` in the caller's layout.
-    pub fn token_dims(&self, d: usize) -> Vec<i64> {
+    pub fn caller_token_dims(&self, d: usize) -> Vec<i64> {
         self.layout.token_shape(self.h, self.b, self.t, d).iter().map(|&x| x as i64).collect()
     }
     /// Shape of `beta` as the caller gives it.
-    pub fn beta_dims(&self) -> Vec<i64> {
+    pub fn caller_beta_dims(&self) -> Vec<i64> {
         let mut s: Vec<i64> =
             self.layout.scalar_shape(self.h, self.b, self.t).iter().map(|&x| x as i64).collect();
         if self.beta_trailing_one {
             s.push(1);
         }
         s
+    }
+    /// The programs' form of a per-token input of width `d` (the row-major elements of
+    /// [`KernelSpec::caller_token_dims`]): head-first `[H, B, T, D]` as given, batch-first
+    /// `[B*T, H*D]`, whose TPU tiles run along tokens (a `[B, T, H, D]` array is tiled over
+    /// `(H, D)`, and reading a head's tokens from it costs a relayout of the whole tensor).
+    pub fn token_dims(&self, d: usize) -> Vec<i64> {
+        let (h, b, t, d) = (self.h as i64, self.b as i64, self.t as i64, d as i64);
+        match self.layout {
+            Layout::HeadFirst => vec![h, b, t, d],
+            Layout::BatchFirst => vec![b * t, h * d],
+        }
+    }
+    /// The programs' form of `beta` (as [`KernelSpec::token_dims`]): head-first as given,
+    /// batch-first `[B*T, H]`.
+    pub fn beta_dims(&self) -> Vec<i64> {
+        match self.layout {
+            Layout::HeadFirst => self.caller_beta_dims(),
+            Layout::BatchFirst => vec![(self.b * self.t) as i64, self.h as i64],
+        }
+    }
+    /// The programs' form of a per-token result of width `d`: `[H*B*T, D]` head-first,
+    /// `[B*T, H*D]` batch-first (each the row-major elements of the caller's shape, tiled
+    /// along tokens).
+    pub fn result_token_dims(&self, d: usize) -> Vec<i64> {
+        let (h, b, t, d) = (self.h as i64, self.b as i64, self.t as i64, d as i64);
+        match self.layout {
+            Layout::HeadFirst => vec![h * b * t, d],
+            Layout::BatchFirst => vec![b * t, h * d],
+        }
     }
     /// `[B, N, H, K, V]`.
     pub fn state_dims(&self) -> Vec<i64> {

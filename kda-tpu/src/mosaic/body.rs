@@ -66,6 +66,8 @@ pub enum Unary {
     Log1p,
     /// `1 / sqrt(x)`
     Rsqrt,
+    /// `tanh(x)`
+    Tanh,
     /// `-x`
     Neg,
 }

@@ -129,6 +129,11 @@ pub struct ForwardDims {
     pub ht: bool,
     /// Whether `h`, the state entering every chunk, is a result.
     pub states: bool,
+    /// Chunks per grid step: a divisor of `chunks`, above one only for fixed-length rows read in
+    /// place ([`ForwardDims::steps_for`] picks one). A step forms all its chunks' terms before
+    /// their state updates, so that the compiler overlaps them, and pays the step's own
+    /// bookkeeping once.
+    pub step_chunks: i64,
 }
 
 impl ForwardDims {
@@ -155,15 +160,45 @@ impl ForwardDims {
         matches!(self.tokens, Tokens::HeadFirst | Tokens::BatchFirst)
     }
 
-    /// Chunks per grid step: two when the chunks of a lane are an even count of whole blocks
-    /// read in place or as lanes (halving the steps' own cost, and letting the second chunk's
-    /// chunk-local terms run beside the first chunk's state update), else one (packed windows).
+    /// Chunks per grid step ([`ForwardDims::step_chunks`]).
     pub fn chunks_per_step(&self) -> i64 {
-        if self.fixed_rows() && self.chunks % 2 == 0 {
-            2
-        } else {
-            1
+        self.step_chunks
+    }
+
+    /// The chunks per grid step for a wish of `at_most`: the largest power of two up to it that
+    /// divides the chunk count, for fixed-length rows read in place ([`ForwardDims::fixed_rows`]);
+    /// one otherwise (packed windows).
+    pub fn steps_for(&self, at_most: i64) -> i64 {
+        if !self.fixed_rows() {
+            return 1;
         }
+        let mut n = 1;
+        while n * 2 <= at_most.max(1) && self.chunks % (n * 2) == 0 {
+            n *= 2;
+        }
+        n
+    }
+
+    /// The default wish for [`ForwardDims::steps_for`]: [`STREAMED_STEP_CHUNKS`] when the
+    /// per-token operands are too large for XLA to place them in VMEM (it streams them from HBM
+    /// then, and each grid step pays DMA bookkeeping for every operand: at H=32, T=8192 about
+    /// 140 bundles a step), while a step's double-buffered blocks stay within
+    /// [`STEP_BLOCK_BYTES`]; else two (a second chunk's terms overlap the first's state update).
+    pub fn default_step_chunks(&self) -> i64 {
+        let bytes = |t: DType| i64::from(t.bit_width() / 8);
+        // Bytes of one token of one lane through q, k, v, g, beta and o (and one chunk's state).
+        let token =
+            2 * self.k * bytes(self.qk) + self.k * bytes(self.g) + (2 * self.v + 1) * bytes(self.dtype);
+        let operands = self.lanes() * self.chunks * C * token;
+        if operands <= STREAMED_BYTES {
+            return 2;
+        }
+        let chunk = C * token + if self.states { 4 * self.k * self.v } else { 0 };
+        let mut n = STREAMED_STEP_CHUNKS;
+        while n > 2 && 2 * n * chunk > STEP_BLOCK_BYTES {
+            n /= 2;
+        }
+        n
     }
 
     /// The dtype of the exponent masks the kernel reads
@@ -175,6 +210,19 @@ impl ForwardDims {
         }
     }
 }
+
+/// Per-token operand bytes above which [`ForwardDims::default_step_chunks`] takes XLA to stream
+/// them from HBM (it keeps the primary shape's 10 MB in VMEM, and streams H=32, T=8192's).
+pub const STREAMED_BYTES: i64 = 16 << 20;
+
+/// Chunks per grid step when the operands stream from HBM: at H=32, T=8192 (bf16, tpu7x) the
+/// static count falls from 2.94 M at two to 2.59 M at sixteen (thirty-two: a little less again,
+/// for twice the code and VMEM).
+pub const STREAMED_STEP_CHUNKS: i64 = 16;
+
+/// The bound on one grid step's double-buffered per-token blocks (and saved states) that
+/// [`ForwardDims::default_step_chunks`] keeps to, well inside the default scoped VMEM.
+pub const STEP_BLOCK_BYTES: i64 = 8 << 20;
 
 /// The largest key or value width of the kernel (docs/kda.md, Shapes).
 pub const MAX_WIDTH: i64 = 256;
@@ -200,7 +248,7 @@ fn token_operand(name: &str, d: &ForwardDims, tokens: Tokens, dtype: DType, w: i
 /// must not decrease, padding chunks after the last segment repeating its slot, since a result
 /// block revisited later would be written back stale), then
 /// `q k v g beta [gate] [h0] exponent_masks level_masks` (beta `[L, T, 1]` for
-/// [`Tokens::Lanes`], else `[H, R * T, 1]`; `h0` `[L, S, K, V]` f32; the masks are the results
+/// [`Tokens::Lanes`], `[R * T, H]` for [`Tokens::BatchFirst`], else `[H, R * T, 1]`; `h0` `[L, S, K, V]` f32; the masks are the results
 /// of [`super::blocks::term_masks_kernel`] for [`ForwardDims::mask_dtype`]); its results
 /// `o [ht] [h]` (`o` laid out as `v`).
 pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
@@ -242,6 +290,13 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
             format!("packed tokens read in place in one row of whole 64-token blocks ({d:?})"),
         ));
     }
+    let n_ok = n >= 1 && d.chunks % n == 0 && (n == 1 || d.fixed_rows());
+    if !n_ok {
+        return Err(TpuError::unsupported(
+            "mosaic forward",
+            format!("chunks per step dividing the chunk count, one unless fixed-length rows are read in place ({d:?})"),
+        ));
+    }
     // Packed windows read every block twice (as a chunk's upper, then the next one's lower block).
     let reads = if packed { 2.0 } else { 1.0 };
     let bytes =
@@ -268,9 +323,21 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
     let windows: &[usize] = if packed { &[Window::LO, Window::HI] } else { &[0] };
     let token_inputs =
         [("q", d.tokens, d.qk, k), ("k", d.tokens, d.qk, k), ("v", d.tokens, x, v), ("g", d.tokens, d.g, k)];
+    // Batch-first beta `[R * T, H]` is read in place, every head's column of a step's rows
+    // (its own picked in the body), rather than transposed by XLA.
+    let beta_rows = d.tokens == Tokens::BatchFirst;
     for (name, tokens, dtype, w) in token_inputs.into_iter().chain([("beta", beta_tokens, x, 1)]) {
         for &table in windows {
-            kb = kb.input(token_operand(name, &d, tokens, dtype, w, table));
+            kb = kb.input(if name == "beta" && beta_rows {
+                Operand::blocked(
+                    "beta",
+                    TensorType::new(x, &[d.rows * nt * C, d.heads]),
+                    &[n * C, d.heads],
+                    vec![g1.clone() * (nt / n) + g2.clone(), Index::Const(0)],
+                )
+            } else {
+                token_operand(name, &d, tokens, dtype, w, table)
+            });
         }
     }
     let per_token = 5 * windows.len();
@@ -297,8 +364,14 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
     let p = d.precision();
     let out_ht = Ref::Output(1);
     let out_h = Ref::Output(1 + usize::from(d.ht));
-    let transcendentals = (l * t * k) as f64 * (4.0 + if gated { 2.0 } else { 0.0 })
-        + if d.l2norm { 2.0 * (l * t) as f64 } else { 0.0 };
+    // The gate's own: softplus an exponential and a log1p, the lower bound one tanh.
+    let gate_ops = match d.gate {
+        Gate::Preactivated => 0.0,
+        Gate::Softplus => 2.0,
+        Gate::LowerBound(_) => 1.0,
+    };
+    let transcendentals =
+        (l * t * k) as f64 * (4.0 + gate_ops) + if d.l2norm { 2.0 * (l * t) as f64 } else { 0.0 };
     // A pre-activated bf16 g is bf16 after the floor: one pass sums it exactly.
     let g_passes = if d.g == DType::BF16 && !gated { 1 } else { 2 };
     kb = kb.scratch("state", ty(DType::F32, &[k, v])).scratch("sums", ty(DType::F32, &[C, k]));
@@ -366,8 +439,24 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
                     }
                 }
             };
-            let (mut q, mut kk, vv, g, beta) =
-                (f32_2d(b, 0, k)?, f32_2d(b, 1, k)?, f32_2d(b, 2, v)?, f32_2d(b, 3, k)?, f32_2d(b, 4, 1)?);
+            let beta = if beta_rows {
+                // Head `h`'s column of the rows `[64, H]`: a product with the one-hot `[H, 1]`
+                // (exact: one term, times 1).
+                let rows =
+                    b.load(Ref::Input(4), &[Offset::Const(ci * C), Offset::Const(0)], &[C, d.heads])?;
+                let rows = if rows.ty.elem == DType::F32 { rows } else { b.cast(&rows, DType::F32)? };
+                let head = b.program_id(0)?;
+                let head = b.broadcast(&head, &[C, d.heads])?;
+                let ids = b.iota(&[C, d.heads], 1)?;
+                let mine = b.compare(Cmp::Eq, &ids, &head)?;
+                let zero = b.splat(0.0, DType::F32, &[C, d.heads])?;
+                let picked = b.select(&mine, &rows, &zero)?;
+                b.reduce(Reduction::Sum, &picked, 1)?
+            } else {
+                f32_2d(b, 4, 1)?
+            };
+            let (mut q, mut kk, vv, g) =
+                (f32_2d(b, 0, k)?, f32_2d(b, 1, k)?, f32_2d(b, 2, v)?, f32_2d(b, 3, k)?);
             if d.l2norm {
                 q = l2_normalise(b, &q)?;
                 kk = l2_normalise(b, &kk)?;
@@ -522,14 +611,14 @@ fn activate(b: &mut Body, x: &V, gate: Gate, params: usize) -> Result<V> {
                 }
                 _ => {
                     let lb = if let Gate::LowerBound(lb) = gate { lb } else { 0.0 };
-                    // lb * sigmoid(a z) = lb / (1 + exp(-a z)).
-                    let az = b.binary(Binary::Mul, &a, &z)?;
-                    let naz = b.unary(Unary::Neg, &az)?;
-                    let e = b.unary(Unary::Exp, &naz)?;
-                    let one = b.splat(1.0, DType::F32, &dims)?;
-                    let den = b.binary(Binary::Add, &one, &e)?;
-                    let lbs = b.splat(lb, DType::F32, &dims)?;
-                    b.binary(Binary::Div, &lbs, &den)?
+                    // lb * sigmoid(a z) = lb/2 + lb/2 tanh(a z / 2): one transcendental.
+                    let half_a = b.splat(0.5, DType::F32, &dims)?;
+                    let half_a = b.binary(Binary::Mul, &a, &half_a)?;
+                    let x = b.binary(Binary::Mul, &half_a, &z)?;
+                    let t = b.unary(Unary::Tanh, &x)?;
+                    let half_lb = b.splat(lb / 2.0, DType::F32, &dims)?;
+                    let scaled = b.binary(Binary::Mul, &t, &half_lb)?;
+                    b.binary(Binary::Add, &scaled, &half_lb)?
                 }
             }
         }

@@ -207,6 +207,7 @@ impl Step<'_> {
                     Unary::Log => b.log(x)?,
                     Unary::Log1p => b.log1p(x)?,
                     Unary::Rsqrt => b.rsqrt(x)?,
+                    Unary::Tanh => b.tanh(x)?,
                     Unary::Neg => b.neg(x)?,
                 };
                 (out, v)

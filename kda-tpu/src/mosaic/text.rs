@@ -174,7 +174,22 @@ impl<'k> Emitter<'k> {
                 ));
             }
             Op::Matmul { out, a, b, contract, precision } => {
-                let (an, bn, z) = (self.name(a)?, self.name(b)?, self.temp());
+                let (mut an, mut bn) = (self.name(a)?, self.name(b)?);
+                let (mut at, mut bt) = (a.ty.clone(), b.ty.clone());
+                // One bf16 pass: f32 operands rounded to bf16 here (as the interpret lowering
+                // does), so that the MXU streams packed bf16 rows, half the issue of f32 rows
+                // it would round itself.
+                if *precision == MatPrecision::Default {
+                    for (n, t) in [(&mut an, &mut at), (&mut bn, &mut bt)] {
+                        if t.elem == DType::F32 {
+                            let r = self.temp();
+                            let bf = TensorType::new(DType::BF16, &t.dims);
+                            self.line(&format!("{r} = arith.truncf {n} : {} to {}", vty(t), vty(&bf)));
+                            (*n, *t) = (r, bf);
+                        }
+                    }
+                }
+                let z = self.temp();
                 self.line(&format!("{z} = arith.constant dense<0.000000000e+00> : {}", vty(&out.ty)));
                 let (cl, cr) = (contract.0, contract.1);
                 let dims = format!(
@@ -191,7 +206,7 @@ impl<'k> Emitter<'k> {
                 let n = self.def(out);
                 self.line(&format!(
                     "{n} = tpu.matmul {an}, {bn}, {z} {{dimension_numbers = #tpu.dot_dimension_numbers<{dims}>, {p}transpose_lhs_hint = false}} : {}, {}, {} -> {}",
-                    vty(&a.ty), vty(&b.ty), vty(&out.ty), vty(&out.ty)
+                    vty(&at), vty(&bt), vty(&out.ty), vty(&out.ty)
                 ));
             }
             Op::Binary { out, op, a, b } => {
@@ -207,6 +222,7 @@ impl<'k> Emitter<'k> {
                     Unary::Log => "math.log",
                     Unary::Log1p => "math.log1p",
                     Unary::Rsqrt => "math.rsqrt",
+                    Unary::Tanh => "math.tanh",
                     Unary::Neg => "arith.negf",
                 };
                 let n = self.def(out);
