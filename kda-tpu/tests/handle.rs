@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use kda_core::{BackwardStrategy, Cotangents, DType, ErrorKind, KdaError, KdaGradients, KdaOutputs};
 use kda_testkit::{case, case_data, CaseData};
-use kda_tpu::{DeviceCotangents, PjrtBackend, TpuError, TransferStats};
+use kda_tpu::{DeviceCotangents, Implementation, PjrtBackend, TpuError, TransferStats};
 use rstest::rstest;
 
 fn backend() -> PjrtBackend {
@@ -101,12 +101,21 @@ fn eight_threads_on_one_handle_match_calls_made_alone_bitwise() {
 
 /// The device-resident loop: inputs uploaded once, `do = o` taken on the device, residuals
 /// and gradients left there. After the first step only index tables cross, nothing comes
-/// back and nothing is reshaped on the device; the results equal the host API's bitwise.
+/// back, and the only device-side reshapes are in the backward, between the forms the programs
+/// declare: `o` (returned 2-D) read as `do`, and with the kernel forward (which takes
+/// batch-first inputs as `[B*T, H*D]`, the form they are uploaded in, so that the forward
+/// reshapes nothing) the XLA backward reading q, k, v, g and beta in the caller's shapes. The
+/// results equal the host API's bitwise.
 #[rstest]
-#[case::fixed("fixed_batch_first_b2")]
-#[case::packed("packed_rows_differ")]
-fn device_loop_moves_index_tables_once(#[case] name: &str) {
-    let be = backend();
+#[case::fixed("fixed_batch_first_b2", Implementation::Xla, 1)]
+#[case::packed("packed_rows_differ", Implementation::Xla, 1)]
+#[case::fixed_kernel_forward("fixed_batch_first_b2", Implementation::Interpret, 6)]
+fn device_loop_moves_index_tables_once(
+    #[case] name: &str,
+    #[case] implementation: Implementation,
+    #[case] reshapes: u64,
+) {
+    let be = backend().with_implementation(implementation).expect("implementation");
     let d = data(name, DType::F32);
     let x = be.to_device(&d.inputs, 0).expect("upload");
     let mut crossed = Vec::new();
@@ -114,6 +123,8 @@ fn device_loop_moves_index_tables_once(#[case] name: &str) {
     for _ in 0..3 {
         let before = be.transfer_stats();
         let (out, res) = be.forward(&x, BackwardStrategy::SavedState).expect("forward");
+        // The forward reads the uploaded inputs as they are held.
+        assert_eq!(be.transfer_stats().since(before).reshapes, 0, "reshapes in the forward");
         let cot = DeviceCotangents { d_o: out.o.clone(), dht: None };
         let grads = be.backward(&res, &cot).expect("backward");
         crossed.push(be.transfer_stats().since(before));
@@ -133,11 +144,9 @@ fn device_loop_moves_index_tables_once(#[case] name: &str) {
                 to_device: if step == 0 { tables } else { 0 },
                 to_host: 0,
                 executions: 2,
-                reshapes: 0
+                reshapes
             },
-            "step {step}: only the index tables may cross, once (the handle keeps them), and no \
-             argument is reshaped on the device (batch-first inputs and `do = o` are held in the \
-             programs' form)"
+            "step {step}: only the index tables may cross, once (the handle keeps them)"
         );
     }
     // The same step through host tensors gives the same bits.

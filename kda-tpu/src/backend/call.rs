@@ -325,7 +325,7 @@ impl PjrtBackend {
             DType::BF16 => |t| Upload::cast(t, DType::BF16),
             _ => |t| Upload::cast(t, DType::F32),
         };
-        let mut ups = vec![(&c.d_o, d_o, super::io::held_as("do", Some(p.layout), c.d_o.shape()))];
+        let mut ups = vec![(&c.d_o, d_o, None)];
         ups.extend(c.dht.as_ref().map(|t| (t, f32, None)));
         let ts = self.upload_each(device, ups, || c.check_values())?;
         Ok(["do", "dht"].into_iter().zip(ts).map(|(n, t)| (n, Arg::Tensor(t))).collect())

@@ -93,14 +93,17 @@ const PER_TOKEN: [&str; 5] = ["q", "k", "v", "g", "beta"];
 const F32_ON_DEVICE: [&str; 8] =
     ["initial_state", "a_log", "dt_bias", "dht", "final_state", "dh0", "da_log", "ddt_bias"];
 
-/// The dims a per-token tensor `name` of a record is held in on the device: the programs' form
-/// ([`crate::kernels::KernelSpec::token_dims`]), batch-first `[B*T, H*D]` (`beta` `[B*T, H]`),
-/// so that no program reshapes it (on a TPU a relayout of the whole tensor); `None`: as given.
-pub(crate) fn held_as(name: &str, layout: Option<Layout>, shape: &[usize]) -> Option<Vec<i64>> {
-    let token = matches!(name, "q" | "k" | "v" | "g" | "do");
+/// The dims a per-token input `name` of a record is held in on the device for a handle whose
+/// forward runs a kernel (`kernel`): the kernel forward's form
+/// ([`crate::kernels::KernelSpec::kernel_token_dims`]), batch-first `[B*T, H*D]` (`beta`
+/// `[B*T, H]`), so that the forward reads it without a reshape (on a TPU a relayout of the
+/// whole tensor); `None`: as given (XLA's programs take the caller's shapes).
+pub(crate) fn held_as(name: &str, layout: Option<Layout>, shape: &[usize], kernel: bool) -> Option<Vec<i64>> {
+    let token = kernel && matches!(name, "q" | "k" | "v" | "g");
+    let beta = kernel && name == "beta";
     match (layout, shape) {
         (Some(Layout::BatchFirst), &[b, t, h, d]) if token => Some(vec![(b * t) as i64, (h * d) as i64]),
-        (Some(Layout::BatchFirst), &[b, t, h] | &[b, t, h, 1]) if name == "beta" => {
+        (Some(Layout::BatchFirst), &[b, t, h] | &[b, t, h, 1]) if beta => {
             Some(vec![(b * t) as i64, h as i64])
         }
         _ => None,
@@ -133,9 +136,10 @@ impl PjrtBackend {
         self.check_device_index(device)?;
         let travel = x.travel()?;
         let named = x.named();
+        let kernel = self.implementation != crate::Implementation::Xla;
         let items = named
             .iter()
-            .map(|&(name, t)| (t, travel_of(name, travel), held_as(name, travel.layout, t.shape())));
+            .map(|&(name, t)| (t, travel_of(name, travel), held_as(name, travel.layout, t.shape(), kernel)));
         let mut tensors = self.upload_each(device, items, || x.check_values())?.into_iter();
         x.try_map(&mut |name, _| {
             let t = tensors.next().ok_or_else(|| too_few("upload", name))?;

@@ -30,12 +30,13 @@
 //! dbeta [dh0] [da_log] [ddt_bias]` (each in its input's element type; `dh0` like `h0`,
 //! `da_log` and `ddt_bias` f32); the fused program the forward's `o [final_state]` and then the
 //! backward's results. Per-token results are 2-D: `o dq dk dv dg` are
-//! [`KernelSpec::result_token_dims`]`(D)` (`[H*B*T, D]` head-first, `[B*T, H*D]` batch-first)
-//! and `dbeta` `[H*B*T]`, holding the row-major elements of the caller's shape
-//! ([`KernelSpec::caller_token_dims`], [`KernelSpec::caller_beta_dims`]): a reshape gives that
-//! shape back. Per-token arguments, likewise, are the caller's row-major elements: head-first
-//! as given, batch-first `[B*T, H*D]` (`beta` `[B*T, H]`), the form a projection returns and
-//! the one a TPU reads a head's tokens from without a relayout.
+//! [`KernelSpec::result_token_dims`] (`[H*B*T, D]`, or `[B*T, H*D]` batch-first in a kernel
+//! forward) and `dbeta` `[H*B*T]`, holding the row-major elements of the caller's shape
+//! (`token_dims(D)`, `beta_dims()`): a reshape gives that shape back. A forward run by a kernel
+//! lowering ([`KernelSpec::kernel_forms`]) takes batch-first per-token arguments as `[B*T, H*D]`
+//! and `beta` as `[B*T, H]` ([`KernelSpec::kernel_token_dims`], the caller's row-major
+//! elements, the form a projection returns and the one a TPU reads a head's tokens from without
+//! a relayout).
 //!
 //! The five index tables (`chunk_first` .. `token_slot`) come from [`index_tables`]: for fixed
 //! length `chunk_first = [1, 0, ..]`, `chunk_last = [.., 0, 1]` and `chunk_slot = 0`; for packed
@@ -96,12 +97,14 @@ impl ProgramSignature {
         let nt = s.chunks() as i64;
         let state = s.state_dims();
         let saved_h = [s.lanes() as i64, nt, s.k as i64, s.v as i64];
+        let kernel_forms = s.kernel_forms(kind);
+        let tokens = |d: usize| if kernel_forms { s.kernel_token_dims(d) } else { s.token_dims(d) };
         let mut args = vec![
-            port("q", e, &s.token_dims(s.k)),
-            port("k", e, &s.token_dims(s.k)),
-            port("v", e, &s.token_dims(s.v)),
-            port("g", ge, &s.token_dims(s.k)),
-            port("beta", e, &s.beta_dims()),
+            port("q", e, &tokens(s.k)),
+            port("k", e, &tokens(s.k)),
+            port("v", e, &tokens(s.v)),
+            port("g", ge, &tokens(s.k)),
+            port("beta", e, &if kernel_forms { s.kernel_beta_dims() } else { s.beta_dims() }),
         ];
         if s.has_h0 {
             args.push(port("h0", f32, &state));
@@ -121,8 +124,8 @@ impl ProgramSignature {
         }
         // Per-token results are 2-D (and `dbeta` `[H*B*T]`): the row-major bytes of the
         // caller's shapes (a 4-D result with a unit axis made XLA copy it once more).
-        let flat_k = s.result_token_dims(s.k);
-        let flat_v = s.result_token_dims(s.v);
+        let flat_k = s.result_token_dims(s.k, kernel_forms);
+        let flat_v = s.result_token_dims(s.v, kernel_forms);
         let flat_beta = [s.beta_dims().iter().product::<i64>()];
         let mut results = Vec::new();
         let forward = |results: &mut Vec<Port>| {
@@ -449,15 +452,18 @@ mod tests {
         assert_eq!(sig.arg_index("do"), Some(8));
         assert_eq!(sig.arg_index("h"), None);
         let sig = ProgramSignature::of(&base(false), ProgramKind::Forward(BackwardStrategy::SavedState));
-        // Batch-first (H = 2, B = 2, T = 100, K = 16, V = 8): per-token tensors `[B*T, H*D]`.
+        // Batch-first (H = 2, B = 2, T = 100, K = 16, V = 8): XLA's programs take the caller's
+        // shapes and return `[B*T*H, D]`; a kernel forward takes and returns `[B*T, H*D]`.
+        assert_eq!(sig.results[0].ty, TensorType::new(DType::F32, &[400, 8]));
+        assert_eq!(sig.args[0].ty, TensorType::new(DType::F32, &[2, 100, 2, 16]));
+        assert_eq!(sig.results[1].ty, TensorType::new(DType::F32, &[4, 2, 16, 8]));
+        let kernel = KernelSpec { implementation: crate::Implementation::Interpret, ..base(false) };
+        let sig = ProgramSignature::of(&kernel, ProgramKind::Forward(BackwardStrategy::SavedState));
         assert_eq!(sig.results[0].ty, TensorType::new(DType::F32, &[200, 16]));
         assert_eq!(sig.args[0].ty, TensorType::new(DType::F32, &[200, 32]));
         assert_eq!(sig.args[4].ty, TensorType::new(DType::F32, &[200, 2]));
-        let head_first = KernelSpec { layout: Layout::HeadFirst, ..base(false) };
-        let sig = ProgramSignature::of(&head_first, ProgramKind::Forward(BackwardStrategy::SavedState));
-        assert_eq!(sig.results[0].ty, TensorType::new(DType::F32, &[400, 8]));
-        assert_eq!(sig.args[0].ty, TensorType::new(DType::F32, &[2, 2, 100, 16]));
-        assert_eq!(sig.results[1].ty, TensorType::new(DType::F32, &[4, 2, 16, 8]));
+        let sig = ProgramSignature::of(&kernel, ProgramKind::Fused(BackwardStrategy::SavedState));
+        assert_eq!(sig.args[0].ty, TensorType::new(DType::F32, &[2, 100, 2, 16]));
     }
 
     #[test]

@@ -23,7 +23,10 @@ use kda_core::{GateKind, Layout};
 fn lanes_first(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result<Value> {
     match s.layout {
         Layout::HeadFirst => Ok(x),
-        Layout::BatchFirst => b.transpose(x, &[2, 0, 1, 3]),
+        Layout::BatchFirst => {
+            let x = if x.rank() == 4 { x } else { prep::caller_tokens(b, s, x)? };
+            b.transpose(x, &[2, 0, 1, 3])
+        }
     }
 }
 
@@ -90,8 +93,8 @@ fn kernel_input(
     x: Value,
     tokens: Tokens,
     slot_token: Option<Value>,
+    d: i64,
 ) -> Result<Value> {
-    let d = *x.dims().last().unwrap_or(&1);
     let (h, bb, t) = (s.h as i64, s.b as i64, s.t as i64);
     match tokens {
         Tokens::HeadFirst | Tokens::PackedHeadFirst => b.reshape(x, &[h, bb * t, d]),
@@ -163,8 +166,8 @@ pub(super) fn forward_body(
         })?;
         ops.extend(window_tables(b, s, slot_token)?);
     }
-    for t in [a.q, a.k, a.v] {
-        ops.push(kernel_input(b, s, t, tokens, a.slot_token)?);
+    for (t, d) in [(a.q, s.k), (a.k, s.k), (a.v, s.v)] {
+        ops.push(kernel_input(b, s, t, tokens, a.slot_token, d as i64)?);
     }
     // The gate in the kernel reads raw inputs in place only: lanes hold padding tokens, whose
     // zero raw gate would activate to a decay, so lanes get the activated gate from XLA (zero
@@ -177,7 +180,7 @@ pub(super) fn forward_body(
             let g = prep::activate(b, s, gx, Some(&p))?;
             kernel_tokens(b, s, g, a.slot_token)?
         }
-        _ => kernel_input(b, s, a.g, tokens, a.slot_token)?,
+        _ => kernel_input(b, s, a.g, tokens, a.slot_token, s.k as i64)?,
     };
     let g_dtype = g.elem();
     ops.push(g);
@@ -259,8 +262,8 @@ pub(super) fn forward_body(
             let o = prep::from_chunks(b, s, o, a.token_slot)?;
             prep::to_caller(b, s, o, x)?
         }
-        // Already in the caller's layout: the flat result is a reshape.
-        _ => b.reshape(outs[0], &[(s.h * s.b * s.t) as i64, s.v as i64])?,
+        // Already in the caller's layout: the result's form is a reshape.
+        _ => b.reshape(outs[0], &s.result_token_dims(s.v, true))?,
     };
     let mut results = vec![o];
     if s.final_state {

@@ -12,8 +12,20 @@ pub fn head_first(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result<Value> 
     let x = if x.elem() == DType::F32 { x } else { b.convert(x, DType::F32)? };
     Ok(match s.layout {
         Layout::HeadFirst => x,
-        Layout::BatchFirst => b.transpose(x, &[2, 0, 1, 3])?,
+        Layout::BatchFirst => {
+            // The programs' `[B*T, H*D]` (the dtype widened first, so that XLA makes one copy).
+            let x = if x.rank() == 4 { x } else { caller_tokens(b, s, x)? };
+            b.transpose(x, &[2, 0, 1, 3])?
+        }
     })
+}
+
+/// A batch-first per-token tensor in the programs' form `[B*T, H*D]` as the caller's
+/// `[B, T, H, D]` (a reshape).
+pub fn caller_tokens(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result<Value> {
+    let hd = *x.dims().last().unwrap_or(&1);
+    let (h, bb, t) = (s.h as i64, s.b as i64, s.t as i64);
+    b.reshape(x, &[bb, t, h, hd / h.max(1)])
 }
 
 /// `beta` as the caller gives it to `[H, B, T, 1]` f32.

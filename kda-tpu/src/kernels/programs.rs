@@ -49,8 +49,7 @@ impl Declared {
         let sig = ProgramSignature::of(s, kind);
         let mut values = Vec::with_capacity(sig.args.len());
         for p in &sig.args {
-            let x = b.arg(p.ty.clone())?;
-            values.push(caller_view(b, s, p.name, x)?);
+            values.push(b.arg(p.ty.clone())?);
         }
         Ok(Declared { sig, values })
     }
@@ -88,22 +87,6 @@ impl Declared {
             slot_token: self.get("slot_token"),
             token_slot: self.get("token_slot"),
         })
-    }
-}
-
-/// Per-token argument `name` (in the programs' form, [`KernelSpec::token_dims`]) in the caller's
-/// shape, as the program bodies read it (a reshape; others as they are).
-pub(super) fn caller_view(b: &mut FnBuilder, s: &KernelSpec, name: &str, x: Value) -> Result<Value> {
-    let dims = match name {
-        "q" | "k" | "g" => s.caller_token_dims(s.k),
-        "v" | "do" => s.caller_token_dims(s.v),
-        "beta" => s.caller_beta_dims(),
-        _ => return Ok(x),
-    };
-    if x.dims() == dims.as_slice() {
-        Ok(x)
-    } else {
-        b.reshape(x, &dims)
     }
 }
 

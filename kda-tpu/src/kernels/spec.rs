@@ -176,11 +176,11 @@ impl KernelSpec {
         self.gate != GateKind::Preactivated
     }
     /// Shape of a per-token input of width `d` in the caller's layout.
-    pub fn caller_token_dims(&self, d: usize) -> Vec<i64> {
+    pub fn token_dims(&self, d: usize) -> Vec<i64> {
         self.layout.token_shape(self.h, self.b, self.t, d).iter().map(|&x| x as i64).collect()
     }
     /// Shape of `beta` as the caller gives it.
-    pub fn caller_beta_dims(&self) -> Vec<i64> {
+    pub fn beta_dims(&self) -> Vec<i64> {
         let mut s: Vec<i64> =
             self.layout.scalar_shape(self.h, self.b, self.t).iter().map(|&x| x as i64).collect();
         if self.beta_trailing_one {
@@ -188,33 +188,38 @@ impl KernelSpec {
         }
         s
     }
-    /// The programs' form of a per-token input of width `d` (the row-major elements of
-    /// [`KernelSpec::caller_token_dims`]): head-first `[H, B, T, D]` as given, batch-first
+    /// Whether program `kind` holds its per-token tensors in the kernel forms
+    /// ([`KernelSpec::kernel_token_dims`]): a forward run by a kernel lowering. XLA's programs
+    /// keep the caller's shapes, from which XLA's layout assignment makes fewer copies.
+    pub fn kernel_forms(&self, kind: super::ProgramKind) -> bool {
+        matches!(kind, super::ProgramKind::Forward(_)) && self.implementation != Implementation::Xla
+    }
+    /// A kernel program's form of a per-token input of width `d` (the row-major elements of
+    /// [`KernelSpec::token_dims`]): head-first `[H, B, T, D]` as given, batch-first
     /// `[B*T, H*D]`, whose TPU tiles run along tokens (a `[B, T, H, D]` array is tiled over
     /// `(H, D)`, and reading a head's tokens from it costs a relayout of the whole tensor).
-    pub fn token_dims(&self, d: usize) -> Vec<i64> {
+    pub fn kernel_token_dims(&self, d: usize) -> Vec<i64> {
         let (h, b, t, d) = (self.h as i64, self.b as i64, self.t as i64, d as i64);
         match self.layout {
             Layout::HeadFirst => vec![h, b, t, d],
             Layout::BatchFirst => vec![b * t, h * d],
         }
     }
-    /// The programs' form of `beta` (as [`KernelSpec::token_dims`]): head-first as given,
-    /// batch-first `[B*T, H]`.
-    pub fn beta_dims(&self) -> Vec<i64> {
+    /// A kernel program's form of `beta`: head-first as given, batch-first `[B*T, H]`.
+    pub fn kernel_beta_dims(&self) -> Vec<i64> {
         match self.layout {
-            Layout::HeadFirst => self.caller_beta_dims(),
+            Layout::HeadFirst => self.beta_dims(),
             Layout::BatchFirst => vec![(self.b * self.t) as i64, self.h as i64],
         }
     }
-    /// The programs' form of a per-token result of width `d`: `[H*B*T, D]` head-first,
-    /// `[B*T, H*D]` batch-first (each the row-major elements of the caller's shape, tiled
-    /// along tokens).
-    pub fn result_token_dims(&self, d: usize) -> Vec<i64> {
+    /// A per-token result of width `d`, 2-D: `[H*B*T, D]` head-first; batch-first
+    /// `[B*T, H*D]` in a kernel program, `[B*T*H, D]` in XLA's (each the row-major elements
+    /// of the caller's shape).
+    pub fn result_token_dims(&self, d: usize, kernel_forms: bool) -> Vec<i64> {
         let (h, b, t, d) = (self.h as i64, self.b as i64, self.t as i64, d as i64);
-        match self.layout {
-            Layout::HeadFirst => vec![h * b * t, d],
-            Layout::BatchFirst => vec![b * t, h * d],
+        match (self.layout, kernel_forms) {
+            (Layout::BatchFirst, true) => vec![b * t, h * d],
+            _ => vec![h * b * t, d],
         }
     }
     /// `[B, N, H, K, V]`.

@@ -213,7 +213,7 @@ impl ForwardDims {
 
 /// Per-token operand bytes above which [`ForwardDims::default_step_chunks`] takes XLA to stream
 /// them from HBM (it keeps the primary shape's 10 MB in VMEM, and streams H=32, T=8192's).
-pub const STREAMED_BYTES: i64 = 16 << 20;
+pub const STREAMED_BYTES: i64 = 64 << 20;
 
 /// Chunks per grid step when the operands stream from HBM: at H=32, T=8192 (bf16, tpu7x) the
 /// static count falls from 2.94 M at two to 2.59 M at sixteen (thirty-two: a little less again,
