@@ -212,7 +212,9 @@ impl ForwardDims {
 }
 
 /// Per-token operand bytes above which [`ForwardDims::default_step_chunks`] takes XLA to stream
-/// them from HBM (it keeps the primary shape's 10 MB in VMEM, and streams H=32, T=8192's).
+/// them from HBM: more than a TensorCore's 64 MiB of VMEM cannot stay there (the primary
+/// shape's 10 MB, bf16, or 25 MB, f32, are placed in VMEM, where two chunks a step count
+/// fewest; H=32, T=8192's 336 MB stream).
 pub const STREAMED_BYTES: i64 = 64 << 20;
 
 /// Chunks per grid step when the operands stream from HBM: at H=32, T=8192 (bf16, tpu7x) the
