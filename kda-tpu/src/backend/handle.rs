@@ -322,7 +322,7 @@ impl PjrtBackend {
         let mut shapes = Vec::new();
         for (t, prepare, held_as) in items {
             let (mut u, counters) = (prepare(t), self.shared.counters.clone());
-            // Held in the programs' form (same row-major elements), seen with the caller's shape.
+            // Held in a program's form (same row-major elements), seen with the caller's shape.
             if let Some(dims) = held_as {
                 u.dims = dims;
             }

@@ -13,14 +13,15 @@ pub fn head_first(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result<Value> 
     Ok(match s.layout {
         Layout::HeadFirst => x,
         Layout::BatchFirst => {
-            // The programs' `[B*T, H*D]` (the dtype widened first, so that XLA makes one copy).
+            // A kernel forward's `[B*T, H*D]` ([`KernelSpec::kernel_token_dims`]) as the caller's
+            // shape first.
             let x = if x.rank() == 4 { x } else { caller_tokens(b, s, x)? };
             b.transpose(x, &[2, 0, 1, 3])?
         }
     })
 }
 
-/// A batch-first per-token tensor in the programs' form `[B*T, H*D]` as the caller's
+/// A batch-first per-token tensor in a kernel forward's form `[B*T, H*D]` as the caller's
 /// `[B, T, H, D]` (a reshape).
 pub fn caller_tokens(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result<Value> {
     let hd = *x.dims().last().unwrap_or(&1);

@@ -47,10 +47,7 @@ struct Declared {
 impl Declared {
     fn new(b: &mut FnBuilder, s: &KernelSpec, kind: ProgramKind) -> Result<Declared> {
         let sig = ProgramSignature::of(s, kind);
-        let mut values = Vec::with_capacity(sig.args.len());
-        for p in &sig.args {
-            values.push(b.arg(p.ty.clone())?);
-        }
+        let values = sig.args.iter().map(|p| b.arg(p.ty.clone())).collect::<Result<_>>()?;
         Ok(Declared { sig, values })
     }
 
