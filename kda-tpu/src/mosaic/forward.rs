@@ -392,6 +392,15 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
         // may run a later chunk's terms beside an earlier chunk's state update), then the state
         // updates in chunk order.
         let mut local = Vec::new();
+        // Batch-first beta: the mask of this step's head among the `H` lanes of its rows.
+        let head_column = if beta_rows {
+            let head = b.program_id(0)?;
+            let head = b.broadcast(&head, &[C, d.heads])?;
+            let ids = b.iota(&[C, d.heads], 1)?;
+            Some((b.compare(Cmp::Eq, &ids, &head)?, b.splat(0.0, DType::F32, &[C, d.heads])?))
+        } else {
+            None
+        };
         for ci in 0..n {
             let c = if n == 1 {
                 step.clone()
@@ -441,18 +450,13 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
                     }
                 }
             };
-            let beta = if beta_rows {
-                // Head `h`'s column of the rows `[64, H]`: a product with the one-hot `[H, 1]`
-                // (exact: one term, times 1).
+            let beta = if let Some((mine, zero)) = &head_column {
+                // Head `h`'s column of the rows `[64, H]`: the others zeroed, then a lane sum
+                // (exact: one term).
                 let rows =
                     b.load(Ref::Input(4), &[Offset::Const(ci * C), Offset::Const(0)], &[C, d.heads])?;
                 let rows = if rows.ty.elem == DType::F32 { rows } else { b.cast(&rows, DType::F32)? };
-                let head = b.program_id(0)?;
-                let head = b.broadcast(&head, &[C, d.heads])?;
-                let ids = b.iota(&[C, d.heads], 1)?;
-                let mine = b.compare(Cmp::Eq, &ids, &head)?;
-                let zero = b.splat(0.0, DType::F32, &[C, d.heads])?;
-                let picked = b.select(&mine, &rows, &zero)?;
+                let picked = b.select(mine, &rows, zero)?;
                 b.reduce(Reduction::Sum, &picked, 1)?
             } else {
                 f32_2d(b, 4, 1)?
