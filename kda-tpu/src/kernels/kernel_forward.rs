@@ -23,10 +23,7 @@ use kda_core::{GateKind, Layout};
 fn lanes_first(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result<Value> {
     match s.layout {
         Layout::HeadFirst => Ok(x),
-        Layout::BatchFirst => {
-            let x = if x.rank() == 4 { x } else { prep::caller_tokens(b, s, x)? };
-            b.transpose(x, &[2, 0, 1, 3])
-        }
+        Layout::BatchFirst => prep::heads_outermost(b, s, x),
     }
 }
 
@@ -260,7 +257,8 @@ pub(super) fn forward_body(
             let (l, nt) = (s.lanes() as i64, s.chunks() as i64);
             let o = b.reshape(outs[0], &[l, nt, CHUNK as i64, s.v as i64])?;
             let o = prep::from_chunks(b, s, o, a.token_slot)?;
-            prep::to_caller(b, s, o, x)?
+            let o = prep::to_caller(b, s, o, x)?;
+            b.reshape(o, &s.result_token_dims(s.v, true))?
         }
         // Already in the caller's layout: the result's form is a reshape.
         _ => b.reshape(outs[0], &s.result_token_dims(s.v, true))?,

@@ -12,21 +12,21 @@ pub fn head_first(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result<Value> 
     let x = if x.elem() == DType::F32 { x } else { b.convert(x, DType::F32)? };
     Ok(match s.layout {
         Layout::HeadFirst => x,
-        Layout::BatchFirst => {
-            // A kernel forward's `[B*T, H*D]` ([`KernelSpec::kernel_token_dims`]) as the caller's
-            // shape first.
-            let x = if x.rank() == 4 { x } else { caller_tokens(b, s, x)? };
-            b.transpose(x, &[2, 0, 1, 3])?
-        }
+        Layout::BatchFirst => heads_outermost(b, s, x)?,
     })
 }
 
-/// A batch-first per-token tensor in a kernel forward's form `[B*T, H*D]` as the caller's
-/// `[B, T, H, D]` (a reshape).
-pub fn caller_tokens(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result<Value> {
-    let hd = *x.dims().last().unwrap_or(&1);
-    let (h, bb, t) = (s.h as i64, s.b as i64, s.t as i64);
-    b.reshape(x, &[bb, t, h, hd / h.max(1)])
+/// A batch-first per-token tensor, `[B, T, H, D]` or a kernel forward's `[B*T, H*D]`
+/// ([`KernelSpec::kernel_token_dims`]), as head-first `[H, B, T, D]`, in its own dtype.
+pub fn heads_outermost(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result<Value> {
+    let x = if x.rank() == 4 {
+        x
+    } else {
+        let hd = *x.dims().last().unwrap_or(&1);
+        let (h, bb, t) = (s.h as i64, s.b as i64, s.t as i64);
+        b.reshape(x, &[bb, t, h, hd / h.max(1)])?
+    };
+    b.transpose(x, &[2, 0, 1, 3])
 }
 
 /// `beta` as the caller gives it to `[H, B, T, 1]` f32.

@@ -87,17 +87,6 @@ impl Declared {
     }
 }
 
-/// A result `x` in its port's form `ty` (a reshape of the same elements; otherwise as it is,
-/// for the signature check to name).
-pub(super) fn program_form(b: &mut FnBuilder, x: Value, ty: &TensorType) -> Result<Value> {
-    let same_count = x.dims().iter().product::<i64>() == ty.dims.iter().product::<i64>();
-    if x.dims() != ty.dims.as_slice() && same_count && x.elem() == ty.elem {
-        b.reshape(x, &ty.dims)
-    } else {
-        Ok(x)
-    }
-}
-
 /// Inputs in working form: head-first f32 tokens (normalised, gate activated) and chunks.
 struct Working {
     q: Value,
@@ -459,11 +448,6 @@ pub(crate) fn build(
         ProgramKind::Backward(strategy) => backward_body(&mut f, s, &d, strategy)?,
         ProgramKind::Fused(strategy) => fused_body(&mut f, s, &d, strategy)?,
     };
-    let outs = outs
-        .into_iter()
-        .zip(&d.sig.results)
-        .map(|(x, p)| program_form(&mut f, x, &p.ty))
-        .collect::<Result<Vec<_>>>()?;
     let got: Vec<TensorType> = outs.iter().map(Value::ty).collect();
     if got != d.sig.result_types() {
         let names: Vec<&str> = d.sig.results.iter().map(|p| p.name).collect();
