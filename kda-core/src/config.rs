@@ -117,15 +117,15 @@ impl BackwardStrategy {
     }
 }
 
-/// What runs a PJRT backend's forward chunk loop (docs/design.md, "The Mosaic kernels").
+/// What runs a PJRT backend's chunk loops (docs/design.md, "Mosaic kernels").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Implementation {
     /// XLA loops over chunks (any plugin; the default).
     #[default]
     Xla,
-    /// The Mosaic forward kernel in a `tpu_custom_call` (libtpu only).
+    /// The Mosaic forward and backward kernels in `tpu_custom_call`s (libtpu only).
     Mosaic,
-    /// The Mosaic forward kernel's interpret lowering: the same kernel as plain StableHLO, on
+    /// The Mosaic kernels' interpret lowering: the same kernels as plain StableHLO, on
     /// any plugin (what the CPU checks).
     Interpret,
 }

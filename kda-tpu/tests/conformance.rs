@@ -773,6 +773,22 @@ mod full {
         }
     }
 
+    /// The interpret lowering of the backward kernels on every case of the table: both
+    /// strategies, split and fused.
+    #[rstest]
+    fn interpret_backward_every_case(
+        #[values(BackwardStrategy::SavedState, BackwardStrategy::Rematerialize)] strategy: BackwardStrategy,
+        #[values(Path::Fused, Path::Split)] path: Path,
+        #[values(DType::F32, DType::BF16)] dtype: DType,
+    ) {
+        let be = super::interpret::backend();
+        let failures: Vec<String> = kda_testkit::CASE_NAMES
+            .iter()
+            .filter_map(|name| kda_testkit::conformance::backward(&be, name, dtype, strategy, path).err())
+            .collect();
+        assert!(failures.is_empty(), "{} cases failed:\n{}", failures.len(), failures.join("\n"));
+    }
+
     #[rstest]
     fn interpret_forward_every_case(#[values(DType::F32, DType::BF16)] dtype: DType) {
         let be = super::interpret::backend();

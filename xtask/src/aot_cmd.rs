@@ -22,10 +22,9 @@ options:
                        (default primary); docs/kda.md, Benchmarks
   --dtype f32|bf16|both  input dtype (default bf16)
   --implementation xla|mosaic|interpret
-                       what runs the forward programs' chunk loop (default xla): mosaic
-                       compiles the Mosaic forward kernel (and reports its VMEM), interpret
-                       its plain-StableHLO lowering; with mosaic or interpret only the
-                       forward programs are compiled (the backward programs are XLA's)
+                       what runs the programs' chunk loops (default xla): mosaic compiles
+                       the Mosaic forward and backward kernels (and reports their VMEM),
+                       interpret their plain-StableHLO lowering
   --devices N          compile the context-parallel programs for N devices (replicas) and
                        report the memory per device (default 1: the single-device programs);
                        on tpu7x:2x2x1 libtpu counts 8 devices, one per TensorCore
@@ -194,7 +193,6 @@ impl Default for AotOptions {
 /// Parses the arguments after `aot`; `Ok(None)` means help was asked for.
 pub fn parse_args(args: &[String]) -> Result<Option<AotOptions>, String> {
     let mut o = AotOptions::default();
-    let mut programs_given = false;
     let mut flags = cli::Flags::new(args);
     while let Some(item) = flags.next()? {
         let flag = match item {
@@ -214,7 +212,6 @@ pub fn parse_args(args: &[String]) -> Result<Option<AotOptions>, String> {
             "--program" => {
                 let v = flags.value(flag)?;
                 o.programs = cli::list(flag, &v, &Program::ALL, Program::parse, &program_names())?;
-                programs_given = true;
             }
             "--implementation" => {
                 let v = flags.value(flag)?;
@@ -243,16 +240,6 @@ pub fn parse_args(args: &[String]) -> Result<Option<AotOptions>, String> {
         }
     }
     if o.implementation != kda_core::Implementation::Xla {
-        let forward = |p: &Program| matches!(p, Program::Forward | Program::ForwardSavedState);
-        if !programs_given {
-            o.programs.retain(forward);
-        } else if let Some(p) = o.programs.iter().find(|p| !forward(p)) {
-            return Err(format!(
-                "`--implementation {}` runs the forward programs only; {} is XLA's",
-                o.implementation.name(),
-                p.name()
-            ));
-        }
         if o.devices > 1 {
             return Err(format!(
                 "`--implementation {}`: the context-parallel programs (`--devices`) are XLA's",
@@ -390,12 +377,10 @@ mod tests {
     }
 
     #[test]
-    fn mosaic_compiles_the_forward_programs() {
+    fn mosaic_compiles_every_program() {
         let o = parse_args(&args("--implementation mosaic")).unwrap().unwrap();
         assert_eq!(o.implementation, kda_core::Implementation::Mosaic);
-        assert_eq!(o.programs, [Program::Forward, Program::ForwardSavedState]);
-        let err = parse_args(&args("--implementation mosaic --program fused-remat")).unwrap_err();
-        assert!(err.contains("fused-remat is XLA's"), "{err}");
+        assert_eq!(o.programs.len(), 6, "{:?}", o.programs);
         let err = parse_args(&args("--implementation interpret --devices 4")).unwrap_err();
         assert!(err.contains("context-parallel"), "{err}");
         let err = parse_args(&args("--implementation pallas")).unwrap_err();

@@ -95,7 +95,7 @@ pub struct RunOptions {
     pub gate: GateChoice,
     /// Devices for context parallelism (pjrt only; 1: one device).
     pub devices: usize,
-    /// What runs the forward programs (pjrt only; the context-parallel ones are XLA's).
+    /// What runs the programs' chunk loops (pjrt only; the context-parallel ones are XLA's).
     pub implementation: kda_core::Implementation,
 }
 

@@ -119,12 +119,13 @@ impl PjrtOptions {
         self
     }
 
-    /// What runs the forward programs' chunk loop (default `$KDA_IMPLEMENTATION`, else
+    /// What runs the programs' chunk loops (default `$KDA_IMPLEMENTATION`, else
     /// [`Implementation::Xla`]):
     /// [`Implementation::Mosaic`] needs a TPU plugin (else [`PjrtOptions::build`] is an
     /// `Unsupported` error naming the platform); [`Implementation::Interpret`] runs the same
-    /// kernel's interpret lowering on any plugin. Backward, fused and context-parallel programs
-    /// are XLA's whichever is chosen; the saved-state backward reads the kernel's states.
+    /// kernels' interpret lowering on any plugin. The forward, the backward (both strategies)
+    /// and the fused forward+VJP run on the kernels; context-parallel programs are XLA's
+    /// whichever is chosen.
     pub fn implementation(mut self, implementation: Implementation) -> Self {
         self.implementation = Some(implementation);
         self

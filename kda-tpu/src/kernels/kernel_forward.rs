@@ -20,7 +20,7 @@ use crate::Result;
 use kda_core::{GateKind, Layout};
 
 /// A per-token tensor in the caller's layout to head-first `[H, B, T, D]`, in its own dtype.
-fn lanes_first(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result<Value> {
+pub(super) fn lanes_first(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result<Value> {
     match s.layout {
         Layout::HeadFirst => Ok(x),
         Layout::BatchFirst => prep::heads_outermost(b, s, x),
@@ -28,7 +28,7 @@ fn lanes_first(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result<Value> {
 }
 
 /// Head-first `[H, B, T, D]` to the kernel's `[L, NT * 64, D]` (packed: gathered by `slot_token`).
-fn kernel_tokens(b: &mut FnBuilder, s: &KernelSpec, x: Value, slot_token: Option<Value>) -> Result<Value> {
+pub(super) fn kernel_tokens(b: &mut FnBuilder, s: &KernelSpec, x: Value, slot_token: Option<Value>) -> Result<Value> {
     let d = x.dims()[3];
     let c = prep::to_chunks(b, s, x, slot_token)?;
     b.reshape(c, &[s.lanes() as i64, (s.chunks() * CHUNK) as i64, d])
@@ -37,7 +37,7 @@ fn kernel_tokens(b: &mut FnBuilder, s: &KernelSpec, x: Value, slot_token: Option
 /// `slot` with every entry raised to the largest before it: the real chunks' slots never
 /// decrease, and the padding chunks after them (slot 0 in the tables) then keep the last
 /// segment's slot, so the kernel's `ht` block is never revisited.
-fn running_max(b: &mut FnBuilder, slot: Value) -> Result<Value> {
+pub(super) fn running_max(b: &mut FnBuilder, slot: Value) -> Result<Value> {
     let n = slot.dims()[0];
     let at = b.iota(i32t(&[n, n]), 0)?;
     let before = b.iota(i32t(&[n, n]), 1)?;
@@ -50,7 +50,7 @@ fn running_max(b: &mut FnBuilder, slot: Value) -> Result<Value> {
 
 /// `[S]` i1: whether a chunk ends a segment of each state slot (the kernel writes `ht` there;
 /// an empty segment's final state is its initial one).
-fn ended(b: &mut FnBuilder, s: &KernelSpec, last: Value, slot: Value) -> Result<Value> {
+pub(super) fn ended(b: &mut FnBuilder, s: &KernelSpec, last: Value, slot: Value) -> Result<Value> {
     let (nt, slots) = (s.chunks() as i64, s.slots() as i64);
     let ids = b.iota(i32t(&[nt, slots]), 1)?;
     let at = b.broadcast_in_dim(slot, &[nt, slots], &[0])?;
@@ -67,7 +67,7 @@ fn ended(b: &mut FnBuilder, s: &KernelSpec, last: Value, slot: Value) -> Result<
 /// chunks, or are packed into whole 64-token blocks (batch-first only when each head's K and V
 /// lanes are whole 128-lane tiles, or H = 1), else through lanes that XLA makes (padded to whole
 /// chunks).
-fn tokens_of(s: &KernelSpec) -> Tokens {
+pub(super) fn tokens_of(s: &KernelSpec) -> Tokens {
     let tiles = s.h == 1 || (s.k.is_multiple_of(128) && s.v.is_multiple_of(128));
     if s.packed_chunks.is_some() {
         return match ((s.b * s.t).is_multiple_of(CHUNK), s.layout) {
@@ -84,7 +84,7 @@ fn tokens_of(s: &KernelSpec) -> Tokens {
 }
 
 /// A per-token input as the kernel reads it: in place (a free reshape) or as lanes.
-fn kernel_input(
+pub(super) fn kernel_input(
     b: &mut FnBuilder,
     s: &KernelSpec,
     x: Value,
@@ -134,7 +134,7 @@ fn window_tables(b: &mut FnBuilder, s: &KernelSpec, slot_token: Value) -> Result
 }
 
 /// The kernel's gate parameters `[H, 2, K]`: `exp(a_log)` on every channel, then `dt_bias`.
-fn gate_operand(b: &mut FnBuilder, s: &KernelSpec, a_log: Value, dt_bias: Option<Value>) -> Result<Value> {
+pub(super) fn gate_operand(b: &mut FnBuilder, s: &KernelSpec, a_log: Value, dt_bias: Option<Value>) -> Result<Value> {
     let (h, k) = (s.h as i64, s.k as i64);
     let a = b.exp(a_log)?;
     let a = b.broadcast_in_dim(a, &[h, 1, k], &[0])?;
@@ -145,31 +145,19 @@ fn gate_operand(b: &mut FnBuilder, s: &KernelSpec, a_log: Value, dt_bias: Option
     b.concatenate(&[a, bias], 1)
 }
 
-/// The forward body: `o [final_state] [h]` as [`super::ProgramSignature`] says, the chunk
-/// loop in the forward kernel lowered as `lowering`.
-pub(super) fn forward_body(
+/// The kernel's per-token inputs `q k v g beta` as `tokens` reads them, with the dtype of `g`
+/// (the raw gate, or for lanes the gate XLA activated).
+pub(super) fn token_inputs(
     b: &mut FnBuilder,
     s: &KernelSpec,
     a: &Args,
-    keep_h: bool,
-    lowering: Lowering,
-) -> Result<Vec<Value>> {
-    let x = on_device(s.dtype);
-    let tokens = tokens_of(s);
-    let mut ops = vec![a.tables.first, a.tables.last, running_max(b, a.tables.slot)?];
-    if tokens.packed() {
-        let slot_token = a.slot_token.ok_or_else(|| {
-            crate::TpuError::builder("mosaic forward", "a packed program without slot_token")
-        })?;
-        ops.extend(window_tables(b, s, slot_token)?);
-    }
+    tokens: Tokens,
+) -> Result<(Vec<Value>, kda_core::DType)> {
+    let mut ops = Vec::new();
     for (t, d) in [(a.q, s.k), (a.k, s.k), (a.v, s.v)] {
         ops.push(kernel_input(b, s, t, tokens, a.slot_token, d as i64)?);
     }
-    // The gate in the kernel reads raw inputs in place only: lanes hold padding tokens, whose
-    // zero raw gate would activate to a decay, so lanes get the activated gate from XLA (zero
-    // on padding, as the XLA programs have it).
-    let in_kernel_gate = tokens != Tokens::Lanes && s.in_kernel_gate();
+    // Lanes get the gate XLA activated ([`kernel_gate`]).
     let g = match (tokens, a.a_log) {
         (Tokens::Lanes, Some(al)) => {
             let gx = prep::head_first(b, s, a.g)?;
@@ -196,6 +184,41 @@ pub(super) fn forward_body(
             b.reshape(beta, &[s.h as i64, (s.b * s.t) as i64, 1])?
         }
     });
+    Ok((ops, g_dtype))
+}
+
+/// The gate the kernel applies: the caller's when it reads raw gates in place (lanes hold
+/// padding tokens, whose zero raw gate would activate to a decay, so lanes get the gate XLA
+/// activated, zero on padding, as the XLA programs have it).
+pub(super) fn kernel_gate(s: &KernelSpec, tokens: Tokens) -> Gate {
+    match (tokens != Tokens::Lanes && s.in_kernel_gate(), s.gate) {
+        (false, _) | (_, GateKind::Preactivated) => Gate::Preactivated,
+        (true, GateKind::Softplus) => Gate::Softplus,
+        (true, GateKind::LowerBound(lb)) => Gate::LowerBound(lb),
+    }
+}
+
+/// The forward body: `o [final_state] [h]` as [`super::ProgramSignature`] says (`o` in the
+/// kernel forms when `kernel_forms`), the chunk loop in the forward kernel lowered as `lowering`.
+pub(super) fn forward_body(
+    b: &mut FnBuilder,
+    s: &KernelSpec,
+    a: &Args,
+    keep_h: bool,
+    lowering: Lowering,
+    kernel_forms: bool,
+) -> Result<Vec<Value>> {
+    let x = on_device(s.dtype);
+    let tokens = tokens_of(s);
+    let mut ops = vec![a.tables.first, a.tables.last, running_max(b, a.tables.slot)?];
+    if tokens.packed() {
+        let slot_token = a.slot_token.ok_or_else(|| {
+            crate::TpuError::builder("mosaic forward", "a packed program without slot_token")
+        })?;
+        ops.extend(window_tables(b, s, slot_token)?);
+    }
+    let (inputs, g_dtype) = token_inputs(b, s, a, tokens)?;
+    ops.extend(inputs);
     // A packed kernel reads every per-token input through a window of two blocks: each operand
     // twice.
     if tokens.packed() {
@@ -204,12 +227,8 @@ pub(super) fn forward_body(
             ops.extend([x, x]);
         }
     }
-    let gate = match (in_kernel_gate, s.gate) {
-        (false, _) | (_, GateKind::Preactivated) => Gate::Preactivated,
-        (true, GateKind::Softplus) => Gate::Softplus,
-        (true, GateKind::LowerBound(lb)) => Gate::LowerBound(lb),
-    };
-    if let (true, Some(al)) = (in_kernel_gate, a.a_log) {
+    let gate = kernel_gate(s, tokens);
+    if let (true, Some(al)) = (gate != Gate::Preactivated, a.a_log) {
         ops.push(gate_operand(b, s, al, a.dt_bias)?);
     }
     let h0 = match a.h0 {
@@ -258,10 +277,10 @@ pub(super) fn forward_body(
             let o = b.reshape(outs[0], &[l, nt, CHUNK as i64, s.v as i64])?;
             let o = prep::from_chunks(b, s, o, a.token_slot)?;
             let o = prep::to_caller(b, s, o, x)?;
-            b.reshape(o, &s.result_token_dims(s.v, true))?
+            b.reshape(o, &s.result_token_dims(s.v, kernel_forms))?
         }
         // Already in the caller's layout: the result's form is a reshape.
-        _ => b.reshape(outs[0], &s.result_token_dims(s.v, true))?,
+        _ => b.reshape(outs[0], &s.result_token_dims(s.v, kernel_forms))?,
     };
     let mut results = vec![o];
     if s.final_state {

@@ -4,6 +4,7 @@ pub mod compose;
 pub mod context_parallel;
 pub mod interface;
 mod intra;
+mod kernel_backward;
 mod kernel_forward;
 mod ops;
 #[cfg(feature = "harness")]

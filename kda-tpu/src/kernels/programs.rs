@@ -511,7 +511,7 @@ pub fn forward_program(s: &KernelSpec, keep_h: bool) -> Result<String> {
 fn forward_body(f: &mut FnBuilder, s: &KernelSpec, d: &Declared, keep_h: bool) -> Result<Vec<Value>> {
     let a = d.args()?;
     if let Some(lowering) = super::spec::lowering(s.implementation) {
-        return super::kernel_forward::forward_body(f, s, &a, keep_h, lowering);
+        return super::kernel_forward::forward_body(f, s, &a, keep_h, lowering, true);
     }
     let w = working(f, s, &a)?;
     if s.in_slabs() {
@@ -569,6 +569,9 @@ fn backward_body(
     };
     let d_o = d.need("do")?;
     let dht = d.get("dht");
+    if let Some(lowering) = super::spec::lowering(s.implementation) {
+        return super::kernel_backward::backward(f, s, &a, saved, (d_o, dht), lowering);
+    }
     let w = working(f, s, &a)?;
     let ct = chunk_terms(f, w.qc, w.kc, w.vc, w.gc, w.betac, s.scale as f32, s.slab == 0)?;
     let (h, v_new) = match saved {
@@ -608,6 +611,10 @@ fn fused_body(
     let a = d.args()?;
     let d_o = d.need("do")?;
     let dht = d.get("dht");
+    if let Some(lowering) = super::spec::lowering(s.implementation) {
+        let _ = strategy;
+        return super::kernel_backward::fused(f, s, &a, (d_o, dht), lowering);
+    }
     let w = working(f, s, &a)?;
     if s.in_slabs() {
         let outs = fused_slabs(f, s, &a, &w, strategy, (d_o, dht))?;

@@ -78,7 +78,7 @@ pub struct KernelSpec {
     /// only one slab's intermediates are live at a time (see `programs::fused_program`).
     /// 0 also selects the CPU form of the forward alone (outputs formed inside the recurrence).
     pub slab: usize,
-    /// What runs the forward programs' chunk loop; backward and fused programs are XLA's.
+    /// What runs the programs' chunk loops (the context-parallel programs are XLA's).
     pub implementation: Implementation,
     /// The kernel forward's wish of chunks per grid step for fixed-length rows (0: its default,
     /// [`crate::mosaic::forward::ForwardDims::default_step_chunks`]).

@@ -286,6 +286,16 @@ pub struct ChunkTerms {
     pub l_rest: V,
     /// The 64x64 identity (from the level masks).
     pub eye: V,
+    /// `e^G`, `[64, K]`.
+    pub egc: V,
+    /// `e^(G_C - G)`, `[64, K]`.
+    pub egs: V,
+    /// `beta k`, `[64, K]`.
+    pub bk: V,
+    /// Per level, the row and column factors `[64, K]` (the backward reads them).
+    pub factors: Vec<(V, V)>,
+    /// Per level, the `Aqk` mask (causal) and the `L` mask (strictly causal), `[64, 64]` f32.
+    pub levels: Vec<V>,
 }
 
 /// Rows of the stacked exponent masks ([`exponent_masks`]): `[EXPONENT_ROWS, 64]`.
@@ -452,5 +462,5 @@ pub fn chunk_terms(
     let l = add(b, &l_blocks, &l_rest)?;
     // The identity is level 0's causal mask less its strict one.
     let eye = b.binary(Binary::Sub, &levels[0], &levels[1])?;
-    Ok(ChunkTerms { aqk, l, l_blocks, l_rest, qg, kg, kbg, eg_last, eye })
+    Ok(ChunkTerms { aqk, l, l_blocks, l_rest, qg, kg, kbg, eg_last, eye, egc, egs, bk, factors, levels })
 }

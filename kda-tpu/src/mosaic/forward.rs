@@ -27,7 +27,7 @@ use super::kernel::{Cost, Index, Kernel, KernelBuilder, Operand, Semantics};
 use crate::error::{Result, TpuError};
 use crate::hlo::{Cmp, TensorType};
 
-const C: i64 = 64;
+pub(super) const C: i64 = 64;
 
 /// How the per-token operands (`q k v g` and `o`) hold their tokens (`R` rows of `T = NT * 64`
 /// tokens, `H` heads, `L = H * R` lanes, lane `h * R + r`).
@@ -91,7 +91,7 @@ pub enum Gate {
 }
 
 /// The floor of the per-token log-decay (as the XLA programs' `GATE_FLOOR`).
-const FLOOR: f64 = -30.0;
+pub(super) const FLOOR: f64 = -30.0;
 
 /// The dims and options of one forward kernel.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -231,10 +231,20 @@ pub const MAX_WIDTH: i64 = 256;
 
 /// The type, block and block indices of a per-token operand of width `w` held as `tokens`, for
 /// the grid (heads, rows, chunks): packed operands are read through window `table` (the block
-/// index table [`Window::LO`] or [`Window::HI`]) of `packed` tokens.
-fn token_operand(name: &str, d: &ForwardDims, tokens: Tokens, dtype: DType, w: i64, table: usize) -> Operand {
+/// index table [`Window::LO`] or [`Window::HI`]) of `packed` tokens. With `reverse` grid step
+/// `i` reads the row's steps from the last (the backward's order; fixed-length rows and lanes).
+pub(super) fn token_operand(
+    name: &str,
+    d: &ForwardDims,
+    tokens: Tokens,
+    dtype: DType,
+    w: i64,
+    table: usize,
+    reverse: bool,
+) -> Operand {
     let (h, r, nt, p, n) = (d.heads, d.rows, d.chunks, d.packed_tokens, d.chunks_per_step());
-    let (g0, g1, g2) = (Index::Grid(0), Index::Grid(1), Index::Grid(2));
+    let (g0, g1) = (Index::Grid(0), Index::Grid(1));
+    let g2 = if reverse { Index::Const(nt / n - 1) + Index::Grid(2) * -1 } else { Index::Grid(2) };
     let (dims, map) = match tokens {
         Tokens::Lanes => ([h * r, nt * C, w], vec![g0 * r + g1, g2, Index::Const(0)]),
         Tokens::HeadFirst => ([h, r * nt * C, w], vec![g0, g1 * (nt / n) + g2, Index::Const(0)]),
@@ -338,7 +348,7 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
                     vec![g1.clone() * (nt / n) + g2.clone(), Index::Const(0)],
                 )
             } else {
-                token_operand(name, &d, tokens, dtype, w, table)
+                token_operand(name, &d, tokens, dtype, w, table, false)
             });
         }
     }
@@ -355,7 +365,7 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
     kb = kb.input(Operand::whole("exponent_masks", ty(d.mask_dtype(), &[EXPONENT_ROWS, C])));
     kb = kb.input(Operand::whole("level_masks", ty(DType::F32, &[LEVEL_ROWS, C])));
     let o_tokens = if packed { Tokens::Lanes } else { d.tokens };
-    kb = kb.output(token_operand("o", &d, o_tokens, x, v, 0));
+    kb = kb.output(token_operand("o", &d, o_tokens, x, v, 0, false));
     if d.ht {
         kb = kb.output(Operand::blocked("ht", ty(DType::F32, &[l, d.slots, k, v]), &[1, 1, k, v], slot()));
     }
@@ -575,20 +585,25 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
 }
 
 /// `x * rsqrt(sum(x^2) + eps)` over the rows of `x` `[64, K]` (the XLA programs' L2 norm).
-fn l2_normalise(b: &mut Body, x: &V) -> Result<V> {
+pub(super) fn l2_normalise(b: &mut Body, x: &V) -> Result<V> {
+    Ok(l2_normalise_with_scale(b, x)?.0)
+}
+
+/// [`l2_normalise`] and its per-row scale `rsqrt(sum(x^2) + eps)` `[64, 1]`.
+pub(super) fn l2_normalise_with_scale(b: &mut Body, x: &V) -> Result<(V, V)> {
     let dims = x.ty.dims.clone();
     let sq = b.binary(Binary::Mul, x, x)?;
     let ss = b.reduce(Reduction::Sum, &sq, 1)?;
     let eps = b.splat(kda_core::L2NORM_EPS, DType::F32, &[dims[0], 1])?;
     let ss = b.binary(Binary::Add, &ss, &eps)?;
     let r = b.unary(Unary::Rsqrt, &ss)?;
-    let r = b.broadcast(&r, &dims)?;
-    b.binary(Binary::Mul, x, &r)
+    let wide = b.broadcast(&r, &dims)?;
+    Ok((b.binary(Binary::Mul, x, &wide)?, r))
 }
 
 /// The activated, floored log-decay of the raw gate `x` `[64, K]`; the gate parameters (if
 /// any) are input `params` (`[1, 2, K]`: `exp(a_log)`, `dt_bias`).
-fn activate(b: &mut Body, x: &V, gate: Gate, params: usize) -> Result<V> {
+pub(super) fn activate(b: &mut Body, x: &V, gate: Gate, params: usize) -> Result<V> {
     let dims = x.ty.dims.clone();
     let g = match gate {
         Gate::Preactivated => x.clone(),

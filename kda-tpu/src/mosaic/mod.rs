@@ -16,6 +16,7 @@
 //! What the CPU verifies is the interpret lowering of the same ops libtpu compiles; only a TPU
 //! run verifies the Mosaic lowering's numbers.
 
+pub mod backward;
 pub mod blocks;
 mod body;
 pub mod forward;

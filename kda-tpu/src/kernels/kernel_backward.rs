@@ -1,0 +1,190 @@
+//! The backward and fused forward+VJP programs around the Mosaic kernels: the same signatures
+//! as XLA's. The backward kernel ([`crate::mosaic::backward`]) reads the states the forward
+//! kernel saved (`h`: the saved-state backward's argument, or in the rematerialized backward
+//! and the fused program the forward kernel's result in the same executable) and the caller's
+//! tensors in place (fixed-length rows of whole chunks), or lanes that XLA makes (other
+//! lengths and packed rows: gathered into chunk-aligned work, the gradients gathered straight
+//! back to their packed tokens). It applies the floor, the gate and the L2 norm to the
+//! gradients itself when it reads raw inputs in place; for lanes XLA takes `dg` through the gate.
+
+use super::kernel_forward::{
+    ended, forward_body, gate_operand, kernel_gate, kernel_input, running_max, token_inputs, tokens_of,
+};
+use super::prep;
+use super::programs::{state_tab, Args};
+use super::spec::{on_device, KernelSpec, CHUNK};
+use crate::hlo::{FnBuilder, Value};
+use crate::mosaic::backward::backward_kernel;
+use crate::mosaic::forward::{ForwardDims, Gate, Tokens};
+use crate::mosaic::Lowering;
+use crate::Result;
+
+/// How the backward kernel reads tokens: as the forward kernel does for fixed-length rows,
+/// through lanes for packed rows (its gradients are gathered back by XLA).
+fn backward_tokens(s: &KernelSpec) -> Tokens {
+    match tokens_of(s) {
+        Tokens::PackedHeadFirst | Tokens::PackedBatchFirst => Tokens::Lanes,
+        t => t,
+    }
+}
+
+/// The gradients `dq dk dv dg dbeta [dh0] [da_log] [ddt_bias]` (caller layouts and dtypes)
+/// of the backward kernel lowered as `lowering`, from the states `h` `[L, NT, K, V]` the
+/// forward kernel saved, `do` and `dht`.
+pub(super) fn grads(
+    b: &mut FnBuilder,
+    s: &KernelSpec,
+    a: &Args,
+    h: Value,
+    (d_o, dht): (Value, Option<Value>),
+    lowering: Lowering,
+) -> Result<Vec<Value>> {
+    let x = on_device(s.dtype);
+    let tokens = backward_tokens(s);
+    let gate = kernel_gate(s, tokens);
+    let mut ops = vec![a.tables.first, a.tables.last, running_max(b, a.tables.slot)?];
+    let (inputs, g_dtype) = token_inputs(b, s, a, tokens)?;
+    ops.extend(inputs);
+    if let (true, Some(al)) = (gate != Gate::Preactivated, a.a_log) {
+        ops.push(gate_operand(b, s, al, a.dt_bias)?);
+    }
+    ops.push(h);
+    ops.push(kernel_input(b, s, d_o, tokens, a.slot_token, s.v as i64)?);
+    let dht_tab = match dht {
+        Some(d) => Some(prep::state_table(b, s, d)?),
+        None => None,
+    };
+    ops.extend(dht_tab);
+    let dims = ForwardDims {
+        heads: s.h as i64,
+        rows: (s.lanes() / s.h) as i64,
+        chunks: s.chunks() as i64,
+        slots: s.slots() as i64,
+        k: s.k as i64,
+        v: s.v as i64,
+        qk: x,
+        g: g_dtype,
+        dtype: x,
+        tokens,
+        packed_tokens: (s.b * s.t) as i64,
+        l2norm: s.l2norm,
+        gate,
+        h0: s.has_h0,
+        ht: dht_tab.is_some(),
+        states: true,
+        step_chunks: 1,
+    };
+    let masks = crate::mosaic::blocks::term_masks_kernel(dims.mask_dtype())?;
+    let kernel = backward_kernel(dims, s.scale)?;
+    let outs = match lowering {
+        Lowering::Mosaic => {
+            ops.extend(masks.call_mosaic(b, &[])?);
+            kernel.call_mosaic(b, &ops)?
+        }
+        Lowering::Interpret => {
+            ops.extend(masks.call_interpret(b, &[])?);
+            kernel.call_interpret(b, &ops)?
+        }
+    };
+    let mut results = Vec::new();
+    let mut gate_grads = Vec::new();
+    if tokens == Tokens::Lanes {
+        let (l, nt, c) = (s.lanes() as i64, s.chunks() as i64, CHUNK as i64);
+        let tok = |b: &mut FnBuilder, y: Value| -> Result<Value> {
+            let d = y.dims()[2];
+            let y = b.reshape(y, &[l, nt, c, d])?;
+            prep::from_chunks(b, s, y, a.token_slot)
+        };
+        let (dq, dk, dv, mut dg, dbeta) =
+            (tok(b, outs[0])?, tok(b, outs[1])?, tok(b, outs[2])?, tok(b, outs[3])?, tok(b, outs[4])?);
+        if let Some(al) = a.a_log {
+            // Through the gate XLA activated.
+            let gx = prep::head_first(b, s, a.g)?;
+            let p = prep::gate_params(b, s, al, a.dt_bias, gx.dims())?;
+            let g = prep::activate(b, s, gx, Some(&p))?;
+            let (dx, da_log, ddt) = prep::gate_backward(b, s, gx, g, dg, &p)?;
+            dg = dx;
+            gate_grads.push(da_log);
+            if s.has_dt_bias {
+                gate_grads.push(ddt);
+            }
+        }
+        for (y, w) in [(dq, s.k), (dk, s.k), (dv, s.v)] {
+            let y = prep::to_caller(b, s, y, x)?;
+            results.push(b.reshape(y, &s.result_token_dims(w, false))?);
+        }
+        let dg = prep::to_caller(b, s, dg, on_device(s.g_dtype))?;
+        results.push(b.reshape(dg, &s.result_token_dims(s.k, false))?);
+        results.push(prep::beta_to_caller(b, s, dbeta, x)?);
+    } else {
+        for (i, w) in [(0, s.k), (1, s.k), (2, s.v), (3, s.k)] {
+            results.push(b.reshape(outs[i], &s.result_token_dims(w, false))?);
+        }
+        let (h, bb, t) = (s.h as i64, s.b as i64, s.t as i64);
+        let dbeta = b.reshape(outs[4], &[h, bb, t, 1])?;
+        results.push(prep::beta_to_caller(b, s, dbeta, x)?);
+        if gate != Gate::Preactivated {
+            // Per-lane sums `[L, 2, K]`: `da_log` over a head's lanes and channels, `ddt_bias`
+            // over its lanes.
+            let sums = outs[5 + usize::from(s.has_h0)];
+            let rows = s.lanes() / s.h;
+            let sums = b.reshape(sums, &[h, rows as i64, 2, s.k as i64])?;
+            let da = b.slice_axis(sums, 2, 0, 1)?;
+            gate_grads.push(b.reduce_sum(da, &[1, 2, 3])?);
+            if s.has_dt_bias {
+                let dd = b.slice_axis(sums, 2, 1, 1)?;
+                let dd = b.reduce_sum(dd, &[1, 2])?;
+                gate_grads.push(b.reshape(dd, &[(s.h * s.k) as i64])?);
+            }
+        }
+    }
+    if s.has_h0 {
+        // A segment without chunks passes its `dht` straight to `dh0`.
+        let dh0 = outs[5];
+        let through = match dht_tab {
+            Some(t) => t,
+            None => state_tab(b, s, None)?,
+        };
+        let ended = ended(b, s, a.tables.last, a.tables.slot)?;
+        let ended = b.broadcast_in_dim(ended, dh0.dims(), &[1])?;
+        let dh0 = b.select(ended, dh0, through)?;
+        results.push(prep::state_from_table(b, s, dh0)?);
+    }
+    results.extend(gate_grads);
+    Ok(results)
+}
+
+/// The fused forward+VJP on the kernels: the forward kernel keeping its states, the backward
+/// kernel reading them; `o [final_state]` then the gradients.
+pub(super) fn fused(
+    b: &mut FnBuilder,
+    s: &KernelSpec,
+    a: &Args,
+    cotangents: (Value, Option<Value>),
+    lowering: Lowering,
+) -> Result<Vec<Value>> {
+    let mut outs = forward_body(b, s, a, true, lowering, false)?;
+    let h = outs.pop().ok_or_else(|| crate::TpuError::builder("mosaic fused", "internal: no states"))?;
+    outs.extend(grads(b, s, a, h, cotangents, lowering)?);
+    Ok(outs)
+}
+
+/// The backward on the kernels: from the saved states `h`, or (rematerialized) from those the
+/// forward kernel recomputes in the same executable.
+pub(super) fn backward(
+    b: &mut FnBuilder,
+    s: &KernelSpec,
+    a: &Args,
+    saved: Option<Value>,
+    cotangents: (Value, Option<Value>),
+    lowering: Lowering,
+) -> Result<Vec<Value>> {
+    let h = match saved {
+        Some(h) => h,
+        None => {
+            let mut outs = forward_body(b, s, a, true, lowering, false)?;
+            outs.pop().ok_or_else(|| crate::TpuError::builder("mosaic backward", "internal: no states"))?
+        }
+    };
+    grads(b, s, a, h, cotangents, lowering)
+}

@@ -1,0 +1,461 @@
+//! The chunked KDA backward as one Mosaic kernel (docs/kda.md, Chunks, the backward): the
+//! grid of the forward kernel (heads, rows: parallel; chunks: arbitrary) walked from each row's
+//! last chunk to its first, `dh` (the gradient of the state after the chunk) in VMEM scratch.
+//! Per chunk it recomputes the chunk terms ([`super::blocks::chunk_terms`]), the WY solve and
+//! `v_new = u - w S0` from the state `S0` entering the chunk (saved by the forward kernel), forms
+//! every gradient of the chunk and writes it once, and steps `dh` back:
+//! `dh <- e^(G_C) dh + scale qg^T dO - w^T dv_new`.
+//!
+//! The gradients through `Aqk` and `L` follow the forward's levels: each level is
+//! `(x fr) (k fc)^T` kept on its mask, so its cotangent gives `x` and `k` their terms and the
+//! exponent arrays of `fr` and `fc` theirs; every exponent array is a coefficient mask times
+//! `g`, so `dg` is one product of the masks' transposes with the exponent gradients stacked.
+//! The `e^(G_C - G)` of `kg` enters through the strict-suffix mask (an exclusive prefix sum:
+//! every term decayed to the chunk's end) and `e^(G_C)` as a per-chunk constant, and the
+//! diagonal of `Aqk` goes to `dq` and `dk` directly, so no exact cancellation is left to f32
+//! (docs/design.md, "The backward and the gate gradient"). Then through the floor, the gate
+//! (whose parameter gradients are summed per lane over the chunks) and the L2 norm.
+
+use kda_core::DType;
+
+use super::blocks::{chunk_terms, unit_lower_inverse_of_parts, TermMasks, TermScratch, EXPONENT_ROWS, LEVEL_ROWS};
+use super::body::{Binary, Body, MatPrecision, Offset, Reduction, Ref, Unary, V};
+use super::forward::{
+    activate, l2_normalise_with_scale, token_operand, ForwardDims, Gate, Tokens, C, FLOOR, MAX_WIDTH,
+};
+use super::kernel::{Cost, Index, Kernel, KernelBuilder, Operand, Semantics};
+use crate::error::{Result, TpuError};
+use crate::hlo::{Cmp, TensorType};
+
+/// The backward kernel of `d` (the dims of the forward kernel that saved the states; one chunk
+/// per grid step, fixed-length rows read in place or lanes) with scale `scale`. Its operands: the
+/// tables `first`, `last`, `slot` (`slot` as the forward kernel's), then
+/// `q k v g beta [gate] h do [dht] exponent_masks level_masks` (as the forward kernel's; `h` the
+/// states it saved, `do` laid out as `v`, `dht` `[L, S, K, V]` f32 when `d.ht`); its results
+/// `dq dk dv dg dbeta [dh0] [gate_sums]`: the gradients laid out as their inputs (`dbeta`
+/// head-first `[H, R * T, 1]` but for lanes, `dg` that of the raw gate), `dh0` `[L, S, K, V]`
+/// f32 when `d.h0` (written at each segment's first chunk), and with an in-kernel gate
+/// `gate_sums` `[L, 2, K]` f32: per lane the sums over its tokens of `dg dg/da_log` and of the
+/// raw gate's gradient (`da_log` and `ddt_bias` once summed over a head's lanes).
+pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
+    let float = |t: DType| matches!(t, DType::F32 | DType::BF16);
+    let sizes_ok = d.chunks >= 1 && d.heads >= 1 && d.rows >= 1 && d.slots >= 1;
+    if !sizes_ok || !float(d.dtype) || !float(d.qk) || !float(d.g) {
+        return Err(TpuError::unsupported(
+            "mosaic backward",
+            format!("one head, row, chunk and slot or more and f32 or bf16 inputs ({d:?})"),
+        ));
+    }
+    if !(1..=MAX_WIDTH).contains(&d.k) || !(1..=MAX_WIDTH).contains(&d.v) {
+        return Err(TpuError::unsupported(
+            "mosaic backward",
+            format!("K and V of 1 to {MAX_WIDTH} (K = {}, V = {})", d.k, d.v),
+        ));
+    }
+    if d.tokens.packed() || d.chunks_per_step() != 1 {
+        return Err(TpuError::unsupported(
+            "mosaic backward",
+            format!("fixed-length rows read in place or lanes, one chunk per grid step ({d:?})"),
+        ));
+    }
+    let (h, r, l, nt, k, v, x) = (d.heads, d.rows, d.heads * d.rows, d.chunks, d.k, d.v, d.dtype);
+    let (g0, g1, g2) = (Index::Grid(0), Index::Grid(1), Index::Grid(2));
+    let lane = || g0.clone() * r + g1.clone();
+    let rev = || Index::Const(nt - 1) + g2.clone() * -1;
+    let slot = || vec![lane(), Index::table(2, rev()), Index::Const(0), Index::Const(0)];
+    let ty = |dt: DType, dims: &[i64]| TensorType::new(dt, dims);
+    let gated = d.gate != Gate::Preactivated;
+    let beta_tokens = if d.tokens == Tokens::Lanes { Tokens::Lanes } else { Tokens::HeadFirst };
+    let beta_rows = d.tokens == Tokens::BatchFirst;
+    let mut kb = KernelBuilder::new("kda_backward")
+        .grid(h, Semantics::Parallel)
+        .grid(r, Semantics::Parallel)
+        .grid(nt, Semantics::Arbitrary)
+        .table("first", nt)
+        .table("last", nt)
+        .table("slot", nt);
+    for (name, dtype, w) in [("q", d.qk, k), ("k", d.qk, k), ("v", x, v), ("g", d.g, k)] {
+        kb = kb.input(token_operand(name, &d, d.tokens, dtype, w, 0, true));
+    }
+    kb = kb.input(if beta_rows {
+        Operand::blocked("beta", ty(x, &[r * nt * C, h]), &[C, h], vec![g1.clone() * nt + rev(), Index::Const(0)])
+    } else {
+        token_operand("beta", &d, beta_tokens, x, 1, 0, true)
+    });
+    if gated {
+        let at = vec![g0.clone(), Index::Const(0), Index::Const(0)];
+        kb = kb.input(Operand::blocked("gate", ty(DType::F32, &[h, 2, k]), &[1, 2, k], at));
+    }
+    let h_input = 5 + usize::from(gated);
+    let at = vec![lane(), rev(), Index::Const(0), Index::Const(0)];
+    kb = kb.input(Operand::blocked("h", ty(DType::F32, &[l, nt, k, v]), &[1, 1, k, v], at));
+    kb = kb.input(token_operand("do", &d, d.tokens, x, v, 0, true));
+    let dht_input = h_input + 2;
+    if d.ht {
+        kb = kb.input(Operand::blocked("dht", ty(DType::F32, &[l, d.slots, k, v]), &[1, 1, k, v], slot()));
+    }
+    let masks_input = dht_input + usize::from(d.ht);
+    kb = kb.input(Operand::whole("exponent_masks", ty(d.mask_dtype(), &[EXPONENT_ROWS, C])));
+    kb = kb.input(Operand::whole("level_masks", ty(DType::F32, &[LEVEL_ROWS, C])));
+    for (name, dtype, w) in [("dq", d.qk, k), ("dk", d.qk, k), ("dv", x, v), ("dg", d.g, k)] {
+        kb = kb.output(token_operand(name, &d, d.tokens, dtype, w, 0, true));
+    }
+    kb = kb.output(token_operand("dbeta", &d, beta_tokens, x, 1, 0, true));
+    if d.h0 {
+        kb = kb.output(Operand::blocked("dh0", ty(DType::F32, &[l, d.slots, k, v]), &[1, 1, k, v], slot()));
+    }
+    let sums_output = 5 + usize::from(d.h0);
+    if gated {
+        let at = vec![lane(), Index::Const(0), Index::Const(0)];
+        kb = kb.output(Operand::blocked("gate_sums", ty(DType::F32, &[l, 2, k]), &[1, 2, k], at));
+    }
+    // docs/kda.md, Work: the forward's chunk terms again, about twice their products for the
+    // gradients; every operand and result once through HBM.
+    let (cf, kf, vf, t) = (C as f64, k as f64, v as f64, (l * nt * C) as f64);
+    let flops = t * 3.0 * (6.0 * cf * kf + 4.0 * cf * vf + 6.0 * kf * vf + 2.0 / 3.0 * cf * cf);
+    let bytes_of = |t: DType| f64::from(t.bit_width() / 8);
+    let bytes = t * 2.0 * (2.0 * kf * bytes_of(d.qk) + (2.0 * vf + 1.0) * bytes_of(x) + kf * bytes_of(d.g))
+        + (l * k * v) as f64 * 4.0 * (nt + d.slots * (i64::from(d.h0) + i64::from(d.ht))) as f64;
+    let transcendentals = t * kf * 8.0;
+    kb = kb.scratch("dh", ty(DType::F32, &[k, v])).scratch("sums", ty(DType::F32, &[C, k]));
+    let p = d.precision();
+    let g_passes = if d.g == DType::BF16 && !gated { 1 } else { 2 };
+    kb.cost(Cost { flops, transcendentals, bytes }).build(|b| {
+        let step = b.program_id(2)?;
+        let (zero, end) = (b.index(0)?, b.index(nt - 1)?);
+        let c = b.index_op(Binary::Sub, &end, &step)?;
+        let (first, last) = (b.read_table(0, &c)?, b.read_table(1, &c)?);
+        // A row's walk starts with no gradient (padding chunks after its segments hold none);
+        // each segment's from `dht` of its slot at its last chunk.
+        let starts = b.compare(Cmp::Eq, &step, &zero)?;
+        b.when(&starts, |b| {
+            let z = b.splat(0.0, DType::F32, &[k, v])?;
+            b.store_all(Ref::Scratch(0), &z)?;
+            if gated {
+                let z = b.splat(0.0, DType::F32, &[1, 2, k])?;
+                b.store_all(Ref::Output(sums_output), &z)?;
+            }
+            Ok(())
+        })?;
+        let at_last = b.compare(Cmp::Ne, &last, &zero)?;
+        b.when(&at_last, |b| {
+            let dht = if d.ht {
+                let x = b.load_all(Ref::Input(dht_input))?;
+                b.reshape(&x, &[k, v])?
+            } else {
+                b.splat(0.0, DType::F32, &[k, v])?
+            };
+            b.store_all(Ref::Scratch(0), &dht)
+        })?;
+        let dh = b.load_all(Ref::Scratch(0))?;
+        let token = |b: &mut Body, at: usize, w: i64| -> Result<V> {
+            let x = b.load(Ref::Input(at), &[Offset::Const(0), Offset::Const(0), Offset::Const(0)], &[1, C, w])?;
+            let x = if x.ty.elem == DType::F32 { x } else { b.cast(&x, DType::F32)? };
+            b.reshape(&x, &[C, w])
+        };
+        let beta = if beta_rows {
+            let head = b.program_id(0)?;
+            let head = b.broadcast(&head, &[C, h])?;
+            let ids = b.iota(&[C, h], 1)?;
+            let mine = b.compare(Cmp::Eq, &ids, &head)?;
+            let rows = b.load_all(Ref::Input(4))?;
+            let rows = if rows.ty.elem == DType::F32 { rows } else { b.cast(&rows, DType::F32)? };
+            let none = b.splat(0.0, DType::F32, &[C, h])?;
+            let picked = b.select(&mine, &rows, &none)?;
+            b.reduce(Reduction::Sum, &picked, 1)?
+        } else {
+            token(b, 4, 1)?
+        };
+        let (q_in, k_in, vv, gx) = (token(b, 0, k)?, token(b, 1, k)?, token(b, 2, v)?, token(b, 3, k)?);
+        let d_o = token(b, h_input + 1, v)?;
+        let (q, q_scale) = if d.l2norm { split(l2_normalise_with_scale(b, &q_in)?) } else { (q_in, None) };
+        let (kk, k_scale) = if d.l2norm { split(l2_normalise_with_scale(b, &k_in)?) } else { (k_in, None) };
+        let g = activate(b, &gx, d.gate, 5)?;
+        let scratch = TermScratch {
+            masks: TermMasks::Input { exponents: Ref::Input(masks_input), levels: Ref::Input(masks_input + 1) },
+            sums: Ref::Scratch(1),
+        };
+        let t = chunk_terms(b, &q, &kk, &g, &beta, scale, scratch, p, g_passes)?;
+        let a = unit_lower_inverse_of_parts(b, &t.l_blocks, &t.l_rest, &t.eye, p)?;
+        let wide_beta = b.broadcast(&beta, &[C, v])?;
+        let bv = b.binary(Binary::Mul, &vv, &wide_beta)?;
+        let u = b.matmul(&a, &bv, (1, 0), p)?;
+        let w = b.matmul(&a, &t.kbg, (1, 0), p)?;
+        let s0 = b.load_all(Ref::Input(h_input))?;
+        let s0 = b.reshape(&s0, &[k, v])?;
+        let ws = b.matmul(&w, &s0, (1, 0), p)?;
+        let vn = b.binary(Binary::Sub, &u, &ws)?;
+        // dv_new = Aqk^T dO + kg dh; dh_prev = e^(G_C) dh + scale qg^T dO - w^T dv_new.
+        let dvn = {
+            let x = b.matmul(&t.aqk, &d_o, (0, 0), p)?;
+            let y = b.matmul(&t.kg, &dh, (1, 0), p)?;
+            b.binary(Binary::Add, &x, &y)?
+        };
+        let dh_prev = {
+            let decay = b.reshape(&t.eg_last, &[k, 1])?;
+            let decay = b.broadcast(&decay, &[k, v])?;
+            let kept = b.binary(Binary::Mul, &dh, &decay)?;
+            let x = b.matmul(&t.qg, &d_o, (0, 0), p)?;
+            let x = mul_const(b, &x, scale)?;
+            let y = b.matmul(&w, &dvn, (0, 0), p)?;
+            let x = b.binary(Binary::Add, &kept, &x)?;
+            b.binary(Binary::Sub, &x, &y)?
+        };
+        b.store_all(Ref::Scratch(0), &dh_prev)?;
+        if d.h0 {
+            let at_first = b.compare(Cmp::Ne, &first, &zero)?;
+            b.when(&at_first, |b| {
+                let x = b.reshape(&dh_prev, &[1, 1, k, v])?;
+                b.store_all(Ref::Output(5), &x)
+            })?;
+        }
+        let grads = chunk_grads(b, &d, scale, [&q, &kk, &vv, &beta], &t, [&a, &u, &w, &vn], [&s0, &dh, &dvn, &d_o])?;
+        let masks = {
+            let m = b.load_all(Ref::Input(masks_input))?;
+            if m.ty.elem == DType::F32 { m } else { b.cast(&m, DType::F32)? }
+        };
+        // dg = sum over the exponent arrays of mask^T dE, plus the whole-chunk decay's term on
+        // every row; none below the floor.
+        let stacked = b.concat(&grads.d_exponents, 0)?;
+        let dg = b.matmul(&masks, &stacked, (0, 0), MatPrecision::Highest)?;
+        let every = b.broadcast(&grads.d_last, &[C, k])?;
+        let dg = b.binary(Binary::Add, &dg, &every)?;
+        let floor = b.splat(FLOOR, DType::F32, &[C, k])?;
+        let live = b.compare(Cmp::Gt, &g, &floor)?;
+        let none = b.splat(0.0, DType::F32, &[C, k])?;
+        let dg = b.select(&live, &dg, &none)?;
+        let dx = if gated {
+            let (dz, dlog) = gate_slopes(b, &gx, d.gate, 5)?;
+            let dx = b.binary(Binary::Mul, &dg, &dz)?;
+            let dl = b.binary(Binary::Mul, &dg, &dlog)?;
+            // Column sums as products with a row of ones (full precision), added to the lane's
+            // running sums row by row.
+            let ones = b.splat(1.0, DType::F32, &[1, C])?;
+            for (i, x) in [&dl, &dx].into_iter().enumerate() {
+                let sum = b.matmul(&ones, x, (1, 0), MatPrecision::Highest)?;
+                let sum = b.reshape(&sum, &[1, 1, k])?;
+                let at = [Offset::Const(0), Offset::Const(i as i64), Offset::Const(0)];
+                let before = b.load(Ref::Output(sums_output), &at, &[1, 1, k])?;
+                let after = b.binary(Binary::Add, &before, &sum)?;
+                b.store(Ref::Output(sums_output), &at, &after)?;
+            }
+            dx
+        } else {
+            dg
+        };
+        let dq = match &q_scale {
+            Some(rs) => l2_backward(b, &grads.dq, &q, rs)?,
+            None => grads.dq,
+        };
+        let dk = match &k_scale {
+            Some(rs) => l2_backward(b, &grads.dk, &kk, rs)?,
+            None => grads.dk,
+        };
+        for (i, x) in [dq, dk, grads.dv, dx, grads.dbeta].iter().enumerate() {
+            let out_ty = b_out_elem(i, &d);
+            let x = if out_ty == DType::F32 { x.clone() } else { b.cast(x, out_ty)? };
+            let w = x.ty.dims[1];
+            let x = b.reshape(&x, &[1, C, w])?;
+            b.store(Ref::Output(i), &[Offset::Const(0), Offset::Const(0), Offset::Const(0)], &x)?;
+        }
+        Ok(())
+    })
+}
+
+/// The element type of gradient result `i` (`dq dk dv dg dbeta`).
+fn b_out_elem(i: usize, d: &ForwardDims) -> DType {
+    match i {
+        0 | 1 => d.qk,
+        3 => d.g,
+        _ => d.dtype,
+    }
+}
+
+fn split((y, r): (V, V)) -> (V, Option<V>) {
+    (y, Some(r))
+}
+
+fn mul_const(b: &mut Body, x: &V, c: f64) -> Result<V> {
+    let s = b.splat(c, DType::F32, &x.ty.dims)?;
+    b.binary(Binary::Mul, x, &s)
+}
+
+fn wide(b: &mut Body, x: &V, dims: &[i64]) -> Result<V> {
+    b.broadcast(x, dims)
+}
+
+/// `sum over the rows' last axis of x y`, `[64, 1]`.
+fn rowdot(b: &mut Body, x: &V, y: &V) -> Result<V> {
+    let p = b.binary(Binary::Mul, x, y)?;
+    b.reduce(Reduction::Sum, &p, 1)
+}
+
+/// Through `y = x rsqrt(sum(x^2) + eps)` with `r` the per-row scale: `r (dy - y sum(dy y))`.
+fn l2_backward(b: &mut Body, dy: &V, y: &V, r: &V) -> Result<V> {
+    let dims = y.ty.dims.clone();
+    let dot = rowdot(b, dy, y)?;
+    let dot = wide(b, &dot, &dims)?;
+    let t = b.binary(Binary::Mul, y, &dot)?;
+    let dd = b.binary(Binary::Sub, dy, &t)?;
+    let r = wide(b, r, &dims)?;
+    b.binary(Binary::Mul, &dd, &r)
+}
+
+/// `(dg/dx, dg/da_log)` of the activated gate at the raw gate `x` `[64, K]` (parameters in input
+/// `params`, as [`activate`] reads them). Softplus, `g = -a softplus(z)`: `-a sigmoid(z)` and
+/// `g`; the lower bound, `g = lb sigmoid(y)`, `y = a z`: `lb s (1 - s) a` and `lb s (1 - s) y`,
+/// with `s (1 - s) = e / (1 + e)^2`, `e = e^(-|y|)`, exact where `s` saturates.
+fn gate_slopes(b: &mut Body, x: &V, gate: Gate, params: usize) -> Result<(V, V)> {
+    let dims = x.ty.dims.clone();
+    let row = |b: &mut Body, i: i64| {
+        let at = [Offset::Const(0), Offset::Const(i), Offset::Const(0)];
+        let r = b.load(Ref::Input(params), &at, &[1, 1, dims[1]])?;
+        let r = b.reshape(&r, &[1, dims[1]])?;
+        b.broadcast(&r, &dims)
+    };
+    let (a, bias) = (row(b, 0)?, row(b, 1)?);
+    let z = b.binary(Binary::Add, x, &bias)?;
+    let one = b.splat(1.0, DType::F32, &dims)?;
+    // e = e^(-|y|) of `y`, and 1 + e.
+    let tail = |b: &mut Body, y: &V| -> Result<(V, V)> {
+        let ny = b.unary(Unary::Neg, y)?;
+        let neg_abs = b.binary(Binary::Min, y, &ny)?;
+        let e = b.unary(Unary::Exp, &neg_abs)?;
+        let one_e = b.binary(Binary::Add, &one, &e)?;
+        Ok((e, one_e))
+    };
+    match gate {
+        Gate::Softplus => {
+            let (e, one_e) = tail(b, &z)?;
+            // sigmoid(z): 1 / (1 + e) for z >= 0, e / (1 + e) below.
+            let zero = b.splat(0.0, DType::F32, &dims)?;
+            let pos = b.compare(Cmp::Ge, &z, &zero)?;
+            let top = b.select(&pos, &one, &e)?;
+            let s = b.binary(Binary::Div, &top, &one_e)?;
+            let dz = b.binary(Binary::Mul, &a, &s)?;
+            let dz = b.unary(Unary::Neg, &dz)?;
+            let g = activate(b, x, gate, params)?;
+            // dg/da_log = g before the floor; below it dg is zero anyway.
+            Ok((dz, g))
+        }
+        Gate::LowerBound(lb) => {
+            let y = b.binary(Binary::Mul, &a, &z)?;
+            let (e, one_e) = tail(b, &y)?;
+            let sq = b.binary(Binary::Mul, &one_e, &one_e)?;
+            let ds = b.binary(Binary::Div, &e, &sq)?;
+            let ds = mul_const(b, &ds, lb)?;
+            Ok((b.binary(Binary::Mul, &ds, &a)?, b.binary(Binary::Mul, &ds, &y)?))
+        }
+        Gate::Preactivated => Err(TpuError::builder("mosaic backward", "gate slopes of a pre-activated gate")),
+    }
+}
+
+/// One chunk's gradients before the floor, the gate and the L2 norm: `dq dk` (of the normalised
+/// q and k), `dv`, `dbeta`, and the gradients of the exponent arrays in the order of the
+/// exponent masks (`G`, the strict suffix, the mid anchor, the levels), with that of `G_C`.
+struct Grads {
+    dq: V,
+    dk: V,
+    dv: V,
+    dbeta: V,
+    d_exponents: Vec<V>,
+    d_last: V,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn chunk_grads(
+    b: &mut Body,
+    d: &ForwardDims,
+    scale: f64,
+    [q, k, v, beta]: [&V; 4],
+    t: &super::blocks::ChunkTerms,
+    [a, u, w, vn]: [&V; 4],
+    [s0, dh, dvn, d_o]: [&V; 4],
+) -> Result<Grads> {
+    let (kd, vd) = (d.k, d.v);
+    let p = d.precision();
+    let mul = |b: &mut Body, x: &V, y: &V| b.binary(Binary::Mul, x, y);
+    let add = |b: &mut Body, x: &V, y: &V| b.binary(Binary::Add, x, y);
+    let sub = |b: &mut Body, x: &V, y: &V| b.binary(Binary::Sub, x, y);
+    let wide_k = |b: &mut Body, x: &V| b.broadcast(x, &[C, kd]);
+    // Through O = scale qg S0 + Aqk v_new and S1 = e^(G_C) S0 + kg^T v_new.
+    let dqg = b.matmul(d_o, s0, (1, 1), p)?;
+    let dqg = mul_const(b, &dqg, scale)?;
+    let mut dq = mul(b, &dqg, &t.egc)?;
+    let mut d_g = mul(b, &dqg, &t.qg)?;
+    let dkg = b.matmul(vn, dh, (1, 1), p)?;
+    let mut dk = mul(b, &dkg, &t.egs)?;
+    let d_suffix = mul(b, &dkg, &t.kg)?;
+    let sd = mul(b, s0, dh)?;
+    let ones = b.splat(1.0, DType::F32, &[1, vd])?;
+    let hd = b.matmul(&ones, &sd, (1, 1), MatPrecision::Highest)?;
+    let d_last = mul(b, &hd, &t.eg_last)?;
+    // Through the WY solve: u = A (beta v), w = A (beta k e^G), v_new = u - w S0; nw = -A^T dw.
+    let ndw = b.matmul(dvn, s0, (1, 1), p)?;
+    let xu = b.matmul(a, dvn, (0, 0), p)?;
+    let nw = b.matmul(a, &ndw, (0, 0), p)?;
+    let wide_v = b.broadcast(beta, &[C, vd])?;
+    let dv = mul(b, &xu, &wide_v)?;
+    let keg = mul(b, k, &t.egc)?;
+    let db1 = rowdot(b, &xu, v)?;
+    let db2 = rowdot(b, &nw, &keg)?;
+    let mut dbeta = sub(b, &db1, &db2)?;
+    let wb = wide_k(b, beta)?;
+    let bnw = mul(b, &nw, &wb)?;
+    let x = mul(b, &bnw, &t.egc)?;
+    dk = sub(b, &dk, &x)?;
+    let x = mul(b, &bnw, &keg)?;
+    d_g = sub(b, &d_g, &x)?;
+    // dL = nw w^T - xu u^T (strictly causal: the level masks keep it so).
+    let a1 = b.matmul(&xu, u, (1, 1), p)?;
+    let a2 = b.matmul(&nw, w, (1, 1), p)?;
+    let dl = sub(b, &a2, &a1)?;
+    // Aqk's diagonal, scale q_t . k_t with no decay: its cotangent goes to dq and dk directly.
+    let da = b.matmul(d_o, vn, (1, 1), p)?;
+    let diag = rowdot(b, &da, &t.eye)?;
+    let diag = mul_const(b, &diag, scale)?;
+    let diag = wide_k(b, &diag)?;
+    let x = mul(b, k, &diag)?;
+    dq = add(b, &dq, &x)?;
+    let x = mul(b, q, &diag)?;
+    dk = add(b, &dk, &x)?;
+    let m1 = mul_const(b, &da, scale)?;
+    // Per level: `Aqk` rows `q fr` and `L` rows `beta k fr` against columns `k fc`, strictly
+    // causal pairs on the level's mask.
+    let zero = b.splat(0.0, DType::F32, &[C, C])?;
+    let one = b.splat(1.0, DType::F32, &[C, C])?;
+    let mut d_bk = b.splat(0.0, DType::F32, &[C, kd])?;
+    let mut d_levels = Vec::new();
+    for (level, ((fr, fc), keep)) in t.factors.iter().zip(t.levels.chunks(2)).enumerate() {
+        let strict = b.compare(Cmp::Eq, &keep[1], &one)?;
+        let mq = b.select(&strict, &m1, &zero)?;
+        let ml = b.select(&strict, &dl, &zero)?;
+        let cols = mul(b, k, fc)?;
+        let rows_q = mul(b, q, fr)?;
+        let rows_l = mul(b, &t.bk, fr)?;
+        let rq = b.matmul(&mq, &cols, (1, 0), p)?;
+        let rl = b.matmul(&ml, &cols, (1, 0), p)?;
+        let cq = b.matmul(&mq, &rows_q, (0, 0), p)?;
+        let cl = b.matmul(&ml, &rows_l, (0, 0), p)?;
+        let x = mul(b, &rq, fr)?;
+        dq = add(b, &dq, &x)?;
+        let x = mul(b, &rl, fr)?;
+        d_bk = add(b, &d_bk, &x)?;
+        let cc = add(b, &cq, &cl)?;
+        let x = mul(b, &cc, fc)?;
+        dk = add(b, &dk, &x)?;
+        let er1 = mul(b, &rq, &rows_q)?;
+        let er2 = mul(b, &rl, &rows_l)?;
+        let er = add(b, &er1, &er2)?;
+        let ec = mul(b, &cc, &cols)?;
+        // Level 0's factors are e^(mid) and e^(-mid); the others' one array each.
+        d_levels.push(if level == 0 { sub(b, &er, &ec)? } else { add(b, &er, &ec)? });
+    }
+    let x = mul(b, &d_bk, &wb)?;
+    dk = add(b, &dk, &x)?;
+    let x = rowdot(b, &d_bk, k)?;
+    dbeta = add(b, &dbeta, &x)?;
+    let mut d_exponents = vec![d_g, d_suffix];
+    d_exponents.extend(d_levels);
+    Ok(Grads { dq, dk, dv, dbeta, d_exponents, d_last })
+}
