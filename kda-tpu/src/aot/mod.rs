@@ -155,6 +155,9 @@ impl TpuCompiler {
                     listing_files(dir)?.into_iter().filter(|f| !before.contains(f)).collect();
                 let counted = cycles::count(&new);
                 for f in &new {
+                    if let Ok(keep) = std::env::var("KDA_KEEP") {
+                        let _ = std::fs::copy(f, std::path::Path::new(&keep).join(f.file_name().unwrap_or_default()));
+                    }
                     // Best effort: a listing left behind only costs disk.
                     let _ = std::fs::remove_file(f);
                 }

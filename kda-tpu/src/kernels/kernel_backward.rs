@@ -74,7 +74,7 @@ pub(super) fn grads(
         states: true,
         step_chunks: 1,
     };
-    let masks = crate::mosaic::blocks::term_masks_kernel(dims.mask_dtype())?;
+    let masks = crate::mosaic::blocks::term_masks_kernel(dims.mask_dtype(), true)?;
     let kernel = backward_kernel(dims, s.scale)?;
     let outs = match lowering {
         Lowering::Mosaic => {

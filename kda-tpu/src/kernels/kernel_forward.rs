@@ -261,7 +261,7 @@ pub(super) fn forward_body(
     };
     let dims = ForwardDims { step_chunks: dims.steps_for(wish), ..dims };
     // The chunk terms' constant masks, made once by their own one-step kernel.
-    let masks = crate::mosaic::blocks::term_masks_kernel(dims.mask_dtype())?;
+    let masks = crate::mosaic::blocks::term_masks_kernel(dims.mask_dtype(), false)?;
     ops.extend(match lowering {
         Lowering::Mosaic => masks.call_mosaic(b, &[])?,
         Lowering::Interpret => masks.call_interpret(b, &[])?,

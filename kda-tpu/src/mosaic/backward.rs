@@ -97,6 +97,7 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
     let masks_input = dht_input + usize::from(d.ht);
     kb = kb.input(Operand::whole("exponent_masks", ty(d.mask_dtype(), &[EXPONENT_ROWS, C])));
     kb = kb.input(Operand::whole("level_masks", ty(DType::F32, &[LEVEL_ROWS, C])));
+    kb = kb.input(Operand::whole("exponent_masks_t", ty(d.mask_dtype(), &[C, EXPONENT_ROWS])));
     for (name, dtype, w) in [("dq", d.qk, k), ("dk", d.qk, k), ("dv", x, v), ("dg", d.g, k)] {
         kb = kb.output(token_operand(name, &d, d.tokens, dtype, w, 0, true));
     }
@@ -209,15 +210,8 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
                 b.store_all(Ref::Output(5), &x)
             })?;
         }
-        let grads = chunk_grads(b, &d, scale, [&q, &kk, &vv, &beta], &t, [&a, &u, &w, &vn], [&s0, &dh, &dvn, &d_o])?;
-        let masks = {
-            let m = b.load_all(Ref::Input(masks_input))?;
-            if m.ty.elem == DType::F32 { m } else { b.cast(&m, DType::F32)? }
-        };
-        // dg = sum over the exponent arrays of mask^T dE, plus the whole-chunk decay's term on
-        // every row; none below the floor.
-        let stacked = b.concat(&grads.d_exponents, 0)?;
-        let dg = b.matmul(&masks, &stacked, (0, 0), MatPrecision::Highest)?;
+        let grads = chunk_grads(b, &d, scale, [&q, &kk, &vv, &beta], &t, [&a, &u, &w, &vn], [&s0, &dh, &dvn, &d_o], Ref::Input(masks_input + 2))?;
+        let dg = grads.dg;
         let every = b.broadcast(&grads.d_last, &[C, k])?;
         let dg = b.binary(Binary::Add, &dg, &every)?;
         let floor = b.splat(FLOOR, DType::F32, &[C, k])?;
@@ -351,14 +345,15 @@ fn gate_slopes(b: &mut Body, x: &V, gate: Gate, params: usize) -> Result<(V, V)>
 }
 
 /// One chunk's gradients before the floor, the gate and the L2 norm: `dq dk` (of the normalised
-/// q and k), `dv`, `dbeta`, and the gradients of the exponent arrays in the order of the
-/// exponent masks (`G`, the strict suffix, the mid anchor, the levels), with that of `G_C`.
+/// q and k), `dv`, `dbeta`, and `dg` from the gradients of the exponent arrays (`G`, the strict
+/// suffix, the mid anchor, the levels: the exponent masks' order), with that of `G_C` apart.
 struct Grads {
     dq: V,
     dk: V,
     dv: V,
     dbeta: V,
-    d_exponents: Vec<V>,
+    /// `sum over the exponent arrays of mask^T dE` (without `G_C`'s term).
+    dg: V,
     d_last: V,
 }
 
@@ -371,6 +366,7 @@ fn chunk_grads(
     t: &super::blocks::ChunkTerms,
     [a, u, w, vn]: [&V; 4],
     [s0, dh, dvn, d_o]: [&V; 4],
+    masks_t: Ref,
 ) -> Result<Grads> {
     let (kd, vd) = (d.k, d.v);
     let p = d.precision();
@@ -387,8 +383,8 @@ fn chunk_grads(
     let mut dk = mul(b, &dkg, &t.egs)?;
     let d_suffix = mul(b, &dkg, &t.kg)?;
     let sd = mul(b, s0, dh)?;
-    let ones = b.splat(1.0, DType::F32, &[1, vd])?;
-    let hd = b.matmul(&ones, &sd, (1, 1), MatPrecision::Highest)?;
+    let hd = b.reduce(Reduction::Sum, &sd, 1)?;
+    let hd = b.reshape(&hd, &[1, kd])?;
     let d_last = mul(b, &hd, &t.eg_last)?;
     // Through the WY solve: u = A (beta v), w = A (beta k e^G), v_new = u - w S0; nw = -A^T dw.
     let ndw = b.matmul(dvn, s0, (1, 1), p)?;
@@ -424,8 +420,13 @@ fn chunk_grads(
     // causal pairs on the level's mask.
     let zero = b.splat(0.0, DType::F32, &[C, C])?;
     let one = b.splat(1.0, DType::F32, &[C, C])?;
-    let mut d_bk = b.splat(0.0, DType::F32, &[C, kd])?;
-    let mut d_levels = Vec::new();
+    // Per level the gradient of its exponent array: row `t`'s factor `fr` scales `q_t` and
+    // `beta_t k_t` (cotangent parts `Pq`, `Pl`), column `j`'s `fc` scales `k_j` (`Pk`). Each
+    // array is a sum of `g` over a range on one side of its anchor, so the terms of a pair
+    // never meet with opposite signs (but at the mid anchor's): no cancellation is left to the
+    // one-pass products of bf16 inputs.
+    let mut d_bk: Option<V> = None;
+    let mut d_exponents = vec![];
     for (level, ((fr, fc), keep)) in t.factors.iter().zip(t.levels.chunks(2)).enumerate() {
         let strict = b.compare(Cmp::Eq, &keep[1], &one)?;
         let mq = b.select(&strict, &m1, &zero)?;
@@ -433,29 +434,58 @@ fn chunk_grads(
         let cols = mul(b, k, fc)?;
         let rows_q = mul(b, q, fr)?;
         let rows_l = mul(b, &t.bk, fr)?;
-        let rq = b.matmul(&mq, &cols, (1, 0), p)?;
-        let rl = b.matmul(&ml, &cols, (1, 0), p)?;
-        let cq = b.matmul(&mq, &rows_q, (0, 0), p)?;
-        let cl = b.matmul(&ml, &rows_l, (0, 0), p)?;
-        let x = mul(b, &rq, fr)?;
-        dq = add(b, &dq, &x)?;
-        let x = mul(b, &rl, fr)?;
-        d_bk = add(b, &d_bk, &x)?;
-        let cc = add(b, &cq, &cl)?;
-        let x = mul(b, &cc, fc)?;
-        dk = add(b, &dk, &x)?;
-        let er1 = mul(b, &rq, &rows_q)?;
-        let er2 = mul(b, &rl, &rows_l)?;
-        let er = add(b, &er1, &er2)?;
-        let ec = mul(b, &cc, &cols)?;
+        // Both cotangents against the shared columns, and both row operands against the
+        // cotangents' columns, as one product each.
+        let m = b.concat(&[mq, ml], 0)?;
+        let r = b.matmul(&m, &cols, (1, 0), p)?;
+        let rq = b.slice(&r, &[0, 0], &[C, kd])?;
+        let rl = b.slice(&r, &[C, 0], &[C, kd])?;
+        let rows = b.concat(&[rows_q, rows_l], 0)?;
+        let cc = b.matmul(&m, &rows, (0, 0), p)?;
+        let (pq, pl, pk) = (mul(b, &rq, fr)?, mul(b, &rl, fr)?, mul(b, &cc, fc)?);
+        dq = add(b, &dq, &pq)?;
+        dk = add(b, &dk, &pk)?;
+        let er = mul(b, &pq, q)?;
+        let x = mul(b, &pl, &t.bk)?;
+        let er = add(b, &er, &x)?;
+        let ec = mul(b, &pk, k)?;
         // Level 0's factors are e^(mid) and e^(-mid); the others' one array each.
-        d_levels.push(if level == 0 { sub(b, &er, &ec)? } else { add(b, &er, &ec)? });
+        d_exponents.push(if level == 0 { sub(b, &er, &ec)? } else { add(b, &er, &ec)? });
+        d_bk = Some(match d_bk {
+            None => pl,
+            Some(x) => add(b, &x, &pl)?,
+        });
     }
+    let d_bk = d_bk.ok_or_else(|| TpuError::builder("mosaic backward", "internal: chunk terms without levels"))?;
     let x = mul(b, &d_bk, &wb)?;
     dk = add(b, &dk, &x)?;
     let x = rowdot(b, &d_bk, k)?;
     dbeta = add(b, &dbeta, &x)?;
-    let mut d_exponents = vec![d_g, d_suffix];
-    d_exponents.extend(d_levels);
-    Ok(Grads { dq, dk, dv, dbeta, d_exponents, d_last })
+    // dg = sum over the exponent arrays of mask^T dE (G, the strict suffix, the mid anchor, the
+    // levels: the masks' order), one product over them stacked.
+    let mut all = vec![d_g, d_suffix];
+    all.extend(d_exponents);
+    let stacked = b.concat(&all, 0)?;
+    let dg = fold(b, masks_t, &stacked, p)?;
+    Ok(Grads { dq, dk, dv, dbeta, dg, d_last })
+}
+
+/// `sum_m M_m^T de_m` over the exponent masks (`masks_t` holds the transposes side by side)
+/// with `de` their arrays' gradients stacked. The masks' entries (0, 1, -1) are exact in bf16:
+/// one-pass products take `de` in two bf16 parts (about 16 bits).
+fn fold(b: &mut Body, masks_t: Ref, de: &V, p: MatPrecision) -> Result<V> {
+    let mt = b.load_all(masks_t)?;
+    let x = if p == MatPrecision::Highest {
+        let mt = if mt.ty.elem == DType::F32 { mt } else { b.cast(&mt, DType::F32)? };
+        b.matmul(&mt, de, (1, 0), MatPrecision::Highest)?
+    } else {
+        let hi = b.cast(de, DType::BF16)?;
+        let hi_f = b.cast(&hi, DType::F32)?;
+        let rest = b.binary(Binary::Sub, de, &hi_f)?;
+        let lo = b.cast(&rest, DType::BF16)?;
+        let x = b.matmul(&mt, &hi, (1, 0), MatPrecision::Default)?;
+        let y = b.matmul(&mt, &lo, (1, 0), MatPrecision::Default)?;
+        b.binary(Binary::Add, &x, &y)?
+    };
+    Ok(x)
 }

@@ -135,7 +135,12 @@ fn pick(b: &mut Body, x: &V, cmp: Cmp, y: &V, then: &V, other: &V) -> Result<V> 
 /// level exponent: the sum from the start of `t`'s `B` block to `t` when `t` lies in the
 /// second half of its `2B` block, the sum after `t` to the end of its `B` block otherwise.
 fn exponent_masks(b: &mut Body) -> Result<Vec<V>> {
-    let (t, s) = (b.iota(&[C, C], 0)?, b.iota(&[C, C], 1)?);
+    exponent_masks_along(b, 0)
+}
+
+/// [`exponent_masks`] with row `t` along dim `rows` (1: the transposed masks).
+fn exponent_masks_along(b: &mut Body, rows: usize) -> Result<Vec<V>> {
+    let (t, s) = (b.iota(&[C, C], rows)?, b.iota(&[C, C], 1 - rows)?);
     let one = b.splat(1.0, DType::F32, &[C, C])?;
     let zero = b.splat(0.0, DType::F32, &[C, C])?;
     let minus = b.splat(-1.0, DType::F32, &[C, C])?;
@@ -324,24 +329,37 @@ pub enum TermMasks {
 
 /// The one-step kernel writing the masks [`chunk_terms`] reads with [`TermMasks::Input`] (the
 /// exponent masks in `dtype`, the level masks in f32): the same definitions as
-/// [`TermMasks::Build`], made once per call instead of once per step.
-pub fn term_masks_kernel(dtype: DType) -> Result<super::kernel::Kernel> {
+/// [`TermMasks::Build`], made once per call instead of once per step. With `transposed` a
+/// third result holds the exponent masks' transposes side by side, `[64, EXPONENT_ROWS]` in
+/// `dtype` (what the backward kernel's gate gradient multiplies by).
+pub fn term_masks_kernel(dtype: DType, transposed: bool) -> Result<super::kernel::Kernel> {
     use super::kernel::{KernelBuilder, Operand, Semantics};
     let ty = |t: DType, rows: i64| crate::hlo::TensorType::new(t, &[rows, C]);
-    KernelBuilder::new("kda_term_masks")
+    let mut kb = KernelBuilder::new("kda_term_masks")
         .grid(1, Semantics::Arbitrary)
         .output(Operand::whole("exponents", ty(dtype, EXPONENT_ROWS)))
-        .output(Operand::whole("levels", ty(DType::F32, LEVEL_ROWS)))
-        .build(|b| {
-            for (i, m) in exponent_masks(b)?.iter().enumerate() {
-                let m = if dtype == DType::F32 { m.clone() } else { b.cast(m, dtype)? };
-                b.store(Ref::Output(0), &at(i as i64 * C, 0), &m)?;
+        .output(Operand::whole("levels", ty(DType::F32, LEVEL_ROWS)));
+    if transposed {
+        let t = crate::hlo::TensorType::new(dtype, &[C, EXPONENT_ROWS]);
+        kb = kb.output(Operand::whole("exponents_t", t));
+    }
+    let cast = |b: &mut Body, m: &V| if dtype == DType::F32 { Ok(m.clone()) } else { b.cast(m, dtype) };
+    kb.build(|b| {
+        for (i, m) in exponent_masks(b)?.iter().enumerate() {
+            let m = cast(b, m)?;
+            b.store(Ref::Output(0), &at(i as i64 * C, 0), &m)?;
+        }
+        for (i, m) in level_masks(b)?.iter().enumerate() {
+            b.store(Ref::Output(1), &at(i as i64 * C, 0), m)?;
+        }
+        if transposed {
+            for (i, m) in exponent_masks_along(b, 1)?.iter().enumerate() {
+                let m = cast(b, m)?;
+                b.store(Ref::Output(2), &at(0, i as i64 * C), &m)?;
             }
-            for (i, m) in level_masks(b)?.iter().enumerate() {
-                b.store(Ref::Output(1), &at(i as i64 * C, 0), m)?;
-            }
-            Ok(())
-        })
+        }
+        Ok(())
+    })
 }
 
 /// The memory [`chunk_terms`] uses: where its masks come from, and `sums`, a `[64, K]` f32
