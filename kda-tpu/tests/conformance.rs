@@ -534,12 +534,14 @@ mod context_parallel {
 mod interpret {
     use kda_core::{BackwardStrategy, DType, HostTensor, KdaInputs, KdaOutputs, Layout};
     use kda_testkit::cases::CaseSegments;
+    use BackwardStrategy::{Rematerialize, SavedState};
     use kda_testkit::conformance::{backward, forward, Path};
     use kda_testkit::{Case, CaseGate};
     use kda_tpu::{Implementation, PjrtBackend};
     use rstest::rstest;
 
     use DType::{BF16, F32};
+    use Path::{Fused, Split};
 
     pub fn backend() -> PjrtBackend {
         PjrtBackend::new()
@@ -686,12 +688,41 @@ mod interpret {
         run(kda_testkit::conformance::forward_case(&backend(), &case, dtype));
     }
 
+    /// The backward kernel on rows of other lengths and packed rows (through lanes), from the
+    /// states the forward kernel saved (split saved state: its chunk terms formed again) or
+    /// with the chunk terms it saved (fused, and the rematerialized backward).
     #[rstest]
-    #[case::fixed_small_f32("fixed_small", F32)]
-    #[case::packed_rows_differ_f32("packed_rows_differ", F32)]
-    #[case::lower_bound_l2norm_bf16("gate_lower_bound_l2norm", BF16)]
-    fn saved_state_backward_reads_the_kernel_states(#[case] name: &str, #[case] dtype: DType) {
-        run(backward(&backend(), name, dtype, BackwardStrategy::SavedState, Path::Split));
+    #[case::fixed_small_saved_split_f32("fixed_small", F32, SavedState, Split)]
+    #[case::packed_rows_differ_saved_split_f32("packed_rows_differ", F32, SavedState, Split)]
+    #[case::lower_bound_l2norm_saved_split_bf16("gate_lower_bound_l2norm", BF16, SavedState, Split)]
+    #[case::fixed_small_remat_fused_bf16("fixed_small", BF16, Rematerialize, Fused)]
+    #[case::k129_v127_saved_fused_f32("k129_v127", F32, SavedState, Fused)]
+    #[case::singleton_saved_fused_f32("singleton_h1_b1_t1", F32, SavedState, Fused)]
+    #[case::packed_lengths_remat_split_f32("packed_lengths_1_63_64_65_0", F32, Rematerialize, Split)]
+    fn backward_meets_the_reference(
+        #[case] name: &str,
+        #[case] dtype: DType,
+        #[case] strategy: BackwardStrategy,
+        #[case] path: Path,
+    ) {
+        run(backward(&backend(), name, dtype, strategy, path));
+    }
+
+    /// The backward kernel reading the caller's tensors in place (the cases of
+    /// `in_place_forward_meets_the_reference`): its gate, gate-parameter sums, L2 norm and
+    /// batch-first beta.
+    #[rstest]
+    #[case::head_first_softplus_f32(Case { gate: CaseGate::Softplus, ..Case::base("kernel_in_place_softplus", 2, 2, 128, 16, 24) }, F32, SavedState, Split)]
+    #[case::head_first_lower_bound_l2norm_bf16(Case { gate: CaseGate::LowerBound(-5.0), l2norm: true, ..Case::base("kernel_in_place_lower_bound", 2, 1, 192, 32, 32) }, BF16, SavedState, Fused)]
+    #[case::batch_first_lower_bound_l2norm_f32(Case { gate: CaseGate::LowerBound(-5.0), l2norm: true, layout: Layout::BatchFirst, ..Case::base("kernel_in_place_batch_first", 2, 2, 128, 128, 128) }, F32, Rematerialize, Fused)]
+    #[case::packed_head_first_softplus_f32(Case { gate: CaseGate::Softplus, ..packed_in_place(Layout::HeadFirst, 16, 24) }, F32, SavedState, Fused)]
+    fn in_place_backward_meets_the_reference(
+        #[case] case: Case,
+        #[case] dtype: DType,
+        #[case] strategy: BackwardStrategy,
+        #[case] path: Path,
+    ) {
+        run(kda_testkit::conformance::backward_case(&backend(), &case, dtype, strategy, path));
     }
 
     /// Fixed-length rows read in place run several chunks per grid step (two by default at

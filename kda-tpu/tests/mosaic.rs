@@ -516,7 +516,7 @@ fn chunk_terms() -> Result<Case> {
                 MatPrecision::Highest,
                 2,
             )?;
-            for (i, v) in [c.aqk, c.l, c.qg, c.kg, c.kbg, c.eg_last].iter().enumerate() {
+            for (i, v) in [c.aqk, c.l, c.f.qg, c.f.kg, c.f.kbg, c.f.eg_last].iter().enumerate() {
                 b.store_all(Ref::Output(i), v)?;
             }
             Ok(())

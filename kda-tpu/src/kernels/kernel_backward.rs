@@ -35,7 +35,7 @@ pub(super) fn grads(
     b: &mut FnBuilder,
     s: &KernelSpec,
     a: &Args,
-    h: Value,
+    (h, terms): (Value, Option<(Value, Value)>),
     (d_o, dht): (Value, Option<Value>),
     lowering: Lowering,
 ) -> Result<Vec<Value>> {
@@ -49,6 +49,9 @@ pub(super) fn grads(
         ops.push(gate_operand(b, s, al, a.dt_bias)?);
     }
     ops.push(h);
+    if let Some((at, aqk)) = terms {
+        ops.extend([at, aqk]);
+    }
     ops.push(kernel_input(b, s, d_o, tokens, a.slot_token, s.v as i64)?);
     let dht_tab = match dht {
         Some(d) => Some(prep::state_table(b, s, d)?),
@@ -72,6 +75,7 @@ pub(super) fn grads(
         h0: s.has_h0,
         ht: dht_tab.is_some(),
         states: true,
+        terms: terms.is_some(),
         step_chunks: 1,
     };
     let masks = crate::mosaic::blocks::term_masks_kernel(dims.mask_dtype(), true)?;
@@ -132,7 +136,7 @@ pub(super) fn grads(
             let da = b.slice_axis(sums, 2, 0, 1)?;
             gate_grads.push(b.reduce_sum(da, &[1, 2, 3])?);
             if s.has_dt_bias {
-                let dd = b.slice_axis(sums, 2, 1, 1)?;
+                let dd = b.slice_axis(sums, 2, 1, 2)?;
                 let dd = b.reduce_sum(dd, &[1, 2])?;
                 gate_grads.push(b.reshape(dd, &[(s.h * s.k) as i64])?);
             }
@@ -154,8 +158,8 @@ pub(super) fn grads(
     Ok(results)
 }
 
-/// The fused forward+VJP on the kernels: the forward kernel keeping its states, the backward
-/// kernel reading them; `o [final_state]` then the gradients.
+/// The fused forward+VJP on the kernels: the forward kernel keeping its states and chunk
+/// terms, the backward kernel reading them; `o [final_state]` then the gradients.
 pub(super) fn fused(
     b: &mut FnBuilder,
     s: &KernelSpec,
@@ -163,14 +167,22 @@ pub(super) fn fused(
     cotangents: (Value, Option<Value>),
     lowering: Lowering,
 ) -> Result<Vec<Value>> {
-    let mut outs = forward_body(b, s, a, true, lowering, false)?;
-    let h = outs.pop().ok_or_else(|| crate::TpuError::builder("mosaic fused", "internal: no states"))?;
-    outs.extend(grads(b, s, a, h, cotangents, lowering)?);
+    let mut outs = forward_body(b, s, a, true, lowering, false, true)?;
+    let saved = take_saved(&mut outs)?;
+    outs.extend(grads(b, s, a, saved, cotangents, lowering)?);
     Ok(outs)
 }
 
-/// The backward on the kernels: from the saved states `h`, or (rematerialized) from those the
-/// forward kernel recomputes in the same executable.
+/// The states and chunk terms at the end of a forward body's results, taken off them.
+fn take_saved(outs: &mut Vec<Value>) -> Result<(Value, Option<(Value, Value)>)> {
+    match (outs.pop(), outs.pop(), outs.pop()) {
+        (Some(aqk), Some(at), Some(h)) => Ok((h, Some((at, aqk)))),
+        _ => Err(crate::TpuError::builder("mosaic backward", "internal: no states and terms")),
+    }
+}
+
+/// The backward on the kernels: from the saved states `h`, or (rematerialized) from the states
+/// and chunk terms the forward kernel recomputes in the same executable.
 pub(super) fn backward(
     b: &mut FnBuilder,
     s: &KernelSpec,
@@ -179,12 +191,12 @@ pub(super) fn backward(
     cotangents: (Value, Option<Value>),
     lowering: Lowering,
 ) -> Result<Vec<Value>> {
-    let h = match saved {
-        Some(h) => h,
+    let saved = match saved {
+        Some(h) => (h, None),
         None => {
-            let mut outs = forward_body(b, s, a, true, lowering, false)?;
-            outs.pop().ok_or_else(|| crate::TpuError::builder("mosaic backward", "internal: no states"))?
+            let mut outs = forward_body(b, s, a, true, lowering, false, true)?;
+            take_saved(&mut outs)?
         }
     };
-    grads(b, s, a, h, cotangents, lowering)
+    grads(b, s, a, saved, cotangents, lowering)
 }

@@ -199,7 +199,8 @@ pub(super) fn kernel_gate(s: &KernelSpec, tokens: Tokens) -> Gate {
 }
 
 /// The forward body: `o [final_state] [h]` as [`super::ProgramSignature`] says (`o` in the
-/// kernel forms when `kernel_forms`), the chunk loop in the forward kernel lowered as `lowering`.
+/// kernel forms when `kernel_forms`), then with `terms` the chunk terms `a aqk` the backward
+/// kernel reads; the chunk loop in the forward kernel lowered as `lowering`.
 pub(super) fn forward_body(
     b: &mut FnBuilder,
     s: &KernelSpec,
@@ -207,6 +208,7 @@ pub(super) fn forward_body(
     keep_h: bool,
     lowering: Lowering,
     kernel_forms: bool,
+    terms: bool,
 ) -> Result<Vec<Value>> {
     let x = on_device(s.dtype);
     let tokens = tokens_of(s);
@@ -253,6 +255,7 @@ pub(super) fn forward_body(
         h0: h0.is_some(),
         ht: s.final_state,
         states: keep_h,
+        terms,
         step_chunks: 1,
     };
     let wish = match s.step_chunks {
@@ -294,8 +297,13 @@ pub(super) fn forward_body(
         let fin = b.select(ended, ht, start)?;
         results.push(prep::state_from_table(b, s, fin)?);
     }
+    let at_h = 1 + usize::from(s.final_state);
     if keep_h {
-        results.push(outs[outs.len() - 1]);
+        results.push(outs[at_h]);
+    }
+    if terms {
+        let at = at_h + usize::from(keep_h);
+        results.extend([outs[at], outs[at + 1]]);
     }
     Ok(results)
 }

@@ -18,7 +18,10 @@
 
 use kda_core::DType;
 
-use super::blocks::{chunk_terms, unit_lower_inverse_of_parts, TermMasks, TermScratch, EXPONENT_ROWS, LEVEL_ROWS};
+use super::blocks::{
+    chunk_factors, chunk_terms, unit_lower_inverse_of_parts, ChunkFactors, TermMasks, TermScratch, EXPONENT_ROWS,
+    LEVEL_ROWS,
+};
 use super::body::{Binary, Body, MatPrecision, Offset, Reduction, Ref, Unary, V};
 use super::forward::{
     activate, l2_normalise_with_scale, token_operand, ForwardDims, Gate, Tokens, C, FLOOR, MAX_WIDTH,
@@ -30,8 +33,10 @@ use crate::hlo::{Cmp, TensorType};
 /// The backward kernel of `d` (the dims of the forward kernel that saved the states; one chunk
 /// per grid step, fixed-length rows read in place or lanes) with scale `scale`. Its operands: the
 /// tables `first`, `last`, `slot` (`slot` as the forward kernel's), then
-/// `q k v g beta [gate] h do [dht] exponent_masks level_masks` (as the forward kernel's; `h` the
-/// states it saved, `do` laid out as `v`, `dht` `[L, S, K, V]` f32 when `d.ht`); its results
+/// `q k v g beta [gate] h [a aqk] do [dht] exponent_masks level_masks exponent_masks_t` (as the
+/// forward kernel's; `h` the states it saved, `a` and `aqk` its chunk terms when `d.terms`,
+/// `do` laid out as `v`, `dht` `[L, S, K, V]` f32 when `d.ht`, the masks those of
+/// [`super::blocks::term_masks_kernel`] with its transposes); its results
 /// `dq dk dv dg dbeta [dh0] [gate_sums]`: the gradients laid out as their inputs (`dbeta`
 /// head-first `[H, R * T, 1]` but for lanes, `dg` that of the raw gate), `dh0` `[L, S, K, V]`
 /// f32 when `d.h0` (written at each segment's first chunk), and with an in-kernel gate
@@ -89,8 +94,17 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
     let h_input = 5 + usize::from(gated);
     let at = vec![lane(), rev(), Index::Const(0), Index::Const(0)];
     kb = kb.input(Operand::blocked("h", ty(DType::F32, &[l, nt, k, v]), &[1, 1, k, v], at));
+    let mut at_terms = None;
+    if d.terms {
+        at_terms = Some(h_input + 1);
+        let at = vec![lane(), rev(), Index::Const(0), Index::Const(0)];
+        for name in ["a", "aqk"] {
+            kb = kb.input(Operand::blocked(name, ty(d.mask_dtype(), &[l, nt, C, C]), &[1, 1, C, C], at.clone()));
+        }
+    }
+    let do_input = h_input + 1 + 2 * usize::from(d.terms);
     kb = kb.input(token_operand("do", &d, d.tokens, x, v, 0, true));
-    let dht_input = h_input + 2;
+    let dht_input = do_input + 1;
     if d.ht {
         kb = kb.input(Operand::blocked("dht", ty(DType::F32, &[l, d.slots, k, v]), &[1, 1, k, v], slot()));
     }
@@ -168,7 +182,7 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
             token(b, 4, 1)?
         };
         let (q_in, k_in, vv, gx) = (token(b, 0, k)?, token(b, 1, k)?, token(b, 2, v)?, token(b, 3, k)?);
-        let d_o = token(b, h_input + 1, v)?;
+        let d_o = token(b, do_input, v)?;
         let (q, q_scale) = if d.l2norm { split(l2_normalise_with_scale(b, &q_in)?) } else { (q_in, None) };
         let (kk, k_scale) = if d.l2norm { split(l2_normalise_with_scale(b, &k_in)?) } else { (k_in, None) };
         let g = activate(b, &gx, d.gate, 5)?;
@@ -176,19 +190,34 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
             masks: TermMasks::Input { exponents: Ref::Input(masks_input), levels: Ref::Input(masks_input + 1) },
             sums: Ref::Scratch(1),
         };
-        let t = chunk_terms(b, &q, &kk, &g, &beta, scale, scratch, p, g_passes)?;
-        let a = unit_lower_inverse_of_parts(b, &t.l_blocks, &t.l_rest, &t.eye, p)?;
+        // The chunk's `A` and `Aqk`: as the forward kernel saved them, or formed again.
+        let (t, a, aqk) = match at_terms {
+            Some(at) => {
+                let f = chunk_factors(b, &q, &kk, &g, &beta, scratch, p, g_passes)?;
+                let saved = |b: &mut Body, i: usize| -> Result<V> {
+                    let x = b.load_all(Ref::Input(at + i))?;
+                    b.reshape(&x, &[C, C])
+                };
+                let (a, aqk) = (saved(b, 0)?, saved(b, 1)?);
+                (f, a, aqk)
+            }
+            None => {
+                let t = chunk_terms(b, &q, &kk, &g, &beta, scale, scratch, p, g_passes)?;
+                let a = unit_lower_inverse_of_parts(b, &t.l_blocks, &t.l_rest, &t.f.eye, p)?;
+                (t.f, a, t.aqk)
+            }
+        };
         let wide_beta = b.broadcast(&beta, &[C, v])?;
         let bv = b.binary(Binary::Mul, &vv, &wide_beta)?;
-        let u = b.matmul(&a, &bv, (1, 0), p)?;
-        let w = b.matmul(&a, &t.kbg, (1, 0), p)?;
+        let u = mm(b, &a, &bv, (1, 0), p)?;
+        let w = mm(b, &a, &t.kbg, (1, 0), p)?;
         let s0 = b.load_all(Ref::Input(h_input))?;
         let s0 = b.reshape(&s0, &[k, v])?;
         let ws = b.matmul(&w, &s0, (1, 0), p)?;
         let vn = b.binary(Binary::Sub, &u, &ws)?;
         // dv_new = Aqk^T dO + kg dh; dh_prev = e^(G_C) dh + scale qg^T dO - w^T dv_new.
         let dvn = {
-            let x = b.matmul(&t.aqk, &d_o, (0, 0), p)?;
+            let x = mm(b, &aqk, &d_o, (0, 0), p)?;
             let y = b.matmul(&t.kg, &dh, (1, 0), p)?;
             b.binary(Binary::Add, &x, &y)?
         };
@@ -263,6 +292,16 @@ fn b_out_elem(i: usize, d: &ForwardDims) -> DType {
         3 => d.g,
         _ => d.dtype,
     }
+}
+
+/// `x y` at `p`, a saved bf16 operand against an f32 one in one bf16 pass (as `p` runs it).
+fn mm(b: &mut Body, x: &V, y: &V, contract: (usize, usize), p: MatPrecision) -> Result<V> {
+    let (x, y) = match (x.ty.elem, y.ty.elem) {
+        (DType::BF16, DType::F32) => (x.clone(), b.cast(y, DType::BF16)?),
+        (DType::F32, DType::BF16) => (b.cast(x, DType::BF16)?, y.clone()),
+        _ => (x.clone(), y.clone()),
+    };
+    b.matmul(&x, &y, contract, p)
 }
 
 fn split((y, r): (V, V)) -> (V, Option<V>) {
@@ -363,7 +402,7 @@ fn chunk_grads(
     d: &ForwardDims,
     scale: f64,
     [q, k, v, beta]: [&V; 4],
-    t: &super::blocks::ChunkTerms,
+    t: &ChunkFactors,
     [a, u, w, vn]: [&V; 4],
     [s0, dh, dvn, d_o]: [&V; 4],
     masks_t: Ref,
@@ -388,8 +427,8 @@ fn chunk_grads(
     let d_last = mul(b, &hd, &t.eg_last)?;
     // Through the WY solve: u = A (beta v), w = A (beta k e^G), v_new = u - w S0; nw = -A^T dw.
     let ndw = b.matmul(dvn, s0, (1, 1), p)?;
-    let xu = b.matmul(a, dvn, (0, 0), p)?;
-    let nw = b.matmul(a, &ndw, (0, 0), p)?;
+    let xu = mm(b, a, dvn, (0, 0), p)?;
+    let nw = mm(b, a, &ndw, (0, 0), p)?;
     let wide_v = b.broadcast(beta, &[C, vd])?;
     let dv = mul(b, &xu, &wide_v)?;
     let keg = mul(b, k, &t.egc)?;

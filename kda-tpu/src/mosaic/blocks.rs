@@ -270,13 +270,26 @@ fn anchored(b: &mut Body, x: &V, anchor: impl Fn(i64) -> (i64, bool)) -> Result<
 /// The chunk-local terms of the chunked forward (docs/kda.md, Chunks) from one chunk's
 /// `q`, `k` `[64, K]` f32, log-decays `g` `[64, K]` f32 (already floored) and `beta` `[64, 1]`:
 /// `aqk` (`scale` included, causal with the diagonal), `l` (strictly lower, `beta` applied),
-/// `qg = q e^G`, `kg = k e^(G_C - G)`, `kbg = beta k e^G` and `eg_last = e^(G_C)` `[1, K]`.
+/// and the [`ChunkFactors`] they are made of.
 #[derive(Clone, Debug)]
 pub struct ChunkTerms {
     /// `scale sum_i q_t[i] k_j[i] e^(G_t[i] - G_j[i])` for `j <= t`, `[64, 64]`.
     pub aqk: V,
     /// `beta_t sum_i k_t[i] k_j[i] e^(G_t[i] - G_j[i])` for `j < t`, `[64, 64]`.
     pub l: V,
+    /// `l` on its 16x16 diagonal blocks (pairs within 16 tokens), zero elsewhere.
+    pub l_blocks: V,
+    /// `l` off those blocks: `l = l_blocks + l_rest`.
+    pub l_rest: V,
+    /// The decay factors and gated tokens.
+    pub f: ChunkFactors,
+}
+
+/// A chunk's decay factors and gated tokens, every exponential at most 1 or bounded:
+/// `qg = q e^G`, `kg = k e^(G_C - G)`, `kbg = beta k e^G`, `eg_last = e^(G_C)` `[1, K]`, and the
+/// per-level factors of the pairs of [`chunk_terms`].
+#[derive(Clone, Debug)]
+pub struct ChunkFactors {
     /// `q e^G`, `[64, K]`.
     pub qg: V,
     /// `k e^(G_C - G)`, `[64, K]`.
@@ -285,22 +298,18 @@ pub struct ChunkTerms {
     pub kbg: V,
     /// `e^(G_C)`, the whole chunk's decay, `[1, K]`.
     pub eg_last: V,
-    /// `l` on its 16x16 diagonal blocks (pairs within 16 tokens), zero elsewhere.
-    pub l_blocks: V,
-    /// `l` off those blocks: `l = l_blocks + l_rest`.
-    pub l_rest: V,
-    /// The 64x64 identity (from the level masks).
-    pub eye: V,
     /// `e^G`, `[64, K]`.
     pub egc: V,
     /// `e^(G_C - G)`, `[64, K]`.
     pub egs: V,
     /// `beta k`, `[64, K]`.
     pub bk: V,
-    /// Per level, the row and column factors `[64, K]` (the backward reads them).
+    /// Per level, the row and column factors `[64, K]`.
     pub factors: Vec<(V, V)>,
     /// Per level, the `Aqk` mask (causal) and the `L` mask (strictly causal), `[64, 64]` f32.
     pub levels: Vec<V>,
+    /// The 64x64 identity (from the level masks).
+    pub eye: V,
 }
 
 /// Rows of the stacked exponent masks ([`exponent_masks`]): `[EXPONENT_ROWS, 64]`.
@@ -394,6 +403,22 @@ pub fn chunk_terms(
     data: MatPrecision,
     g_passes: usize,
 ) -> Result<ChunkTerms> {
+    let f = chunk_factors(b, q, k, g, beta, scratch, data, g_passes)?;
+    chunk_products(b, q, k, f, scale, data)
+}
+
+/// The factors of [`chunk_terms`] alone (what a backward that has the products saved needs).
+#[allow(clippy::too_many_arguments)]
+pub fn chunk_factors(
+    b: &mut Body,
+    q: &V,
+    k: &V,
+    g: &V,
+    beta: &V,
+    scratch: TermScratch,
+    data: MatPrecision,
+    g_passes: usize,
+) -> Result<ChunkFactors> {
     let kd = g.ty.dims.get(1).copied().unwrap_or(0);
     let ok = |v: &V, w: i64| v.ty.elem == DType::F32 && v.ty.dims == [C, w];
     if !ok(q, kd) || !ok(k, kd) || !ok(g, kd) || !ok(beta, 1) {
@@ -458,6 +483,13 @@ pub fn chunk_terms(
         let f = exp(b, x)?;
         factors.push((f.clone(), f));
     }
+    // The identity is level 0's causal mask less its strict one.
+    let eye = b.binary(Binary::Sub, &levels[0], &levels[1])?;
+    Ok(ChunkFactors { qg, kg, kbg, eg_last, egc, egs, bk, factors, levels, eye })
+}
+
+/// The products of [`chunk_terms`] from its factors.
+fn chunk_products(b: &mut Body, q: &V, k: &V, f: ChunkFactors, scale: f64, data: MatPrecision) -> Result<ChunkTerms> {
     let zero = b.splat(0.0, DType::F32, &[C, C])?;
     let one = b.splat(1.0, DType::F32, &[C, C])?;
     // Each level's `Aqk` and `L` rows as two products sharing the column operand, kept where the
@@ -465,10 +497,10 @@ pub fn chunk_terms(
     // overflow). `L` comes as its 16x16 diagonal blocks (levels 0 to 2: pairs within 16 tokens)
     // and the rest, as the inverse takes it.
     let (mut aqk, mut l_blocks, mut l_rest) = (zero.clone(), zero.clone(), zero.clone());
-    for (level, ((fr, fc), keep)) in factors.iter().zip(levels.chunks(2)).enumerate() {
+    for (level, ((fr, fc), keep)) in f.factors.iter().zip(f.levels.chunks(2)).enumerate() {
         let cols = mul(b, k, fc)?;
         let l_acc = if level < 3 { &mut l_blocks } else { &mut l_rest };
-        for (x, m, acc) in [(q, &keep[0], &mut aqk), (&bk, &keep[1], l_acc)] {
+        for (x, m, acc) in [(q, &keep[0], &mut aqk), (&f.bk, &keep[1], l_acc)] {
             let rows = mul(b, x, fr)?;
             let p = b.matmul(&rows, &cols, (1, 1), data)?;
             let kept = pick(b, m, Cmp::Eq, &one, &p, &zero)?;
@@ -478,7 +510,5 @@ pub fn chunk_terms(
     let scale_c = b.splat(scale, DType::F32, &[C, C])?;
     let aqk = mul(b, &aqk, &scale_c)?;
     let l = add(b, &l_blocks, &l_rest)?;
-    // The identity is level 0's causal mask less its strict one.
-    let eye = b.binary(Binary::Sub, &levels[0], &levels[1])?;
-    Ok(ChunkTerms { aqk, l, l_blocks, l_rest, qg, kg, kbg, eg_last, eye, egc, egs, bk, factors, levels })
+    Ok(ChunkTerms { aqk, l, l_blocks, l_rest, f })
 }

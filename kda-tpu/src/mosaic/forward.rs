@@ -129,6 +129,10 @@ pub struct ForwardDims {
     pub ht: bool,
     /// Whether `h`, the state entering every chunk, is a result.
     pub states: bool,
+    /// Whether every chunk's `A = (I + L)^-1` and `Aqk` are results (`a`, `aqk`
+    /// `[L, NT, 64, 64]` in [`ForwardDims::mask_dtype`]: what the backward kernel reads
+    /// instead of forming them again).
+    pub terms: bool,
     /// Chunks per grid step: a divisor of `chunks`, above one only for fixed-length rows read in
     /// place ([`ForwardDims::steps_for`] picks one). A step forms all its chunks' terms before
     /// their state updates, so that the compiler overlaps them, and pays the step's own
@@ -262,7 +266,7 @@ pub(super) fn token_operand(
 /// `q k v g beta [gate] [h0] exponent_masks level_masks` (beta `[L, T, 1]` for
 /// [`Tokens::Lanes`], `[R * T, H]` for [`Tokens::BatchFirst`], else `[H, R * T, 1]`; `h0` `[L, S, K, V]` f32; the masks are the results
 /// of [`super::blocks::term_masks_kernel`] for [`ForwardDims::mask_dtype`]); its results
-/// `o [ht] [h]` (`o` laid out as `v`).
+/// `o [ht] [h] [a aqk]` (`o` laid out as `v`).
 pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
     let float = |t: DType| matches!(t, DType::F32 | DType::BF16);
     let sizes_ok = d.chunks >= 1 && d.heads >= 1 && d.rows >= 1 && d.slots >= 1;
@@ -373,9 +377,16 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
         let at = vec![lane(), g2.clone(), Index::Const(0), Index::Const(0)];
         kb = kb.output(Operand::blocked("h", ty(DType::F32, &[l, nt, k, v]), &[1, n, k, v], at));
     }
+    if d.terms {
+        let at = vec![lane(), g2.clone(), Index::Const(0), Index::Const(0)];
+        for name in ["a", "aqk"] {
+            kb = kb.output(Operand::blocked(name, ty(d.mask_dtype(), &[l, nt, C, C]), &[1, n, C, C], at.clone()));
+        }
+    }
     let p = d.precision();
     let out_ht = Ref::Output(1);
     let out_h = Ref::Output(1 + usize::from(d.ht));
+    let out_terms = 1 + usize::from(d.ht) + usize::from(d.states);
     // The gate's own: softplus an exponential and a log1p, the lower bound one tanh.
     let gate_ops = match d.gate {
         Gate::Preactivated => 0.0,
@@ -498,12 +509,20 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
         // The inverses side by side (each a chain of dependent products), then `u` and `w`.
         let inverses = local
             .iter()
-            .map(|(_, t, _)| unit_lower_inverse_of_parts(b, &t.l_blocks, &t.l_rest, &t.eye, p))
+            .map(|(_, t, _)| unit_lower_inverse_of_parts(b, &t.l_blocks, &t.l_rest, &t.f.eye, p))
             .collect::<Result<Vec<_>>>()?;
         let mut steps = Vec::new();
-        for ((c, terms, bv), a) in local.into_iter().zip(inverses) {
+        for (ci, ((c, terms, bv), a)) in local.into_iter().zip(inverses).enumerate() {
+            if d.terms {
+                let at = [Offset::Const(0), Offset::Const(ci as i64), Offset::Const(0), Offset::Const(0)];
+                for (i, x) in [&a, &terms.aqk].into_iter().enumerate() {
+                    let x = if d.mask_dtype() == DType::F32 { x.clone() } else { b.cast(x, d.mask_dtype())? };
+                    let x = b.reshape(&x, &[1, 1, C, C])?;
+                    b.store(Ref::Output(out_terms + i), &at, &x)?;
+                }
+            }
             let u = b.matmul(&a, &bv, (1, 0), p)?;
-            let w = b.matmul(&a, &terms.kbg, (1, 0), p)?;
+            let w = b.matmul(&a, &terms.f.kbg, (1, 0), p)?;
             steps.push((c, terms, u, w));
         }
         let start = |b: &mut Body| {
@@ -545,7 +564,7 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
             }
             let ws = b.matmul(&w, &s, (1, 0), p)?;
             let v_new = b.binary(Binary::Sub, &u, &ws)?;
-            let inter = b.matmul(&terms.qg, &s, (1, 0), p)?;
+            let inter = b.matmul(&terms.f.qg, &s, (1, 0), p)?;
             let sc = b.splat(scale, DType::F32, &[C, v])?;
             let inter = b.binary(Binary::Mul, &inter, &sc)?;
             let intra = b.matmul(&terms.aqk, &v_new, (1, 0), p)?;
@@ -553,10 +572,10 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
             let o = if x == DType::F32 { o } else { b.cast(&o, x)? };
             let o = b.reshape(&o, &[1, C, v])?;
             b.store(Ref::Output(0), &[Offset::Const(0), Offset::Const(ci * C), Offset::Const(0)], &o)?;
-            let decay = b.reshape(&terms.eg_last, &[k, 1])?;
+            let decay = b.reshape(&terms.f.eg_last, &[k, 1])?;
             let decay = b.broadcast(&decay, &[k, v])?;
             let kept = b.binary(Binary::Mul, &s, &decay)?;
-            let add = b.matmul(&terms.kg, &v_new, (0, 0), p)?;
+            let add = b.matmul(&terms.f.kg, &v_new, (0, 0), p)?;
             let s_next = b.binary(Binary::Add, &kept, &add)?;
             if fixed_rows {
                 // A row's final state: its last chunk's, the last write to its `ht` block.
