@@ -97,7 +97,7 @@ impl ProgramSignature {
         let nt = s.chunks() as i64;
         let state = s.state_dims();
         let saved_h = [s.lanes() as i64, nt, s.k as i64, s.v as i64];
-        let kernel_forms = s.kernel_forms(kind);
+        let kernel_forms = s.kernel_forms();
         let tokens = |d: usize| if kernel_forms { s.kernel_token_dims(d) } else { s.token_dims(d) };
         let mut args = vec![
             port("q", e, &tokens(s.k)),
@@ -151,7 +151,7 @@ impl ProgramSignature {
             }
         };
         let cotangents = |args: &mut Vec<Port>| {
-            args.push(port("do", e, &s.token_dims(s.v)));
+            args.push(port("do", e, &tokens(s.v)));
             if s.has_dht {
                 args.push(port("dht", f32, &state));
             }

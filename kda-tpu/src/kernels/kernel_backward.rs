@@ -115,14 +115,14 @@ pub(super) fn grads(
         }
         for (y, w) in [(dq, s.k), (dk, s.k), (dv, s.v)] {
             let y = prep::to_caller(b, s, y, x)?;
-            results.push(b.reshape(y, &s.result_token_dims(w, false))?);
+            results.push(b.reshape(y, &s.result_token_dims(w, true))?);
         }
         let dg = prep::to_caller(b, s, dg, on_device(s.g_dtype))?;
-        results.push(b.reshape(dg, &s.result_token_dims(s.k, false))?);
+        results.push(b.reshape(dg, &s.result_token_dims(s.k, true))?);
         results.push(prep::beta_to_caller(b, s, dbeta, x)?);
     } else {
         for (i, w) in [(0, s.k), (1, s.k), (2, s.v), (3, s.k)] {
-            results.push(b.reshape(outs[i], &s.result_token_dims(w, false))?);
+            results.push(b.reshape(outs[i], &s.result_token_dims(w, true))?);
         }
         let (h, bb, t) = (s.h as i64, s.b as i64, s.t as i64);
         let dbeta = b.reshape(outs[4], &[h, bb, t, 1])?;
@@ -167,7 +167,7 @@ pub(super) fn fused(
     cotangents: (Value, Option<Value>),
     lowering: Lowering,
 ) -> Result<Vec<Value>> {
-    let mut outs = forward_body(b, s, a, true, lowering, false, true)?;
+    let mut outs = forward_body(b, s, a, true, lowering, true, true)?;
     let saved = take_saved(&mut outs)?;
     outs.extend(grads(b, s, a, saved, cotangents, lowering)?);
     Ok(outs)
@@ -194,7 +194,7 @@ pub(super) fn backward(
     let saved = match saved {
         Some(h) => (h, None),
         None => {
-            let mut outs = forward_body(b, s, a, true, lowering, false, true)?;
+            let mut outs = forward_body(b, s, a, true, lowering, true, true)?;
             take_saved(&mut outs)?
         }
     };

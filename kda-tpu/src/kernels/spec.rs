@@ -188,11 +188,11 @@ impl KernelSpec {
         }
         s
     }
-    /// Whether program `kind` holds its per-token tensors in the kernel forms
-    /// ([`KernelSpec::kernel_token_dims`]): a forward run by a kernel lowering. XLA's programs
+    /// Whether the programs hold their per-token tensors in the kernel forms
+    /// ([`KernelSpec::kernel_token_dims`]): programs run by a kernel lowering. XLA's programs
     /// keep the caller's shapes, from which XLA's layout assignment makes fewer copies.
-    pub fn kernel_forms(&self, kind: super::ProgramKind) -> bool {
-        matches!(kind, super::ProgramKind::Forward(_)) && self.implementation != Implementation::Xla
+    pub fn kernel_forms(&self) -> bool {
+        self.implementation != Implementation::Xla
     }
     /// A kernel program's form of a per-token input of width `d` (the row-major elements of
     /// [`KernelSpec::token_dims`]): head-first `[H, B, T, D]` as given, batch-first
