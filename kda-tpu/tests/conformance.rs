@@ -674,6 +674,79 @@ mod interpret {
         }
     }
 
+    /// The fused forward+VJP on the kernels of `case` (f32) with the tokens `pick` selects
+    /// of the inputs (`inputs`) or of `do` drawn again: the gradients of both.
+    fn vjp_twice(
+        case: &Case,
+        pick: &dyn Fn(usize, usize) -> bool,
+        inputs: bool,
+    ) -> [kda_core::KdaGradients; 2] {
+        let a = kda_testkit::case_data(case, F32).expect("inputs");
+        let other = kda_testkit::case_data(&Case { name: "another_draw", ..case.clone() }, F32).expect("inputs");
+        let mut b = a.clone();
+        let dims = (case.h, case.b, case.t);
+        let layout = a.inputs.config.layout;
+        if inputs {
+            let (x, y) = (&a.inputs, &other.inputs);
+            b.inputs.q = splice(&x.q, &y.q, layout, dims, pick);
+            b.inputs.k = splice(&x.k, &y.k, layout, dims, pick);
+            b.inputs.v = splice(&x.v, &y.v, layout, dims, pick);
+            b.inputs.g = splice(&x.g, &y.g, layout, dims, pick);
+            b.inputs.beta = splice(&x.beta, &y.beta, layout, dims, pick);
+        }
+        b.cotangents.d_o = splice(&a.cotangents.d_o, &other.cotangents.d_o, layout, dims, pick);
+        let be = backend();
+        let run = |d: &kda_testkit::CaseData| {
+            be.forward_and_vjp(&d.inputs, &d.cotangents, SavedState).expect("forward and vjp").1
+        };
+        [run(&a), run(&b)]
+    }
+
+    /// Each per-token gradient at the tokens `pick` selects, bitwise, in the case's layout.
+    fn grad_tokens(g: &kda_core::KdaGradients, case: &Case, pick: &dyn Fn(usize, usize) -> bool) -> Vec<Vec<u32>> {
+        [&g.dq, &g.dk, &g.dv, &g.dg, &g.dbeta].iter().map(|x| tokens(x, case, pick)).collect()
+    }
+
+    /// The backward kernel is deterministic (two runs agree bitwise) and causal in reverse:
+    /// changing `do` at tokens before 70 leaves every gradient from token 70 on bitwise equal
+    /// and changes earlier ones.
+    #[test]
+    fn the_kernel_backward_is_deterministic_and_causal() {
+        let case = kda_testkit::cases::case("fixed_batch_first_b2").expect("case");
+        let same = vjp_twice(&case, &|_, _| false, false);
+        assert_eq!(grad_tokens(&same[0], &case, &|_, _| true), grad_tokens(&same[1], &case, &|_, _| true));
+        assert_eq!(same[0].dh0, same[1].dh0);
+        let [a, b] = vjp_twice(&case, &|_, t| t < 70, false);
+        let late = |_: usize, t: usize| t >= 70;
+        assert_eq!(grad_tokens(&a, &case, &late), grad_tokens(&b, &case, &late), "gradients from token 70 on");
+        let early = |_: usize, t: usize| t < 70;
+        assert_ne!(grad_tokens(&a, &case, &early)[0], grad_tokens(&b, &case, &early)[0], "dq before token 70");
+    }
+
+    /// Changing one segment's inputs and `do` (row 0's second, tokens `30 .. end`) leaves every
+    /// other token's gradients and every other segment's `dh0` bitwise equal: through lanes and
+    /// with the forward reading packed tokens in place.
+    #[rstest]
+    #[case::through_lanes(kda_testkit::cases::case("packed_rows_differ").expect("case"), 100)]
+    #[case::in_place(packed_in_place(Layout::HeadFirst, 16, 24), 70)]
+    fn the_kernel_backward_isolates_segments(#[case] case: Case, #[case] end: usize) {
+        let inside = |r: usize, t: usize| r == 0 && (30..end).contains(&t);
+        let [a, b] = vjp_twice(&case, &inside, true);
+        let outside = |r: usize, t: usize| !inside(r, t);
+        assert_eq!(grad_tokens(&a, &case, &outside), grad_tokens(&b, &case, &outside), "gradients outside");
+        assert_ne!(grad_tokens(&a, &case, &inside)[0], grad_tokens(&b, &case, &inside)[0]);
+        let (ha, hb) = (a.dh0.expect("dh0").to_f32_vec(), b.dh0.expect("dh0").to_f32_vec());
+        let per_slot = ha.len() / (case.b * 3);
+        for (slot, (x, y)) in ha.chunks(per_slot).zip(hb.chunks(per_slot)).enumerate() {
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            if slot == 1 {
+                assert_ne!(bits(x), bits(y), "the changed segment's dh0");
+            } else {
+                assert_eq!(bits(x), bits(y), "dh0 of slot {slot}");
+            }
+        }
+    }
+
     /// Fixed-length rows of whole chunks and packed rows of whole 64-token blocks, which the
     /// kernel reads in place (head-first, and batch-first with 128-lane heads) and whose gate
     /// and L2 norm it applies itself.

@@ -457,29 +457,31 @@ fn chunk_grads(
     let m1 = mul_const(b, &da, scale)?;
     // Per level: `Aqk` rows `q fr` and `L` rows `beta k fr` against columns `k fc`, strictly
     // causal pairs on the level's mask.
-    let zero = b.splat(0.0, DType::F32, &[C, C])?;
-    let one = b.splat(1.0, DType::F32, &[C, C])?;
-    // Per level the gradient of its exponent array: row `t`'s factor `fr` scales `q_t` and
-    // `beta_t k_t` (cotangent parts `Pq`, `Pl`), column `j`'s `fc` scales `k_j` (`Pk`). Each
-    // array is a sum of `g` over a range on one side of its anchor, so the terms of a pair
-    // never meet with opposite signs (but at the mid anchor's): no cancellation is left to the
-    // one-pass products of bf16 inputs.
+    // The products' operands in the type the products read them (bf16 for one-pass products:
+    // rounded once, and half the registers while they wait), the cotangents side by side.
+    let op_ty = if p == MatPrecision::Default { DType::BF16 } else { DType::F32 };
+    let as_op = |b: &mut Body, x: &V| if x.ty.elem == op_ty { Ok(x.clone()) } else { b.cast(x, op_ty) };
+    let m = b.concat(&[m1, dl], 0)?;
+    let m = as_op(b, &m)?;
+    let zero = b.splat(0.0, op_ty, &[2 * C, C])?;
+    let one = b.splat(1.0, DType::F32, &[2 * C, C])?;
     let mut d_bk: Option<V> = None;
     let mut d_exponents = vec![];
     for (level, ((fr, fc), keep)) in t.factors.iter().zip(t.levels.chunks(2)).enumerate() {
-        let strict = b.compare(Cmp::Eq, &keep[1], &one)?;
-        let mq = b.select(&strict, &m1, &zero)?;
-        let ml = b.select(&strict, &dl, &zero)?;
+        let both = b.concat(&[keep[1].clone(), keep[1].clone()], 0)?;
+        let strict = b.compare(Cmp::Eq, &both, &one)?;
+        let m = b.select(&strict, &m, &zero)?;
         let cols = mul(b, k, fc)?;
+        let cols = as_op(b, &cols)?;
         let rows_q = mul(b, q, fr)?;
         let rows_l = mul(b, &t.bk, fr)?;
+        let rows = b.concat(&[rows_q, rows_l], 0)?;
+        let rows = as_op(b, &rows)?;
         // Both cotangents against the shared columns, and both row operands against the
         // cotangents' columns, as one product each.
-        let m = b.concat(&[mq, ml], 0)?;
         let r = b.matmul(&m, &cols, (1, 0), p)?;
         let rq = b.slice(&r, &[0, 0], &[C, kd])?;
         let rl = b.slice(&r, &[C, 0], &[C, kd])?;
-        let rows = b.concat(&[rows_q, rows_l], 0)?;
         let cc = b.matmul(&m, &rows, (0, 0), p)?;
         let (pq, pl, pk) = (mul(b, &rq, fr)?, mul(b, &rl, fr)?, mul(b, &cc, fc)?);
         dq = add(b, &dq, &pq)?;
