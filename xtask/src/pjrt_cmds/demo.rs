@@ -1,7 +1,7 @@
 //! The PJRT part of `cargo xtask demo`: the fused saved-state forward+VJP at the primary shape on
 //! the CPU plugin, timed and checked against the f64 reference at the limits of docs/kda.md, then the
-//! same in the TPU configuration (the fused program in slabs), then the forward through the
-//! Mosaic forward kernel's interpret lowering.
+//! same in the TPU configuration (the fused program in slabs), then the fused forward+VJP on the
+//! Mosaic forward and backward kernels through their interpret lowering.
 
 use super::{backend_label, err, ms};
 use kda_core::{BackwardStrategy, DType, HostTensor};
@@ -100,14 +100,14 @@ pub fn run() -> Result<(), String> {
             want.iter().find(|(n, _)| *n == name).ok_or_else(|| format!("the reference has no {name}"))?;
         check(name, got, w.1);
     }
-    // The Mosaic forward kernel, through its interpret lowering (the kernel libtpu compiles, as
-    // plain StableHLO), on the same inputs; the backward stays XLA's and reads its states.
-    println!("\nthe Mosaic forward kernel (interpret lowering) with the XLA backward, same check:");
+    // The Mosaic kernels, through their interpret lowering (the kernels libtpu compiles, as
+    // plain StableHLO), on the same inputs: the forward kernel saving its states and chunk
+    // terms, the backward kernel reading them.
+    println!("\nthe Mosaic forward and backward kernels (interpret lowering), fused, same check:");
     let kernel_be = be.clone().with_implementation(kda_tpu::Implementation::Interpret).map_err(err)?;
-    crate::progress::step("demo", "compiling and running the Mosaic forward kernel's interpret lowering...");
+    crate::progress::step("demo", "compiling and running the Mosaic kernels' interpret lowering...");
     let t = Instant::now();
-    let (k_out, k_res) = kernel_be.forward(&data.inputs, strategy).map_err(err)?;
-    let k_grads = kernel_be.backward(&k_res, &data.cotangents).map_err(err)?;
+    let (k_out, k_grads) = kernel_be.forward_and_vjp(&data.inputs, &data.cotangents, strategy).map_err(err)?;
     println!("  compiled and ran in {:.0} ms", ms(t.elapsed()));
     check("o", &k_out.o, &reference.outputs.o);
     if let (Some(got), Some(want)) = (&k_out.final_state, &reference.outputs.final_state) {
@@ -121,7 +121,8 @@ pub fn run() -> Result<(), String> {
     if failed.is_empty() {
         println!(
             "demo: PASS ({} quantities within the limits of docs/kda.md; implementations checked: \
-             xla (CPU and TPU configurations), the Mosaic forward kernel through its interpret lowering)",
+             xla (CPU and TPU configurations), the Mosaic forward and backward kernels through \
+             their interpret lowering)",
             1 + grads.named().len()
         );
         Ok(())
