@@ -444,6 +444,30 @@ mod context_parallel {
         }
     }
 
+    /// Every piece on the Mosaic kernels (their interpret lowering), the exchange XLA's
+    /// collectives around them.
+    #[rstest]
+    #[case::d2_mixed_fused_saved(2, "mixed_rows", F32, Saved, Fused)]
+    #[case::d3_lower_bound_split_remat(3, "gate_lower_bound_l2norm", BF16, Remat, Staged)]
+    fn kernel_pieces_over_devices_meet_the_reference(
+        #[case] devices: usize,
+        #[case] name: &str,
+        #[case] dtype: DType,
+        #[case] strategy: BackwardStrategy,
+        #[case] path: Path,
+    ) {
+        let be = PjrtOptions::new()
+            .devices(devices)
+            .split(Split::Context)
+            .implementation(kda_tpu::Implementation::Interpret)
+            .build()
+            .expect("PJRT plugin (run `cargo xtask setup`)");
+        match backward_case(&be, &named(name), dtype, strategy, path) {
+            Ok(report) => eprint!("{report}"),
+            Err(failure) => panic!("conformance failure of the kernels on {devices} devices:\n{failure}"),
+        }
+    }
+
     /// The TPU configuration on the CPU plugin: programs in slabs of 1 chunk position, whose
     /// backward transitions run the slabbed fused remat program.
     #[rstest]
@@ -823,8 +847,8 @@ mod interpret {
 }
 
 /// The whole product of the parallel factors (`cargo xtask test --full`): devices x case x
-/// strategy x path x dtype, for data and for context parallelism; the interpret lowering of
-/// the forward kernel on every case of the table.
+/// strategy x path x dtype, for data and for context parallelism (the pieces on XLA's programs
+/// and on the kernels); the interpret lowering of the kernels on every case of the table.
 mod full {
     use kda_core::{BackwardStrategy, DType};
     use kda_testkit::conformance::{backward_case, Path};
@@ -833,6 +857,8 @@ mod full {
 
     #[rstest]
     fn context_parallel_product(
+        #[values(kda_tpu::Implementation::Xla, kda_tpu::Implementation::Interpret)]
+        implementation: kda_tpu::Implementation,
         #[values(2, 3, 4)] devices: usize,
         #[values(
             "l2norm_preactivated",
@@ -848,7 +874,9 @@ mod full {
         #[values(Path::Fused, Path::Split)] path: Path,
         #[values(DType::F32, DType::BF16)] dtype: DType,
     ) {
-        let be = super::context_parallel::backend(devices);
+        let be = super::context_parallel::backend(devices)
+            .with_implementation(implementation)
+            .expect("implementation");
         if let Err(failure) = backward_case(&be, &super::context_parallel::named(name), dtype, strategy, path)
         {
             panic!("conformance failure on {devices} devices:\n{failure}");

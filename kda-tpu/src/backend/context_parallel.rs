@@ -52,7 +52,8 @@ impl PjrtBackend {
         let (pieces, locals) = PiecePlan::split(&p, self.device_count())?;
         let g_dtype = if x.g.dtype() == DType::BF16 { DType::BF16 } else { DType::F32 };
         let spec = crate::kernels::context_parallel::local_spec(&locals[0], has_dht, self.slab, g_dtype)
-            .map_err(e)?;
+            .map_err(e)?
+            .with_implementation(self.implementation);
         Ok((p, Arc::new(ContextPlan { pieces, locals, spec })))
     }
 

@@ -150,7 +150,7 @@ fn call_named(
 /// (f32 `cont [B]`, `carry [B, N]`, `piece [D]`); a forward also returns `h0`, the entering
 /// states it used.
 pub fn signature(s: &KernelSpec, kind: ProgramKind, devices: usize) -> ProgramSignature {
-    let mut sig = ProgramSignature::of(&xla_pieces(s), kind);
+    let mut sig = ProgramSignature::of(s, kind);
     let f32 = |d: &[i64]| TensorType::new(DType::F32, d);
     let (b, n) = (s.b as i64, s.n as i64);
     for (name, dims) in CP_ARGS.into_iter().zip([vec![b], vec![b, n], vec![devices as i64]]) {
@@ -160,12 +160,6 @@ pub fn signature(s: &KernelSpec, kind: ProgramKind, devices: usize) -> ProgramSi
         sig.results.push(super::interface::Port { name: "h0", ty: f32(&s.state_dims()) });
     }
     sig
-}
-
-/// `s` with its pieces run by XLA's programs (the exchange is XLA's too; the kernel forward
-/// per piece is not wired in yet).
-fn xla_pieces(s: &KernelSpec) -> KernelSpec {
-    KernelSpec { implementation: super::Implementation::Xla, ..s.clone() }
 }
 
 /// The context-parallel program `kind` of the local spec `s` (with `h0`, final states
@@ -178,7 +172,6 @@ fn xla_pieces(s: &KernelSpec) -> KernelSpec {
 /// (`P`, `P^T`) at width K from zero values and cotangents with the identity in the continuation
 /// (carry) slot. Same work, half the live memory of the widest phase.
 pub fn context_parallel_program(s: &KernelSpec, kind: ProgramKind, devices: usize) -> Result<String> {
-    let s = &xla_pieces(s);
     let (k, v, n) = (s.k as i64, s.v as i64, s.n as i64);
     // The state-column runs: values K wide (the same spec as `s` when K = V).
     let sk = KernelSpec { v: s.k, ..s.clone() };
@@ -230,9 +223,13 @@ pub fn context_parallel_program(s: &KernelSpec, kind: ProgramKind, devices: usiz
     let v_in = get(&named, "v").ok_or_else(|| missing("v"))?;
     // Zero values (and cotangents) K wide, for the state-column runs.
     let zeros_k = {
-        let mut dims = v_in.dims().to_vec();
-        let last = dims.len() - 1;
-        dims[last] = k;
+        // `v` as the K-wide runs declare it (the caller's shape or the kernel form).
+        let dims = ProgramSignature::of(&sk, fwd_kind)
+            .args
+            .iter()
+            .find(|p| p.name == "v")
+            .map(|p| p.ty.dims.clone())
+            .ok_or_else(|| missing("v in the K-wide signature"))?;
         let z = b.constant_f32(0.0, f32(&dims))?;
         if v_in.elem() == DType::F32 {
             z

@@ -81,8 +81,9 @@ pub fn run(o: &AotOptions) -> Result<(), String> {
                 .with_slab(slab)
                 .with_implementation(o.implementation);
             let cp = kda_packed::PiecePlan::split(&problem, o.devices).map_err(err)?.1;
-            let cp_spec =
-                kda_tpu::kernels::context_parallel::local_spec(&cp[0], true, slab, dtype).map_err(err)?;
+            let cp_spec = kda_tpu::kernels::context_parallel::local_spec(&cp[0], true, slab, dtype)
+                .map_err(err)?
+                .with_implementation(o.implementation);
             for &program in &o.programs {
                 let text = if o.devices > 1 {
                     kda_tpu::kernels::context_parallel::context_parallel_program(
