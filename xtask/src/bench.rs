@@ -141,7 +141,7 @@ impl Suite {
                 if baseline {
                     v.push(Variant::Baseline);
                 }
-                v.extend([Variant::FusedSavedState, Variant::FusedRemat]);
+                v.extend([Variant::FusedSavedState, Variant::FusedRemat, Variant::FusedMosaic]);
                 v
             }
         }
@@ -163,6 +163,9 @@ pub enum Variant {
     FusedSavedState,
     /// Fused forward+VJP, rematerialized.
     FusedRemat,
+    /// The fused saved-state program on the Mosaic forward and backward kernels: tpu7x figures
+    /// of their Mosaic lowering, CPU figures and times of their interpret lowering.
+    FusedMosaic,
     /// The fused saved-state call through the device API (device tensors in and out).
     DeviceApi,
     /// The fused saved-state call through `kda_core::Backend` (host tensors in and out).
@@ -173,12 +176,13 @@ pub enum Variant {
 
 impl Variant {
     /// Every variant.
-    pub const ALL: [Variant; 8] = [
+    pub const ALL: [Variant; 9] = [
         Variant::Forward,
         Variant::ForwardMosaic,
         Variant::Baseline,
         Variant::FusedSavedState,
         Variant::FusedRemat,
+        Variant::FusedMosaic,
         Variant::DeviceApi,
         Variant::HostApi,
         Variant::HostCopy,
@@ -195,6 +199,7 @@ impl Variant {
             Variant::Baseline => "baseline",
             Variant::FusedSavedState => "fused-saved-state",
             Variant::FusedRemat => "fused-remat",
+            Variant::FusedMosaic => "fused-mosaic",
             Variant::DeviceApi => "device-api",
             Variant::HostApi => "host-api",
             Variant::HostCopy => "host-copy",
@@ -917,9 +922,12 @@ mod tests {
         assert_eq!(Suite::Forward.variants(true), [Variant::Forward, Variant::ForwardMosaic]);
         assert_eq!(
             Suite::Backward.variants(true),
-            [Variant::Baseline, Variant::FusedSavedState, Variant::FusedRemat]
+            [Variant::Baseline, Variant::FusedSavedState, Variant::FusedRemat, Variant::FusedMosaic]
         );
-        assert_eq!(Suite::BackwardPacked.variants(false), [Variant::FusedSavedState, Variant::FusedRemat]);
+        assert_eq!(
+            Suite::BackwardPacked.variants(false),
+            [Variant::FusedSavedState, Variant::FusedRemat, Variant::FusedMosaic]
+        );
         let names: Vec<&str> = kda_testkit::benchmark_cases().iter().map(|c| c.name).collect();
         for s in Suite::ALL {
             assert!(s.cases().iter().all(|c| names.contains(c)), "{s:?}");

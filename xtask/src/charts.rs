@@ -197,8 +197,13 @@ fn our_series(
         };
         find(rs, suite, variant, DType::BF16, packed).and_then(&figure)
     };
-    let (fwd, mosaic, saved, remat) =
-        (Variant::Forward, Variant::ForwardMosaic, Variant::FusedSavedState, Variant::FusedRemat);
+    let (fwd, mosaic, saved, remat, fused_mosaic) = (
+        Variant::Forward,
+        Variant::ForwardMosaic,
+        Variant::FusedSavedState,
+        Variant::FusedRemat,
+        Variant::FusedMosaic,
+    );
     vec![
         (
             "this project, saved state".to_string(),
@@ -206,8 +211,8 @@ fn our_series(
         ),
         ("this project, remat".to_string(), vec![None, None, ours(remat, false), ours(remat, true)]),
         (
-            "this project, Mosaic forward".to_string(),
-            vec![ours(mosaic, false), ours(mosaic, true), None, None],
+            "this project, Mosaic kernels".to_string(),
+            vec![ours(mosaic, false), ours(mosaic, true), ours(fused_mosaic, false), ours(fused_mosaic, true)],
         ),
     ]
 }

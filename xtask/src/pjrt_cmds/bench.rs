@@ -25,7 +25,7 @@ fn programs(variant: Variant) -> Vec<(&'static str, ProgramKind)> {
                 ("backward", ProgramKind::Backward(SavedState)),
             ]
         }
-        Variant::FusedSavedState => vec![("fused", ProgramKind::Fused(SavedState))],
+        Variant::FusedSavedState | Variant::FusedMosaic => vec![("fused", ProgramKind::Fused(SavedState))],
         Variant::FusedRemat => vec![("fused", ProgramKind::Fused(Rematerialize))],
         // The api suite times these itself (`measure_api`).
         Variant::DeviceApi | Variant::HostApi | Variant::HostCopy => vec![],
@@ -65,7 +65,7 @@ impl Measure<'_> {
                     // What a TPU runs: fused programs in slabs (`PjrtBackend` off the CPU plugin),
                     // the Mosaic lowering of a kernel the CPU runs interpreted.
                     let mut tpu_spec = spec.clone().with_slab(kda_tpu::kernels::TPU_SLAB);
-                    if variant == Variant::ForwardMosaic {
+                    if matches!(variant, Variant::ForwardMosaic | Variant::FusedMosaic) {
                         tpu_spec = tpu_spec.with_implementation(kda_tpu::Implementation::Mosaic);
                     }
                     let text = kda_tpu::kernels::program(&tpu_spec, kind).map_err(err)?;
@@ -463,8 +463,8 @@ pub fn run(opts: &BenchOptions, args: &[String]) -> Result<(), String> {
                 let call = DeviceCall::upload(&be, &data.inputs, cot).map_err(err)?;
                 let m = Measure { be: &be, tpu: tpu.as_ref(), call: &call, iterations: opts.iterations };
                 for variant in suite.variants(opts.baseline) {
-                    if variant == Variant::ForwardMosaic {
-                        // The kernel's interpret lowering on this plugin, its own handle and call.
+                    if matches!(variant, Variant::ForwardMosaic | Variant::FusedMosaic) {
+                        // The kernels' interpret lowering on this plugin, its own handle and call.
                         let be = be
                             .clone()
                             .with_implementation(kda_tpu::Implementation::Interpret)
