@@ -806,13 +806,15 @@ mod interpret {
     }
 
     /// The backward kernel reading the caller's tensors in place (the cases of
-    /// `in_place_forward_meets_the_reference`): its gate, gate-parameter sums, L2 norm and
-    /// batch-first beta.
+    /// `in_place_forward_meets_the_reference`): its gate, gate-parameter sums, L2 norm,
+    /// batch-first beta, and packed tokens read through windows with every gradient written
+    /// straight to its packed token.
     #[rstest]
     #[case::head_first_softplus_f32(Case { gate: CaseGate::Softplus, ..Case::base("kernel_in_place_softplus", 2, 2, 128, 16, 24) }, F32, SavedState, Split)]
     #[case::head_first_lower_bound_l2norm_bf16(Case { gate: CaseGate::LowerBound(-5.0), l2norm: true, ..Case::base("kernel_in_place_lower_bound", 2, 1, 192, 32, 32) }, BF16, SavedState, Fused)]
     #[case::batch_first_lower_bound_l2norm_f32(Case { gate: CaseGate::LowerBound(-5.0), l2norm: true, layout: Layout::BatchFirst, ..Case::base("kernel_in_place_batch_first", 2, 2, 128, 128, 128) }, F32, Rematerialize, Fused)]
     #[case::packed_head_first_softplus_f32(Case { gate: CaseGate::Softplus, ..packed_in_place(Layout::HeadFirst, 16, 24) }, F32, SavedState, Fused)]
+    #[case::packed_batch_first_lower_bound_l2norm_bf16(Case { gate: CaseGate::LowerBound(-5.0), l2norm: true, ..packed_in_place(Layout::BatchFirst, 128, 128) }, BF16, Rematerialize, Split)]
     fn in_place_backward_meets_the_reference(
         #[case] case: Case,
         #[case] dtype: DType,

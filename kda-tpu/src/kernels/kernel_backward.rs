@@ -9,6 +9,7 @@
 
 use super::kernel_forward::{
     ended, forward_body, gate_operand, kernel_gate, kernel_input, running_max, token_inputs, tokens_of,
+    window_tables,
 };
 use super::prep;
 use super::programs::{state_tab, Args};
@@ -19,14 +20,27 @@ use crate::mosaic::forward::{ForwardDims, Gate, Tokens};
 use crate::mosaic::Lowering;
 use crate::Result;
 
-/// How the backward kernel reads tokens: as the forward kernel does for fixed-length rows,
-/// through lanes for packed rows (its gradients are gathered back by XLA).
+/// How the backward kernel reads tokens: as the forward kernel does, but packed tokens in place
+/// only while a head's gradients (f32, double-buffered) fit in [`PACKED_RESULT_BYTES`] of VMEM;
+/// beyond, through lanes (XLA gathers the inputs and compacts the gradients).
 fn backward_tokens(s: &KernelSpec) -> Tokens {
     match tokens_of(s) {
-        Tokens::PackedHeadFirst | Tokens::PackedBatchFirst => Tokens::Lanes,
+        Tokens::PackedHeadFirst | Tokens::PackedBatchFirst => {
+            let bytes = 2 * 4 * (s.b * s.t) * (3 * s.k + s.v + 1);
+            if bytes as i64 <= PACKED_RESULT_BYTES {
+                tokens_of(s)
+            } else {
+                Tokens::Lanes
+            }
+        }
         t => t,
     }
 }
+
+/// The VMEM the packed backward kernel's resident gradient blocks may take (a head's packed
+/// tokens, f32, double-buffered): 5.6 MB at the primary shape's 1024 tokens; H=32, T=8192
+/// (45 MB) goes through lanes.
+pub const PACKED_RESULT_BYTES: i64 = 12 << 20;
 
 /// The gradients `dq dk dv dg dbeta [dh0] [da_log] [ddt_bias]` (caller layouts and dtypes)
 /// of the backward kernel lowered as `lowering`, from the states `h` `[L, NT, K, V]` the
@@ -43,8 +57,22 @@ pub(super) fn grads(
     let tokens = backward_tokens(s);
     let gate = kernel_gate(s, tokens);
     let mut ops = vec![a.tables.first, a.tables.last, running_max(b, a.tables.slot)?];
+    if tokens.packed() {
+        let slot_token = a.slot_token.ok_or_else(|| {
+            crate::TpuError::builder("mosaic backward", "a packed program without slot_token")
+        })?;
+        ops.extend(window_tables(b, s, slot_token)?);
+    }
+    // A packed kernel reads every per-token input through a window of two blocks: each operand
+    // twice.
+    let twice = |x: Vec<Value>| -> Vec<Value> {
+        match tokens.packed() {
+            true => x.into_iter().flat_map(|v| [v, v]).collect(),
+            false => x,
+        }
+    };
     let (inputs, g_dtype) = token_inputs(b, s, a, tokens)?;
-    ops.extend(inputs);
+    ops.extend(twice(inputs));
     if let (true, Some(al)) = (gate != Gate::Preactivated, a.a_log) {
         ops.push(gate_operand(b, s, al, a.dt_bias)?);
     }
@@ -52,7 +80,7 @@ pub(super) fn grads(
     if let Some((at, aqk)) = terms {
         ops.extend([at, aqk]);
     }
-    ops.push(kernel_input(b, s, d_o, tokens, a.slot_token, s.v as i64)?);
+    ops.extend(twice(vec![kernel_input(b, s, d_o, tokens, a.slot_token, s.v as i64)?]));
     let dht_tab = match dht {
         Some(d) => Some(prep::state_table(b, s, d)?),
         None => None,
@@ -121,6 +149,31 @@ pub(super) fn grads(
         results.push(b.reshape(dg, &s.result_token_dims(s.k, true))?);
         results.push(prep::beta_to_caller(b, s, dbeta, x)?);
     } else {
+        // In place, or (packed) the head's tokens in f32, padding tokens (which no chunk
+        // writes) zeroed here.
+        let real = match (tokens.packed(), a.token_slot) {
+            (true, Some(slots)) => {
+                let pad = b.constant_i32((s.chunks() * CHUNK) as i32, crate::hlo::TensorType::new(kda_core::DType::I32, &[]))?;
+                let pad = b.broadcast_in_dim(pad, slots.dims(), &[])?;
+                Some(b.compare(crate::hlo::Cmp::Lt, slots, pad)?)
+            }
+            _ => None,
+        };
+        let dtypes = [x, x, x, on_device(s.g_dtype), x];
+        let mut cast = Vec::new();
+        for (&y, t) in outs.iter().zip(dtypes) {
+            let y = match real {
+                Some(real) => {
+                    // `[H, P, w]`, or batch-first `[1, P, H * w]`: tokens along axis 1.
+                    let keep = b.broadcast_in_dim(real, y.dims(), &[1])?;
+                    let zero = b.constant_f32(0.0, crate::hlo::TensorType::new(y.elem(), y.dims()))?;
+                    b.select(keep, y, zero)?
+                }
+                None => y,
+            };
+            cast.push(if y.elem() == t { y } else { b.convert(y, t)? });
+        }
+        let outs: Vec<Value> = cast.into_iter().chain(outs[5..].iter().copied()).collect();
         for (i, w) in [(0, s.k), (1, s.k), (2, s.v), (3, s.k)] {
             results.push(b.reshape(outs[i], &s.result_token_dims(w, true))?);
         }

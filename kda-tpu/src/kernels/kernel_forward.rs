@@ -106,7 +106,7 @@ pub(super) fn kernel_input(
 
 /// The window tables of a packed kernel ([`crate::mosaic::forward::Window`]) from `slot_token`
 /// (`[NT * 64]`, the packed token of each chunk row, `B * T` on padding rows): `lo hi off len`.
-fn window_tables(b: &mut FnBuilder, s: &KernelSpec, slot_token: Value) -> Result<[Value; 4]> {
+pub(super) fn window_tables(b: &mut FnBuilder, s: &KernelSpec, slot_token: Value) -> Result<[Value; 4]> {
     let (nt, c, p) = (s.chunks() as i64, CHUNK as i64, (s.b * s.t) as i64);
     let blocks = p / c;
     let rows = b.reshape(slot_token, &[nt, c])?;

@@ -24,7 +24,7 @@ use super::blocks::{
 };
 use super::body::{Binary, Body, MatPrecision, Offset, Reduction, Ref, Unary, V};
 use super::forward::{
-    activate, l2_normalise_with_scale, token_operand, ForwardDims, Gate, Tokens, C, FLOOR, MAX_WIDTH,
+    activate, l2_normalise_with_scale, token_operand, ForwardDims, Gate, Tokens, Window, C, FLOOR, MAX_WIDTH,
 };
 use super::kernel::{Cost, Index, Kernel, KernelBuilder, Operand, Semantics};
 use crate::error::{Result, TpuError};
@@ -57,10 +57,11 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
             format!("K and V of 1 to {MAX_WIDTH} (K = {}, V = {})", d.k, d.v),
         ));
     }
-    if d.tokens.packed() || d.chunks_per_step() != 1 {
+    let packed = d.tokens.packed();
+    if d.chunks_per_step() != 1 || (packed && (d.rows != 1 || d.packed_tokens < C || d.packed_tokens % C != 0)) {
         return Err(TpuError::unsupported(
             "mosaic backward",
-            format!("fixed-length rows read in place or lanes, one chunk per grid step ({d:?})"),
+            format!("one chunk per grid step, packed tokens in one row of whole 64-token blocks ({d:?})"),
         ));
     }
     let (h, r, l, nt, k, v, x) = (d.heads, d.rows, d.heads * d.rows, d.chunks, d.k, d.v, d.dtype);
@@ -70,7 +71,11 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
     let slot = || vec![lane(), Index::table(2, rev()), Index::Const(0), Index::Const(0)];
     let ty = |dt: DType, dims: &[i64]| TensorType::new(dt, dims);
     let gated = d.gate != Gate::Preactivated;
-    let beta_tokens = if d.tokens == Tokens::Lanes { Tokens::Lanes } else { Tokens::HeadFirst };
+    let beta_tokens = match d.tokens {
+        Tokens::Lanes => Tokens::Lanes,
+        Tokens::PackedHeadFirst | Tokens::PackedBatchFirst => Tokens::PackedHeadFirst,
+        _ => Tokens::HeadFirst,
+    };
     let beta_rows = d.tokens == Tokens::BatchFirst;
     let mut kb = KernelBuilder::new("kda_backward")
         .grid(h, Semantics::Parallel)
@@ -79,19 +84,31 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
         .table("first", nt)
         .table("last", nt)
         .table("slot", nt);
-    for (name, dtype, w) in [("q", d.qk, k), ("k", d.qk, k), ("v", x, v), ("g", d.g, k)] {
-        kb = kb.input(token_operand(name, &d, d.tokens, dtype, w, 0, true));
+    if packed {
+        kb = kb.table("lo", nt).table("hi", nt).table("off", nt).table("len", nt);
     }
-    kb = kb.input(if beta_rows {
-        Operand::blocked("beta", ty(x, &[r * nt * C, h]), &[C, h], vec![g1.clone() * nt + rev(), Index::Const(0)])
-    } else {
-        token_operand("beta", &d, beta_tokens, x, 1, 0, true)
-    });
+    // Each per-token input: one operand, or a packed window's two blocks.
+    let windows: &[usize] = if packed { &[Window::LO, Window::HI] } else { &[0] };
+    let per = windows.len();
+    for (name, dtype, w) in [("q", d.qk, k), ("k", d.qk, k), ("v", x, v), ("g", d.g, k)] {
+        for &table in windows {
+            kb = kb.input(token_operand(name, &d, d.tokens, dtype, w, table, true));
+        }
+    }
+    for &table in windows {
+        kb = kb.input(if beta_rows {
+            let at = vec![g1.clone() * nt + rev(), Index::Const(0)];
+            Operand::blocked("beta", ty(x, &[r * nt * C, h]), &[C, h], at)
+        } else {
+            token_operand("beta", &d, beta_tokens, x, 1, table, true)
+        });
+    }
+    let gate_input = 5 * per;
     if gated {
         let at = vec![g0.clone(), Index::Const(0), Index::Const(0)];
         kb = kb.input(Operand::blocked("gate", ty(DType::F32, &[h, 2, k]), &[1, 2, k], at));
     }
-    let h_input = 5 + usize::from(gated);
+    let h_input = gate_input + usize::from(gated);
     let at = vec![lane(), rev(), Index::Const(0), Index::Const(0)];
     kb = kb.input(Operand::blocked("h", ty(DType::F32, &[l, nt, k, v]), &[1, 1, k, v], at));
     let mut at_terms = None;
@@ -103,8 +120,10 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
         }
     }
     let do_input = h_input + 1 + 2 * usize::from(d.terms);
-    kb = kb.input(token_operand("do", &d, d.tokens, x, v, 0, true));
-    let dht_input = do_input + 1;
+    for &table in windows {
+        kb = kb.input(token_operand("do", &d, d.tokens, x, v, table, true));
+    }
+    let dht_input = do_input + per;
     if d.ht {
         kb = kb.input(Operand::blocked("dht", ty(DType::F32, &[l, d.slots, k, v]), &[1, 1, k, v], slot()));
     }
@@ -112,10 +131,25 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
     kb = kb.input(Operand::whole("exponent_masks", ty(d.mask_dtype(), &[EXPONENT_ROWS, C])));
     kb = kb.input(Operand::whole("level_masks", ty(DType::F32, &[LEVEL_ROWS, C])));
     kb = kb.input(Operand::whole("exponent_masks_t", ty(d.mask_dtype(), &[C, EXPONENT_ROWS])));
-    for (name, dtype, w) in [("dq", d.qk, k), ("dk", d.qk, k), ("dv", x, v), ("dg", d.g, k)] {
-        kb = kb.output(token_operand(name, &d, d.tokens, dtype, w, 0, true));
+    let grads = [("dq", d.qk, k), ("dk", d.qk, k), ("dv", x, v), ("dg", d.g, k), ("dbeta", x, 1)];
+    for (name, dtype, w) in grads {
+        kb = kb.output(if packed {
+            // A head's packed tokens whole, in f32: every chunk's rows go to their tokens, and
+            // the block is written back once, after the head's last chunk (padding tokens hold
+            // whatever was there: the caller zeroes them).
+            let p = d.packed_tokens;
+            let (dims, at) = match d.tokens {
+                Tokens::PackedBatchFirst if w > 1 => {
+                    ([1, p, h * w], vec![Index::Const(0), Index::Const(0), g0.clone()])
+                }
+                _ => ([h, p, w], vec![g0.clone(), Index::Const(0), Index::Const(0)]),
+            };
+            Operand::blocked(name, ty(DType::F32, &dims), &[1, p, w], at)
+        } else {
+            let tokens = if w == 1 { beta_tokens } else { d.tokens };
+            token_operand(name, &d, tokens, dtype, w, 0, true)
+        });
     }
-    kb = kb.output(token_operand("dbeta", &d, beta_tokens, x, 1, 0, true));
     if d.h0 {
         kb = kb.output(Operand::blocked("dh0", ty(DType::F32, &[l, d.slots, k, v]), &[1, 1, k, v], slot()));
     }
@@ -133,6 +167,17 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
         + (l * k * v) as f64 * 4.0 * (nt + d.slots * (i64::from(d.h0) + i64::from(d.ht))) as f64;
     let transcendentals = t * kf * 8.0;
     kb = kb.scratch("dh", ty(DType::F32, &[k, v])).scratch("sums", ty(DType::F32, &[C, k]));
+    // Packed: each input's window (its two blocks side by side, f32; scratch 2 to 7), then per
+    // gradient width the rows a chunk places around its tokens (scratch 8 to 10).
+    if packed {
+        let inputs = [("q_window", k), ("k_window", k), ("v_window", v), ("g_window", k), ("beta_window", 1)];
+        for (name, w) in inputs.into_iter().chain([("do_window", v)]) {
+            kb = kb.scratch(name, ty(DType::F32, &[2 * C, w]));
+        }
+        for (name, w) in [("place_k", k), ("place_v", v), ("place_1", 1)] {
+            kb = kb.scratch(name, ty(DType::F32, &[3 * C, w]));
+        }
+    }
     let p = d.precision();
     let g_passes = if d.g == DType::BF16 && !gated { 1 } else { 2 };
     kb.cost(Cost { flops, transcendentals, bytes }).build(|b| {
@@ -163,10 +208,47 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
             b.store_all(Ref::Scratch(0), &dht)
         })?;
         let dh = b.load_all(Ref::Scratch(0))?;
-        let token = |b: &mut Body, at: usize, w: i64| -> Result<V> {
-            let x = b.load(Ref::Input(at), &[Offset::Const(0), Offset::Const(0), Offset::Const(0)], &[1, C, w])?;
-            let x = if x.ty.elem == DType::F32 { x } else { b.cast(&x, DType::F32)? };
-            b.reshape(&x, &[C, w])
+        // Packed: the chunk's window in its two blocks (`off`, `len`), and the blocks of its
+        // tokens (`lo`, `hi`).
+        let window = if packed {
+            let t = |b: &mut Body, i: usize| b.read_table(i, &c);
+            Some([t(b, Window::LO)?, t(b, Window::HI)?, t(b, Window::OFF)?, t(b, Window::LEN)?])
+        } else {
+            None
+        };
+        // Per-token input `i` (q k v g beta do) as f32 `[64, w]` from its operand(s) at `at`:
+        // its block, or rows `off .. off + 64` of its window's two blocks.
+        let token = |b: &mut Body, i: usize, at: usize, w: i64| -> Result<V> {
+            let block = |b: &mut Body, at: usize| -> Result<V> {
+                let zeros = [Offset::Const(0), Offset::Const(0), Offset::Const(0)];
+                let x = b.load(Ref::Input(at), &zeros, &[1, C, w])?;
+                let x = if x.ty.elem == DType::F32 { x } else { b.cast(&x, DType::F32)? };
+                b.reshape(&x, &[C, w])
+            };
+            match &window {
+                None => block(b, at),
+                Some([_, _, off, _]) => {
+                    let buf = Ref::Scratch(2 + i);
+                    for half in 0..2 {
+                        let x = block(b, at + half)?;
+                        b.store(buf, &[Offset::Const(half as i64 * C), Offset::Const(0)], &x)?;
+                    }
+                    b.load(buf, &[Offset::Dyn(off.clone(), 1), Offset::Const(0)], &[C, w])
+                }
+            }
+        };
+        // `x` with the rows from a packed chunk's `len` on zero (the next segment's tokens).
+        let keep = |b: &mut Body, x: &V| -> Result<V> {
+            match &window {
+                None => Ok(x.clone()),
+                Some([_, _, _, len]) => {
+                    let rows = b.iota(&x.ty.dims, 0)?;
+                    let len = b.broadcast(len, &x.ty.dims)?;
+                    let inside = b.compare(Cmp::Lt, &rows, &len)?;
+                    let zero = b.splat(0.0, DType::F32, &x.ty.dims)?;
+                    b.select(&inside, x, &zero)
+                }
+            }
         };
         let beta = if beta_rows {
             let head = b.program_id(0)?;
@@ -179,13 +261,18 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
             let picked = b.select(&mine, &rows, &none)?;
             b.reduce(Reduction::Sum, &picked, 1)?
         } else {
-            token(b, 4, 1)?
+            token(b, 4, 4 * per, 1)?
         };
-        let (q_in, k_in, vv, gx) = (token(b, 0, k)?, token(b, 1, k)?, token(b, 2, v)?, token(b, 3, k)?);
-        let d_o = token(b, do_input, v)?;
+        let (q_in, k_in) = (token(b, 0, 0, k)?, token(b, 1, per, k)?);
+        let (vv, gx) = (token(b, 2, 2 * per, v)?, token(b, 3, 3 * per, k)?);
+        let d_o = token(b, 5, do_input, v)?;
+        // Rows past a packed chunk's tokens: k, v, beta, do and the activated g zero (no part
+        // in the state or the gradients; q's rows meet only zero cotangents).
+        let (k_in, vv, beta, d_o) = (keep(b, &k_in)?, keep(b, &vv)?, keep(b, &beta)?, keep(b, &d_o)?);
         let (q, q_scale) = if d.l2norm { split(l2_normalise_with_scale(b, &q_in)?) } else { (q_in, None) };
         let (kk, k_scale) = if d.l2norm { split(l2_normalise_with_scale(b, &k_in)?) } else { (k_in, None) };
-        let g = activate(b, &gx, d.gate, 5)?;
+        let g = activate(b, &gx, d.gate, gate_input)?;
+        let g = keep(b, &g)?;
         let scratch = TermScratch {
             masks: TermMasks::Input { exponents: Ref::Input(masks_input), levels: Ref::Input(masks_input + 1) },
             sums: Ref::Scratch(1),
@@ -247,8 +334,11 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
         let live = b.compare(Cmp::Gt, &g, &floor)?;
         let none = b.splat(0.0, DType::F32, &[C, k])?;
         let dg = b.select(&live, &dg, &none)?;
+        // A packed chunk's rows past its tokens hold the gradient of their zeroed gate: not a
+        // token's, and kept out of the gate parameters' sums.
+        let dg = keep(b, &dg)?;
         let dx = if gated {
-            let (dz, dlog) = gate_slopes(b, &gx, d.gate, 5)?;
+            let (dz, dlog) = gate_slopes(b, &gx, d.gate, gate_input)?;
             let dx = b.binary(Binary::Mul, &dg, &dz)?;
             let dl = b.binary(Binary::Mul, &dg, &dlog)?;
             // Column sums as products with a row of ones (full precision), added to the lane's
@@ -274,15 +364,65 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
             Some(rs) => l2_backward(b, &grads.dk, &kk, rs)?,
             None => grads.dk,
         };
-        for (i, x) in [dq, dk, grads.dv, dx, grads.dbeta].iter().enumerate() {
-            let out_ty = b_out_elem(i, &d);
-            let x = if out_ty == DType::F32 { x.clone() } else { b.cast(x, out_ty)? };
-            let w = x.ty.dims[1];
-            let x = b.reshape(&x, &[1, C, w])?;
-            b.store(Ref::Output(i), &[Offset::Const(0), Offset::Const(0), Offset::Const(0)], &x)?;
+        let results = [dq, dk, grads.dv, dx, grads.dbeta];
+        match &window {
+            None => {
+                for (i, x) in results.iter().enumerate() {
+                    let out_ty = b_out_elem(i, &d);
+                    let x = if out_ty == DType::F32 { x.clone() } else { b.cast(x, out_ty)? };
+                    let w = x.ty.dims[1];
+                    let x = b.reshape(&x, &[1, C, w])?;
+                    b.store(Ref::Output(i), &[Offset::Const(0), Offset::Const(0), Offset::Const(0)], &x)?;
+                }
+            }
+            Some(tables) => {
+                for (i, x) in results.iter().enumerate() {
+                    let buf = match x.ty.dims[1] {
+                        w if w == k => 8,
+                        w if w == v => 9,
+                        _ => 10,
+                    };
+                    place(b, Ref::Output(i), Ref::Scratch(buf), x, tables)?;
+                }
+            }
         }
         Ok(())
     })
+}
+
+/// Writes a packed chunk's gradient `x` `[64, w]` (f32) to its tokens in the head's result
+/// block `out`: `x` goes to rows `64 .. 128` of `buf` (`[192, w]`), whose rows from `64 - off`
+/// and from `128 - off` are the chunk's rows as they fall in its blocks `lo` and `hi`; each
+/// block takes them where its tokens are the chunk's (read, select, write, `lo` first: with
+/// `hi = lo` the second write keeps the first's rows). Nothing else of `buf` is ever selected,
+/// and tokens no chunk holds (padding) are left as they are: the caller zeroes them.
+fn place(b: &mut Body, out: Ref, buf: Ref, x: &V, [lo, hi, off, len]: &[V; 4]) -> Result<()> {
+    let w = x.ty.dims[1];
+    b.store(buf, &[Offset::Const(C), Offset::Const(0)], x)?;
+    let rows = b.iota(&[C, w], 0)?;
+    let wide = |b: &mut Body, i: &V| b.broadcast(i, &[C, w]);
+    let (c64, c128) = (b.index(C)?, b.index(2 * C)?);
+    let end = b.index_op(Binary::Add, off, len)?;
+    for (block, from) in [(lo, &c64), (hi, &c128)] {
+        let start = b.index_op(Binary::Sub, from, off)?;
+        let part = b.load(buf, &[Offset::Dyn(start, 1), Offset::Const(0)], &[C, w])?;
+        // Token `64 block + r` is the chunk's when `off <= r + (64 if hi) < off + len`.
+        let base = b.index_op(Binary::Sub, from, &c64)?;
+        let first = b.index_op(Binary::Sub, off, &base)?;
+        let last = b.index_op(Binary::Sub, &end, &base)?;
+        let (first, last) = (wide(b, &first)?, wide(b, &last)?);
+        let after = b.compare(Cmp::Ge, &rows, &first)?;
+        let before = b.compare(Cmp::Lt, &rows, &last)?;
+        let row0 = b.index_op(Binary::Mul, block, &c64)?;
+        let at = [Offset::Const(0), Offset::Dyn(row0, C), Offset::Const(0)];
+        let old = b.load(out, &at, &[1, C, w])?;
+        let old = b.reshape(&old, &[C, w])?;
+        let new = b.select(&before, &part, &old)?;
+        let new = b.select(&after, &new, &old)?;
+        let new = b.reshape(&new, &[1, C, w])?;
+        b.store(out, &at, &new)?;
+    }
+    Ok(())
 }
 
 /// The element type of gradient result `i` (`dq dk dv dg dbeta`).
