@@ -8,8 +8,9 @@
 //! gradients itself when it reads raw inputs in place; for lanes XLA takes `dg` through the gate.
 
 use super::kernel_forward::{
-    ended, forward_body, gate_operand, kernel_gate, kernel_input, running_max, token_inputs, tokens_of,
-    window_tables,
+    ended, forward_body, gate_operand, kernel_gate, kernel_input, packed_fits, packed_result, packed_slots,
+    running_max,
+    token_inputs, tokens_of, window_tables,
 };
 use super::prep;
 use super::programs::{state_tab, Args};
@@ -20,27 +21,16 @@ use crate::mosaic::forward::{ForwardDims, Gate, Tokens};
 use crate::mosaic::Lowering;
 use crate::Result;
 
-/// How the backward kernel reads tokens: as the forward kernel does, but packed tokens in place
-/// only while a head's gradients (f32, double-buffered) fit in [`PACKED_RESULT_BYTES`] of VMEM;
-/// beyond, through lanes (XLA gathers the inputs and compacts the gradients).
+/// How the backward kernel reads tokens: as the forward kernel does, packed tokens in place
+/// while a head's gradients fit [`super::kernel_forward::PACKED_RESULT_BYTES`] (5.6 MB at the
+/// primary shape's 1024 tokens), else through lanes (XLA gathers the inputs and compacts the
+/// gradients).
 fn backward_tokens(s: &KernelSpec) -> Tokens {
     match tokens_of(s) {
-        Tokens::PackedHeadFirst | Tokens::PackedBatchFirst => {
-            let bytes = 2 * 4 * (s.b * s.t) * (3 * s.k + s.v + 1);
-            if bytes as i64 <= PACKED_RESULT_BYTES {
-                tokens_of(s)
-            } else {
-                Tokens::Lanes
-            }
-        }
+        Tokens::PackedHeadFirst | Tokens::PackedBatchFirst if !packed_fits(s, 3 * s.k + s.v + 1) => Tokens::Lanes,
         t => t,
     }
 }
-
-/// The VMEM the packed backward kernel's resident gradient blocks may take (a head's packed
-/// tokens, f32, double-buffered): 5.6 MB at the primary shape's 1024 tokens; H=32, T=8192
-/// (45 MB) goes through lanes.
-pub const PACKED_RESULT_BYTES: i64 = 12 << 20;
 
 /// The gradients `dq dk dv dg dbeta [dh0] [da_log] [ddt_bias]` (caller layouts and dtypes)
 /// of the backward kernel lowered as `lowering`, from the states `h` `[L, NT, K, V]` the
@@ -151,27 +141,16 @@ pub(super) fn grads(
     } else {
         // In place, or (packed) the head's tokens in f32, padding tokens (which no chunk
         // writes) zeroed here.
-        let real = match (tokens.packed(), a.token_slot) {
-            (true, Some(slots)) => {
-                let pad = b.constant_i32((s.chunks() * CHUNK) as i32, crate::hlo::TensorType::new(kda_core::DType::I32, &[]))?;
-                let pad = b.broadcast_in_dim(pad, slots.dims(), &[])?;
-                Some(b.compare(crate::hlo::Cmp::Lt, slots, pad)?)
-            }
-            _ => None,
-        };
         let dtypes = [x, x, x, on_device(s.g_dtype), x];
         let mut cast = Vec::new();
         for (&y, t) in outs.iter().zip(dtypes) {
-            let y = match real {
-                Some(real) => {
-                    // `[H, P, w]`, or batch-first `[1, P, H * w]`: tokens along axis 1.
-                    let keep = b.broadcast_in_dim(real, y.dims(), &[1])?;
-                    let zero = b.constant_f32(0.0, crate::hlo::TensorType::new(y.elem(), y.dims()))?;
-                    b.select(keep, y, zero)?
-                }
-                None => y,
-            };
-            cast.push(if y.elem() == t { y } else { b.convert(y, t)? });
+            cast.push(if tokens.packed() {
+                packed_result(b, s, y, packed_slots(a)?, t)?
+            } else if y.elem() == t {
+                y
+            } else {
+                b.convert(y, t)?
+            });
         }
         let outs: Vec<Value> = cast.into_iter().chain(outs[5..].iter().copied()).collect();
         for (i, w) in [(0, s.k), (1, s.k), (2, s.v), (3, s.k)] {

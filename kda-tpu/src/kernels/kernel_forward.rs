@@ -70,6 +70,10 @@ pub(super) fn ended(b: &mut FnBuilder, s: &KernelSpec, last: Value, slot: Value)
 pub(super) fn tokens_of(s: &KernelSpec) -> Tokens {
     let tiles = s.h == 1 || (s.k.is_multiple_of(128) && s.v.is_multiple_of(128));
     if s.packed_chunks.is_some() {
+        // A head's `o` stays in VMEM (f32, double-buffered) while its chunks place their rows.
+        if !packed_fits(s, s.v) {
+            return Tokens::Lanes;
+        }
         return match ((s.b * s.t).is_multiple_of(CHUNK), s.layout) {
             (true, Layout::HeadFirst) => Tokens::PackedHeadFirst,
             (true, Layout::BatchFirst) if tiles => Tokens::PackedBatchFirst,
@@ -187,6 +191,43 @@ pub(super) fn token_inputs(
     Ok((ops, g_dtype))
 }
 
+/// The VMEM a packed kernel's head-resident results may take (f32, double-buffered): the
+/// forward's `o` and the backward's gradients read in place within it, else through lanes.
+pub const PACKED_RESULT_BYTES: i64 = 12 << 20;
+
+/// Whether results of `width` lanes per packed token fit [`PACKED_RESULT_BYTES`].
+pub(super) fn packed_fits(s: &KernelSpec, width: usize) -> bool {
+    2 * 4 * (s.b * s.t * width) as i64 <= PACKED_RESULT_BYTES
+}
+
+/// A packed program's `token_slot` (the chunk row of each packed token; padding tokens point
+/// past the last row).
+pub(super) fn packed_slots(a: &Args) -> Result<Value> {
+    a.token_slot.ok_or_else(|| crate::TpuError::builder("mosaic kernels", "a packed program without token_slot"))
+}
+
+/// A kernel's packed result (f32, tokens along axis 1: `[H, P, w]` or batch-first
+/// `[1, P, H * w]`) with its padding tokens, which no chunk writes, zeroed, in `dtype`.
+pub(super) fn packed_result(
+    b: &mut FnBuilder,
+    s: &KernelSpec,
+    y: Value,
+    token_slot: Value,
+    dtype: kda_core::DType,
+) -> Result<Value> {
+    let pad = b.constant_i32((s.chunks() * CHUNK) as i32, i32t(&[]))?;
+    let pad = b.broadcast_in_dim(pad, token_slot.dims(), &[])?;
+    let real = b.compare(Cmp::Lt, token_slot, pad)?;
+    let keep = b.broadcast_in_dim(real, y.dims(), &[1])?;
+    let zero = b.constant_f32(0.0, crate::hlo::TensorType::new(y.elem(), y.dims()))?;
+    let y = b.select(keep, y, zero)?;
+    if y.elem() == dtype {
+        Ok(y)
+    } else {
+        b.convert(y, dtype)
+    }
+}
+
 /// The gate the kernel applies: the caller's when it reads raw gates in place (lanes hold
 /// padding tokens, whose zero raw gate would activate to a decay, so lanes get the gate XLA
 /// activated, zero on padding, as the XLA programs have it).
@@ -275,7 +316,12 @@ pub(super) fn forward_body(
         Lowering::Interpret => kernel.call_interpret(b, &ops)?,
     };
     let o = match tokens {
-        Tokens::Lanes | Tokens::PackedHeadFirst | Tokens::PackedBatchFirst => {
+        Tokens::PackedHeadFirst | Tokens::PackedBatchFirst => {
+            let slots = packed_slots(a)?;
+            let o = packed_result(b, s, outs[0], slots, x)?;
+            b.reshape(o, &s.result_token_dims(s.v, kernel_forms))?
+        }
+        Tokens::Lanes => {
             let (l, nt) = (s.lanes() as i64, s.chunks() as i64);
             let o = b.reshape(outs[0], &[l, nt, CHUNK as i64, s.v as i64])?;
             let o = prep::from_chunks(b, s, o, a.token_slot)?;

@@ -24,7 +24,8 @@ use super::blocks::{
 };
 use super::body::{Binary, Body, MatPrecision, Offset, Reduction, Ref, Unary, V};
 use super::forward::{
-    activate, l2_normalise_with_scale, token_operand, ForwardDims, Gate, Tokens, Window, C, FLOOR, MAX_WIDTH,
+    activate, l2_normalise_with_scale, place, token_operand, ForwardDims, Gate, Tokens, Window, C, FLOOR,
+    MAX_WIDTH,
 };
 use super::kernel::{Cost, Index, Kernel, KernelBuilder, Operand, Semantics};
 use crate::error::{Result, TpuError};
@@ -388,41 +389,6 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
         }
         Ok(())
     })
-}
-
-/// Writes a packed chunk's gradient `x` `[64, w]` (f32) to its tokens in the head's result
-/// block `out`: `x` goes to rows `64 .. 128` of `buf` (`[192, w]`), whose rows from `64 - off`
-/// and from `128 - off` are the chunk's rows as they fall in its blocks `lo` and `hi`; each
-/// block takes them where its tokens are the chunk's (read, select, write, `lo` first: with
-/// `hi = lo` the second write keeps the first's rows). Nothing else of `buf` is ever selected,
-/// and tokens no chunk holds (padding) are left as they are: the caller zeroes them.
-fn place(b: &mut Body, out: Ref, buf: Ref, x: &V, [lo, hi, off, len]: &[V; 4]) -> Result<()> {
-    let w = x.ty.dims[1];
-    b.store(buf, &[Offset::Const(C), Offset::Const(0)], x)?;
-    let rows = b.iota(&[C, w], 0)?;
-    let wide = |b: &mut Body, i: &V| b.broadcast(i, &[C, w]);
-    let (c64, c128) = (b.index(C)?, b.index(2 * C)?);
-    let end = b.index_op(Binary::Add, off, len)?;
-    for (block, from) in [(lo, &c64), (hi, &c128)] {
-        let start = b.index_op(Binary::Sub, from, off)?;
-        let part = b.load(buf, &[Offset::Dyn(start, 1), Offset::Const(0)], &[C, w])?;
-        // Token `64 block + r` is the chunk's when `off <= r + (64 if hi) < off + len`.
-        let base = b.index_op(Binary::Sub, from, &c64)?;
-        let first = b.index_op(Binary::Sub, off, &base)?;
-        let last = b.index_op(Binary::Sub, &end, &base)?;
-        let (first, last) = (wide(b, &first)?, wide(b, &last)?);
-        let after = b.compare(Cmp::Ge, &rows, &first)?;
-        let before = b.compare(Cmp::Lt, &rows, &last)?;
-        let row0 = b.index_op(Binary::Mul, block, &c64)?;
-        let at = [Offset::Const(0), Offset::Dyn(row0, C), Offset::Const(0)];
-        let old = b.load(out, &at, &[1, C, w])?;
-        let old = b.reshape(&old, &[C, w])?;
-        let new = b.select(&before, &part, &old)?;
-        let new = b.select(&after, &new, &old)?;
-        let new = b.reshape(&new, &[1, C, w])?;
-        b.store(out, &at, &new)?;
-    }
-    Ok(())
 }
 
 /// The element type of gradient result `i` (`dq dk dv dg dbeta`).

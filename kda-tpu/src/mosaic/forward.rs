@@ -368,8 +368,19 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
     let masks_input = h0_input + usize::from(d.h0);
     kb = kb.input(Operand::whole("exponent_masks", ty(d.mask_dtype(), &[EXPONENT_ROWS, C])));
     kb = kb.input(Operand::whole("level_masks", ty(DType::F32, &[LEVEL_ROWS, C])));
-    let o_tokens = if packed { Tokens::Lanes } else { d.tokens };
-    kb = kb.output(token_operand("o", &d, o_tokens, x, v, 0, false));
+    kb = kb.output(if packed {
+        // A head's packed tokens whole, in f32: every chunk's rows go to their tokens
+        // ([`place`]), the block written back once, after the head's last chunk; padding tokens
+        // hold whatever was there, and the caller zeroes them.
+        let p = d.packed_tokens;
+        let (dims, at) = match d.tokens {
+            Tokens::PackedBatchFirst => ([1, p, d.heads * v], vec![Index::Const(0), Index::Const(0), g0.clone()]),
+            _ => ([d.heads, p, v], vec![g0.clone(), Index::Const(0), Index::Const(0)]),
+        };
+        Operand::blocked("o", ty(DType::F32, &dims), &[1, p, v], at)
+    } else {
+        token_operand("o", &d, d.tokens, x, v, 0, false)
+    });
     if d.ht {
         kb = kb.output(Operand::blocked("ht", ty(DType::F32, &[l, d.slots, k, v]), &[1, 1, k, v], slot()));
     }
@@ -405,6 +416,8 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
         {
             kb = kb.scratch(name, ty(DType::F32, &[2 * C, w]));
         }
+        // The rows a chunk places around its `o` (scratch 7).
+        kb = kb.scratch("place_o", ty(DType::F32, &[3 * C, v]));
     }
     kb.cost(Cost { flops, transcendentals, bytes }).build(|b| {
         let step = b.program_id(2)?;
@@ -569,9 +582,15 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
             let inter = b.binary(Binary::Mul, &inter, &sc)?;
             let intra = b.matmul(&terms.aqk, &v_new, (1, 0), p)?;
             let o = b.binary(Binary::Add, &inter, &intra)?;
-            let o = if x == DType::F32 { o } else { b.cast(&o, x)? };
-            let o = b.reshape(&o, &[1, C, v])?;
-            b.store(Ref::Output(0), &[Offset::Const(0), Offset::Const(ci * C), Offset::Const(0)], &o)?;
+            if packed {
+                let t = |b: &mut Body, i: usize| b.read_table(i, &c);
+                let tables = [t(b, Window::LO)?, t(b, Window::HI)?, t(b, Window::OFF)?, t(b, Window::LEN)?];
+                place(b, Ref::Output(0), Ref::Scratch(7), &o, &tables)?;
+            } else {
+                let o = if x == DType::F32 { o } else { b.cast(&o, x)? };
+                let o = b.reshape(&o, &[1, C, v])?;
+                b.store(Ref::Output(0), &[Offset::Const(0), Offset::Const(ci * C), Offset::Const(0)], &o)?;
+            }
             let decay = b.reshape(&terms.f.eg_last, &[k, 1])?;
             let decay = b.broadcast(&decay, &[k, v])?;
             let kept = b.binary(Binary::Mul, &s, &decay)?;
@@ -601,6 +620,41 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
         }
         Ok(())
     })
+}
+
+/// Writes a packed chunk's rows `x` `[64, w]` (f32: `o`, or a gradient) to its tokens in the head's result
+/// block `out`: `x` goes to rows `64 .. 128` of `buf` (`[192, w]`), whose rows from `64 - off`
+/// and from `128 - off` are the chunk's rows as they fall in its blocks `lo` and `hi`; each
+/// block takes them where its tokens are the chunk's (read, select, write, `lo` first: with
+/// `hi = lo` the second write keeps the first's rows). Nothing else of `buf` is ever selected,
+/// and tokens no chunk holds (padding) are left as they are: the caller zeroes them.
+pub(super) fn place(b: &mut Body, out: Ref, buf: Ref, x: &V, [lo, hi, off, len]: &[V; 4]) -> Result<()> {
+    let w = x.ty.dims[1];
+    b.store(buf, &[Offset::Const(C), Offset::Const(0)], x)?;
+    let rows = b.iota(&[C, w], 0)?;
+    let wide = |b: &mut Body, i: &V| b.broadcast(i, &[C, w]);
+    let (c64, c128) = (b.index(C)?, b.index(2 * C)?);
+    let end = b.index_op(Binary::Add, off, len)?;
+    for (block, from) in [(lo, &c64), (hi, &c128)] {
+        let start = b.index_op(Binary::Sub, from, off)?;
+        let part = b.load(buf, &[Offset::Dyn(start, 1), Offset::Const(0)], &[C, w])?;
+        // Token `64 block + r` is the chunk's when `off <= r + (64 if hi) < off + len`.
+        let base = b.index_op(Binary::Sub, from, &c64)?;
+        let first = b.index_op(Binary::Sub, off, &base)?;
+        let last = b.index_op(Binary::Sub, &end, &base)?;
+        let (first, last) = (wide(b, &first)?, wide(b, &last)?);
+        let after = b.compare(Cmp::Ge, &rows, &first)?;
+        let before = b.compare(Cmp::Lt, &rows, &last)?;
+        let row0 = b.index_op(Binary::Mul, block, &c64)?;
+        let at = [Offset::Const(0), Offset::Dyn(row0, C), Offset::Const(0)];
+        let old = b.load(out, &at, &[1, C, w])?;
+        let old = b.reshape(&old, &[C, w])?;
+        let new = b.select(&before, &part, &old)?;
+        let new = b.select(&after, &new, &old)?;
+        let new = b.reshape(&new, &[1, C, w])?;
+        b.store(out, &at, &new)?;
+    }
+    Ok(())
 }
 
 /// `x * rsqrt(sum(x^2) + eps)` over the rows of `x` `[64, K]` (the XLA programs' L2 norm).
