@@ -558,11 +558,11 @@ mod context_parallel {
 mod interpret {
     use kda_core::{BackwardStrategy, DType, HostTensor, KdaInputs, KdaOutputs, Layout};
     use kda_testkit::cases::CaseSegments;
-    use BackwardStrategy::{Rematerialize, SavedState};
     use kda_testkit::conformance::{backward, forward, Path};
     use kda_testkit::{Case, CaseGate};
     use kda_tpu::{Implementation, PjrtBackend};
     use rstest::rstest;
+    use BackwardStrategy::{Rematerialize, SavedState};
 
     use DType::{BF16, F32};
     use Path::{Fused, Split};
@@ -706,7 +706,8 @@ mod interpret {
         inputs: bool,
     ) -> [kda_core::KdaGradients; 2] {
         let a = kda_testkit::case_data(case, F32).expect("inputs");
-        let other = kda_testkit::case_data(&Case { name: "another_draw", ..case.clone() }, F32).expect("inputs");
+        let other =
+            kda_testkit::case_data(&Case { name: "another_draw", ..case.clone() }, F32).expect("inputs");
         let mut b = a.clone();
         let dims = (case.h, case.b, case.t);
         let layout = a.inputs.config.layout;
@@ -727,7 +728,11 @@ mod interpret {
     }
 
     /// Each per-token gradient at the tokens `pick` selects, bitwise, in the case's layout.
-    fn grad_tokens(g: &kda_core::KdaGradients, case: &Case, pick: &dyn Fn(usize, usize) -> bool) -> Vec<Vec<u32>> {
+    fn grad_tokens(
+        g: &kda_core::KdaGradients,
+        case: &Case,
+        pick: &dyn Fn(usize, usize) -> bool,
+    ) -> Vec<Vec<u32>> {
         [&g.dq, &g.dk, &g.dv, &g.dg, &g.dbeta].iter().map(|x| tokens(x, case, pick)).collect()
     }
 
@@ -742,9 +747,17 @@ mod interpret {
         assert_eq!(same[0].dh0, same[1].dh0);
         let [a, b] = vjp_twice(&case, &|_, t| t < 70, false);
         let late = |_: usize, t: usize| t >= 70;
-        assert_eq!(grad_tokens(&a, &case, &late), grad_tokens(&b, &case, &late), "gradients from token 70 on");
+        assert_eq!(
+            grad_tokens(&a, &case, &late),
+            grad_tokens(&b, &case, &late),
+            "gradients from token 70 on"
+        );
         let early = |_: usize, t: usize| t < 70;
-        assert_ne!(grad_tokens(&a, &case, &early)[0], grad_tokens(&b, &case, &early)[0], "dq before token 70");
+        assert_ne!(
+            grad_tokens(&a, &case, &early)[0],
+            grad_tokens(&b, &case, &early)[0],
+            "dq before token 70"
+        );
     }
 
     /// Changing one segment's inputs and `do` (row 0's second, tokens `30 .. end`) leaves every

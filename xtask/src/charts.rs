@@ -212,7 +212,12 @@ fn our_series(
         ("this project, remat".to_string(), vec![None, None, ours(remat, false), ours(remat, true)]),
         (
             "this project, Mosaic kernels".to_string(),
-            vec![ours(mosaic, false), ours(mosaic, true), ours(fused_mosaic, false), ours(fused_mosaic, true)],
+            vec![
+                ours(mosaic, false),
+                ours(mosaic, true),
+                ours(fused_mosaic, false),
+                ours(fused_mosaic, true),
+            ],
         ),
     ]
 }

@@ -156,7 +156,10 @@ impl TpuCompiler {
                 let counted = cycles::count(&new);
                 for f in &new {
                     if let Ok(keep) = std::env::var("KDA_KEEP") {
-                        let _ = std::fs::copy(f, std::path::Path::new(&keep).join(f.file_name().unwrap_or_default()));
+                        let _ = std::fs::copy(
+                            f,
+                            std::path::Path::new(&keep).join(f.file_name().unwrap_or_default()),
+                        );
                     }
                     // Best effort: a listing left behind only costs disk.
                     let _ = std::fs::remove_file(f);

@@ -9,8 +9,7 @@
 
 use super::kernel_forward::{
     ended, forward_body, gate_operand, kernel_gate, kernel_input, packed_fits, packed_result, packed_slots,
-    running_max,
-    token_inputs, tokens_of, window_tables,
+    running_max, token_inputs, tokens_of, window_tables,
 };
 use super::prep;
 use super::programs::{state_tab, Args};
@@ -27,10 +26,16 @@ use crate::Result;
 /// gradients).
 fn backward_tokens(s: &KernelSpec) -> Tokens {
     match tokens_of(s) {
-        Tokens::PackedHeadFirst | Tokens::PackedBatchFirst if !packed_fits(s, 3 * s.k + s.v + 1) => Tokens::Lanes,
+        Tokens::PackedHeadFirst | Tokens::PackedBatchFirst if !packed_fits(s, 3 * s.k + s.v + 1) => {
+            Tokens::Lanes
+        }
         t => t,
     }
 }
+
+/// The most chunks per grid step of the backward kernel by default (the forward's default
+/// otherwise): its steps carry about twice the forward's blocks.
+pub const BACKWARD_STEP_CHUNKS: i64 = 8;
 
 /// The gradients `dq dk dv dg dbeta [dh0] [da_log] [ddt_bias]` (caller layouts and dtypes)
 /// of the backward kernel lowered as `lowering`, from the states `h` `[L, NT, K, V]` the
@@ -96,6 +101,11 @@ pub(super) fn grads(
         terms: terms.is_some(),
         step_chunks: 1,
     };
+    let wish = match s.step_chunks {
+        0 => dims.default_step_chunks().min(BACKWARD_STEP_CHUNKS),
+        n => n as i64,
+    };
+    let dims = ForwardDims { step_chunks: dims.steps_for(wish), ..dims };
     let masks = crate::mosaic::blocks::term_masks_kernel(dims.mask_dtype(), true)?;
     let kernel = backward_kernel(dims, s.scale)?;
     let outs = match lowering {

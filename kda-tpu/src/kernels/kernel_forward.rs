@@ -28,7 +28,12 @@ pub(super) fn lanes_first(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result
 }
 
 /// Head-first `[H, B, T, D]` to the kernel's `[L, NT * 64, D]` (packed: gathered by `slot_token`).
-pub(super) fn kernel_tokens(b: &mut FnBuilder, s: &KernelSpec, x: Value, slot_token: Option<Value>) -> Result<Value> {
+pub(super) fn kernel_tokens(
+    b: &mut FnBuilder,
+    s: &KernelSpec,
+    x: Value,
+    slot_token: Option<Value>,
+) -> Result<Value> {
     let d = x.dims()[3];
     let c = prep::to_chunks(b, s, x, slot_token)?;
     b.reshape(c, &[s.lanes() as i64, (s.chunks() * CHUNK) as i64, d])
@@ -138,7 +143,12 @@ pub(super) fn window_tables(b: &mut FnBuilder, s: &KernelSpec, slot_token: Value
 }
 
 /// The kernel's gate parameters `[H, 2, K]`: `exp(a_log)` on every channel, then `dt_bias`.
-pub(super) fn gate_operand(b: &mut FnBuilder, s: &KernelSpec, a_log: Value, dt_bias: Option<Value>) -> Result<Value> {
+pub(super) fn gate_operand(
+    b: &mut FnBuilder,
+    s: &KernelSpec,
+    a_log: Value,
+    dt_bias: Option<Value>,
+) -> Result<Value> {
     let (h, k) = (s.h as i64, s.k as i64);
     let a = b.exp(a_log)?;
     let a = b.broadcast_in_dim(a, &[h, 1, k], &[0])?;
@@ -203,7 +213,8 @@ pub(super) fn packed_fits(s: &KernelSpec, width: usize) -> bool {
 /// A packed program's `token_slot` (the chunk row of each packed token; padding tokens point
 /// past the last row).
 pub(super) fn packed_slots(a: &Args) -> Result<Value> {
-    a.token_slot.ok_or_else(|| crate::TpuError::builder("mosaic kernels", "a packed program without token_slot"))
+    a.token_slot
+        .ok_or_else(|| crate::TpuError::builder("mosaic kernels", "a packed program without token_slot"))
 }
 
 /// A kernel's packed result (f32, tokens along axis 1: `[H, P, w]` or batch-first

@@ -19,8 +19,8 @@
 use kda_core::DType;
 
 use super::blocks::{
-    chunk_factors, chunk_terms, unit_lower_inverse_of_parts, ChunkFactors, TermMasks, TermScratch, EXPONENT_ROWS,
-    LEVEL_ROWS,
+    chunk_factors, chunk_terms, unit_lower_inverse_of_parts, ChunkFactors, TermMasks, TermScratch,
+    EXPONENT_ROWS, LEVEL_ROWS,
 };
 use super::body::{Binary, Body, MatPrecision, Offset, Reduction, Ref, Unary, V};
 use super::forward::{
@@ -59,17 +59,23 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
         ));
     }
     let packed = d.tokens.packed();
-    if d.chunks_per_step() != 1 || (packed && (d.rows != 1 || d.packed_tokens < C || d.packed_tokens % C != 0)) {
+    let n = d.chunks_per_step();
+    let n_ok = n >= 1 && d.chunks % n == 0 && (n == 1 || d.fixed_rows());
+    if !n_ok || (packed && (d.rows != 1 || d.packed_tokens < C || d.packed_tokens % C != 0)) {
         return Err(TpuError::unsupported(
             "mosaic backward",
-            format!("one chunk per grid step, packed tokens in one row of whole 64-token blocks ({d:?})"),
+            format!(
+                "chunks per step dividing the chunk count (one unless fixed-length rows are read in \
+                 place), packed tokens in one row of whole 64-token blocks ({d:?})"
+            ),
         ));
     }
     let (h, r, l, nt, k, v, x) = (d.heads, d.rows, d.heads * d.rows, d.chunks, d.k, d.v, d.dtype);
     let (g0, g1, g2) = (Index::Grid(0), Index::Grid(1), Index::Grid(2));
     let lane = || g0.clone() * r + g1.clone();
-    let rev = || Index::Const(nt - 1) + g2.clone() * -1;
-    let slot = || vec![lane(), Index::table(2, rev()), Index::Const(0), Index::Const(0)];
+    // Grid step `i` holds the chunks of block `nt / n - 1 - i`, walked from its last.
+    let rev = || Index::Const(nt / n - 1) + g2.clone() * -1;
+    let slot = || vec![lane(), Index::table(2, rev() * n), Index::Const(0), Index::Const(0)];
     let ty = |dt: DType, dims: &[i64]| TensorType::new(dt, dims);
     let gated = d.gate != Gate::Preactivated;
     let beta_tokens = match d.tokens {
@@ -81,7 +87,7 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
     let mut kb = KernelBuilder::new("kda_backward")
         .grid(h, Semantics::Parallel)
         .grid(r, Semantics::Parallel)
-        .grid(nt, Semantics::Arbitrary)
+        .grid(nt / n, Semantics::Arbitrary)
         .table("first", nt)
         .table("last", nt)
         .table("slot", nt);
@@ -98,8 +104,8 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
     }
     for &table in windows {
         kb = kb.input(if beta_rows {
-            let at = vec![g1.clone() * nt + rev(), Index::Const(0)];
-            Operand::blocked("beta", ty(x, &[r * nt * C, h]), &[C, h], at)
+            let at = vec![g1.clone() * (nt / n) + rev(), Index::Const(0)];
+            Operand::blocked("beta", ty(x, &[r * nt * C, h]), &[n * C, h], at)
         } else {
             token_operand("beta", &d, beta_tokens, x, 1, table, true)
         });
@@ -111,13 +117,18 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
     }
     let h_input = gate_input + usize::from(gated);
     let at = vec![lane(), rev(), Index::Const(0), Index::Const(0)];
-    kb = kb.input(Operand::blocked("h", ty(DType::F32, &[l, nt, k, v]), &[1, 1, k, v], at));
+    kb = kb.input(Operand::blocked("h", ty(DType::F32, &[l, nt, k, v]), &[1, n, k, v], at));
     let mut at_terms = None;
     if d.terms {
         at_terms = Some(h_input + 1);
         let at = vec![lane(), rev(), Index::Const(0), Index::Const(0)];
         for name in ["a", "aqk"] {
-            kb = kb.input(Operand::blocked(name, ty(d.mask_dtype(), &[l, nt, C, C]), &[1, 1, C, C], at.clone()));
+            kb = kb.input(Operand::blocked(
+                name,
+                ty(d.mask_dtype(), &[l, nt, C, C]),
+                &[1, n, C, C],
+                at.clone(),
+            ));
         }
     }
     let do_input = h_input + 1 + 2 * usize::from(d.terms);
@@ -183,9 +194,8 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
     let g_passes = if d.g == DType::BF16 && !gated { 1 } else { 2 };
     kb.cost(Cost { flops, transcendentals, bytes }).build(|b| {
         let step = b.program_id(2)?;
-        let (zero, end) = (b.index(0)?, b.index(nt - 1)?);
-        let c = b.index_op(Binary::Sub, &end, &step)?;
-        let (first, last) = (b.read_table(0, &c)?, b.read_table(1, &c)?);
+        let (zero, end) = (b.index(0)?, b.index(nt / n - 1)?);
+        let block = b.index_op(Binary::Sub, &end, &step)?;
         // A row's walk starts with no gradient (padding chunks after its segments hold none);
         // each segment's from `dht` of its slot at its last chunk.
         let starts = b.compare(Cmp::Eq, &step, &zero)?;
@@ -198,192 +208,218 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
             }
             Ok(())
         })?;
-        let at_last = b.compare(Cmp::Ne, &last, &zero)?;
-        b.when(&at_last, |b| {
-            let dht = if d.ht {
-                let x = b.load_all(Ref::Input(dht_input))?;
-                b.reshape(&x, &[k, v])?
-            } else {
-                b.splat(0.0, DType::F32, &[k, v])?
+        // The step's chunks from its last: chunk `c = n block + ci` at rows `64 ci` of its blocks.
+        for ci in (0..n).rev() {
+            let c = {
+                let (nv, iv) = (b.index(n)?, b.index(ci)?);
+                let base = b.index_op(Binary::Mul, &block, &nv)?;
+                b.index_op(Binary::Add, &base, &iv)?
             };
-            b.store_all(Ref::Scratch(0), &dht)
-        })?;
-        let dh = b.load_all(Ref::Scratch(0))?;
-        // Packed: the chunk's window in its two blocks (`off`, `len`), and the blocks of its
-        // tokens (`lo`, `hi`).
-        let window = if packed {
-            let t = |b: &mut Body, i: usize| b.read_table(i, &c);
-            Some([t(b, Window::LO)?, t(b, Window::HI)?, t(b, Window::OFF)?, t(b, Window::LEN)?])
-        } else {
-            None
-        };
-        // Per-token input `i` (q k v g beta do) as f32 `[64, w]` from its operand(s) at `at`:
-        // its block, or rows `off .. off + 64` of its window's two blocks.
-        let token = |b: &mut Body, i: usize, at: usize, w: i64| -> Result<V> {
-            let block = |b: &mut Body, at: usize| -> Result<V> {
-                let zeros = [Offset::Const(0), Offset::Const(0), Offset::Const(0)];
-                let x = b.load(Ref::Input(at), &zeros, &[1, C, w])?;
-                let x = if x.ty.elem == DType::F32 { x } else { b.cast(&x, DType::F32)? };
-                b.reshape(&x, &[C, w])
-            };
-            match &window {
-                None => block(b, at),
-                Some([_, _, off, _]) => {
-                    let buf = Ref::Scratch(2 + i);
-                    for half in 0..2 {
-                        let x = block(b, at + half)?;
-                        b.store(buf, &[Offset::Const(half as i64 * C), Offset::Const(0)], &x)?;
-                    }
-                    b.load(buf, &[Offset::Dyn(off.clone(), 1), Offset::Const(0)], &[C, w])
-                }
-            }
-        };
-        // `x` with the rows from a packed chunk's `len` on zero (the next segment's tokens).
-        let keep = |b: &mut Body, x: &V| -> Result<V> {
-            match &window {
-                None => Ok(x.clone()),
-                Some([_, _, _, len]) => {
-                    let rows = b.iota(&x.ty.dims, 0)?;
-                    let len = b.broadcast(len, &x.ty.dims)?;
-                    let inside = b.compare(Cmp::Lt, &rows, &len)?;
-                    let zero = b.splat(0.0, DType::F32, &x.ty.dims)?;
-                    b.select(&inside, x, &zero)
-                }
-            }
-        };
-        let beta = if beta_rows {
-            let head = b.program_id(0)?;
-            let head = b.broadcast(&head, &[C, h])?;
-            let ids = b.iota(&[C, h], 1)?;
-            let mine = b.compare(Cmp::Eq, &ids, &head)?;
-            let rows = b.load_all(Ref::Input(4))?;
-            let rows = if rows.ty.elem == DType::F32 { rows } else { b.cast(&rows, DType::F32)? };
-            let none = b.splat(0.0, DType::F32, &[C, h])?;
-            let picked = b.select(&mine, &rows, &none)?;
-            b.reduce(Reduction::Sum, &picked, 1)?
-        } else {
-            token(b, 4, 4 * per, 1)?
-        };
-        let (q_in, k_in) = (token(b, 0, 0, k)?, token(b, 1, per, k)?);
-        let (vv, gx) = (token(b, 2, 2 * per, v)?, token(b, 3, 3 * per, k)?);
-        let d_o = token(b, 5, do_input, v)?;
-        // Rows past a packed chunk's tokens: k, v, beta, do and the activated g zero (no part
-        // in the state or the gradients; q's rows meet only zero cotangents).
-        let (k_in, vv, beta, d_o) = (keep(b, &k_in)?, keep(b, &vv)?, keep(b, &beta)?, keep(b, &d_o)?);
-        let (q, q_scale) = if d.l2norm { split(l2_normalise_with_scale(b, &q_in)?) } else { (q_in, None) };
-        let (kk, k_scale) = if d.l2norm { split(l2_normalise_with_scale(b, &k_in)?) } else { (k_in, None) };
-        let g = activate(b, &gx, d.gate, gate_input)?;
-        let g = keep(b, &g)?;
-        let scratch = TermScratch {
-            masks: TermMasks::Input { exponents: Ref::Input(masks_input), levels: Ref::Input(masks_input + 1) },
-            sums: Ref::Scratch(1),
-        };
-        // The chunk's `A` and `Aqk`: as the forward kernel saved them, or formed again.
-        let (t, a, aqk) = match at_terms {
-            Some(at) => {
-                let f = chunk_factors(b, &q, &kk, &g, &beta, scratch, p, g_passes)?;
-                let saved = |b: &mut Body, i: usize| -> Result<V> {
-                    let x = b.load_all(Ref::Input(at + i))?;
-                    b.reshape(&x, &[C, C])
+            let (first, last) = (b.read_table(0, &c)?, b.read_table(1, &c)?);
+            let at_last = b.compare(Cmp::Ne, &last, &zero)?;
+            b.when(&at_last, |b| {
+                let dht = if d.ht {
+                    let x = b.load_all(Ref::Input(dht_input))?;
+                    b.reshape(&x, &[k, v])?
+                } else {
+                    b.splat(0.0, DType::F32, &[k, v])?
                 };
-                let (a, aqk) = (saved(b, 0)?, saved(b, 1)?);
-                (f, a, aqk)
-            }
-            None => {
-                let t = chunk_terms(b, &q, &kk, &g, &beta, scale, scratch, p, g_passes)?;
-                let a = unit_lower_inverse_of_parts(b, &t.l_blocks, &t.l_rest, &t.f.eye, p)?;
-                (t.f, a, t.aqk)
-            }
-        };
-        let wide_beta = b.broadcast(&beta, &[C, v])?;
-        let bv = b.binary(Binary::Mul, &vv, &wide_beta)?;
-        let u = mm(b, &a, &bv, (1, 0), p)?;
-        let w = mm(b, &a, &t.kbg, (1, 0), p)?;
-        let s0 = b.load_all(Ref::Input(h_input))?;
-        let s0 = b.reshape(&s0, &[k, v])?;
-        let ws = b.matmul(&w, &s0, (1, 0), p)?;
-        let vn = b.binary(Binary::Sub, &u, &ws)?;
-        // dv_new = Aqk^T dO + kg dh; dh_prev = e^(G_C) dh + scale qg^T dO - w^T dv_new.
-        let dvn = {
-            let x = mm(b, &aqk, &d_o, (0, 0), p)?;
-            let y = b.matmul(&t.kg, &dh, (1, 0), p)?;
-            b.binary(Binary::Add, &x, &y)?
-        };
-        let dh_prev = {
-            let decay = b.reshape(&t.eg_last, &[k, 1])?;
-            let decay = b.broadcast(&decay, &[k, v])?;
-            let kept = b.binary(Binary::Mul, &dh, &decay)?;
-            let x = b.matmul(&t.qg, &d_o, (0, 0), p)?;
-            let x = mul_const(b, &x, scale)?;
-            let y = b.matmul(&w, &dvn, (0, 0), p)?;
-            let x = b.binary(Binary::Add, &kept, &x)?;
-            b.binary(Binary::Sub, &x, &y)?
-        };
-        b.store_all(Ref::Scratch(0), &dh_prev)?;
-        if d.h0 {
-            let at_first = b.compare(Cmp::Ne, &first, &zero)?;
-            b.when(&at_first, |b| {
-                let x = b.reshape(&dh_prev, &[1, 1, k, v])?;
-                b.store_all(Ref::Output(5), &x)
+                b.store_all(Ref::Scratch(0), &dht)
             })?;
-        }
-        let grads = chunk_grads(b, &d, scale, [&q, &kk, &vv, &beta], &t, [&a, &u, &w, &vn], [&s0, &dh, &dvn, &d_o], Ref::Input(masks_input + 2))?;
-        let dg = grads.dg;
-        let every = b.broadcast(&grads.d_last, &[C, k])?;
-        let dg = b.binary(Binary::Add, &dg, &every)?;
-        let floor = b.splat(FLOOR, DType::F32, &[C, k])?;
-        let live = b.compare(Cmp::Gt, &g, &floor)?;
-        let none = b.splat(0.0, DType::F32, &[C, k])?;
-        let dg = b.select(&live, &dg, &none)?;
-        // A packed chunk's rows past its tokens hold the gradient of their zeroed gate: not a
-        // token's, and kept out of the gate parameters' sums.
-        let dg = keep(b, &dg)?;
-        let dx = if gated {
-            let (dz, dlog) = gate_slopes(b, &gx, d.gate, gate_input)?;
-            let dx = b.binary(Binary::Mul, &dg, &dz)?;
-            let dl = b.binary(Binary::Mul, &dg, &dlog)?;
-            // Column sums as products with a row of ones (full precision), added to the lane's
-            // running sums row by row.
-            let ones = b.splat(1.0, DType::F32, &[1, C])?;
-            for (i, x) in [&dl, &dx].into_iter().enumerate() {
-                let sum = b.matmul(&ones, x, (1, 0), MatPrecision::Highest)?;
-                let sum = b.reshape(&sum, &[1, 1, k])?;
-                let at = [Offset::Const(0), Offset::Const(i as i64), Offset::Const(0)];
-                let before = b.load(Ref::Output(sums_output), &at, &[1, 1, k])?;
-                let after = b.binary(Binary::Add, &before, &sum)?;
-                b.store(Ref::Output(sums_output), &at, &after)?;
-            }
-            dx
-        } else {
-            dg
-        };
-        let dq = match &q_scale {
-            Some(rs) => l2_backward(b, &grads.dq, &q, rs)?,
-            None => grads.dq,
-        };
-        let dk = match &k_scale {
-            Some(rs) => l2_backward(b, &grads.dk, &kk, rs)?,
-            None => grads.dk,
-        };
-        let results = [dq, dk, grads.dv, dx, grads.dbeta];
-        match &window {
-            None => {
-                for (i, x) in results.iter().enumerate() {
-                    let out_ty = b_out_elem(i, &d);
-                    let x = if out_ty == DType::F32 { x.clone() } else { b.cast(x, out_ty)? };
-                    let w = x.ty.dims[1];
-                    let x = b.reshape(&x, &[1, C, w])?;
-                    b.store(Ref::Output(i), &[Offset::Const(0), Offset::Const(0), Offset::Const(0)], &x)?;
+            let dh = b.load_all(Ref::Scratch(0))?;
+            // Packed: the chunk's window in its two blocks (`off`, `len`), and the blocks of its
+            // tokens (`lo`, `hi`).
+            let window = if packed {
+                let t = |b: &mut Body, i: usize| b.read_table(i, &c);
+                Some([t(b, Window::LO)?, t(b, Window::HI)?, t(b, Window::OFF)?, t(b, Window::LEN)?])
+            } else {
+                None
+            };
+            // Per-token input `i` (q k v g beta do) as f32 `[64, w]` from its operand(s) at `at`:
+            // its block, or rows `off .. off + 64` of its window's two blocks.
+            let token = |b: &mut Body, i: usize, at: usize, w: i64| -> Result<V> {
+                let block = |b: &mut Body, at: usize| -> Result<V> {
+                    let rows = [Offset::Const(0), Offset::Const(ci * C), Offset::Const(0)];
+                    let x = b.load(Ref::Input(at), &rows, &[1, C, w])?;
+                    let x = if x.ty.elem == DType::F32 { x } else { b.cast(&x, DType::F32)? };
+                    b.reshape(&x, &[C, w])
+                };
+                match &window {
+                    None => block(b, at),
+                    Some([_, _, off, _]) => {
+                        let buf = Ref::Scratch(2 + i);
+                        for half in 0..2 {
+                            let x = block(b, at + half)?;
+                            b.store(buf, &[Offset::Const(half as i64 * C), Offset::Const(0)], &x)?;
+                        }
+                        b.load(buf, &[Offset::Dyn(off.clone(), 1), Offset::Const(0)], &[C, w])
+                    }
                 }
-            }
-            Some(tables) => {
-                for (i, x) in results.iter().enumerate() {
-                    let buf = match x.ty.dims[1] {
-                        w if w == k => 8,
-                        w if w == v => 9,
-                        _ => 10,
+            };
+            // `x` with the rows from a packed chunk's `len` on zero (the next segment's tokens).
+            let keep = |b: &mut Body, x: &V| -> Result<V> {
+                match &window {
+                    None => Ok(x.clone()),
+                    Some([_, _, _, len]) => {
+                        let rows = b.iota(&x.ty.dims, 0)?;
+                        let len = b.broadcast(len, &x.ty.dims)?;
+                        let inside = b.compare(Cmp::Lt, &rows, &len)?;
+                        let zero = b.splat(0.0, DType::F32, &x.ty.dims)?;
+                        b.select(&inside, x, &zero)
+                    }
+                }
+            };
+            let beta = if beta_rows {
+                let head = b.program_id(0)?;
+                let head = b.broadcast(&head, &[C, h])?;
+                let ids = b.iota(&[C, h], 1)?;
+                let mine = b.compare(Cmp::Eq, &ids, &head)?;
+                let rows = b.load(Ref::Input(4), &[Offset::Const(ci * C), Offset::Const(0)], &[C, h])?;
+                let rows = if rows.ty.elem == DType::F32 { rows } else { b.cast(&rows, DType::F32)? };
+                let none = b.splat(0.0, DType::F32, &[C, h])?;
+                let picked = b.select(&mine, &rows, &none)?;
+                b.reduce(Reduction::Sum, &picked, 1)?
+            } else {
+                token(b, 4, 4 * per, 1)?
+            };
+            let (q_in, k_in) = (token(b, 0, 0, k)?, token(b, 1, per, k)?);
+            let (vv, gx) = (token(b, 2, 2 * per, v)?, token(b, 3, 3 * per, k)?);
+            let d_o = token(b, 5, do_input, v)?;
+            // Rows past a packed chunk's tokens: k, v, beta, do and the activated g zero (no part
+            // in the state or the gradients; q's rows meet only zero cotangents).
+            let (k_in, vv, beta, d_o) = (keep(b, &k_in)?, keep(b, &vv)?, keep(b, &beta)?, keep(b, &d_o)?);
+            let (q, q_scale) =
+                if d.l2norm { split(l2_normalise_with_scale(b, &q_in)?) } else { (q_in, None) };
+            let (kk, k_scale) =
+                if d.l2norm { split(l2_normalise_with_scale(b, &k_in)?) } else { (k_in, None) };
+            let g = activate(b, &gx, d.gate, gate_input)?;
+            let g = keep(b, &g)?;
+            let scratch = TermScratch {
+                masks: TermMasks::Input {
+                    exponents: Ref::Input(masks_input),
+                    levels: Ref::Input(masks_input + 1),
+                },
+                sums: Ref::Scratch(1),
+            };
+            // The chunk's `A` and `Aqk`: as the forward kernel saved them, or formed again.
+            let (t, a, aqk) = match at_terms {
+                Some(at) => {
+                    let f = chunk_factors(b, &q, &kk, &g, &beta, scratch, p, g_passes)?;
+                    let saved = |b: &mut Body, i: usize| -> Result<V> {
+                        let at4 = [Offset::Const(0), Offset::Const(ci), Offset::Const(0), Offset::Const(0)];
+                        let x = b.load(Ref::Input(at + i), &at4, &[1, 1, C, C])?;
+                        b.reshape(&x, &[C, C])
                     };
-                    place(b, Ref::Output(i), Ref::Scratch(buf), x, tables)?;
+                    let (a, aqk) = (saved(b, 0)?, saved(b, 1)?);
+                    (f, a, aqk)
+                }
+                None => {
+                    let t = chunk_terms(b, &q, &kk, &g, &beta, scale, scratch, p, g_passes)?;
+                    let a = unit_lower_inverse_of_parts(b, &t.l_blocks, &t.l_rest, &t.f.eye, p)?;
+                    (t.f, a, t.aqk)
+                }
+            };
+            let wide_beta = b.broadcast(&beta, &[C, v])?;
+            let bv = b.binary(Binary::Mul, &vv, &wide_beta)?;
+            let u = mm(b, &a, &bv, (1, 0), p)?;
+            let w = mm(b, &a, &t.kbg, (1, 0), p)?;
+            let at4 = [Offset::Const(0), Offset::Const(ci), Offset::Const(0), Offset::Const(0)];
+            let s0 = b.load(Ref::Input(h_input), &at4, &[1, 1, k, v])?;
+            let s0 = b.reshape(&s0, &[k, v])?;
+            let ws = b.matmul(&w, &s0, (1, 0), p)?;
+            let vn = b.binary(Binary::Sub, &u, &ws)?;
+            // dv_new = Aqk^T dO + kg dh; dh_prev = e^(G_C) dh + scale qg^T dO - w^T dv_new.
+            let dvn = {
+                let x = mm(b, &aqk, &d_o, (0, 0), p)?;
+                let y = b.matmul(&t.kg, &dh, (1, 0), p)?;
+                b.binary(Binary::Add, &x, &y)?
+            };
+            let dh_prev = {
+                let decay = b.reshape(&t.eg_last, &[k, 1])?;
+                let decay = b.broadcast(&decay, &[k, v])?;
+                let kept = b.binary(Binary::Mul, &dh, &decay)?;
+                let x = b.matmul(&t.qg, &d_o, (0, 0), p)?;
+                let x = mul_const(b, &x, scale)?;
+                let y = b.matmul(&w, &dvn, (0, 0), p)?;
+                let x = b.binary(Binary::Add, &kept, &x)?;
+                b.binary(Binary::Sub, &x, &y)?
+            };
+            b.store_all(Ref::Scratch(0), &dh_prev)?;
+            if d.h0 {
+                let at_first = b.compare(Cmp::Ne, &first, &zero)?;
+                b.when(&at_first, |b| {
+                    let x = b.reshape(&dh_prev, &[1, 1, k, v])?;
+                    b.store_all(Ref::Output(5), &x)
+                })?;
+            }
+            let grads = chunk_grads(
+                b,
+                &d,
+                scale,
+                [&q, &kk, &vv, &beta],
+                &t,
+                [&a, &u, &w, &vn],
+                [&s0, &dh, &dvn, &d_o],
+                Ref::Input(masks_input + 2),
+            )?;
+            let dg = grads.dg;
+            let every = b.broadcast(&grads.d_last, &[C, k])?;
+            let dg = b.binary(Binary::Add, &dg, &every)?;
+            let floor = b.splat(FLOOR, DType::F32, &[C, k])?;
+            let live = b.compare(Cmp::Gt, &g, &floor)?;
+            let none = b.splat(0.0, DType::F32, &[C, k])?;
+            let dg = b.select(&live, &dg, &none)?;
+            // A packed chunk's rows past its tokens hold the gradient of their zeroed gate: not a
+            // token's, and kept out of the gate parameters' sums.
+            let dg = keep(b, &dg)?;
+            let dx = if gated {
+                let (dz, dlog) = gate_slopes(b, &gx, d.gate, gate_input)?;
+                let dx = b.binary(Binary::Mul, &dg, &dz)?;
+                let dl = b.binary(Binary::Mul, &dg, &dlog)?;
+                // Column sums as products with a row of ones (full precision), added to the lane's
+                // running sums row by row.
+                let ones = b.splat(1.0, DType::F32, &[1, C])?;
+                for (i, x) in [&dl, &dx].into_iter().enumerate() {
+                    let sum = b.matmul(&ones, x, (1, 0), MatPrecision::Highest)?;
+                    let sum = b.reshape(&sum, &[1, 1, k])?;
+                    let at = [Offset::Const(0), Offset::Const(i as i64), Offset::Const(0)];
+                    let before = b.load(Ref::Output(sums_output), &at, &[1, 1, k])?;
+                    let after = b.binary(Binary::Add, &before, &sum)?;
+                    b.store(Ref::Output(sums_output), &at, &after)?;
+                }
+                dx
+            } else {
+                dg
+            };
+            let dq = match &q_scale {
+                Some(rs) => l2_backward(b, &grads.dq, &q, rs)?,
+                None => grads.dq,
+            };
+            let dk = match &k_scale {
+                Some(rs) => l2_backward(b, &grads.dk, &kk, rs)?,
+                None => grads.dk,
+            };
+            let results = [dq, dk, grads.dv, dx, grads.dbeta];
+            match &window {
+                None => {
+                    for (i, x) in results.iter().enumerate() {
+                        let out_ty = b_out_elem(i, &d);
+                        let x = if out_ty == DType::F32 { x.clone() } else { b.cast(x, out_ty)? };
+                        let w = x.ty.dims[1];
+                        let x = b.reshape(&x, &[1, C, w])?;
+                        let rows = [Offset::Const(0), Offset::Const(ci * C), Offset::Const(0)];
+                        b.store(Ref::Output(i), &rows, &x)?;
+                    }
+                }
+                Some(tables) => {
+                    for (i, x) in results.iter().enumerate() {
+                        let buf = match x.ty.dims[1] {
+                            w if w == k => 8,
+                            w if w == v => 9,
+                            _ => 10,
+                        };
+                        place(b, Ref::Output(i), Ref::Scratch(buf), x, tables)?;
+                    }
                 }
             }
         }
@@ -485,7 +521,9 @@ fn gate_slopes(b: &mut Body, x: &V, gate: Gate, params: usize) -> Result<(V, V)>
             let ds = mul_const(b, &ds, lb)?;
             Ok((b.binary(Binary::Mul, &ds, &a)?, b.binary(Binary::Mul, &ds, &y)?))
         }
-        Gate::Preactivated => Err(TpuError::builder("mosaic backward", "gate slopes of a pre-activated gate")),
+        Gate::Preactivated => {
+            Err(TpuError::builder("mosaic backward", "gate slopes of a pre-activated gate"))
+        }
     }
 }
 
@@ -603,7 +641,8 @@ fn chunk_grads(
             Some(x) => add(b, &x, &pl)?,
         });
     }
-    let d_bk = d_bk.ok_or_else(|| TpuError::builder("mosaic backward", "internal: chunk terms without levels"))?;
+    let d_bk =
+        d_bk.ok_or_else(|| TpuError::builder("mosaic backward", "internal: chunk terms without levels"))?;
     let x = mul(b, &d_bk, &wb)?;
     dk = add(b, &dk, &x)?;
     let x = rowdot(b, &d_bk, k)?;

@@ -489,7 +489,14 @@ pub fn chunk_factors(
 }
 
 /// The products of [`chunk_terms`] from its factors.
-fn chunk_products(b: &mut Body, q: &V, k: &V, f: ChunkFactors, scale: f64, data: MatPrecision) -> Result<ChunkTerms> {
+fn chunk_products(
+    b: &mut Body,
+    q: &V,
+    k: &V,
+    f: ChunkFactors,
+    scale: f64,
+    data: MatPrecision,
+) -> Result<ChunkTerms> {
     let zero = b.splat(0.0, DType::F32, &[C, C])?;
     let one = b.splat(1.0, DType::F32, &[C, C])?;
     // Each level's `Aqk` and `L` rows as two products sharing the column operand, kept where the

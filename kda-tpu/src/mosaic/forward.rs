@@ -374,7 +374,9 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
         // hold whatever was there, and the caller zeroes them.
         let p = d.packed_tokens;
         let (dims, at) = match d.tokens {
-            Tokens::PackedBatchFirst => ([1, p, d.heads * v], vec![Index::Const(0), Index::Const(0), g0.clone()]),
+            Tokens::PackedBatchFirst => {
+                ([1, p, d.heads * v], vec![Index::Const(0), Index::Const(0), g0.clone()])
+            }
             _ => ([d.heads, p, v], vec![g0.clone(), Index::Const(0), Index::Const(0)]),
         };
         Operand::blocked("o", ty(DType::F32, &dims), &[1, p, v], at)
@@ -391,7 +393,12 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
     if d.terms {
         let at = vec![lane(), g2.clone(), Index::Const(0), Index::Const(0)];
         for name in ["a", "aqk"] {
-            kb = kb.output(Operand::blocked(name, ty(d.mask_dtype(), &[l, nt, C, C]), &[1, n, C, C], at.clone()));
+            kb = kb.output(Operand::blocked(
+                name,
+                ty(d.mask_dtype(), &[l, nt, C, C]),
+                &[1, n, C, C],
+                at.clone(),
+            ));
         }
     }
     let p = d.precision();

@@ -107,7 +107,8 @@ pub fn run() -> Result<(), String> {
     let kernel_be = be.clone().with_implementation(kda_tpu::Implementation::Interpret).map_err(err)?;
     crate::progress::step("demo", "compiling and running the Mosaic kernels' interpret lowering...");
     let t = Instant::now();
-    let (k_out, k_grads) = kernel_be.forward_and_vjp(&data.inputs, &data.cotangents, strategy).map_err(err)?;
+    let (k_out, k_grads) =
+        kernel_be.forward_and_vjp(&data.inputs, &data.cotangents, strategy).map_err(err)?;
     println!("  compiled and ran in {:.0} ms", ms(t.elapsed()));
     check("o", &k_out.o, &reference.outputs.o);
     if let (Some(got), Some(want)) = (&k_out.final_state, &reference.outputs.final_state) {
