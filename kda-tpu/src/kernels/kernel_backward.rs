@@ -2,10 +2,12 @@
 //! as XLA's. The backward kernel ([`crate::mosaic::backward`]) reads the states the forward
 //! kernel saved (`h`: the saved-state backward's argument, or in the rematerialized backward
 //! and the fused program the forward kernel's result in the same executable) and the caller's
-//! tensors in place (fixed-length rows of whole chunks), or lanes that XLA makes (other
-//! lengths and packed rows: gathered into chunk-aligned work, the gradients gathered straight
-//! back to their packed tokens). It applies the floor, the gate and the L2 norm to the
-//! gradients itself when it reads raw inputs in place; for lanes XLA takes `dg` through the gate.
+//! tensors in place (fixed-length rows of whole chunks; packed rows of whole 64-token blocks,
+//! each gradient written straight to its packed tokens), or lanes that XLA makes (other
+//! lengths, and packed rows too long for a head's gradients to stay in VMEM: gathered into
+//! chunk-aligned work, the gradients gathered straight back to their packed tokens). It applies
+//! the floor, the gate and the L2 norm to the gradients itself when it reads raw inputs in
+//! place; for lanes XLA takes `dg` through the gate.
 
 use super::kernel_forward::{
     ended, forward_body, gate_operand, kernel_gate, kernel_input, packed_fits, packed_result, packed_slots,
@@ -21,7 +23,7 @@ use crate::mosaic::Lowering;
 use crate::Result;
 
 /// How the backward kernel reads tokens: as the forward kernel does, packed tokens in place
-/// while a head's gradients fit [`super::kernel_forward::PACKED_RESULT_BYTES`] (5.6 MB at the
+/// while a head's gradients fit [`super::kernel_forward::PACKED_RESULT_BYTES`] (4.2 MB at the
 /// primary shape's 1024 tokens), else through lanes (XLA gathers the inputs and compacts the
 /// gradients).
 fn backward_tokens(s: &KernelSpec) -> Tokens {

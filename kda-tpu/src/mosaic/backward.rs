@@ -1,8 +1,9 @@
 //! The chunked KDA backward as one Mosaic kernel (docs/kda.md, Chunks, the backward): the
 //! grid of the forward kernel (heads, rows: parallel; chunks: arbitrary) walked from each row's
 //! last chunk to its first, `dh` (the gradient of the state after the chunk) in VMEM scratch.
-//! Per chunk it recomputes the chunk terms ([`super::blocks::chunk_terms`]), the WY solve and
-//! `v_new = u - w S0` from the state `S0` entering the chunk (saved by the forward kernel), forms
+//! Per chunk it forms the chunk factors again ([`super::blocks::chunk_factors`]; `A` and `Aqk`
+//! as the forward kernel saved them, or formed again too), the WY solve and `v_new = u - w S0`
+//! from the state `S0` entering the chunk (saved by the forward kernel), forms
 //! every gradient of the chunk and writes it once, and steps `dh` back:
 //! `dh <- e^(G_C) dh + scale qg^T dO - w^T dv_new`.
 //!
@@ -13,8 +14,10 @@
 //! The `e^(G_C - G)` of `kg` enters through the strict-suffix mask (an exclusive prefix sum:
 //! every term decayed to the chunk's end) and `e^(G_C)` as a per-chunk constant, and the
 //! diagonal of `Aqk` goes to `dq` and `dk` directly, so no exact cancellation is left to f32
-//! (docs/design.md, "The backward and the gate gradient"). Then through the floor, the gate
-//! (whose parameter gradients are summed per lane over the chunks) and the L2 norm.
+//! (docs/design.md, "The Mosaic backward kernel"). Then through the floor, the gate (whose
+//! parameter gradients are summed per lane over the chunks) and the L2 norm. Packed tokens are
+//! read through the forward's windows and every gradient goes straight to its packed tokens
+//! ([`super::forward::place`]).
 
 use kda_core::DType;
 
@@ -31,15 +34,16 @@ use super::kernel::{Cost, Index, Kernel, KernelBuilder, Operand, Semantics};
 use crate::error::{Result, TpuError};
 use crate::hlo::{Cmp, TensorType};
 
-/// The backward kernel of `d` (the dims of the forward kernel that saved the states; one chunk
-/// per grid step, fixed-length rows read in place or lanes) with scale `scale`. Its operands: the
-/// tables `first`, `last`, `slot` (`slot` as the forward kernel's), then
+/// The backward kernel of `d` (the dims of the forward kernel that saved the states, with its
+/// own chunks per step) with scale `scale`. Its operands: the tables `first`, `last`, `slot`
+/// (`slot` as the forward kernel's; packed tokens read in place add the window tables), then
 /// `q k v g beta [gate] h [a aqk] do [dht] exponent_masks level_masks exponent_masks_t` (as the
 /// forward kernel's; `h` the states it saved, `a` and `aqk` its chunk terms when `d.terms`,
 /// `do` laid out as `v`, `dht` `[L, S, K, V]` f32 when `d.ht`, the masks those of
 /// [`super::blocks::term_masks_kernel`] with its transposes); its results
 /// `dq dk dv dg dbeta [dh0] [gate_sums]`: the gradients laid out as their inputs (`dbeta`
-/// head-first `[H, R * T, 1]` but for lanes, `dg` that of the raw gate), `dh0` `[L, S, K, V]`
+/// head-first `[H, R * T, 1]` but for lanes, `dg` that of the raw gate; packed tokens read in
+/// place: f32, each head's whole, padding tokens unwritten), `dh0` `[L, S, K, V]`
 /// f32 when `d.h0` (written at each segment's first chunk), and with an in-kernel gate
 /// `gate_sums` `[L, 2, K]` f32: per lane the sums over its tokens of `dg dg/da_log` and of the
 /// raw gate's gradient (`da_log` and `ddt_bias` once summed over a head's lanes).
