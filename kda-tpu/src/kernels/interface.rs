@@ -453,7 +453,7 @@ mod tests {
         assert_eq!(sig.arg_index("h"), None);
         let sig = ProgramSignature::of(&base(false), ProgramKind::Forward(BackwardStrategy::SavedState));
         // Batch-first (H = 2, B = 2, T = 100, K = 16, V = 8): XLA's programs take the caller's
-        // shapes and return `[B*T*H, D]`; a kernel forward takes and returns `[B*T, H*D]`.
+        // shapes and return `[B*T*H, D]`; kernel programs take and return `[B*T, H*D]`.
         assert_eq!(sig.results[0].ty, TensorType::new(DType::F32, &[400, 8]));
         assert_eq!(sig.args[0].ty, TensorType::new(DType::F32, &[2, 100, 2, 16]));
         assert_eq!(sig.results[1].ty, TensorType::new(DType::F32, &[4, 2, 16, 8]));
@@ -462,8 +462,14 @@ mod tests {
         assert_eq!(sig.results[0].ty, TensorType::new(DType::F32, &[200, 16]));
         assert_eq!(sig.args[0].ty, TensorType::new(DType::F32, &[200, 32]));
         assert_eq!(sig.args[4].ty, TensorType::new(DType::F32, &[200, 2]));
+        // The backward and fused programs on the kernels hold the same forms, `do` and the
+        // gradients too.
         let sig = ProgramSignature::of(&kernel, ProgramKind::Fused(BackwardStrategy::SavedState));
-        assert_eq!(sig.args[0].ty, TensorType::new(DType::F32, &[2, 100, 2, 16]));
+        assert_eq!(sig.args[0].ty, TensorType::new(DType::F32, &[200, 32]));
+        let d_o = sig.arg_index("do").expect("do");
+        assert_eq!(sig.args[d_o].ty, TensorType::new(DType::F32, &[200, 16]));
+        let dq = sig.results.iter().find(|p| p.name == "dq").expect("dq");
+        assert_eq!(dq.ty, TensorType::new(DType::F32, &[200, 32]));
     }
 
     #[test]

@@ -6,8 +6,9 @@
 //! applies the L2 norm, the gate and its floor itself, so nothing of the size of the inputs is
 //! made before it; otherwise XLA makes lanes first (a transpose, the padding of T to whole
 //! chunks, or the gather of packed segments into chunk-aligned work, in the inputs' own
-//! dtypes). After the kernel: `o` in the caller's layout (in place, or back from lanes) and the
-//! final states of segments that hold no chunk (their initial states).
+//! dtypes). After the kernel: `o` in the caller's layout (in place; packed, its padding tokens
+//! zeroed with the cast; or back from lanes) and the final states of segments that hold no
+//! chunk (their initial states).
 
 use super::ops::{i32t, splat};
 use super::prep;

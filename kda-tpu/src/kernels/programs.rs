@@ -611,8 +611,9 @@ fn fused_body(
     let a = d.args()?;
     let d_o = d.need("do")?;
     let dht = d.get("dht");
+    // On the kernels both strategies are one program: the forward's states are in the
+    // executable anyway (docs/design.md, the Mosaic backward kernel).
     if let Some(lowering) = super::spec::lowering(s.implementation) {
-        let _ = strategy;
         return super::kernel_backward::fused(f, s, &a, (d_o, dht), lowering);
     }
     let w = working(f, s, &a)?;

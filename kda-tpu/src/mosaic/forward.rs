@@ -43,7 +43,7 @@ pub enum Tokens {
     /// Packed segments read in place from the caller's head-first tensors `[H, P, D]` (`P`
     /// packed tokens, a multiple of 64; one row of chunks): chunk `c` holds the `len[c]` tokens
     /// from `start[c]`, read through the two aligned 64-token blocks around them ([`Window`]);
-    /// `o` comes out as [`Tokens::Lanes`].
+    /// `o` comes out f32 in the tokens' own places (`[H, P, V]`), padding tokens unwritten.
     PackedHeadFirst,
     /// As [`Tokens::PackedHeadFirst`] from batch-first tensors `[1, P, H * D]` (D a multiple of
     /// 128, or H = 1).
@@ -266,7 +266,8 @@ pub(super) fn token_operand(
 /// `q k v g beta [gate] [h0] exponent_masks level_masks` (beta `[L, T, 1]` for
 /// [`Tokens::Lanes`], `[R * T, H]` for [`Tokens::BatchFirst`], else `[H, R * T, 1]`; `h0` `[L, S, K, V]` f32; the masks are the results
 /// of [`super::blocks::term_masks_kernel`] for [`ForwardDims::mask_dtype`]); its results
-/// `o [ht] [h] [a aqk]` (`o` laid out as `v`).
+/// `o [ht] [h] [a aqk]` (`o` laid out as `v`; read in place packed, f32 `[H, P, V]` or
+/// `[1, P, H * V]` with padding tokens unwritten: [`place`]).
 pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
     let float = |t: DType| matches!(t, DType::F32 | DType::BF16);
     let sizes_ok = d.chunks >= 1 && d.heads >= 1 && d.rows >= 1 && d.slots >= 1;
