@@ -10,8 +10,8 @@
 //! place; for lanes XLA takes `dg` through the gate.
 
 use super::kernel_forward::{
-    ended, forward_body, gate_operand, kernel_gate, kernel_input, packed_fits, packed_result, packed_slots,
-    running_max, token_inputs, tokens_of, window_tables,
+    ended, forward_body, gate_operand, kernel_dims, kernel_gate, kernel_input, packed_fits, packed_result,
+    packed_slots, running_max, token_inputs, tokens_of, window_tables,
 };
 use super::prep;
 use super::programs::{state_tab, Args};
@@ -84,24 +84,11 @@ pub(super) fn grads(
     };
     ops.extend(dht_tab);
     let dims = ForwardDims {
-        heads: s.h as i64,
-        rows: (s.lanes() / s.h) as i64,
-        chunks: s.chunks() as i64,
-        slots: s.slots() as i64,
-        k: s.k as i64,
-        v: s.v as i64,
-        qk: x,
-        g: g_dtype,
-        dtype: x,
-        tokens,
-        packed_tokens: (s.b * s.t) as i64,
-        l2norm: s.l2norm,
-        gate,
         h0: s.has_h0,
         ht: dht_tab.is_some(),
         states: true,
         terms: terms.is_some(),
-        step_chunks: 1,
+        ..kernel_dims(s, tokens, g_dtype)
     };
     let wish = match s.step_chunks {
         0 => dims.default_step_chunks().min(BACKWARD_STEP_CHUNKS),

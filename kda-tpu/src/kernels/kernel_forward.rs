@@ -240,6 +240,32 @@ pub(super) fn packed_result(
     }
 }
 
+/// The kernels' dims of `s` read as `tokens` with `g` in `g_dtype` (one chunk a step, no state
+/// operands or results: the caller sets those).
+pub(super) fn kernel_dims(s: &KernelSpec, tokens: Tokens, g_dtype: kda_core::DType) -> ForwardDims {
+    let x = on_device(s.dtype);
+    ForwardDims {
+        heads: s.h as i64,
+        rows: (s.lanes() / s.h) as i64,
+        chunks: s.chunks() as i64,
+        slots: s.slots() as i64,
+        k: s.k as i64,
+        v: s.v as i64,
+        qk: x,
+        g: g_dtype,
+        dtype: x,
+        tokens,
+        packed_tokens: (s.b * s.t) as i64,
+        l2norm: s.l2norm,
+        gate: kernel_gate(s, tokens),
+        h0: false,
+        ht: false,
+        states: false,
+        terms: false,
+        step_chunks: 1,
+    }
+}
+
 /// The gate the kernel applies: the caller's when it reads raw gates in place (lanes hold
 /// padding tokens, whose zero raw gate would activate to a decay, so lanes get the gate XLA
 /// activated, zero on padding, as the XLA programs have it).
@@ -292,24 +318,11 @@ pub(super) fn forward_body(
     };
     ops.extend(h0);
     let dims = ForwardDims {
-        heads: s.h as i64,
-        rows: (s.lanes() / s.h) as i64,
-        chunks: s.chunks() as i64,
-        slots: s.slots() as i64,
-        k: s.k as i64,
-        v: s.v as i64,
-        qk: x,
-        g: g_dtype,
-        dtype: x,
-        tokens,
-        packed_tokens: (s.b * s.t) as i64,
-        l2norm: s.l2norm,
-        gate,
         h0: h0.is_some(),
         ht: s.final_state,
         states: keep_h,
         terms,
-        step_chunks: 1,
+        ..kernel_dims(s, tokens, g_dtype)
     };
     let wish = match s.step_chunks {
         0 => dims.default_step_chunks(),

@@ -28,7 +28,6 @@ use super::blocks::{
 use super::body::{Binary, Body, MatPrecision, Offset, Reduction, Ref, Unary, V};
 use super::forward::{
     activate, l2_normalise_with_scale, place, token_operand, ForwardDims, Gate, Tokens, Window, C, FLOOR,
-    MAX_WIDTH,
 };
 use super::kernel::{Cost, Index, Kernel, KernelBuilder, Operand, Semantics};
 use crate::error::{Result, TpuError};
@@ -48,20 +47,7 @@ use crate::hlo::{Cmp, TensorType};
 /// `gate_sums` `[L, 2, K]` f32: per lane the sums over its tokens of `dg dg/da_log` and of the
 /// raw gate's gradient (`da_log` and `ddt_bias` once summed over a head's lanes).
 pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
-    let float = |t: DType| matches!(t, DType::F32 | DType::BF16);
-    let sizes_ok = d.chunks >= 1 && d.heads >= 1 && d.rows >= 1 && d.slots >= 1;
-    if !sizes_ok || !float(d.dtype) || !float(d.qk) || !float(d.g) {
-        return Err(TpuError::unsupported(
-            "mosaic backward",
-            format!("one head, row, chunk and slot or more and f32 or bf16 inputs ({d:?})"),
-        ));
-    }
-    if !(1..=MAX_WIDTH).contains(&d.k) || !(1..=MAX_WIDTH).contains(&d.v) {
-        return Err(TpuError::unsupported(
-            "mosaic backward",
-            format!("K and V of 1 to {MAX_WIDTH} (K = {}, V = {})", d.k, d.v),
-        ));
-    }
+    d.check("mosaic backward")?;
     let packed = d.tokens.packed();
     let n = d.chunks_per_step();
     let n_ok = n >= 1 && d.chunks % n == 0 && (n == 1 || d.fixed_rows());

@@ -141,6 +141,26 @@ pub struct ForwardDims {
 }
 
 impl ForwardDims {
+    /// `Unsupported` (naming `what` and the limit) unless the kernels take these dims: one
+    /// head, row, chunk and slot or more, f32 or bf16 inputs, K and V of 1 to [`MAX_WIDTH`].
+    pub fn check(&self, what: &str) -> Result<()> {
+        let float = |t: DType| matches!(t, DType::F32 | DType::BF16);
+        let sizes_ok = self.chunks >= 1 && self.heads >= 1 && self.rows >= 1 && self.slots >= 1;
+        if !sizes_ok || !float(self.dtype) || !float(self.qk) || !float(self.g) {
+            return Err(TpuError::unsupported(
+                what,
+                format!("one head, row, chunk and slot or more and f32 or bf16 inputs ({self:?})"),
+            ));
+        }
+        if !(1..=MAX_WIDTH).contains(&self.k) || !(1..=MAX_WIDTH).contains(&self.v) {
+            return Err(TpuError::unsupported(
+                what,
+                format!("K and V of 1 to {MAX_WIDTH} (K = {}, V = {})", self.k, self.v),
+            ));
+        }
+        Ok(())
+    }
+
     fn lanes(&self) -> i64 {
         self.heads * self.rows
     }
@@ -269,20 +289,7 @@ pub(super) fn token_operand(
 /// `o [ht] [h] [a aqk]` (`o` laid out as `v`; read in place packed, f32 `[H, P, V]` or
 /// `[1, P, H * V]` with padding tokens unwritten: [`place`]).
 pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
-    let float = |t: DType| matches!(t, DType::F32 | DType::BF16);
-    let sizes_ok = d.chunks >= 1 && d.heads >= 1 && d.rows >= 1 && d.slots >= 1;
-    if !sizes_ok || !float(d.dtype) || !float(d.qk) || !float(d.g) {
-        return Err(TpuError::unsupported(
-            "mosaic forward",
-            format!("one head, row, chunk and slot or more and f32 or bf16 inputs ({d:?})"),
-        ));
-    }
-    if !(1..=MAX_WIDTH).contains(&d.k) || !(1..=MAX_WIDTH).contains(&d.v) {
-        return Err(TpuError::unsupported(
-            "mosaic forward",
-            format!("K and V of 1 to {MAX_WIDTH} (K = {}, V = {})", d.k, d.v),
-        ));
-    }
+    d.check("mosaic forward")?;
     let (l, nt, k, v, x, n) = (d.lanes(), d.chunks, d.k, d.v, d.dtype, d.chunks_per_step());
     let fixed_rows = d.fixed_rows();
     let t = nt * C;
