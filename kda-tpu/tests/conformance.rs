@@ -410,12 +410,32 @@ mod context_parallel {
         }
     }
 
+    /// Options of a context-parallel backend over `devices` CPU devices.
+    fn options(devices: usize) -> PjrtOptions {
+        PjrtOptions::new().devices(devices).split(Split::Context)
+    }
+
     pub(crate) fn backend(devices: usize) -> PjrtBackend {
-        PjrtOptions::new()
-            .devices(devices)
-            .split(Split::Context)
-            .build()
-            .expect("PJRT plugin (run `cargo xtask setup`)")
+        built(options(devices))
+    }
+
+    fn built(options: PjrtOptions) -> PjrtBackend {
+        options.build().expect("PJRT plugin (run `cargo xtask setup`)")
+    }
+
+    /// One conformance case on `be`; `what` names the configuration in a failure.
+    fn meets_the_reference(
+        be: &PjrtBackend,
+        what: &str,
+        name: &str,
+        dtype: DType,
+        strategy: BackwardStrategy,
+        path: Path,
+    ) {
+        match backward_case(be, &named(name), dtype, strategy, path) {
+            Ok(report) => eprint!("{report}"),
+            Err(failure) => panic!("conformance failure {what}:\n{failure}"),
+        }
     }
 
     #[rstest]
@@ -438,10 +458,7 @@ mod context_parallel {
         #[case] strategy: BackwardStrategy,
         #[case] path: Path,
     ) {
-        match backward_case(&backend(devices), &named(name), dtype, strategy, path) {
-            Ok(report) => eprint!("{report}"),
-            Err(failure) => panic!("conformance failure on {devices} devices:\n{failure}"),
-        }
+        meets_the_reference(&backend(devices), &format!("on {devices} devices"), name, dtype, strategy, path);
     }
 
     /// Every piece on the Mosaic kernels (their interpret lowering), the exchange XLA's
@@ -456,16 +473,15 @@ mod context_parallel {
         #[case] strategy: BackwardStrategy,
         #[case] path: Path,
     ) {
-        let be = PjrtOptions::new()
-            .devices(devices)
-            .split(Split::Context)
-            .implementation(kda_tpu::Implementation::Interpret)
-            .build()
-            .expect("PJRT plugin (run `cargo xtask setup`)");
-        match backward_case(&be, &named(name), dtype, strategy, path) {
-            Ok(report) => eprint!("{report}"),
-            Err(failure) => panic!("conformance failure of the kernels on {devices} devices:\n{failure}"),
-        }
+        let be = built(options(devices).implementation(kda_tpu::Implementation::Interpret));
+        meets_the_reference(
+            &be,
+            &format!("of the kernels on {devices} devices"),
+            name,
+            dtype,
+            strategy,
+            path,
+        );
     }
 
     /// The TPU configuration on the CPU plugin: programs in slabs of 1 chunk position, whose
@@ -480,16 +496,8 @@ mod context_parallel {
         #[case] strategy: BackwardStrategy,
         #[case] path: Path,
     ) {
-        let be = PjrtOptions::new()
-            .devices(devices)
-            .split(Split::Context)
-            .slab(1)
-            .build()
-            .expect("PJRT plugin (run `cargo xtask setup`)");
-        match backward_case(&be, &named(name), dtype, strategy, path) {
-            Ok(report) => eprint!("{report}"),
-            Err(failure) => panic!("conformance failure on {devices} devices in slabs:\n{failure}"),
-        }
+        let be = built(options(devices).slab(1));
+        meets_the_reference(&be, &format!("on {devices} devices in slabs"), name, dtype, strategy, path);
     }
 
     /// The RMS ratio (docs/kda.md, Accuracy) of `got` against `want` (the testkit's metric).
@@ -835,6 +843,79 @@ mod interpret {
         #[case] path: Path,
     ) {
         run(kda_testkit::conformance::backward_case(&backend(), &case, dtype, strategy, path));
+    }
+
+    /// Gradient compaction: the kernels reading packed tokens in place and writing every
+    /// result straight to its packed token agree with the gather path (the same kernels on
+    /// chunk-aligned lanes that XLA gathers and compacts back, `with_packed_result_bytes(0)`)
+    /// within docs/kda.md's limits: 1e-7 absolute in f32, equal in bf16; padding tokens 0 on
+    /// both. The in-kernel gate is the one difference of arithmetic between the paths (lanes
+    /// get the gate XLA activated), so with it f32 agrees within 4 ULPs of each tensor's
+    /// largest magnitude instead.
+    #[rstest]
+    #[case::head_first_f32(padded(Layout::HeadFirst, 16, 24), F32, SavedState)]
+    #[case::head_first_bf16(padded(Layout::HeadFirst, 16, 24), BF16, Rematerialize)]
+    #[case::batch_first_bf16(padded(Layout::BatchFirst, 128, 128), BF16, SavedState)]
+    #[case::batch_first_lower_bound_l2norm_f32(Case { gate: CaseGate::LowerBound(-5.0), l2norm: true, ..padded(Layout::BatchFirst, 128, 128) }, F32, Rematerialize)]
+    fn compaction_agrees_with_the_gather_path(
+        #[case] case: Case,
+        #[case] dtype: DType,
+        #[case] strategy: BackwardStrategy,
+    ) {
+        let data = kda_testkit::case_data(&case, dtype).expect("inputs");
+        let run = |be: PjrtBackend| {
+            be.forward_and_vjp(&data.inputs, &data.cotangents, strategy).expect("forward and vjp")
+        };
+        let ((o, g), (gather_o, gather_g)) = (run(backend()), run(backend().with_packed_result_bytes(0)));
+        let pairs = [
+            ("o", Some(&o.o), Some(&gather_o.o)),
+            ("final_state", o.final_state.as_ref(), gather_o.final_state.as_ref()),
+            ("dq", Some(&g.dq), Some(&gather_g.dq)),
+            ("dk", Some(&g.dk), Some(&gather_g.dk)),
+            ("dv", Some(&g.dv), Some(&gather_g.dv)),
+            ("dg", Some(&g.dg), Some(&gather_g.dg)),
+            ("dbeta", Some(&g.dbeta), Some(&gather_g.dbeta)),
+            ("dh0", g.dh0.as_ref(), gather_g.dh0.as_ref()),
+        ];
+        for (what, x, y) in pairs {
+            let (x, y) = (x.expect(what).to_f32_vec(), y.expect(what).to_f32_vec());
+            let largest = y.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let worst = x.iter().zip(&y).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            let limit = match (dtype, case.gate) {
+                (BF16, _) => 0.0,
+                (_, CaseGate::Preactivated) => 1e-7,
+                _ => 4.0 * f32::EPSILON * largest,
+            };
+            eprintln!(
+                "{what}: at most {worst:.2e} from the gather path (largest {largest:.3e}, limit {limit:.2e})"
+            );
+            assert!(worst <= limit, "{what}: {worst:.3e} from the gather path, limit {limit:.3e}");
+        }
+        for (what, x) in [("o", &o.o), ("dq", &g.dq), ("dv", &g.dv), ("dg", &g.dg), ("dbeta", &g.dbeta)] {
+            let pad = padding(&case, x);
+            assert!(!pad.is_empty() && pad.iter().all(|&x| x.to_bits() == 0), "{what} at padding tokens");
+        }
+    }
+
+    /// Packed rows of 96 tokens read in place with trailing padding: row 0 of segments of 30,
+    /// 40 and 10 tokens, row 1 of 50, 0 and 30.
+    fn padded(layout: Layout, k: usize, v: usize) -> Case {
+        Case {
+            segments: CaseSegments::Lengths(vec![vec![30, 40, 10], vec![50, 0, 30]]),
+            ..packed_in_place(layout, k, v)
+        }
+    }
+
+    /// The values of `x` at the padding tokens of `case`'s rows.
+    fn padding(case: &Case, x: &HostTensor) -> Vec<f32> {
+        let CaseSegments::Lengths(rows) = &case.segments else { return Vec::new() };
+        let ends: Vec<usize> = rows.iter().map(|r| r.iter().sum()).collect();
+        let dims = (case.h, case.b, case.t);
+        let ones = HostTensor::from_f32(x.shape(), vec![1.0; x.len()]).expect("ones");
+        let zero = HostTensor::zeros(x.shape(), F32);
+        let mask = splice(&zero, &ones, case.layout, dims, &|r, t| t >= ends[r]).to_f32_vec();
+        let values = x.to_f32_vec();
+        values.into_iter().zip(mask).filter(|&(_, m)| m != 0.0).map(|(v, _)| v).collect()
     }
 
     /// Fixed-length rows read in place run several chunks per grid step (two by default at

@@ -14,18 +14,20 @@ use rstest::rstest;
 
 const MB: f64 = 1e6;
 
+/// In CI: the forward and the fused saved-state program, fixed and packed; the rest under `--full`.
 #[rstest]
 #[case::forward_fixed("bench_primary", ProgramKind::Forward(BackwardStrategy::Rematerialize), None)]
-#[case::forward_packed("bench_primary_packed", ProgramKind::Forward(BackwardStrategy::Rematerialize), None)]
 #[case::fused_saved_state_fixed("bench_primary", ProgramKind::Fused(S::SavedState), Some(80.0))]
 #[case::fused_saved_state_packed("bench_primary_packed", ProgramKind::Fused(S::SavedState), Some(110.0))]
-#[case::fused_remat_fixed("bench_primary", ProgramKind::Fused(S::Rematerialize), Some(80.0))]
-#[case::fused_remat_packed("bench_primary_packed", ProgramKind::Fused(S::Rematerialize), Some(110.0))]
 fn primary_program_compiles_for_tpu7x(
     #[case] name: &str,
     #[case] kind: ProgramKind,
     #[case] limit_mb: Option<f64>,
 ) {
+    xla_program_compiles(name, kind, limit_mb);
+}
+
+fn xla_program_compiles(name: &str, kind: ProgramKind, limit_mb: Option<f64>) {
     let case = benchmark_cases().into_iter().find(|c| c.name == name).expect("benchmark case");
     let data = case_data(&case, DType::BF16).expect("inputs");
     let problem = data.inputs.validate().expect("valid inputs");
@@ -61,19 +63,22 @@ const VMEM_LIMIT: u64 = 16 << 20;
 /// forward and the one-step kernel of its constant masks) within
 /// the default scoped VMEM; the forward's HBM peak is at most tokamax's Pallas forward measured
 /// the same way (27.3 MB fixed, 28.9 MB packed, docs/performance.md). The same at H=32,
-/// T=8192 (L2 norm, lower-bound gate), fixed and with 25 segments, with no peak target.
+/// T=8192 (L2 norm, lower-bound gate), fixed and with 25 segments, with no peak target, under
+/// `--full`.
 #[rstest]
 #[case::forward_fixed("bench_primary", S::Rematerialize, Some(27.3))]
 #[case::forward_packed("bench_primary_packed", S::Rematerialize, Some(28.9))]
 #[case::forward_saved_state_fixed("bench_primary", S::SavedState, None)]
 #[case::forward_saved_state_packed("bench_primary_packed", S::SavedState, None)]
-#[case::secondary_forward_fixed("bench_secondary", S::Rematerialize, None)]
-#[case::secondary_forward_packed("bench_secondary_packed", S::Rematerialize, None)]
 fn mosaic_forward_compiles_for_tpu7x(
     #[case] name: &str,
     #[case] strategy: BackwardStrategy,
     #[case] limit_mb: Option<f64>,
 ) {
+    mosaic_forward_compiles(name, strategy, limit_mb);
+}
+
+fn mosaic_forward_compiles(name: &str, strategy: BackwardStrategy, limit_mb: Option<f64>) {
     let case = benchmark_cases().into_iter().find(|c| c.name == name).expect("benchmark case");
     let data = case_data(&case, DType::BF16).expect("inputs");
     let problem = data.inputs.validate().expect("valid inputs");
@@ -97,23 +102,29 @@ fn mosaic_forward_compiles_for_tpu7x(
     }
 }
 
+/// A libtpu that writes bundle listings into a directory of its own. The listings flags must
+/// reach libtpu before it loads, so each test calling this loads its own libtpu (nextest gives
+/// each test a process).
+fn listing_compiler() -> (TpuCompiler, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!("kda-listings-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("listing dir");
+    std::env::set_var("LIBTPU_INIT_ARGS", kda_tpu::aot::cycles::listing_flags(&dir));
+    let tpu = TpuCompiler::load()
+        .unwrap_or_else(|e| panic!("no libtpu ({e}); run `cargo xtask setup`"))
+        .with_listings(&dir);
+    (tpu, dir)
+}
+
 /// Static cycles from libtpu's bundle listings (`kda_tpu::aot::cycles`), bf16: the XLA
 /// forward's count at the primary shape agrees within 5% with the independent count of the same
 /// method (496 k bundles, libtpu 0.0.52; docs/performance.md), and the Mosaic forward's counts
 /// come with their kernels' share and are at most tokamax's Mosaic forward's counted the same
 /// way (docs/kda.md, Benchmarks): 86.7 k at the primary shape, 177 k with four segments, 2.61 M
-/// at H=32, T=8192. The listings flags must reach libtpu before it loads, so this test loads its
-/// own libtpu (nextest gives each test a process).
+/// at H=32, T=8192.
 #[test]
 fn static_cycles_of_the_forward() {
-    use kda_tpu::aot::cycles::listing_flags;
     use kda_tpu::Implementation::{Mosaic, Xla};
-    let dir = std::env::temp_dir().join(format!("kda-listings-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("listing dir");
-    std::env::set_var("LIBTPU_INIT_ARGS", listing_flags(&dir));
-    let tpu = TpuCompiler::load()
-        .unwrap_or_else(|e| panic!("no libtpu ({e}); run `cargo xtask setup`"))
-        .with_listings(&dir);
+    let (tpu, dir) = listing_compiler();
     let cpu = PjrtBackend::new().expect("PJRT CPU plugin (run `cargo xtask setup`)");
     let kind = ProgramKind::Forward(S::Rematerialize);
     let count = |name: &str, implementation| {
@@ -154,13 +165,7 @@ fn static_cycles_of_the_forward() {
 /// program's fixed (1,454 k; tokamax's 186 k is not reached: docs/performance.md).
 #[test]
 fn static_cycles_and_peaks_of_the_fused_kernels() {
-    use kda_tpu::aot::cycles::listing_flags;
-    let dir = std::env::temp_dir().join(format!("kda-listings-fused-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("listing dir");
-    std::env::set_var("LIBTPU_INIT_ARGS", listing_flags(&dir));
-    let tpu = TpuCompiler::load()
-        .unwrap_or_else(|e| panic!("no libtpu ({e}); run `cargo xtask setup`"))
-        .with_listings(&dir);
+    let (tpu, dir) = listing_compiler();
     let cpu = PjrtBackend::new().expect("PJRT CPU plugin (run `cargo xtask setup`)");
     for (name, peak_mb, cycles) in
         [("bench_primary", 49.2, 1_454_000 / 5), ("bench_primary_packed", 60.5, 361_000)]
@@ -184,4 +189,29 @@ fn static_cycles_and_peaks_of_the_fused_kernels() {
         assert!(c.kernels > 0 && c.total <= cycles, "{name}: {c:?} over {cycles} cycles");
     }
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The remaining programs of the two tables above (`cargo xtask test --full`): the XLA forward
+/// packed and the rematerializing fused programs, and the Mosaic forward at H=32, T=8192.
+mod full {
+    use super::*;
+
+    #[rstest]
+    #[case::forward_packed("bench_primary_packed", ProgramKind::Forward(S::Rematerialize), None)]
+    #[case::fused_remat_fixed("bench_primary", ProgramKind::Fused(S::Rematerialize), Some(80.0))]
+    #[case::fused_remat_packed("bench_primary_packed", ProgramKind::Fused(S::Rematerialize), Some(110.0))]
+    fn primary_program_compiles_for_tpu7x(
+        #[case] name: &str,
+        #[case] kind: ProgramKind,
+        #[case] limit_mb: Option<f64>,
+    ) {
+        xla_program_compiles(name, kind, limit_mb);
+    }
+
+    #[rstest]
+    #[case::secondary_forward_fixed("bench_secondary", S::Rematerialize)]
+    #[case::secondary_forward_packed("bench_secondary_packed", S::Rematerialize)]
+    fn mosaic_forward_compiles_for_tpu7x(#[case] name: &str, #[case] strategy: BackwardStrategy) {
+        mosaic_forward_compiles(name, strategy, None);
+    }
 }

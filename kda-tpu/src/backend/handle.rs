@@ -12,7 +12,7 @@ use super::options::{PjrtOptions, Split};
 use super::tensor::{DeviceProgram, DeviceTensor, TableCache, TransferStats};
 use super::worker::{self, BufferInfo, Shared, Worker};
 use crate::error::{Result, TpuError};
-use crate::kernels::{Implementation, KernelSpec, ProgramKind, TPU_SLAB};
+use crate::kernels::{Implementation, KernelSpec, ProgramKind, PACKED_RESULT_BYTES, TPU_SLAB};
 use crate::runtime::{CompileOptions, XlaOption};
 use crate::MemoryStats;
 
@@ -53,6 +53,7 @@ pub struct PjrtBackend {
     pub(super) split: Split,
     pub(super) implementation: Implementation,
     step_chunks: usize,
+    packed_result_bytes: usize,
     xla: Arc<BTreeMap<String, XlaOption>>,
     /// Index tables already on the devices, shared by the clones.
     pub(super) tables: Arc<Mutex<TableCache>>,
@@ -208,7 +209,16 @@ impl PjrtBackend {
         let tables = Arc::default();
         let implementation = options.implementation_choice()?;
         check_implementation(implementation, &shared.info.platform)?;
-        Ok(Self { shared, slab, split: options.split_choice(), implementation, step_chunks: 0, xla, tables })
+        Ok(Self {
+            shared,
+            slab,
+            split: options.split_choice(),
+            implementation,
+            step_chunks: 0,
+            packed_result_bytes: PACKED_RESULT_BYTES,
+            xla,
+            tables,
+        })
     }
 
     /// This handle with fused programs in slabs of `chunks` chunk positions (0: all chunks at
@@ -234,6 +244,15 @@ impl PjrtBackend {
     /// streaming operands against code size and VMEM.
     pub fn with_step_chunks(mut self, chunks: usize) -> Self {
         self.step_chunks = chunks;
+        self
+    }
+    /// This handle with packed kernel programs reading tokens in place (and placing results
+    /// straight into their packed tokens) only while a head's results fit `bytes` of VMEM
+    /// (f32, double-buffered; default [`PACKED_RESULT_BYTES`], 12 MiB); above it, or with 0,
+    /// XLA gathers the chunk-aligned lanes and compacts the results. Results agree either way
+    /// (the in-place placement is checked against the gather path); other clones keep theirs.
+    pub fn with_packed_result_bytes(mut self, bytes: usize) -> Self {
+        self.packed_result_bytes = bytes;
         self
     }
     /// What runs this handle's forward programs.
@@ -268,7 +287,8 @@ impl PjrtBackend {
         Ok(KernelSpec::new(p, packed, has_dht)
             .with_slab(self.slab)
             .with_implementation(self.implementation)
-            .with_step_chunks(self.step_chunks))
+            .with_step_chunks(self.step_chunks)
+            .with_packed_result_bytes(self.packed_result_bytes))
     }
 
     /// The XLA options a kernel program is compiled with ([`crate::kernels::program`] text). On the CPU plugin the forward

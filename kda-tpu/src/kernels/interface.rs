@@ -318,6 +318,7 @@ mod tests {
             slab: 0,
             implementation: super::super::spec::Implementation::Xla,
             step_chunks: 0,
+            packed_result_bytes: 0,
         }
     }
 

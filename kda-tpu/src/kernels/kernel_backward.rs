@@ -10,11 +10,11 @@
 //! place; for lanes XLA takes `dg` through the gate.
 
 use super::kernel_forward::{
-    ended, forward_body, gate_operand, kernel_dims, kernel_gate, kernel_input, packed_fits, packed_result,
-    packed_slots, running_max, token_inputs, tokens_of, window_tables,
+    forward_body, gate_operand, kernel_dims, kernel_gate, kernel_input, or_passed, packed_fits,
+    packed_result, packed_slots, running_max, token_inputs, tokens_of, window_tables,
 };
 use super::prep;
-use super::programs::{state_tab, Args};
+use super::programs::Args;
 use super::spec::{on_device, KernelSpec, CHUNK};
 use crate::hlo::{FnBuilder, Value};
 use crate::mosaic::backward::backward_kernel;
@@ -23,7 +23,7 @@ use crate::mosaic::Lowering;
 use crate::Result;
 
 /// How the backward kernel reads tokens: as the forward kernel does, packed tokens in place
-/// while a head's gradients fit [`super::kernel_forward::PACKED_RESULT_BYTES`] (4.2 MB at the
+/// while a head's gradients fit [`KernelSpec::packed_result_bytes`] (4.2 MB at the
 /// primary shape's 1024 tokens), else through lanes (XLA gathers the inputs and compacts the
 /// gradients).
 fn backward_tokens(s: &KernelSpec) -> Tokens {
@@ -174,15 +174,7 @@ pub(super) fn grads(
         }
     }
     if s.has_h0 {
-        // A segment without chunks passes its `dht` straight to `dh0`.
-        let dh0 = outs[5];
-        let through = match dht_tab {
-            Some(t) => t,
-            None => state_tab(b, s, None)?,
-        };
-        let ended = ended(b, s, a.tables.last, a.tables.slot)?;
-        let ended = b.broadcast_in_dim(ended, dh0.dims(), &[1])?;
-        let dh0 = b.select(ended, dh0, through)?;
+        let dh0 = or_passed(b, s, &a.tables, outs[5], dht_tab)?;
         results.push(prep::state_from_table(b, s, dh0)?);
     }
     results.extend(gate_grads);

@@ -13,6 +13,7 @@
 use super::ops::{i32t, splat};
 use super::prep;
 use super::programs::{state_tab, Args};
+use super::recurrence::ChunkTables;
 use super::spec::{on_device, KernelSpec, CHUNK};
 use crate::hlo::{Cmp, FnBuilder, Value};
 use crate::mosaic::forward::{forward_kernel, ForwardDims, Gate, Tokens};
@@ -54,9 +55,27 @@ pub(super) fn running_max(b: &mut FnBuilder, slot: Value) -> Result<Value> {
     b.reduce_max(kept, &[1])
 }
 
-/// `[S]` i1: whether a chunk ends a segment of each state slot (the kernel writes `ht` there;
-/// an empty segment's final state is its initial one).
-pub(super) fn ended(b: &mut FnBuilder, s: &KernelSpec, last: Value, slot: Value) -> Result<Value> {
+/// The kernel's per-slot state table `state` where some chunk ended the slot's segment, else
+/// `passed` (zeros when `None`): a segment without chunks passes its starting state straight
+/// through (`h0` to `ht` forward, `dht` to `dh0` backward).
+pub(super) fn or_passed(
+    b: &mut FnBuilder,
+    s: &KernelSpec,
+    tables: &ChunkTables,
+    state: Value,
+    passed: Option<Value>,
+) -> Result<Value> {
+    let passed = match passed {
+        Some(p) => p,
+        None => state_tab(b, s, None)?,
+    };
+    let ended = ended(b, s, tables.last, tables.slot)?;
+    let ended = b.broadcast_in_dim(ended, state.dims(), &[1])?;
+    b.select(ended, state, passed)
+}
+
+/// `[S]` i1: whether a chunk ends a segment of each state slot.
+fn ended(b: &mut FnBuilder, s: &KernelSpec, last: Value, slot: Value) -> Result<Value> {
     let (nt, slots) = (s.chunks() as i64, s.slots() as i64);
     let ids = b.iota(i32t(&[nt, slots]), 1)?;
     let at = b.broadcast_in_dim(slot, &[nt, slots], &[0])?;
@@ -202,13 +221,14 @@ pub(super) fn token_inputs(
     Ok((ops, g_dtype))
 }
 
-/// The VMEM a packed kernel's head-resident results may take (f32, double-buffered): the
-/// forward's `o` and the backward's gradients read in place within it, else through lanes.
-pub const PACKED_RESULT_BYTES: i64 = 12 << 20;
+/// The VMEM a packed kernel's head-resident results may take by default (f32,
+/// double-buffered): the forward's `o` and the backward's gradients read in place within it,
+/// else through lanes ([`KernelSpec::packed_result_bytes`]).
+pub const PACKED_RESULT_BYTES: usize = 12 << 20;
 
-/// Whether results of `width` lanes per packed token fit [`PACKED_RESULT_BYTES`].
+/// Whether results of `width` lanes per packed token fit [`KernelSpec::packed_result_bytes`].
 pub(super) fn packed_fits(s: &KernelSpec, width: usize) -> bool {
-    2 * 4 * (s.b * s.t * width) as i64 <= PACKED_RESULT_BYTES
+    2 * 4 * s.b * s.t * width <= s.packed_result_bytes
 }
 
 /// A packed program's `token_slot` (the chunk row of each packed token; padding tokens point
@@ -358,14 +378,7 @@ pub(super) fn forward_body(
     };
     let mut results = vec![o];
     if s.final_state {
-        let ht = outs[1];
-        let start = match h0 {
-            Some(h0) => h0,
-            None => state_tab(b, s, None)?,
-        };
-        let ended = ended(b, s, a.tables.last, a.tables.slot)?;
-        let ended = b.broadcast_in_dim(ended, ht.dims(), &[1])?;
-        let fin = b.select(ended, ht, start)?;
+        let fin = or_passed(b, s, &a.tables, outs[1], h0)?;
         results.push(prep::state_from_table(b, s, fin)?);
     }
     let at_h = 1 + usize::from(s.final_state);

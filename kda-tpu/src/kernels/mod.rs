@@ -17,6 +17,7 @@ mod spec;
 mod tiles;
 
 pub use interface::{index_tables, index_tables_for, IndexTable, Port, ProgramKind, ProgramSignature};
+pub use kernel_forward::PACKED_RESULT_BYTES;
 pub use programs::{
     backward_program, data_parallel_program, forward_program, fused_program, program, GATE_FLOOR,
 };

@@ -83,6 +83,10 @@ pub struct KernelSpec {
     /// The kernel forward's wish of chunks per grid step for fixed-length rows (0: its default,
     /// [`crate::mosaic::forward::ForwardDims::default_step_chunks`]).
     pub step_chunks: usize,
+    /// The VMEM packed kernel programs may give a head's resident results (f32,
+    /// double-buffered) to read packed tokens in place; above it they go through lanes.
+    /// Default [`crate::kernels::PACKED_RESULT_BYTES`].
+    pub packed_result_bytes: usize,
 }
 
 impl KernelSpec {
@@ -111,6 +115,7 @@ impl KernelSpec {
             slab: 0,
             implementation: Implementation::Xla,
             step_chunks: 0,
+            packed_result_bytes: super::kernel_forward::PACKED_RESULT_BYTES,
         }
     }
     /// The spec of a call's inputs, as the backend builds it: validated, packed segments at
@@ -139,6 +144,12 @@ impl KernelSpec {
     /// (0: its default).
     pub fn with_step_chunks(mut self, chunks: usize) -> Self {
         self.step_chunks = chunks;
+        self
+    }
+    /// The same spec with packed kernel programs reading tokens in place only while a head's
+    /// results fit `bytes` of VMEM (0: always through lanes).
+    pub fn with_packed_result_bytes(mut self, bytes: usize) -> Self {
+        self.packed_result_bytes = bytes;
         self
     }
     /// The same spec with its forward programs run by `implementation`.

@@ -29,7 +29,7 @@ use super::body::{Binary, Body, MatPrecision, Offset, Reduction, Ref, Unary, V};
 use super::forward::{
     activate, l2_normalise_with_scale, place, token_operand, ForwardDims, Gate, Tokens, Window, C, FLOOR,
 };
-use super::kernel::{Cost, Index, Kernel, KernelBuilder, Operand, Semantics};
+use super::kernel::{Cost, Index, Kernel, Operand};
 use crate::error::{Result, TpuError};
 use crate::hlo::{Cmp, TensorType};
 
@@ -50,16 +50,6 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
     d.check("mosaic backward")?;
     let packed = d.tokens.packed();
     let n = d.chunks_per_step();
-    let n_ok = n >= 1 && d.chunks % n == 0 && (n == 1 || d.fixed_rows());
-    if !n_ok || (packed && (d.rows != 1 || d.packed_tokens < C || d.packed_tokens % C != 0)) {
-        return Err(TpuError::unsupported(
-            "mosaic backward",
-            format!(
-                "chunks per step dividing the chunk count (one unless fixed-length rows are read in \
-                 place), packed tokens in one row of whole 64-token blocks ({d:?})"
-            ),
-        ));
-    }
     let (h, r, l, nt, k, v, x) = (d.heads, d.rows, d.heads * d.rows, d.chunks, d.k, d.v, d.dtype);
     let (g0, g1, g2) = (Index::Grid(0), Index::Grid(1), Index::Grid(2));
     let lane = || g0.clone() * r + g1.clone();
@@ -68,24 +58,11 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
     let slot = || vec![lane(), Index::table(2, rev() * n), Index::Const(0), Index::Const(0)];
     let ty = |dt: DType, dims: &[i64]| TensorType::new(dt, dims);
     let gated = d.gate != Gate::Preactivated;
-    let beta_tokens = match d.tokens {
-        Tokens::Lanes => Tokens::Lanes,
-        Tokens::PackedHeadFirst | Tokens::PackedBatchFirst => Tokens::PackedHeadFirst,
-        _ => Tokens::HeadFirst,
-    };
+    let beta_tokens = d.beta_tokens();
     let beta_rows = d.tokens == Tokens::BatchFirst;
-    let mut kb = KernelBuilder::new("kda_backward")
-        .grid(h, Semantics::Parallel)
-        .grid(r, Semantics::Parallel)
-        .grid(nt / n, Semantics::Arbitrary)
-        .table("first", nt)
-        .table("last", nt)
-        .table("slot", nt);
-    if packed {
-        kb = kb.table("lo", nt).table("hi", nt).table("off", nt).table("len", nt);
-    }
+    let mut kb = d.builder("kda_backward");
     // Each per-token input: one operand, or a packed window's two blocks.
-    let windows: &[usize] = if packed { &[Window::LO, Window::HI] } else { &[0] };
+    let windows = d.windows();
     let per = windows.len();
     for (name, dtype, w) in [("q", d.qk, k), ("k", d.qk, k), ("v", x, v), ("g", d.g, k)] {
         for &table in windows {

@@ -158,7 +158,61 @@ impl ForwardDims {
                 format!("K and V of 1 to {MAX_WIDTH} (K = {}, V = {})", self.k, self.v),
             ));
         }
+        let n = self.chunks_per_step();
+        if n < 1 || self.chunks % n != 0 || (n > 1 && !self.fixed_rows()) {
+            return Err(TpuError::unsupported(
+                what,
+                format!(
+                    "chunks per step dividing the chunk count, one unless fixed-length rows are \
+                     read in place ({self:?})"
+                ),
+            ));
+        }
+        let t = self.packed_tokens;
+        if self.tokens.packed() && (self.rows != 1 || t < C || t % C != 0) {
+            return Err(TpuError::unsupported(
+                what,
+                format!("packed tokens read in place in one row of whole 64-token blocks ({self:?})"),
+            ));
+        }
         Ok(())
+    }
+
+    /// The builder both kernels start from: the grid (heads, rows, then the sequential steps of
+    /// `chunks_per_step` chunks) and the scalar-prefetched chunk tables (`first`, `last`,
+    /// `slot`, and for packed tokens read in place the window tables `lo`, `hi`, `off`, `len`).
+    pub(super) fn builder(&self, name: &str) -> KernelBuilder {
+        let nt = self.chunks;
+        let mut kb = KernelBuilder::new(name)
+            .grid(self.heads, Semantics::Parallel)
+            .grid(self.rows, Semantics::Parallel)
+            .grid(nt / self.chunks_per_step(), Semantics::Arbitrary)
+            .table("first", nt)
+            .table("last", nt)
+            .table("slot", nt);
+        if self.tokens.packed() {
+            kb = kb.table("lo", nt).table("hi", nt).table("off", nt).table("len", nt);
+        }
+        kb
+    }
+
+    /// The tables of a per-token input's blocks: one block, or a packed window's two.
+    pub(super) fn windows(&self) -> &'static [usize] {
+        if self.tokens.packed() {
+            &[Window::LO, Window::HI]
+        } else {
+            &[0]
+        }
+    }
+
+    /// How `beta` is read: as the tokens, but head-first in place for batch-first tokens (a
+    /// packed window's `[H, P, 1]`, or fixed rows' `[R * T, H]` columns).
+    pub(super) fn beta_tokens(&self) -> Tokens {
+        match self.tokens {
+            Tokens::Lanes => Tokens::Lanes,
+            Tokens::PackedHeadFirst | Tokens::PackedBatchFirst => Tokens::PackedHeadFirst,
+            _ => Tokens::HeadFirst,
+        }
     }
 
     fn lanes(&self) -> i64 {
@@ -308,43 +362,17 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
         * 4.0
         * (d.slots * (i64::from(d.h0) + i64::from(d.ht)) + nt * i64::from(d.states)) as f64;
     let packed = d.tokens.packed();
-    if packed && (d.rows != 1 || d.packed_tokens < C || d.packed_tokens % C != 0) {
-        return Err(TpuError::unsupported(
-            "mosaic forward",
-            format!("packed tokens read in place in one row of whole 64-token blocks ({d:?})"),
-        ));
-    }
-    let n_ok = n >= 1 && d.chunks % n == 0 && (n == 1 || d.fixed_rows());
-    if !n_ok {
-        return Err(TpuError::unsupported(
-            "mosaic forward",
-            format!("chunks per step dividing the chunk count, one unless fixed-length rows are read in place ({d:?})"),
-        ));
-    }
     // Packed windows read every block twice (as a chunk's upper, then the next one's lower block).
     let reads = if packed { 2.0 } else { 1.0 };
     let bytes =
         (l * t) as f64 * reads * (2.0 * kf * bytes_of(d.qk) + (vf + 1.0) * bytes_of(x) + kf * bytes_of(d.g))
             + (l * t) as f64 * vf * bytes_of(x)
             + states;
-    let beta_tokens = match d.tokens {
-        Tokens::Lanes => Tokens::Lanes,
-        Tokens::PackedHeadFirst | Tokens::PackedBatchFirst => Tokens::PackedHeadFirst,
-        _ => Tokens::HeadFirst,
-    };
+    let beta_tokens = d.beta_tokens();
     let gated = d.gate != Gate::Preactivated;
-    let mut kb = KernelBuilder::new("kda_forward")
-        .grid(d.heads, Semantics::Parallel)
-        .grid(d.rows, Semantics::Parallel)
-        .grid(nt / n, Semantics::Arbitrary)
-        .table("first", nt)
-        .table("last", nt)
-        .table("slot", nt);
-    if packed {
-        kb = kb.table("lo", nt).table("hi", nt).table("off", nt).table("len", nt);
-    }
+    let mut kb = d.builder("kda_forward");
     // q k v g beta: one operand each, or a packed window's two blocks each.
-    let windows: &[usize] = if packed { &[Window::LO, Window::HI] } else { &[0] };
+    let windows = d.windows();
     let token_inputs =
         [("q", d.tokens, d.qk, k), ("k", d.tokens, d.qk, k), ("v", d.tokens, x, v), ("g", d.tokens, d.g, k)];
     // Batch-first beta `[R * T, H]` is read in place, every head's column of a step's rows
