@@ -164,10 +164,21 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
         let (zero, end) = (b.index(0)?, b.index(nt / n - 1)?);
         let block = b.index_op(Binary::Sub, &end, &step)?;
         // A row's walk starts with no gradient (padding chunks after its segments hold none);
-        // each segment's from `dht` of its slot at its last chunk.
+        // each segment's from `dht` of its slot at its last chunk. Fixed-length rows have one
+        // segment, whose last chunk is the walk's first: `dht` is read there, and no chunk
+        // branches (a branch would keep the scheduler from overlapping a step's chunks).
+        let fixed = d.fixed_rows();
+        let dht_at = |b: &mut Body| -> Result<V> {
+            if d.ht {
+                let x = b.load_all(Ref::Input(dht_input))?;
+                b.reshape(&x, &[k, v])
+            } else {
+                b.splat(0.0, DType::F32, &[k, v])
+            }
+        };
         let starts = b.compare(Cmp::Eq, &step, &zero)?;
         b.when(&starts, |b| {
-            let z = b.splat(0.0, DType::F32, &[k, v])?;
+            let z = if fixed { dht_at(b)? } else { b.splat(0.0, DType::F32, &[k, v])? };
             b.store_all(Ref::Scratch(0), &z)?;
             if gated {
                 let z = b.splat(0.0, DType::F32, &[1, 2, k])?;
@@ -182,17 +193,14 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
                 let base = b.index_op(Binary::Mul, &block, &nv)?;
                 b.index_op(Binary::Add, &base, &iv)?
             };
-            let (first, last) = (b.read_table(0, &c)?, b.read_table(1, &c)?);
-            let at_last = b.compare(Cmp::Ne, &last, &zero)?;
-            b.when(&at_last, |b| {
-                let dht = if d.ht {
-                    let x = b.load_all(Ref::Input(dht_input))?;
-                    b.reshape(&x, &[k, v])?
-                } else {
-                    b.splat(0.0, DType::F32, &[k, v])?
-                };
-                b.store_all(Ref::Scratch(0), &dht)
-            })?;
+            if !fixed {
+                let last = b.read_table(1, &c)?;
+                let at_last = b.compare(Cmp::Ne, &last, &zero)?;
+                b.when(&at_last, |b| {
+                    let dht = dht_at(b)?;
+                    b.store_all(Ref::Scratch(0), &dht)
+                })?;
+            }
             let dh = b.load_all(Ref::Scratch(0))?;
             // Packed: the chunk's window in its two blocks (`off`, `len`), and the blocks of its
             // tokens (`lo`, `hi`).
@@ -312,12 +320,11 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
                 b.binary(Binary::Sub, &x, &y)?
             };
             b.store_all(Ref::Scratch(0), &dh_prev)?;
-            if d.h0 {
-                let at_first = b.compare(Cmp::Ne, &first, &zero)?;
-                b.when(&at_first, |b| {
-                    let x = b.reshape(&dh_prev, &[1, 1, k, v])?;
-                    b.store_all(Ref::Output(5), &x)
-                })?;
+            // Fixed-length rows: every chunk writes `dh0`'s block, which stays resident through
+            // the row's walk and holds the first chunk's when it goes back to HBM.
+            if d.h0 && fixed {
+                let x = b.reshape(&dh_prev, &[1, 1, k, v])?;
+                b.store_all(Ref::Output(5), &x)?;
             }
             let grads = chunk_grads(
                 b,
@@ -388,6 +395,16 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
                         place(b, Ref::Output(i), Ref::Scratch(buf), x, tables)?;
                     }
                 }
+            }
+            // Segments in lanes or packed: `dh0` at each segment's first chunk, written last
+            // (a branch there would split the chunk's work in two).
+            if d.h0 && !fixed {
+                let first = b.read_table(0, &c)?;
+                let at_first = b.compare(Cmp::Ne, &first, &zero)?;
+                b.when(&at_first, |b| {
+                    let x = b.reshape(&dh_prev, &[1, 1, k, v])?;
+                    b.store_all(Ref::Output(5), &x)
+                })?;
             }
         }
         Ok(())
