@@ -350,11 +350,10 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
                 let (dz, dlog) = gate_slopes(b, &gx, d.gate, gate_input)?;
                 let dx = b.binary(Binary::Mul, &dg, &dz)?;
                 let dl = b.binary(Binary::Mul, &dg, &dlog)?;
-                // Column sums as products with a row of ones (full precision), added to the lane's
-                // running sums row by row.
-                let ones = b.splat(1.0, DType::F32, &[1, C])?;
+                // Column sums (a reduction over the rows: no product, whose full precision would
+                // take six MXU passes), added to the lane's running sums row by row.
                 for (i, x) in [&dl, &dx].into_iter().enumerate() {
-                    let sum = b.matmul(&ones, x, (1, 0), MatPrecision::Highest)?;
+                    let sum = b.reduce(Reduction::Sum, x, 0)?;
                     let sum = b.reshape(&sum, &[1, 1, k])?;
                     let at = [Offset::Const(0), Offset::Const(i as i64), Offset::Const(0)];
                     let before = b.load(Ref::Output(sums_output), &at, &[1, 1, k])?;
