@@ -165,9 +165,12 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
         let block = b.index_op(Binary::Sub, &end, &step)?;
         // A row's walk starts with no gradient (padding chunks after its segments hold none);
         // each segment's from `dht` of its slot at its last chunk. Fixed-length rows have one
-        // segment, whose last chunk is the walk's first: `dht` is read there, and no chunk
-        // branches (a branch would keep the scheduler from overlapping a step's chunks).
-        let fixed = d.fixed_rows();
+        // segment, whose last chunk is the walk's first: in steps of up to two chunks `dht` is
+        // read there and no chunk branches (a branch keeps the scheduler from overlapping a
+        // step's chunks: 237 k to 231 k static cycles at the primary shape). Steps of more
+        // chunks keep the branches: as one block they spill more (at H=32 the same count with
+        // 5.9 MB more VMEM).
+        let one_block = d.fixed_rows() && n <= 2;
         let dht_at = |b: &mut Body| -> Result<V> {
             if d.ht {
                 let x = b.load_all(Ref::Input(dht_input))?;
@@ -178,7 +181,7 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
         };
         let starts = b.compare(Cmp::Eq, &step, &zero)?;
         b.when(&starts, |b| {
-            let z = if fixed { dht_at(b)? } else { b.splat(0.0, DType::F32, &[k, v])? };
+            let z = if one_block { dht_at(b)? } else { b.splat(0.0, DType::F32, &[k, v])? };
             b.store_all(Ref::Scratch(0), &z)?;
             if gated {
                 let z = b.splat(0.0, DType::F32, &[1, 2, k])?;
@@ -193,7 +196,7 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
                 let base = b.index_op(Binary::Mul, &block, &nv)?;
                 b.index_op(Binary::Add, &base, &iv)?
             };
-            if !fixed {
+            if !one_block {
                 let last = b.read_table(1, &c)?;
                 let at_last = b.compare(Cmp::Ne, &last, &zero)?;
                 b.when(&at_last, |b| {
@@ -320,9 +323,9 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
                 b.binary(Binary::Sub, &x, &y)?
             };
             b.store_all(Ref::Scratch(0), &dh_prev)?;
-            // Fixed-length rows: every chunk writes `dh0`'s block, which stays resident through
-            // the row's walk and holds the first chunk's when it goes back to HBM.
-            if d.h0 && fixed {
+            // Without branches (fixed-length rows): every chunk writes `dh0`'s block, which stays
+            // resident through the row's walk and holds the first chunk's when it goes to HBM.
+            if d.h0 && one_block {
                 let x = b.reshape(&dh_prev, &[1, 1, k, v])?;
                 b.store_all(Ref::Output(5), &x)?;
             }
@@ -395,9 +398,9 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
                     }
                 }
             }
-            // Segments in lanes or packed: `dh0` at each segment's first chunk, written last
-            // (a branch there would split the chunk's work in two).
-            if d.h0 && !fixed {
+            // Else `dh0` at each segment's first chunk, written last (a branch there would split
+            // the chunk's work in two).
+            if d.h0 && !one_block {
                 let first = b.read_table(0, &c)?;
                 let at_first = b.compare(Cmp::Ne, &first, &zero)?;
                 b.when(&at_first, |b| {
