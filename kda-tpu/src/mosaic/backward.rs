@@ -316,11 +316,13 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
                 let decay = b.reshape(&t.eg_last, &[k, 1])?;
                 let decay = b.broadcast(&decay, &[k, v])?;
                 let kept = b.binary(Binary::Mul, &dh, &decay)?;
-                let x = b.matmul(&t.qg, &d_o, (0, 0), p)?;
-                let x = mul_const(b, &x, scale)?;
-                let y = b.matmul(&w, &dvn, (0, 0), p)?;
-                let x = b.binary(Binary::Add, &kept, &x)?;
-                b.binary(Binary::Sub, &x, &y)?
+                // Both products as one over the stacked tokens: [qg; w]^T [scale dO; -dv_new].
+                let lhs = b.concat(&[t.qg.clone(), w.clone()], 0)?;
+                let sd_o = mul_const(b, &d_o, scale)?;
+                let ndvn = b.unary(Unary::Neg, &dvn)?;
+                let rhs = b.concat(&[sd_o, ndvn], 0)?;
+                let x = b.matmul(&lhs, &rhs, (0, 0), p)?;
+                b.binary(Binary::Add, &kept, &x)?
             };
             b.store_all(Ref::Scratch(0), &dh_prev)?;
             // Without branches (fixed-length rows): every chunk writes `dh0`'s block, which stays
@@ -555,10 +557,10 @@ fn chunk_grads(
     let hd = b.reduce(Reduction::Sum, &sd, 1)?;
     let hd = b.reshape(&hd, &[1, kd])?;
     let d_last = mul(b, &hd, &t.eg_last)?;
-    // Through the WY solve: u = A (beta v), w = A (beta k e^G), v_new = u - w S0; nw = -A^T dw.
-    let ndw = b.matmul(dvn, s0, (1, 1), p)?;
+    // Through the WY solve: u = A (beta v), w = A (beta k e^G), v_new = u - w S0; with
+    // dw = -dv_new S0^T, nw = -A^T dw = (A^T dv_new) S0^T.
     let xu = mm(b, a, dvn, (0, 0), p)?;
-    let nw = mm(b, a, &ndw, (0, 0), p)?;
+    let nw = b.matmul(&xu, s0, (1, 1), p)?;
     let wide_v = b.broadcast(beta, &[C, vd])?;
     let dv = mul(b, &xu, &wide_v)?;
     let keg = mul(b, k, &t.egc)?;
