@@ -640,18 +640,24 @@ fn chunk_grads(
     let mut all = vec![d_g, d_suffix];
     all.extend(d_exponents);
     let stacked = b.concat(&all, 0)?;
-    let dg = fold(b, masks_t, &stacked, p)?;
+    // One bf16 pass when bf16 inputs feed no gate parameters (a pre-activated gate); two when
+    // `dg` is summed over every token into them.
+    let passes = if d.gate == Gate::Preactivated { 1 } else { 2 };
+    let dg = fold(b, masks_t, &stacked, p, passes)?;
     Ok(Grads { dq, dk, dv, dbeta, dg, d_last })
 }
 
 /// `sum_m M_m^T de_m` over the exponent masks (`masks_t` holds the transposes side by side)
 /// with `de` their arrays' gradients stacked. The masks' entries (0, 1, -1) are exact in bf16:
-/// one-pass products take `de` in two bf16 parts (about 16 bits).
-fn fold(b: &mut Body, masks_t: Ref, de: &V, p: MatPrecision) -> Result<V> {
+/// one-pass products take `de` in `passes` bf16 parts (two: about 16 bits).
+fn fold(b: &mut Body, masks_t: Ref, de: &V, p: MatPrecision, passes: usize) -> Result<V> {
     let mt = b.load_all(masks_t)?;
     let x = if p == MatPrecision::Highest {
         let mt = if mt.ty.elem == DType::F32 { mt } else { b.cast(&mt, DType::F32)? };
         b.matmul(&mt, de, (1, 0), MatPrecision::Highest)?
+    } else if passes == 1 {
+        let de = b.cast(de, DType::BF16)?;
+        b.matmul(&mt, &de, (1, 0), MatPrecision::Default)?
     } else {
         let hi = b.cast(de, DType::BF16)?;
         let hi_f = b.cast(&hi, DType::F32)?;
