@@ -278,6 +278,7 @@ pub(super) fn kernel_dims(s: &KernelSpec, tokens: Tokens, g_dtype: kda_core::DTy
         packed_tokens: (s.b * s.t) as i64,
         l2norm: s.l2norm,
         gate: kernel_gate(s, tokens),
+        gate_params: s.in_kernel_gate(),
         h0: false,
         ht: false,
         states: false,

@@ -642,7 +642,7 @@ fn chunk_grads(
     let stacked = b.concat(&all, 0)?;
     // One bf16 pass when bf16 inputs feed no gate parameters (a pre-activated gate); two when
     // `dg` is summed over every token into them.
-    let passes = if d.gate == Gate::Preactivated { 1 } else { 2 };
+    let passes = if d.gate_params { 2 } else { 1 };
     let dg = fold(b, masks_t, &stacked, p, passes)?;
     Ok(Grads { dq, dk, dv, dbeta, dg, d_last })
 }

@@ -123,6 +123,10 @@ pub struct ForwardDims {
     pub l2norm: bool,
     /// The gate applied to `g`.
     pub gate: Gate,
+    /// Whether the caller's gate has parameters whose gradients sum `dg` over every token (an
+    /// in-kernel gate, applied here or, for lanes, by XLA): the backward then forms `dg` to
+    /// about 16 bits in one-pass products.
+    pub gate_params: bool,
     /// Whether `h0` is an input (else every segment starts from zero).
     pub h0: bool,
     /// Whether `ht` is a result.
