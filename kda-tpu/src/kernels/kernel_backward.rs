@@ -35,9 +35,6 @@ fn backward_tokens(s: &KernelSpec) -> Tokens {
     }
 }
 
-/// The most chunks per grid step of the backward kernel by default (the forward's default
-/// otherwise): its steps carry about twice the forward's blocks.
-pub const BACKWARD_STEP_CHUNKS: i64 = 8;
 
 /// The gradients `dq dk dv dg dbeta [dh0] [da_log] [ddt_bias]` (caller layouts and dtypes)
 /// of the backward kernel lowered as `lowering`, from the states `h` `[L, NT, K, V]` the
@@ -91,7 +88,7 @@ pub(super) fn grads(
         ..kernel_dims(s, tokens, g_dtype)
     };
     let wish = match s.step_chunks {
-        0 => dims.default_step_chunks().min(BACKWARD_STEP_CHUNKS),
+        0 => dims.default_step_chunks(),
         n => n as i64,
     };
     let dims = ForwardDims { step_chunks: dims.steps_for(wish), ..dims };
