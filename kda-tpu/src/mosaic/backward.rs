@@ -337,7 +337,7 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
                 scale,
                 [&q, &kk, &vv, &beta],
                 &t,
-                [&a, &u, &w, &vn],
+                [&a, &vn],
                 [&s0, &dh, &dvn, &d_o],
                 Ref::Input(masks_input + 2),
             )?;
@@ -535,7 +535,7 @@ fn chunk_grads(
     scale: f64,
     [q, k, v, beta]: [&V; 4],
     t: &ChunkFactors,
-    [a, u, w, vn]: [&V; 4],
+    [a, vn]: [&V; 2],
     [s0, dh, dvn, d_o]: [&V; 4],
     masks_t: Ref,
 ) -> Result<Grads> {
@@ -573,27 +573,26 @@ fn chunk_grads(
     dk = sub(b, &dk, &x)?;
     let x = mul(b, &bnw, &keg)?;
     d_g = sub(b, &d_g, &x)?;
-    // dL = nw w^T - xu u^T (strictly causal: the level masks keep it so).
-    let a1 = b.matmul(&xu, u, (1, 1), p)?;
-    let a2 = b.matmul(&nw, w, (1, 1), p)?;
-    let dl = sub(b, &a2, &a1)?;
+    // The cotangents of `Aqk` (scale dO v_new^T) and of `L` (nw w^T - xu u^T = xu (w S0 - u)^T
+    // = -xu v_new^T; strictly causal: the level masks keep it so) as one product.
+    let sd_o = mul_const(b, d_o, scale)?;
+    let nxu = b.unary(Unary::Neg, &xu)?;
+    let lhs = b.concat(&[sd_o, nxu], 0)?;
+    let m = b.matmul(&lhs, vn, (1, 1), p)?;
+    let m1 = b.slice(&m, &[0, 0], &[C, C])?;
     // Aqk's diagonal, scale q_t . k_t with no decay: its cotangent goes to dq and dk directly.
-    let da = b.matmul(d_o, vn, (1, 1), p)?;
-    let diag = rowdot(b, &da, &t.eye)?;
-    let diag = mul_const(b, &diag, scale)?;
+    let diag = rowdot(b, &m1, &t.eye)?;
     let diag = wide_k(b, &diag)?;
     let x = mul(b, k, &diag)?;
     dq = add(b, &dq, &x)?;
     let x = mul(b, q, &diag)?;
     dk = add(b, &dk, &x)?;
-    let m1 = mul_const(b, &da, scale)?;
     // Per level: `Aqk` rows `q fr` and `L` rows `beta k fr` against columns `k fc`, strictly
     // causal pairs on the level's mask.
     // The products' operands in the type the products read them (bf16 for one-pass products:
     // rounded once, and half the registers while they wait), the cotangents side by side.
     let op_ty = if p == MatPrecision::Default { DType::BF16 } else { DType::F32 };
     let as_op = |b: &mut Body, x: &V| if x.ty.elem == op_ty { Ok(x.clone()) } else { b.cast(x, op_ty) };
-    let m = b.concat(&[m1, dl], 0)?;
     let m = as_op(b, &m)?;
     let zero = b.splat(0.0, op_ty, &[2 * C, C])?;
     let one = b.splat(1.0, DType::F32, &[2 * C, C])?;
