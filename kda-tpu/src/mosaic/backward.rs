@@ -594,14 +594,14 @@ fn chunk_grads(
     let op_ty = if p == MatPrecision::Default { DType::BF16 } else { DType::F32 };
     let as_op = |b: &mut Body, x: &V| if x.ty.elem == op_ty { Ok(x.clone()) } else { b.cast(x, op_ty) };
     let m = as_op(b, &m)?;
-    let zero = b.splat(0.0, op_ty, &[2 * C, C])?;
-    let one = b.splat(1.0, DType::F32, &[2 * C, C])?;
     let mut d_bk: Option<V> = None;
     let mut d_exponents = vec![];
     for (level, ((fr, fc), keep)) in t.factors.iter().zip(t.levels.chunks(2)).enumerate() {
+        // The cotangents on the level's strict mask: a product with its 0/1 entries (exact, in
+        // the operands' type; cheaper than a compare and a select).
         let both = b.concat(&[keep[1].clone(), keep[1].clone()], 0)?;
-        let strict = b.compare(Cmp::Eq, &both, &one)?;
-        let m = b.select(&strict, &m, &zero)?;
+        let both = as_op(b, &both)?;
+        let m = mul(b, &m, &both)?;
         let cols = mul(b, k, fc)?;
         let cols = as_op(b, &cols)?;
         let rows_q = mul(b, q, fr)?;
