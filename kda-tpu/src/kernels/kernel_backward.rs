@@ -35,7 +35,6 @@ fn backward_tokens(s: &KernelSpec) -> Tokens {
     }
 }
 
-
 /// The gradients `dq dk dv dg dbeta [dh0] [da_log] [ddt_bias]` (caller layouts and dtypes)
 /// of the backward kernel lowered as `lowering`, from the states `h` `[L, NT, K, V]` the
 /// forward kernel saved, `do` and `dht`.
