@@ -22,8 +22,8 @@
 use kda_core::DType;
 
 use super::blocks::{
-    chunk_factors, chunk_terms, unit_lower_inverse_of_parts, ChunkFactors, TermMasks, TermScratch,
-    EXPONENT_ROWS, LEVEL_ROWS,
+    chunk_factors, chunk_terms, unit_lower_inverse_of_parts, ChunkFactors, TermScratch, EXPONENT_ROWS,
+    LEVEL_ROWS,
 };
 use super::body::{Binary, Body, MatPrecision, Offset, Reduction, Ref, Unary, V};
 use super::forward::{
@@ -272,13 +272,7 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
                 if d.l2norm { split(l2_normalise_with_scale(b, &k_in)?) } else { (k_in, None) };
             let g = activate(b, &gx, d.gate, gate_input)?;
             let g = keep(b, &g)?;
-            let scratch = TermScratch {
-                masks: TermMasks::Input {
-                    exponents: Ref::Input(masks_input),
-                    levels: Ref::Input(masks_input + 1),
-                },
-                sums: Ref::Scratch(1),
-            };
+            let scratch = TermScratch::of_kernel(masks_input);
             // The chunk's `A` and `Aqk`: as the forward kernel saved them, or formed again.
             let (t, a, aqk) = match at_terms {
                 Some(at) => {

@@ -381,6 +381,17 @@ pub struct TermScratch {
     pub sums: Ref,
 }
 
+impl TermScratch {
+    /// A kernel's: the masks kernel's exponent and level masks in inputs `masks` and
+    /// `masks + 1`, `G` in scratch 1.
+    pub fn of_kernel(masks: usize) -> Self {
+        TermScratch {
+            masks: TermMasks::Input { exponents: Ref::Input(masks), levels: Ref::Input(masks + 1) },
+            sums: Ref::Scratch(1),
+        }
+    }
+}
+
 /// Terms of one chunk with every exponential at most 1 or bounded, and every exponent a direct
 /// sum of `g` (no difference of long cumulative sums), in whole-chunk products. A
 /// pair `j <= t` in one 4-token block factors through the block's anchor `a` (its second token),

@@ -19,9 +19,7 @@
 
 use kda_core::DType;
 
-use super::blocks::{
-    chunk_terms, unit_lower_inverse_of_parts, TermMasks, TermScratch, EXPONENT_ROWS, LEVEL_ROWS,
-};
+use super::blocks::{chunk_terms, unit_lower_inverse_of_parts, TermScratch, EXPONENT_ROWS, LEVEL_ROWS};
 use super::body::{Binary, Body, MatPrecision, Offset, Reduction, Ref, Unary, V};
 use super::kernel::{Cost, Index, Kernel, KernelBuilder, Operand, Semantics};
 use crate::error::{Result, TpuError};
@@ -554,13 +552,7 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
             let (kk, vv, beta) = (keep(b, &kk)?, keep(b, &vv)?, keep(b, &beta)?);
             let g = activate(b, &g, d.gate, per_token)?;
             let g = keep(b, &g)?;
-            let scratch = TermScratch {
-                masks: TermMasks::Input {
-                    exponents: Ref::Input(masks_input),
-                    levels: Ref::Input(masks_input + 1),
-                },
-                sums: Ref::Scratch(1),
-            };
+            let scratch = TermScratch::of_kernel(masks_input);
             let terms = chunk_terms(b, &q, &kk, &g, &beta, scale, scratch, p, g_passes)?;
             let bv = b.broadcast(&beta, &[C, v])?;
             let bv = b.binary(Binary::Mul, &vv, &bv)?;
