@@ -306,15 +306,16 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
                 let y = b.matmul(&t.kg, &dh, (1, 0), p)?;
                 b.binary(Binary::Add, &x, &y)?
             };
+            // `scale dO`, for `dh` and for `Aqk`'s cotangent.
+            let sd_o = mul_const(b, &d_o, scale)?;
             let dh_prev = {
                 let decay = b.reshape(&t.eg_last, &[k, 1])?;
                 let decay = b.broadcast(&decay, &[k, v])?;
                 let kept = b.binary(Binary::Mul, &dh, &decay)?;
                 // Both products as one over the stacked tokens: [qg; w]^T [scale dO; -dv_new].
                 let lhs = b.concat(&[t.qg.clone(), w.clone()], 0)?;
-                let sd_o = mul_const(b, &d_o, scale)?;
                 let ndvn = b.unary(Unary::Neg, &dvn)?;
-                let rhs = b.concat(&[sd_o, ndvn], 0)?;
+                let rhs = b.concat(&[sd_o.clone(), ndvn], 0)?;
                 let x = b.matmul(&lhs, &rhs, (0, 0), p)?;
                 b.binary(Binary::Add, &kept, &x)?
             };
@@ -332,7 +333,7 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
                 [&q, &kk, &vv, &beta],
                 &t,
                 [&a, &vn],
-                [&s0, &dh, &dvn, &d_o],
+                [&s0, &dh, &dvn, &d_o, &sd_o],
                 Ref::Input(masks_input + 2),
             )?;
             let dg = grads.dg;
@@ -530,7 +531,7 @@ fn chunk_grads(
     [q, k, v, beta]: [&V; 4],
     t: &ChunkFactors,
     [a, vn]: [&V; 2],
-    [s0, dh, dvn, d_o]: [&V; 4],
+    [s0, dh, dvn, d_o, sd_o]: [&V; 5],
     masks_t: Ref,
 ) -> Result<Grads> {
     let (kd, vd) = (d.k, d.v);
@@ -569,9 +570,8 @@ fn chunk_grads(
     d_g = sub(b, &d_g, &x)?;
     // The cotangents of `Aqk` (scale dO v_new^T) and of `L` (nw w^T - xu u^T = xu (w S0 - u)^T
     // = -xu v_new^T; strictly causal: the level masks keep it so) as one product.
-    let sd_o = mul_const(b, d_o, scale)?;
     let nxu = b.unary(Unary::Neg, &xu)?;
-    let lhs = b.concat(&[sd_o, nxu], 0)?;
+    let lhs = b.concat(&[sd_o.clone(), nxu], 0)?;
     let m = b.matmul(&lhs, vn, (1, 1), p)?;
     let m1 = b.slice(&m, &[0, 0], &[C, C])?;
     // Aqk's diagonal, scale q_t . k_t with no decay: its cotangent goes to dq and dk directly.
