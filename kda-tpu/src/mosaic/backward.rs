@@ -22,8 +22,8 @@
 use kda_core::DType;
 
 use super::blocks::{
-    chunk_factors, chunk_terms, unit_lower_inverse_of_parts, ChunkFactors, TermScratch, EXPONENT_ROWS,
-    LEVEL_ROWS,
+    by_halves, chunk_factors, chunk_terms, unit_lower_inverse_of_parts, ChunkFactors, TermScratch,
+    EXPONENT_ROWS, HALVES, LEVEL_ROWS,
 };
 use super::body::{Binary, Body, MatPrecision, Offset, Reduction, Ref, Unary, V};
 use super::forward::{
@@ -558,15 +558,14 @@ fn chunk_grads(
     let nw = b.matmul(&xu, s0, (1, 1), p)?;
     let wide_v = b.broadcast(beta, &[C, vd])?;
     let dv = mul(b, &xu, &wide_v)?;
-    let keg = mul(b, k, &t.egc)?;
-    let db1 = rowdot(b, &xu, v)?;
-    let db2 = rowdot(b, &nw, &keg)?;
-    let mut dbeta = sub(b, &db1, &db2)?;
+    // Through `w = A (beta k e^G)`: `nw e^G` to `dk` (times beta) and to `dg` (times
+    // `beta k`); `beta` gets `xu . v` here, and `(d(beta k) - nw e^G) . k` once the levels have
+    // summed `d(beta k)`.
+    let nwe = mul(b, &nw, &t.egc)?;
     let wb = wide_k(b, beta)?;
-    let bnw = mul(b, &nw, &wb)?;
-    let x = mul(b, &bnw, &t.egc)?;
-    dk = sub(b, &dk, &x)?;
-    let x = mul(b, &bnw, &keg)?;
+    let bnwe = mul(b, &nwe, &wb)?;
+    dk = sub(b, &dk, &bnwe)?;
+    let x = mul(b, &bnwe, k)?;
     d_g = sub(b, &d_g, &x)?;
     // The cotangents of `Aqk` (scale dO v_new^T) and of `L` (nw w^T - xu u^T = xu (w S0 - u)^T
     // = -xu v_new^T; strictly causal: the level masks keep it so) as one product.
@@ -581,19 +580,21 @@ fn chunk_grads(
     dq = add(b, &dq, &x)?;
     let x = mul(b, q, &diag)?;
     dk = add(b, &dk, &x)?;
-    // Per level: `Aqk` rows `q fr` and `L` rows `beta k fr` against columns `k fc`, strictly
-    // causal pairs on the level's mask.
     // The products' operands in the type the products read them (bf16 for one-pass products:
-    // rounded once, and half the registers while they wait), the cotangents side by side.
+    // rounded once, and half the registers while they wait).
     let op_ty = if p == MatPrecision::Default { DType::BF16 } else { DType::F32 };
     let as_op = |b: &mut Body, x: &V| if x.ty.elem == op_ty { Ok(x.clone()) } else { b.cast(x, op_ty) };
     let m = as_op(b, &m)?;
-    let mut d_bk: Option<V> = None;
     let mut d_exponents = vec![];
-    for (level, ((fr, fc), keep)) in t.factors.iter().zip(t.levels.chunks(2)).enumerate() {
+    // Level 0, the pairs within a 4-token block (rows and columns share tokens): `Aqk` rows
+    // `q fr` and `L` rows `beta k fr` against columns `k fc`, strictly causal pairs on its mask.
+    // Both cotangents against the shared columns, and both row operands against the
+    // cotangents' columns, as one product each.
+    let mut d_bk = {
+        let ((fr, fc), keep) = (&t.factors[0], &t.levels[1]);
         // The cotangents on the level's strict mask: a product with its 0/1 entries (exact, in
         // the operands' type; cheaper than a compare and a select).
-        let both = b.concat(&[keep[1].clone(), keep[1].clone()], 0)?;
+        let both = b.concat(&[keep.clone(), keep.clone()], 0)?;
         let both = as_op(b, &both)?;
         let m = mul(b, &m, &both)?;
         let cols = mul(b, k, fc)?;
@@ -602,8 +603,6 @@ fn chunk_grads(
         let rows_l = mul(b, &t.bk, fr)?;
         let rows = b.concat(&[rows_q, rows_l], 0)?;
         let rows = as_op(b, &rows)?;
-        // Both cotangents against the shared columns, and both row operands against the
-        // cotangents' columns, as one product each.
         let r = b.matmul(&m, &cols, (1, 0), p)?;
         let rq = b.slice(&r, &[0, 0], &[C, kd])?;
         let rl = b.slice(&r, &[C, 0], &[C, kd])?;
@@ -615,19 +614,77 @@ fn chunk_grads(
         let x = mul(b, &pl, &t.bk)?;
         let er = add(b, &er, &x)?;
         let ec = mul(b, &pk, k)?;
-        // Level 0's factors are e^(mid) and e^(-mid); the others' one array each.
-        d_exponents.push(if level == 0 { sub(b, &er, &ec)? } else { add(b, &er, &ec)? });
-        d_bk = Some(match d_bk {
-            None => pl,
-            Some(x) => add(b, &x, &pl)?,
-        });
+        // Its factors are e^(mid) and e^(-mid).
+        d_exponents.push(sub(b, &er, &ec)?);
+        pl
+    };
+    // Levels 1 to 4 (block size `B`): rows `t` in the second half of a `2B` block, columns `j`
+    // in its first, one exponent array `f` for both, so rows and columns never share a token.
+    // With `P` the `Aqk` cotangent below the diagonal and `L`'s transposed above it, `Q` the
+    // other way round, both kept on the level's pairs in either order, two products over the
+    // whole chunk give every cotangent term: `P (f sb)` holds `Aqk`'s row terms on second halves
+    // and `L`'s column terms on first halves, `Q (f sq)` `L`'s row terms and `Aqk`'s column
+    // terms, where `sb` and `sq` are `beta k` and `q` on second halves and `k` on first (217 k
+    // to 205 k static cycles at the primary shape, from four products and five transposes a
+    // level). The cotangents are transposed once for every level.
+    let mt = b.transpose(&m)?;
+    let (m1, m2) = (b.slice(&m, &[0, 0], &[C, C])?, b.slice(&m, &[C, 0], &[C, C])?);
+    let (m1t, m2t) = (b.slice(&mt, &[0, 0], &[C, C])?, b.slice(&mt, &[0, C], &[C, C])?);
+    let lower = {
+        let (r, c) = (b.iota(&[C, C], 0)?, b.iota(&[C, C], 1)?);
+        b.compare(Cmp::Gt, &r, &c)?
+    };
+    let pm = b.select(&lower, &m1, &m2t)?;
+    let qm = b.select(&lower, &m2, &m1t)?;
+    for (i, &half) in HALVES.iter().enumerate() {
+        let f = &t.factors[i + 1].0;
+        let sym = as_op(b, &t.pairs[i])?;
+        let (x1, x2) = (mul(b, &pm, &sym)?, mul(b, &qm, &sym)?);
+        // Second halves from `on`, first from `off`: for `B` of 8 or more whole 8-row tiles, so
+        // that what a half does not take is never formed.
+        let pick = |b: &mut Body, on: &V, off: &V| by_halves(b, half, on, off);
+        let sq = pick(b, q, k)?;
+        let sb = pick(b, &t.bk, k)?;
+        let y1 = mul(b, &sb, f)?;
+        let y1 = as_op(b, &y1)?;
+        let y2 = mul(b, &sq, f)?;
+        let y2 = as_op(b, &y2)?;
+        let o1 = b.matmul(&x1, &y1, (1, 0), p)?;
+        let o2 = b.matmul(&x2, &y2, (1, 0), p)?;
+        let (u, w) = (mul(b, &o1, f)?, mul(b, &o2, f)?);
+        // Rows: `dq += u`, `d(beta k) += w`, the exponent `u q + w beta k`; columns:
+        // `dk += u + w`, the exponent `(u + w) k`.
+        let uw = add(b, &u, &w)?;
+        let e_rows = {
+            let x = mul(b, &u, q)?;
+            let y = mul(b, &w, &t.bk)?;
+            add(b, &x, &y)?
+        };
+        let e_cols = mul(b, &uw, k)?;
+        d_exponents.push(pick(b, &e_rows, &e_cols)?);
+        let x = add(b, &dq, &u)?;
+        dq = pick(b, &x, &dq)?;
+        let x = add(b, &d_bk, &w)?;
+        d_bk = pick(b, &x, &d_bk)?;
+        let x = add(b, &dk, &uw)?;
+        dk = pick(b, &dk, &x)?;
     }
-    let d_bk =
-        d_bk.ok_or_else(|| TpuError::builder("mosaic backward", "internal: chunk terms without levels"))?;
     let x = mul(b, &d_bk, &wb)?;
     dk = add(b, &dk, &x)?;
-    let x = rowdot(b, &d_bk, k)?;
-    dbeta = add(b, &dbeta, &x)?;
+    // dbeta: one reduction over the rows' lanes when K = V.
+    let through_k = {
+        let x = sub(b, &d_bk, &nwe)?;
+        mul(b, &x, k)?
+    };
+    let through_v = mul(b, &xu, v)?;
+    let dbeta = if kd == vd {
+        let x = add(b, &through_k, &through_v)?;
+        b.reduce(Reduction::Sum, &x, 1)?
+    } else {
+        let x = b.reduce(Reduction::Sum, &through_k, 1)?;
+        let y = b.reduce(Reduction::Sum, &through_v, 1)?;
+        add(b, &x, &y)?
+    };
     // dg = sum over the exponent arrays of mask^T dE (G, the strict suffix, the mid anchor, the
     // levels: the masks' order), one product over them stacked.
     let mut all = vec![d_g, d_suffix];

@@ -109,7 +109,7 @@ fn add(b: &mut Body, x: &V, y: &V) -> Result<V> {
 /// Block sizes of the hierarchy of [`chunk_terms`]: a pair `j < t` of one chunk falls in one
 /// 4-token block (level 0), or its tokens first part at block size `B`: in the two halves of one
 /// block of `2B` (the level of `B`).
-const HALVES: [i64; 4] = [4, 8, 16, 32];
+pub const HALVES: [i64; 4] = [4, 8, 16, 32];
 
 /// `x / d` of non-negative i32 indices for a power of two `d`, exact (through f32).
 fn div(b: &mut Body, x: &V, d: i64) -> Result<V> {
@@ -174,7 +174,9 @@ fn exponent_masks_along(b: &mut Body, rows: usize) -> Result<Vec<V>> {
 
 /// The 0/1 `[64, 64]` masks of the levels of [`chunk_terms`], two per level (the `Aqk` mask,
 /// causal with the diagonal, then the `L` mask, strictly causal): level 0 the pairs in one
-/// 4-token block, then per `B` of [`HALVES`] the pairs whose 4-blocks first part at `B`.
+/// 4-token block, then per `B` of [`HALVES`] the pairs whose 4-blocks first part at `B`; then
+/// per level above 0 the symmetric mask ([`LEVEL_PAIRS`]: its pairs in either order, what the
+/// level products of both kernels keep), and the strictly lower triangle.
 fn level_masks(b: &mut Body) -> Result<Vec<V>> {
     let dims = [C, C];
     let (t, j) = (b.iota(&dims, 0)?, b.iota(&dims, 1)?);
@@ -198,6 +200,14 @@ fn level_masks(b: &mut Body) -> Result<Vec<V>> {
             masks.push(pick(b, &level, Cmp::Eq, &li, kept, &zero)?);
         }
     }
+    // Per level above 0, its pairs in both orders (the strict mask and its transpose); then
+    // the strictly lower triangle.
+    for l in 1..=HALVES.len() as i64 {
+        let li = int(b, l, &t)?;
+        let off_diagonal = pick(b, &t, Cmp::Ne, &j, &one, &zero)?;
+        masks.push(pick(b, &level, Cmp::Eq, &li, &off_diagonal, &zero)?);
+    }
+    masks.push(strict);
     Ok(masks)
 }
 
@@ -308,6 +318,10 @@ pub struct ChunkFactors {
     pub factors: Vec<(V, V)>,
     /// Per level, the `Aqk` mask (causal) and the `L` mask (strictly causal), `[64, 64]` f32.
     pub levels: Vec<V>,
+    /// Per level above 0, its pairs in either order (0/1 `[64, 64]` f32).
+    pub pairs: Vec<V>,
+    /// The strictly lower triangle (0/1 `[64, 64]` f32).
+    pub lower: V,
     /// The 64x64 identity (from the level masks).
     pub eye: V,
 }
@@ -316,7 +330,10 @@ pub struct ChunkFactors {
 pub const EXPONENT_ROWS: i64 = (3 + HALVES.len() as i64) * C;
 
 /// Rows of the stacked level masks ([`level_masks`], `[64, 64]` each): `[LEVEL_ROWS, 64]` f32.
-pub const LEVEL_ROWS: i64 = (1 + HALVES.len() as i64) * 2 * C;
+pub const LEVEL_ROWS: i64 = LEVEL_PAIRS + (HALVES.len() as i64 + 1) * C;
+
+/// Row of the level masks where the symmetric masks of levels 1 to 4 start (`[64, 64]` each).
+pub const LEVEL_PAIRS: i64 = (1 + HALVES.len() as i64) * 2 * C;
 
 /// Where [`chunk_terms`] finds its constant masks: made in the body at every step (`Build`), or
 /// read from inputs holding [`term_masks_kernel`]'s results (`Input`, one block each for the
@@ -398,8 +415,10 @@ impl TermScratch {
 /// `e^(G_t - G_j) = e^(G_t - G_a) e^(G_a - G_j)`, each factor within `e^(+-60)` under the
 /// floor of -30 (no overflow, no underflow); a pair whose 4-blocks first part at block size `B`
 /// (`t` in the second half of a `2B` block, `j` in the first) factors through the start of that
-/// second half, both factors at most 1. Each level is `q x k^T` and `beta k x k^T` over the
-/// whole chunk, kept where the level's masks are 1. The exponents come from coefficient-mask
+/// second half, both factors at most 1. Level 0 is `q x k^T` and `beta k x k^T` over the
+/// whole chunk, kept where its masks are 1; a level above it, whose rows and columns never share
+/// a token, one product holding its `Aqk` pairs below the diagonal and its `L` pairs above
+/// (transposed). The exponents come from coefficient-mask
 /// products with `g` (split into `g_passes` bf16 parts for `data = Default`). `data` is the
 /// products' precision (`Default`, one bf16 pass, for bf16 inputs).
 #[allow(clippy::too_many_arguments)]
@@ -435,15 +454,26 @@ pub fn chunk_factors(
     if !ok(q, kd) || !ok(k, kd) || !ok(g, kd) || !ok(beta, 1) {
         return Err(TpuError::builder("mosaic chunk_terms", "q, k, g [64, K] and beta [64, 1], f32"));
     }
-    let (masks, levels) = match scratch.masks {
-        TermMasks::Build => (exponent_masks(b)?, level_masks(b)?),
+    let n_levels = 2 * (1 + HALVES.len());
+    let (masks, levels, pairs, lower) = match scratch.masks {
+        TermMasks::Build => {
+            let mut levels = level_masks(b)?;
+            let mut pairs = levels.split_off(n_levels);
+            let lower = pairs.pop().ok_or_else(|| TpuError::builder("mosaic chunk_terms", "level masks"))?;
+            (exponent_masks(b)?, levels, pairs, lower)
+        }
         TermMasks::Input { exponents, levels } => {
-            let rows = |b: &mut Body, r: Ref, n: usize| -> Result<Vec<V>> {
-                (0..n as i64).map(|i| b.load(r, &at(i * C, 0), &[C, C])).collect()
+            let rows = |b: &mut Body, r: Ref, from: i64, n: usize| -> Result<Vec<V>> {
+                (0..n as i64).map(|i| b.load(r, &at(from + i * C, 0), &[C, C])).collect()
             };
             // One-pass products read `G`'s mask alone (the other arrays come from `G`).
             let exps = if data == MatPrecision::Default { 1 } else { 3 + HALVES.len() };
-            (rows(b, exponents, exps)?, rows(b, levels, 2 * (1 + HALVES.len()))?)
+            (
+                rows(b, exponents, 0, exps)?,
+                rows(b, levels, 0, n_levels)?,
+                rows(b, levels, LEVEL_PAIRS, HALVES.len())?,
+                b.load(levels, &at(LEVEL_PAIRS + HALVES.len() as i64 * C, 0), &[C, C])?,
+            )
         }
     };
     // Full precision: one product per exponent array, each used as it comes (only `G` is
@@ -496,7 +526,7 @@ pub fn chunk_factors(
     }
     // The identity is level 0's causal mask less its strict one.
     let eye = b.binary(Binary::Sub, &levels[0], &levels[1])?;
-    Ok(ChunkFactors { qg, kg, kbg, eg_last, egc, egs, bk, factors, levels, eye })
+    Ok(ChunkFactors { qg, kg, kbg, eg_last, egc, egs, bk, factors, levels, pairs, lower, eye })
 }
 
 /// The products of [`chunk_terms`] from its factors.
@@ -510,23 +540,86 @@ fn chunk_products(
 ) -> Result<ChunkTerms> {
     let zero = b.splat(0.0, DType::F32, &[C, C])?;
     let one = b.splat(1.0, DType::F32, &[C, C])?;
-    // Each level's `Aqk` and `L` rows as two products sharing the column operand, kept where the
-    // level's mask is 1 (select, not multiply: outside its mask the mid-anchor level may
-    // overflow). `L` comes as its 16x16 diagonal blocks (levels 0 to 2: pairs within 16 tokens)
-    // and the rest, as the inverse takes it.
-    let (mut aqk, mut l_blocks, mut l_rest) = (zero.clone(), zero.clone(), zero.clone());
-    for (level, ((fr, fc), keep)) in f.factors.iter().zip(f.levels.chunks(2)).enumerate() {
-        let cols = mul(b, k, fc)?;
-        let l_acc = if level < 3 { &mut l_blocks } else { &mut l_rest };
-        for (x, m, acc) in [(q, &keep[0], &mut aqk), (&f.bk, &keep[1], l_acc)] {
-            let rows = mul(b, x, fr)?;
-            let p = b.matmul(&rows, &cols, (1, 1), data)?;
-            let kept = pick(b, m, Cmp::Eq, &one, &p, &zero)?;
-            *acc = add(b, acc, &kept)?;
-        }
+    // Level 0 (pairs within a 4-token block): its `Aqk` and `L` rows as two products sharing
+    // the column operand, kept where its masks are 1 (select, not multiply: outside its mask the
+    // mid-anchor factors may overflow).
+    let ((fr, fc), keep) = (&f.factors[0], &f.levels[0..2]);
+    let cols = mul(b, k, fc)?;
+    let mut level0 = vec![];
+    for (x, m) in [(q, &keep[0]), (&f.bk, &keep[1])] {
+        let rows = mul(b, x, fr)?;
+        let p = b.matmul(&rows, &cols, (1, 1), data)?;
+        level0.push(pick(b, m, Cmp::Eq, &one, &p, &zero)?);
     }
+    // Levels 1 to 4 (block size `B`: rows `t` in the second half of a `2B` block, columns `j`
+    // in its first, one factor array `e` for both, at most 1) one product each: with
+    // `x = e (q on second halves, k on first)` and `y = e (beta k on second halves, k on first)`,
+    // `x y^T` holds the level's `Aqk` pairs below the diagonal and its `L` pairs transposed
+    // above. Summed on each level's pairs, apart for the levels within 16 tokens (`L`'s
+    // diagonal blocks) and across them.
+    let mut z = [zero.clone(), zero.clone()];
+    for (i, &half) in HALVES.iter().enumerate() {
+        let e = &f.factors[i + 1].0;
+        let x = by_halves(b, half, q, k)?;
+        let x = mul(b, &x, e)?;
+        let y = by_halves(b, half, &f.bk, k)?;
+        let y = mul(b, &y, e)?;
+        let p = b.matmul(&x, &y, (1, 1), data)?;
+        let kept = mul(b, &p, &f.pairs[i])?;
+        let at = usize::from(half >= S);
+        z[at] = add(b, &z[at], &kept)?;
+    }
+    // Below the diagonal (0/1 products, no selects), and what is left above it.
+    let below = [mul(b, &z[0], &f.lower)?, mul(b, &z[1], &f.lower)?];
+    let x = add(b, &level0[0], &below[0])?;
+    let aqk = add(b, &x, &below[1])?;
+    let mut l_parts = vec![];
+    for (zi, bi) in z.iter().zip(&below) {
+        let above = b.binary(Binary::Sub, zi, bi)?;
+        l_parts.push(b.transpose(&above)?);
+    }
+    let l_blocks = add(b, &level0[1], &l_parts[0])?;
+    let l_rest = l_parts[1].clone();
     let scale_c = b.splat(scale, DType::F32, &[C, C])?;
     let aqk = mul(b, &aqk, &scale_c)?;
     let l = add(b, &l_blocks, &l_rest)?;
     Ok(ChunkTerms { aqk, l, l_blocks, l_rest, f })
+}
+
+/// Rows `t` of `on` where `t` lies in the second half of its `2B` block (`B = half`), of `off`
+/// elsewhere, `[64, w]`: whole 8-row tiles taken from one or the other (no arithmetic) for `B`
+/// a multiple of 8, else a select on an 8-row pattern.
+pub fn by_halves(b: &mut Body, half: i64, on: &V, off: &V) -> Result<V> {
+    let w = on.ty.dims[1];
+    let parts = if half % 8 == 0 {
+        (0..C / half)
+            .map(|i| b.slice(if i % 2 == 1 { on } else { off }, &[i * half, 0], &[half, w]))
+            .collect::<Result<Vec<_>>>()?
+    } else {
+        let rows = b.iota(&[8, w], 0)?;
+        let second = {
+            // t mod 2B >= B within each 8 rows (2B divides 8).
+            let mut any = None;
+            for start in (half..8).step_by(2 * half as usize) {
+                let lo = b.splat(start as f64, DType::I32, &[8, w])?;
+                let hi = b.splat((start + half) as f64, DType::I32, &[8, w])?;
+                let ge = b.compare(Cmp::Ge, &rows, &lo)?;
+                let lt = b.compare(Cmp::Lt, &rows, &hi)?;
+                let inside = b.select(&ge, &lt, &ge)?;
+                any = Some(match any {
+                    None => inside,
+                    Some(a) => b.select(&a, &a, &inside)?,
+                });
+            }
+            any.ok_or_else(|| TpuError::builder("mosaic by_halves", "internal: empty half pattern"))?
+        };
+        (0..C / 8)
+            .map(|i| {
+                let x = b.slice(on, &[8 * i, 0], &[8, w])?;
+                let y = b.slice(off, &[8 * i, 0], &[8, w])?;
+                b.select(&second, &x, &y)
+            })
+            .collect::<Result<Vec<_>>>()?
+    };
+    b.concat(&parts, 0)
 }
