@@ -165,12 +165,11 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
         let block = b.index_op(Binary::Sub, &end, &step)?;
         // A row's walk starts with no gradient (padding chunks after its segments hold none);
         // each segment's from `dht` of its slot at its last chunk. Fixed-length rows have one
-        // segment, whose last chunk is the walk's first: in steps of up to two chunks `dht` is
-        // read there and no chunk branches (a branch keeps the scheduler from overlapping a
-        // step's chunks: 237 k to 231 k static cycles at the primary shape). Steps of more
-        // chunks keep the branches: as one block they spill more (at H=32 the same count with
-        // 5.9 MB more VMEM).
-        let one_block = d.fixed_rows() && n <= 2;
+        // segment, whose last chunk is the walk's first: `dht` is read there and no chunk
+        // branches (a branch keeps the scheduler from overlapping a step's chunks: at H=32,
+        // T=8192 the fused forward+VJP counts 7.11 M static cycles with a branch a chunk, 6.83 M
+        // without).
+        let one_block = d.fixed_rows();
         let dht_at = |b: &mut Body| -> Result<V> {
             if d.ht {
                 let x = b.load_all(Ref::Input(dht_input))?;
@@ -329,11 +328,10 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
             let grads = chunk_grads(
                 b,
                 &d,
-                scale,
                 [&q, &kk, &vv, &beta],
                 &t,
                 [&a, &vn],
-                [&s0, &dh, &dvn, &d_o, &sd_o],
+                [&s0, &dh, &dvn, &sd_o],
                 Ref::Input(masks_input + 2),
             )?;
             let dg = grads.dg;
@@ -523,15 +521,13 @@ struct Grads {
     d_last: V,
 }
 
-#[allow(clippy::too_many_arguments)]
 fn chunk_grads(
     b: &mut Body,
     d: &ForwardDims,
-    scale: f64,
     [q, k, v, beta]: [&V; 4],
     t: &ChunkFactors,
     [a, vn]: [&V; 2],
-    [s0, dh, dvn, d_o, sd_o]: [&V; 5],
+    [s0, dh, dvn, sd_o]: [&V; 4],
     masks_t: Ref,
 ) -> Result<Grads> {
     let (kd, vd) = (d.k, d.v);
@@ -540,9 +536,17 @@ fn chunk_grads(
     let add = |b: &mut Body, x: &V, y: &V| b.binary(Binary::Add, x, y);
     let sub = |b: &mut Body, x: &V, y: &V| b.binary(Binary::Sub, x, y);
     let wide_k = |b: &mut Body, x: &V| b.broadcast(x, &[C, kd]);
-    // Through O = scale qg S0 + Aqk v_new and S1 = e^(G_C) S0 + kg^T v_new.
-    let dqg = b.matmul(d_o, s0, (1, 1), p)?;
-    let dqg = mul_const(b, &dqg, scale)?;
+    // Through O = scale qg S0 + Aqk v_new and S1 = e^(G_C) S0 + kg^T v_new, and the WY solve:
+    // u = A (beta v), w = A (beta k e^G), v_new = u - w S0; with dw = -dv_new S0^T,
+    // nw = -A^T dw = (A^T dv_new) S0^T. `dqg = scale dO S0^T` and `nw` as one product against
+    // `S0^T`.
+    let xu = mm(b, a, dvn, (0, 0), p)?;
+    let both = {
+        let lhs = b.concat(&[sd_o.clone(), xu.clone()], 0)?;
+        b.matmul(&lhs, s0, (1, 1), p)?
+    };
+    let dqg = b.slice(&both, &[0, 0], &[C, kd])?;
+    let nw = b.slice(&both, &[C, 0], &[C, kd])?;
     let mut dq = mul(b, &dqg, &t.egc)?;
     let mut d_g = mul(b, &dqg, &t.qg)?;
     let dkg = b.matmul(vn, dh, (1, 1), p)?;
@@ -552,10 +556,6 @@ fn chunk_grads(
     let hd = b.reduce(Reduction::Sum, &sd, 1)?;
     let hd = b.reshape(&hd, &[1, kd])?;
     let d_last = mul(b, &hd, &t.eg_last)?;
-    // Through the WY solve: u = A (beta v), w = A (beta k e^G), v_new = u - w S0; with
-    // dw = -dv_new S0^T, nw = -A^T dw = (A^T dv_new) S0^T.
-    let xu = mm(b, a, dvn, (0, 0), p)?;
-    let nw = b.matmul(&xu, s0, (1, 1), p)?;
     let wide_v = b.broadcast(beta, &[C, vd])?;
     let dv = mul(b, &xu, &wide_v)?;
     // Through `w = A (beta k e^G)`: `nw e^G` to `dk` (times beta) and to `dg` (times
@@ -690,32 +690,40 @@ fn chunk_grads(
     let mut all = vec![d_g, d_suffix];
     all.extend(d_exponents);
     let stacked = b.concat(&all, 0)?;
-    // One bf16 pass when bf16 inputs feed no gate parameters (a pre-activated gate); two when
-    // `dg` is summed over every token into them.
-    let passes = if d.gate_params { 2 } else { 1 };
-    let dg = fold(b, masks_t, &stacked, p, passes)?;
+    // With gate parameters, which sum `dg` over every token, the gradients of `G` and of the
+    // strict suffix (the masks that sum up to 64 of their rows) go in two bf16 parts: bf16
+    // `dg` 2.9e-3 RMS (lower-bound gate, L2 norm) against 2.7e-3 with every array in two parts
+    // and 3.8e-3 with none; at H=32, T=8192 that costs 0.07 M static cycles, every array in two
+    // parts 0.27 M.
+    let split = if d.gate_params { 2 * C } else { 0 };
+    let dg = fold(b, masks_t, &stacked, p, split)?;
     Ok(Grads { dq, dk, dv, dbeta, dg, d_last })
 }
 
 /// `sum_m M_m^T de_m` over the exponent masks (`masks_t` holds the transposes side by side)
 /// with `de` their arrays' gradients stacked. The masks' entries (0, 1, -1) are exact in bf16:
-/// one-pass products take `de` in `passes` bf16 parts (two: about 16 bits).
-fn fold(b: &mut Body, masks_t: Ref, de: &V, p: MatPrecision, passes: usize) -> Result<V> {
+/// one-pass products take `de` rounded to bf16, and with `split` its first `split` rows again
+/// as what that rounding left (about 16 bits for them).
+fn fold(b: &mut Body, masks_t: Ref, de: &V, p: MatPrecision, split: i64) -> Result<V> {
     let mt = b.load_all(masks_t)?;
     let x = if p == MatPrecision::Highest {
         let mt = if mt.ty.elem == DType::F32 { mt } else { b.cast(&mt, DType::F32)? };
         b.matmul(&mt, de, (1, 0), MatPrecision::Highest)?
-    } else if passes == 1 {
-        let de = b.cast(de, DType::BF16)?;
-        b.matmul(&mt, &de, (1, 0), MatPrecision::Default)?
     } else {
         let hi = b.cast(de, DType::BF16)?;
-        let hi_f = b.cast(&hi, DType::F32)?;
-        let rest = b.binary(Binary::Sub, de, &hi_f)?;
-        let lo = b.cast(&rest, DType::BF16)?;
         let x = b.matmul(&mt, &hi, (1, 0), MatPrecision::Default)?;
-        let y = b.matmul(&mt, &lo, (1, 0), MatPrecision::Default)?;
-        b.binary(Binary::Add, &x, &y)?
+        if split == 0 {
+            x
+        } else {
+            let kd = de.ty.dims[1];
+            let (de, hi) = (b.slice(de, &[0, 0], &[split, kd])?, b.slice(&hi, &[0, 0], &[split, kd])?);
+            let hi = b.cast(&hi, DType::F32)?;
+            let rest = b.binary(Binary::Sub, &de, &hi)?;
+            let lo = b.cast(&rest, DType::BF16)?;
+            let mt = b.slice(&mt, &[0, 0], &[C, split])?;
+            let y = b.matmul(&mt, &lo, (1, 0), MatPrecision::Default)?;
+            b.binary(Binary::Add, &x, &y)?
+        }
     };
     Ok(x)
 }

@@ -263,7 +263,8 @@ impl ForwardDims {
     /// per-token operands are too large for XLA to place them in VMEM (it streams them from HBM
     /// then, and each grid step pays DMA bookkeeping for every operand: at H=32, T=8192 about
     /// 140 bundles a step), while a step's double-buffered blocks stay within
-    /// [`STEP_BLOCK_BYTES`]; else two (a second chunk's terms overlap the first's state update).
+    /// [`STEP_BLOCK_BYTES`]; else [`RESIDENT_STEP_CHUNKS`] (a step's other chunks' terms overlap
+    /// each chunk's state update).
     pub fn default_step_chunks(&self) -> i64 {
         let bytes = |t: DType| i64::from(t.bit_width() / 8);
         // Bytes of one token of one lane through q, k, v, g, beta and o (and one chunk's state).
@@ -271,7 +272,7 @@ impl ForwardDims {
             2 * self.k * bytes(self.qk) + self.k * bytes(self.g) + (2 * self.v + 1) * bytes(self.dtype);
         let operands = self.lanes() * self.chunks * C * token;
         if operands <= STREAMED_BYTES {
-            return 2;
+            return RESIDENT_STEP_CHUNKS;
         }
         let chunk = C * token + if self.states { 4 * self.k * self.v } else { 0 };
         let mut n = STREAMED_STEP_CHUNKS;
@@ -293,9 +294,13 @@ impl ForwardDims {
 
 /// Per-token operand bytes above which [`ForwardDims::default_step_chunks`] takes XLA to stream
 /// them from HBM: more than a TensorCore's 64 MiB of VMEM cannot stay there (the primary
-/// shape's 10 MB, bf16, or 25 MB, f32, are placed in VMEM, where two chunks a step count
-/// fewest; H=32, T=8192's 336 MB stream).
+/// shape's 10 MB, bf16, or 25 MB, f32, are placed in VMEM; H=32, T=8192's 336 MB stream).
 pub const STREAMED_BYTES: i64 = 64 << 20;
+
+/// Chunks per grid step when the operands stay in VMEM: at the primary shape (bf16, tpu7x) the
+/// fused forward+VJP counts 196 k static cycles at two, 190 k at four and 195 k at eight (the
+/// forward alone 75.5 k and 73.8 k at two and four).
+pub const RESIDENT_STEP_CHUNKS: i64 = 4;
 
 /// Chunks per grid step when the operands stream from HBM: at H=32, T=8192 (bf16, tpu7x) the
 /// static count falls from 2.94 M at two to 2.59 M at sixteen (thirty-two: a little less again,
