@@ -161,38 +161,47 @@ fn static_cycles_of_the_forward() {
 /// segments): four kernels (the forward, the backward, their masks) within the default scoped
 /// VMEM; the peak below the XLA fused programs' (49.2 MB fixed, 60.5 MB packed, remat: the
 /// lower of the two strategies) and so below the seed's 64.0 / 97.7 MB; static cycles at most
-/// tokamax's Mosaic forward+VJP with four segments (361 k) and a fifth of the XLA fused
-/// program's fixed (1,454 k; tokamax's 186 k is not reached: docs/performance.md).
+/// tokamax's Mosaic forward+VJP with four segments (361 k) and within 2% of it fixed (186 k, not
+/// reached: docs/performance.md). H=32, T=8192 in `full`.
 #[test]
 fn static_cycles_and_peaks_of_the_fused_kernels() {
+    for (name, peak_mb, cycles) in
+        [("bench_primary", 49.2, 186_000 * 102 / 100), ("bench_primary_packed", 60.5, 361_000)]
+    {
+        fused_kernels_hold(name, peak_mb, cycles);
+    }
+}
+
+/// The fused saved-state forward+VJP of benchmark case `name` on the Mosaic kernels (bf16,
+/// tpu7x) peaks at most at `peak_mb` and counts at most `cycles` static cycles.
+fn fused_kernels_hold(name: &str, peak_mb: f64, cycles: u64) {
     let (tpu, dir) = listing_compiler();
     let cpu = PjrtBackend::new().expect("PJRT CPU plugin (run `cargo xtask setup`)");
-    for (name, peak_mb, cycles) in
-        [("bench_primary", 49.2, 1_454_000 / 5), ("bench_primary_packed", 60.5, 361_000)]
-    {
-        let case = benchmark_cases().into_iter().find(|c| c.name == name).expect("benchmark case");
-        let data = case_data(&case, DType::BF16).expect("inputs");
-        let problem = data.inputs.validate().expect("valid inputs");
-        let spec = cpu
-            .spec(&problem, data.cotangents.dht.is_some())
-            .expect("spec")
-            .with_implementation(kda_tpu::Implementation::Mosaic);
-        let text = kda_tpu::kernels::program(&spec, ProgramKind::Fused(S::SavedState)).expect("program");
-        let report = tpu.compile(&text, DEFAULT_TOPOLOGY).expect("tpu7x compile");
-        let (m, vmem) = (&report.memory, &report.kernel_vmem_bytes);
-        let peak = m.peak_bytes as f64 / MB;
-        let c = report.static_cycles.expect("a static cycle count");
-        eprintln!("{name} mosaic fused bf16 on {DEFAULT_TOPOLOGY}: peak {peak:.2} MB, kernel VMEM {vmem:?} B, {c:?}");
-        assert_eq!(vmem.len(), 4, "forward, backward and two masks kernels");
-        assert!(vmem.iter().all(|&b| b > 0 && b <= VMEM_LIMIT), "kernel VMEM {vmem:?} B");
-        assert!(peak <= peak_mb, "{name}: tpu7x peak {peak:.2} MB above {peak_mb} MB");
-        assert!(c.kernels > 0 && c.total <= cycles, "{name}: {c:?} over {cycles} cycles");
-    }
+    let case = benchmark_cases().into_iter().find(|c| c.name == name).expect("benchmark case");
+    let data = case_data(&case, DType::BF16).expect("inputs");
+    let problem = data.inputs.validate().expect("valid inputs");
+    let spec = cpu
+        .spec(&problem, data.cotangents.dht.is_some())
+        .expect("spec")
+        .with_implementation(kda_tpu::Implementation::Mosaic);
+    let text = kda_tpu::kernels::program(&spec, ProgramKind::Fused(S::SavedState)).expect("program");
+    let report = tpu.compile(&text, DEFAULT_TOPOLOGY).expect("tpu7x compile");
+    let (m, vmem) = (&report.memory, &report.kernel_vmem_bytes);
+    let peak = m.peak_bytes as f64 / MB;
+    let c = report.static_cycles.expect("a static cycle count");
+    eprintln!(
+        "{name} mosaic fused bf16 on {DEFAULT_TOPOLOGY}: peak {peak:.2} MB, kernel VMEM {vmem:?} B, {c:?}"
+    );
+    assert_eq!(vmem.len(), 4, "forward, backward and two masks kernels");
+    assert!(vmem.iter().all(|&b| b > 0 && b <= VMEM_LIMIT), "kernel VMEM {vmem:?} B");
+    assert!(peak <= peak_mb, "{name}: tpu7x peak {peak:.2} MB above {peak_mb} MB");
+    assert!(c.kernels > 0 && c.total <= cycles, "{name}: {c:?} over {cycles} cycles");
     std::fs::remove_dir_all(&dir).ok();
 }
 
 /// The remaining programs of the two tables above (`cargo xtask test --full`): the XLA forward
-/// packed and the rematerializing fused programs, and the Mosaic forward at H=32, T=8192.
+/// packed and the rematerializing fused programs, and the Mosaic forward and fused forward+VJP
+/// at H=32, T=8192.
 mod full {
     use super::*;
 
@@ -213,5 +222,12 @@ mod full {
     #[case::secondary_forward_packed("bench_secondary_packed", S::Rematerialize)]
     fn mosaic_forward_compiles_for_tpu7x(#[case] name: &str, #[case] strategy: BackwardStrategy) {
         mosaic_forward_compiles(name, strategy, None);
+    }
+
+    /// The fused forward+VJP on the kernels at H=32, T=8192: at most tokamax's Pallas peak
+    /// (2421 MB) and its Mosaic forward+VJP's static cycles (6.62 M).
+    #[test]
+    fn mosaic_fused_at_h32_holds_tokamax() {
+        fused_kernels_hold("bench_secondary", 2421.0, 6_620_000);
     }
 }

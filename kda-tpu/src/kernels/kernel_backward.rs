@@ -87,7 +87,7 @@ pub(super) fn grads(
         ..kernel_dims(s, tokens, g_dtype)
     };
     let wish = match s.step_chunks {
-        0 => dims.default_step_chunks(),
+        0 => dims.default_step_chunks().min(crate::mosaic::backward::BACKWARD_STEP_CHUNKS),
         n => n as i64,
     };
     let dims = ForwardDims { step_chunks: dims.steps_for(wish), ..dims };
@@ -107,13 +107,19 @@ pub(super) fn grads(
     let mut gate_grads = Vec::new();
     if tokens == Tokens::Lanes {
         let (l, nt, c) = (s.lanes() as i64, s.chunks() as i64, CHUNK as i64);
-        let tok = |b: &mut FnBuilder, y: Value| -> Result<Value> {
-            let d = y.dims()[2];
+        let tok = |b: &mut FnBuilder, y: Value, d: i64| -> Result<Value> {
             let y = b.reshape(y, &[l, nt, c, d])?;
             prep::from_chunks(b, s, y, a.token_slot)
         };
-        let (dq, dk, dv, mut dg, dbeta) =
-            (tok(b, outs[0])?, tok(b, outs[1])?, tok(b, outs[2])?, tok(b, outs[3])?, tok(b, outs[4])?);
+        let (k, v) = (s.k as i64, s.v as i64);
+        // `dbeta` comes a chunk's tokens a row, `[L, NT, 64]` f32.
+        let (dq, dk, dv, mut dg, dbeta) = (
+            tok(b, outs[0], k)?,
+            tok(b, outs[1], k)?,
+            tok(b, outs[2], v)?,
+            tok(b, outs[3], k)?,
+            tok(b, outs[4], 1)?,
+        );
         if let Some(al) = a.a_log {
             // Through the gate XLA activated.
             let gx = prep::head_first(b, s, a.g)?;
@@ -151,6 +157,7 @@ pub(super) fn grads(
         for (i, w) in [(0, s.k), (1, s.k), (2, s.v), (3, s.k)] {
             results.push(b.reshape(outs[i], &s.result_token_dims(w, true))?);
         }
+        // `dbeta` `[L, NT, 64]` (f32): the elements of `[H, B, T]` in order.
         let (h, bb, t) = (s.h as i64, s.b as i64, s.t as i64);
         let dbeta = b.reshape(outs[4], &[h, bb, t, 1])?;
         results.push(prep::beta_to_caller(b, s, dbeta, x)?);

@@ -33,6 +33,12 @@ use super::kernel::{Cost, Index, Kernel, Operand};
 use crate::error::{Result, TpuError};
 use crate::hlo::{Cmp, TensorType};
 
+/// The most chunks a backward grid step takes by default (the forward's default, capped): a
+/// fixed-length row's step is one block, whose spill slots grow with its chunks (at H=32,
+/// T=8192 sixteen chunks took 19.3 MB of VMEM and 6.49 M static cycles for the fused
+/// forward+VJP, eight 9.7 MB and 6.45 M).
+pub const BACKWARD_STEP_CHUNKS: i64 = 8;
+
 /// The backward kernel of `d` (the dims of the forward kernel that saved the states, with its
 /// own chunks per step) with scale `scale`. Its operands: the tables `first`, `last`, `slot`
 /// (`slot` as the forward kernel's; packed tokens read in place add the window tables), then
@@ -40,9 +46,9 @@ use crate::hlo::{Cmp, TensorType};
 /// forward kernel's; `h` the states it saved, `a` and `aqk` its chunk terms when `d.terms`,
 /// `do` laid out as `v`, `dht` `[L, S, K, V]` f32 when `d.ht`, the masks those of
 /// [`super::blocks::term_masks_kernel`] with its transposes); its results
-/// `dq dk dv dg dbeta [dh0] [gate_sums]`: the gradients laid out as their inputs (`dbeta`
-/// head-first `[H, R * T, 1]` but for lanes, `dg` that of the raw gate; packed tokens read in
-/// place: f32, each head's whole, padding tokens unwritten), `dh0` `[L, S, K, V]`
+/// `dq dk dv dg dbeta [dh0] [gate_sums]`: the gradients laid out as their inputs (`dbeta` f32,
+/// a chunk's 64 tokens a row, `[L, NT, 64]`; `dg` that of the raw gate; packed tokens read in
+/// place: f32, each head's whole (`dbeta` `[H, P, 1]`), padding tokens unwritten), `dh0` `[L, S, K, V]`
 /// f32 when `d.h0` (written at each segment's first chunk), and with an in-kernel gate
 /// `gate_sums` `[L, 2, K]` f32: per lane the sums over its tokens of `dg dg/da_log` and of the
 /// raw gate's gradient (`da_log` and `ddt_bias` once summed over a head's lanes).
@@ -124,9 +130,14 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
                 _ => ([h, p, w], vec![g0.clone(), Index::Const(0), Index::Const(0)]),
             };
             Operand::blocked(name, ty(DType::F32, &dims), &[1, p, w], at)
+        } else if w == 1 {
+            // `dbeta` lane-dense in f32, a chunk's 64 tokens a row, `[L, NT, 64]` (the elements
+            // of `[H, R * T]` in order; a `[.., T, 1]` result took XLA about 1,200 bundles to
+            // relayout at the primary shape): a lane's rows whole, resident through its walk.
+            let at = vec![lane(), Index::Const(0), Index::Const(0)];
+            Operand::blocked(name, ty(DType::F32, &[l, nt, C]), &[1, nt, C], at)
         } else {
-            let tokens = if w == 1 { beta_tokens } else { d.tokens };
-            token_operand(name, &d, tokens, dtype, w, 0, true)
+            token_operand(name, &d, d.tokens, dtype, w, 0, true)
         });
     }
     if d.h0 {
@@ -189,6 +200,9 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
             Ok(())
         })?;
         // The step's chunks from its last: chunk `c = n block + ci` at rows `64 ci` of its blocks.
+        // One block: `dh` passes from chunk to chunk of a step as a value, through scratch only
+        // between steps.
+        let mut carried: Option<V> = None;
         for ci in (0..n).rev() {
             let c = {
                 let (nv, iv) = (b.index(n)?, b.index(ci)?);
@@ -203,7 +217,10 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
                     b.store_all(Ref::Scratch(0), &dht)
                 })?;
             }
-            let dh = b.load_all(Ref::Scratch(0))?;
+            let dh = match carried.take() {
+                Some(dh) => dh,
+                None => b.load_all(Ref::Scratch(0))?,
+            };
             // Packed: the chunk's window in its two blocks (`off`, `len`), and the blocks of its
             // tokens (`lo`, `hi`).
             let window = if packed {
@@ -301,9 +318,15 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
             let vn = b.binary(Binary::Sub, &u, &ws)?;
             // dv_new = Aqk^T dO + kg dh; dh_prev = e^(G_C) dh + scale qg^T dO - w^T dv_new.
             let dvn = {
-                let x = mm(b, &aqk, &d_o, (0, 0), p)?;
-                let y = b.matmul(&t.kg, &dh, (1, 0), p)?;
-                b.binary(Binary::Add, &x, &y)?
+                // One product: [Aqk^T, kg] [dO; dh].
+                let op = aqk.ty.elem;
+                let at = b.transpose(&aqk)?;
+                let kg = if t.kg.ty.elem == op { t.kg.clone() } else { b.cast(&t.kg, op)? };
+                let lhs = b.concat(&[at, kg], 1)?;
+                let d_o_op = if d_o.ty.elem == op { d_o.clone() } else { b.cast(&d_o, op)? };
+                let dh_op = if dh.ty.elem == op { dh.clone() } else { b.cast(&dh, op)? };
+                let rhs = b.concat(&[d_o_op, dh_op], 0)?;
+                b.matmul(&lhs, &rhs, (1, 0), p)?
             };
             // `scale dO`, for `dh` and for `Aqk`'s cotangent.
             let sd_o = mul_const(b, &d_o, scale)?;
@@ -318,10 +341,15 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
                 let x = b.matmul(&lhs, &rhs, (0, 0), p)?;
                 b.binary(Binary::Add, &kept, &x)?
             };
-            b.store_all(Ref::Scratch(0), &dh_prev)?;
-            // Without branches (fixed-length rows): every chunk writes `dh0`'s block, which stays
-            // resident through the row's walk and holds the first chunk's when it goes to HBM.
-            if d.h0 && one_block {
+            if one_block && ci > 0 {
+                carried = Some(dh_prev.clone());
+            } else {
+                b.store_all(Ref::Scratch(0), &dh_prev)?;
+            }
+            // Without branches (fixed-length rows): each step's last chunk writes `dh0`'s block,
+            // which stays resident through the row's walk and holds the row's first chunk's
+            // when it goes to HBM.
+            if d.h0 && one_block && ci == 0 {
                 let x = b.reshape(&dh_prev, &[1, 1, k, v])?;
                 b.store_all(Ref::Output(5), &x)?;
             }
@@ -374,6 +402,17 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
             match &window {
                 None => {
                     for (i, x) in results.iter().enumerate() {
+                        if x.ty.dims[1] == 1 {
+                            // The column as a row: its entries on the diagonal, summed down the
+                            // columns (one term each: exact), at the chunk's row.
+                            let wide = b.broadcast(x, &[C, C])?;
+                            let diag = b.binary(Binary::Mul, &wide, &t.eye)?;
+                            let row = b.reduce(Reduction::Sum, &diag, 0)?;
+                            let row = b.reshape(&row, &[1, 1, C])?;
+                            let at = [Offset::Const(0), Offset::Dyn(c.clone(), 1), Offset::Const(0)];
+                            b.store(Ref::Output(i), &at, &row)?;
+                            continue;
+                        }
                         let out_ty = b_out_elem(i, &d);
                         let x = if out_ty == DType::F32 { x.clone() } else { b.cast(x, out_ty)? };
                         let w = x.ty.dims[1];
