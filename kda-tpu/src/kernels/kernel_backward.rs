@@ -10,8 +10,8 @@
 //! place; for lanes XLA takes `dg` through the gate.
 
 use super::kernel_forward::{
-    forward_body, gate_operand, kernel_dims, kernel_gate, kernel_input, or_passed, packed_fits,
-    packed_result, packed_slots, running_max, token_inputs, tokens_of, window_tables,
+    forward_body, gate_operand, kernel_calls, kernel_dims, kernel_gate, kernel_input, kernel_slots,
+    or_passed, packed_fits, packed_result, packed_slots, token_inputs, tokens_of, window_tables, KernelCalls,
 };
 use super::prep;
 use super::programs::Args;
@@ -44,12 +44,13 @@ pub(super) fn grads(
     a: &Args,
     (h, terms): (Value, Option<(Value, Value)>),
     (d_o, dht): (Value, Option<Value>),
-    lowering: Lowering,
+    calls: &KernelCalls,
 ) -> Result<Vec<Value>> {
+    let lowering = calls.lowering;
     let x = on_device(s.dtype);
     let tokens = backward_tokens(s);
     let gate = kernel_gate(s, tokens);
-    let mut ops = vec![a.tables.first, a.tables.last, running_max(b, a.tables.slot)?];
+    let mut ops = vec![a.tables.first, a.tables.last, kernel_slots(b, s, a.tables.slot)?];
     if tokens.packed() {
         let slot_token = a.slot_token.ok_or_else(|| {
             crate::TpuError::builder("mosaic backward", "a packed program without slot_token")
@@ -91,17 +92,11 @@ pub(super) fn grads(
         n => n as i64,
     };
     let dims = ForwardDims { step_chunks: dims.steps_for(wish), ..dims };
-    let masks = crate::mosaic::blocks::term_masks_kernel(dims.mask_dtype(), true)?;
+    ops.extend(calls.masks.iter().copied());
     let kernel = backward_kernel(dims, s.scale)?;
     let outs = match lowering {
-        Lowering::Mosaic => {
-            ops.extend(masks.call_mosaic(b, &[])?);
-            kernel.call_mosaic(b, &ops)?
-        }
-        Lowering::Interpret => {
-            ops.extend(masks.call_interpret(b, &[])?);
-            kernel.call_interpret(b, &ops)?
-        }
+        Lowering::Mosaic => kernel.call_mosaic(b, &ops)?,
+        Lowering::Interpret => kernel.call_interpret(b, &ops)?,
     };
     let mut results = Vec::new();
     let mut gate_grads = Vec::new();
@@ -193,9 +188,10 @@ pub(super) fn fused(
     cotangents: (Value, Option<Value>),
     lowering: Lowering,
 ) -> Result<Vec<Value>> {
-    let mut outs = forward_body(b, s, a, true, lowering, true, true)?;
+    let calls = kernel_calls(b, s, true, lowering)?;
+    let mut outs = forward_body(b, s, a, true, true, true, &calls)?;
     let saved = take_saved(&mut outs)?;
-    outs.extend(grads(b, s, a, saved, cotangents, lowering)?);
+    outs.extend(grads(b, s, a, saved, cotangents, &calls)?);
     Ok(outs)
 }
 
@@ -217,12 +213,13 @@ pub(super) fn backward(
     cotangents: (Value, Option<Value>),
     lowering: Lowering,
 ) -> Result<Vec<Value>> {
+    let calls = kernel_calls(b, s, true, lowering)?;
     let saved = match saved {
         Some(h) => (h, None),
         None => {
-            let mut outs = forward_body(b, s, a, true, lowering, true, true)?;
+            let mut outs = forward_body(b, s, a, true, true, true, &calls)?;
             take_saved(&mut outs)?
         }
     };
-    grads(b, s, a, saved, cotangents, lowering)
+    grads(b, s, a, saved, cotangents, &calls)
 }

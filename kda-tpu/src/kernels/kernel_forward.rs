@@ -41,6 +41,15 @@ pub(super) fn kernel_tokens(
     b.reshape(c, &[s.lanes() as i64, (s.chunks() * CHUNK) as i64, d])
 }
 
+/// The slot table the kernels read: `slot` itself for fixed length (all zeros), else its
+/// [`running_max`].
+pub(super) fn kernel_slots(b: &mut FnBuilder, s: &KernelSpec, slot: Value) -> Result<Value> {
+    match s.packed_chunks {
+        None => Ok(slot),
+        Some(_) => running_max(b, slot),
+    }
+}
+
 /// `slot` with every entry raised to the largest before it: the real chunks' slots never
 /// decrease, and the padding chunks after them (slot 0 in the tables) then keep the last
 /// segment's slot, so the kernel's `ht` block is never revisited.
@@ -298,6 +307,36 @@ pub(super) fn kernel_gate(s: &KernelSpec, tokens: Tokens) -> Gate {
     }
 }
 
+/// The chunk terms' constant masks ([`crate::mosaic::blocks::term_masks_kernel`]'s results)
+/// and how the program's kernels are lowered: what every kernel call of a program shares.
+pub(super) struct KernelCalls {
+    /// How the kernels are lowered.
+    pub lowering: Lowering,
+    /// The exponent and level masks, then (transposed) the exponent masks' transposes.
+    pub masks: Vec<Value>,
+}
+
+/// The masks for the kernels of `s`, made once by their own one-step kernel; with `transposed`
+/// also the exponent masks' transposes the backward kernel reads (a program with both kernels
+/// makes them once, transposed, and hands the first two to the forward kernel).
+pub(super) fn kernel_calls(
+    b: &mut FnBuilder,
+    s: &KernelSpec,
+    transposed: bool,
+    lowering: Lowering,
+) -> Result<KernelCalls> {
+    let dtype = match on_device(s.dtype) {
+        kda_core::DType::BF16 => kda_core::DType::BF16,
+        _ => kda_core::DType::F32,
+    };
+    let kernel = crate::mosaic::blocks::term_masks_kernel(dtype, transposed)?;
+    let masks = match lowering {
+        Lowering::Mosaic => kernel.call_mosaic(b, &[])?,
+        Lowering::Interpret => kernel.call_interpret(b, &[])?,
+    };
+    Ok(KernelCalls { lowering, masks })
+}
+
 /// The forward body: `o [final_state] [h]` as [`super::ProgramSignature`] says (`o` in the
 /// kernel forms when `kernel_forms`), then with `terms` the chunk terms `a aqk` the backward
 /// kernel reads; the chunk loop in the forward kernel lowered as `lowering`.
@@ -306,13 +345,14 @@ pub(super) fn forward_body(
     s: &KernelSpec,
     a: &Args,
     keep_h: bool,
-    lowering: Lowering,
     kernel_forms: bool,
     terms: bool,
+    calls: &KernelCalls,
 ) -> Result<Vec<Value>> {
+    let lowering = calls.lowering;
     let x = on_device(s.dtype);
     let tokens = tokens_of(s);
-    let mut ops = vec![a.tables.first, a.tables.last, running_max(b, a.tables.slot)?];
+    let mut ops = vec![a.tables.first, a.tables.last, kernel_slots(b, s, a.tables.slot)?];
     if tokens.packed() {
         let slot_token = a.slot_token.ok_or_else(|| {
             crate::TpuError::builder("mosaic forward", "a packed program without slot_token")
@@ -350,12 +390,8 @@ pub(super) fn forward_body(
         n => n as i64,
     };
     let dims = ForwardDims { step_chunks: dims.steps_for(wish), ..dims };
-    // The chunk terms' constant masks, made once by their own one-step kernel.
-    let masks = crate::mosaic::blocks::term_masks_kernel(dims.mask_dtype(), false)?;
-    ops.extend(match lowering {
-        Lowering::Mosaic => masks.call_mosaic(b, &[])?,
-        Lowering::Interpret => masks.call_interpret(b, &[])?,
-    });
+    // The chunk terms' constant masks: the exponent and level masks of the masks kernel.
+    ops.extend(calls.masks.iter().take(2).copied());
     let kernel = forward_kernel(dims, s.scale)?;
     let outs = match lowering {
         Lowering::Mosaic => kernel.call_mosaic(b, &ops)?,

@@ -511,7 +511,8 @@ pub fn forward_program(s: &KernelSpec, keep_h: bool) -> Result<String> {
 fn forward_body(f: &mut FnBuilder, s: &KernelSpec, d: &Declared, keep_h: bool) -> Result<Vec<Value>> {
     let a = d.args()?;
     if let Some(lowering) = super::spec::lowering(s.implementation) {
-        return super::kernel_forward::forward_body(f, s, &a, keep_h, lowering, true, false);
+        let calls = super::kernel_forward::kernel_calls(f, s, false, lowering)?;
+        return super::kernel_forward::forward_body(f, s, &a, keep_h, true, false, &calls);
     }
     let w = working(f, s, &a)?;
     if s.in_slabs() {
