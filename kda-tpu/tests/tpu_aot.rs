@@ -158,15 +158,14 @@ fn static_cycles_of_the_forward() {
 }
 
 /// The fused forward+VJP on the Mosaic kernels (bf16, the primary shape, fixed and with four
-/// segments): four kernels (the forward, the backward, their masks) within the default scoped
-/// VMEM; the peak below the XLA fused programs' (49.2 MB fixed, 60.5 MB packed, remat: the
-/// lower of the two strategies) and so below the seed's 64.0 / 97.7 MB; static cycles at most
-/// tokamax's Mosaic forward+VJP with four segments (361 k) and within 2% of it fixed (186 k, not
-/// reached: docs/performance.md). H=32, T=8192 in `full`.
+/// segments): three kernels (the forward, the backward, the masks they share) within the
+/// default scoped VMEM; the peak below the XLA fused programs' (49.2 MB fixed, 60.5 MB packed,
+/// remat: the lower of the two strategies) and so below the seed's 64.0 / 97.7 MB; static
+/// cycles at most tokamax's Mosaic forward+VJP counted the same way (186 k fixed, 361 k with
+/// four segments). H=32, T=8192 in `full`.
 #[test]
 fn static_cycles_and_peaks_of_the_fused_kernels() {
-    for (name, peak_mb, cycles) in
-        [("bench_primary", 49.2, 186_000 * 102 / 100), ("bench_primary_packed", 60.5, 361_000)]
+    for (name, peak_mb, cycles) in [("bench_primary", 49.2, 186_000), ("bench_primary_packed", 60.5, 361_000)]
     {
         fused_kernels_hold(name, peak_mb, cycles);
     }
@@ -192,7 +191,7 @@ fn fused_kernels_hold(name: &str, peak_mb: f64, cycles: u64) {
     eprintln!(
         "{name} mosaic fused bf16 on {DEFAULT_TOPOLOGY}: peak {peak:.2} MB, kernel VMEM {vmem:?} B, {c:?}"
     );
-    assert_eq!(vmem.len(), 4, "forward, backward and two masks kernels");
+    assert_eq!(vmem.len(), 3, "forward, backward and their masks kernel");
     assert!(vmem.iter().all(|&b| b > 0 && b <= VMEM_LIMIT), "kernel VMEM {vmem:?} B");
     assert!(peak <= peak_mb, "{name}: tpu7x peak {peak:.2} MB above {peak_mb} MB");
     assert!(c.kernels > 0 && c.total <= cycles, "{name}: {c:?} over {cycles} cycles");

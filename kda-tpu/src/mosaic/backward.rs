@@ -43,7 +43,8 @@ pub const BACKWARD_STEP_CHUNKS: i64 = 8;
 /// own chunks per step) with scale `scale`. Its operands: the tables `first`, `last`, `slot`
 /// (`slot` as the forward kernel's; packed tokens read in place add the window tables), then
 /// `q k v g beta [gate] h [a aqk] do [dht] exponent_masks level_masks exponent_masks_t` (as the
-/// forward kernel's; `h` the states it saved, `a` and `aqk` its chunk terms when `d.terms`,
+/// forward kernel's; `h` the states it saved in [`ForwardDims::state_dtype`], `a` and `aqk`
+/// its chunk terms when `d.terms`,
 /// `do` laid out as `v`, `dht` `[L, S, K, V]` f32 when `d.ht`, the masks those of
 /// [`super::blocks::term_masks_kernel`] with its transposes); its results
 /// `dq dk dv dg dbeta [dh0] [gate_sums]`: the gradients laid out as their inputs (`dbeta` f32,
@@ -90,7 +91,7 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
     }
     let h_input = gate_input + usize::from(gated);
     let at = vec![lane(), rev(), Index::Const(0), Index::Const(0)];
-    kb = kb.input(Operand::blocked("h", ty(DType::F32, &[l, nt, k, v]), &[1, n, k, v], at));
+    kb = kb.input(Operand::blocked("h", ty(d.state_dtype(), &[l, nt, k, v]), &[1, n, k, v], at));
     let mut at_terms = None;
     if d.terms {
         at_terms = Some(h_input + 1);
@@ -313,6 +314,7 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
             let w = mm(b, &a, &t.kbg, (1, 0), p)?;
             let at4 = [Offset::Const(0), Offset::Const(ci), Offset::Const(0), Offset::Const(0)];
             let s0 = b.load(Ref::Input(h_input), &at4, &[1, 1, k, v])?;
+            let s0 = if s0.ty.elem == DType::F32 { s0 } else { b.cast(&s0, DType::F32)? };
             let s0 = b.reshape(&s0, &[k, v])?;
             let ws = b.matmul(&w, &s0, (1, 0), p)?;
             let vn = b.binary(Binary::Sub, &u, &ws)?;

@@ -14,8 +14,8 @@
 //! batch-first tensors in place, or lanes `[L, NT * 64, D]` that XLA made); the kernel widens
 //! bf16 blocks, L2-normalises q and k when asked, applies the [`Gate`] and the floor to `g`, and
 //! accumulates everything in f32. `h0` and `ht` are `[L, S, K, V]` f32 (`S` state slots per
-//! lane), `h` `[L, NT, K, V]` f32, the state entering every chunk (what the saved-state
-//! backward reads).
+//! lane), `h` `[L, NT, K, V]` the state entering every chunk (what the saved-state
+//! backward reads; f32, or with the chunk terms [`ForwardDims::state_dtype`]).
 
 use kda_core::DType;
 
@@ -282,6 +282,17 @@ impl ForwardDims {
         n
     }
 
+    /// The dtype of the per-chunk states `h`: with the chunk terms ([`ForwardDims::terms`],
+    /// states that only the backward kernel reads) [`ForwardDims::mask_dtype`], since the
+    /// backward's one-pass products round them to it anyway; else f32 (the caller's `h`).
+    pub fn state_dtype(&self) -> DType {
+        if self.terms {
+            self.mask_dtype()
+        } else {
+            DType::F32
+        }
+    }
+
     /// The dtype of the exponent masks the kernel reads
     /// ([`super::blocks::term_masks_kernel`]): bf16 for one-pass products, else f32.
     pub fn mask_dtype(&self) -> DType {
@@ -431,7 +442,7 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
     }
     if d.states {
         let at = vec![lane(), g2.clone(), Index::Const(0), Index::Const(0)];
-        kb = kb.output(Operand::blocked("h", ty(DType::F32, &[l, nt, k, v]), &[1, n, k, v], at));
+        kb = kb.output(Operand::blocked("h", ty(d.state_dtype(), &[l, nt, k, v]), &[1, n, k, v], at));
     }
     if d.terms {
         let at = vec![lane(), g2.clone(), Index::Const(0), Index::Const(0)];
@@ -615,7 +626,8 @@ pub fn forward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
                 b.load_all(Ref::Scratch(0))?
             };
             if d.states {
-                let h = b.reshape(&s, &[1, 1, k, v])?;
+                let h = if d.state_dtype() == DType::F32 { s.clone() } else { b.cast(&s, d.state_dtype())? };
+                let h = b.reshape(&h, &[1, 1, k, v])?;
                 let at = [Offset::Const(0), Offset::Const(ci), Offset::Const(0), Offset::Const(0)];
                 b.store(out_h, &at, &h)?;
             }
