@@ -325,10 +325,8 @@ pub(super) fn kernel_calls(
     transposed: bool,
     lowering: Lowering,
 ) -> Result<KernelCalls> {
-    let dtype = match on_device(s.dtype) {
-        kda_core::DType::BF16 => kda_core::DType::BF16,
-        _ => kda_core::DType::F32,
-    };
+    // The masks' dtype follows the kernels' products, whatever the gate's dtype.
+    let dtype = kernel_dims(s, tokens_of(s), on_device(s.dtype)).mask_dtype();
     let kernel = crate::mosaic::blocks::term_masks_kernel(dtype, transposed)?;
     let masks = match lowering {
         Lowering::Mosaic => kernel.call_mosaic(b, &[])?,
@@ -339,7 +337,7 @@ pub(super) fn kernel_calls(
 
 /// The forward body: `o [final_state] [h]` as [`super::ProgramSignature`] says (`o` in the
 /// kernel forms when `kernel_forms`), then with `terms` the chunk terms `a aqk` the backward
-/// kernel reads; the chunk loop in the forward kernel lowered as `lowering`.
+/// kernel reads; the chunk loop in the forward kernel, lowered and fed masks as `calls` says.
 pub(super) fn forward_body(
     b: &mut FnBuilder,
     s: &KernelSpec,
