@@ -10,6 +10,7 @@
 #![forbid(unsafe_code)]
 
 pub mod cases;
+pub mod causality;
 pub mod conformance;
 pub mod inputs;
 pub mod metrics;

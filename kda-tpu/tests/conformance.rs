@@ -47,8 +47,9 @@ mod mixed_dtypes {
 /// The gate gradients under strong decay (`kda_testkit::cases::strong_decay_gate_case`), f32:
 /// `dg` row by row against each row's own size, `da_log` and `ddt_bias` at 1e-4, with initial
 /// states and `dht`, fixed (K = 256) and packed (segments of 1, 63, 0 and 30 tokens), in the CPU
-/// configuration and in slabs (the TPU configuration), both strategies, split and fused. Every
-/// program forms `dg` in one function, so one case per configuration covers them.
+/// configuration and in slabs (the TPU configuration), both strategies, split and fused, and on
+/// the TPU kernels. Every program forms `dg` in one function, so one case per configuration
+/// covers them.
 mod gate_gradients {
     use kda_core::BackwardStrategy;
     use kda_testkit::conformance::{gate_gradients, Path};
@@ -92,6 +93,21 @@ mod gate_gradients {
             be = be.with_slab(kda_tpu::kernels::TPU_SLAB);
         }
         match gate_gradients(&be, name, strategy, path) {
+            Ok(report) => eprint!("{report}"),
+            Err(failure) => panic!("gate gradient failure:\n{failure}"),
+        }
+    }
+
+    /// The same on the TPU kernels through their interpret lowering (their own `dg` fold).
+    #[rstest]
+    #[case::rows_saved_fused("strong_decay_rows", Saved, Path::Fused)]
+    #[case::k256_lower_bound_remat_split("strong_decay_k256_lower_bound_l2norm", Remat, Path::Split)]
+    fn on_the_kernels_under_strong_decay(
+        #[case] name: &str,
+        #[case] strategy: BackwardStrategy,
+        #[case] path: Path,
+    ) {
+        match gate_gradients(&super::interpret::backend(), name, strategy, path) {
             Ok(report) => eprint!("{report}"),
             Err(failure) => panic!("gate gradient failure:\n{failure}"),
         }
@@ -655,18 +671,6 @@ mod interpret {
         picked.to_f32_vec().iter().map(|x| x.to_bits()).collect()
     }
 
-    /// Changing every token from 70 on (inside the second chunk) leaves the outputs of tokens
-    /// 0..70 of every row bitwise equal, and changes later ones.
-    #[test]
-    fn the_kernel_forward_is_bitwise_causal() {
-        let case = kda_testkit::cases::case("fixed_batch_first_b2").expect("case");
-        let (case, [a, b]) = forward_twice(case, &|_, t| t >= 70);
-        let early = |_: usize, t: usize| t < 70;
-        assert_eq!(tokens(&a.o, &case, &early), tokens(&b.o, &case, &early), "outputs before token 70");
-        let late = |_: usize, t: usize| t >= 70;
-        assert_ne!(tokens(&a.o, &case, &late), tokens(&b.o, &case, &late));
-    }
-
     /// Packed segments the kernel reads in place (rows of 96 tokens: whole 64-token blocks):
     /// row 0 of segments of 30, 40 and 26 tokens, row 1 of 50, 0 and 46.
     fn packed_in_place(layout: Layout, k: usize, v: usize) -> Case {
@@ -1017,6 +1021,26 @@ mod full {
         assert!(failures.is_empty(), "{} cases failed:\n{}", failures.len(), failures.join("\n"));
     }
 
+    /// Bitwise causality on every configuration: implementations, devices (one, or two with
+    /// `Split::Context`), rows, dtypes, strategies and paths.
+    #[rstest]
+    fn causality_product(
+        #[values(kda_tpu::Implementation::Xla, kda_tpu::Implementation::Interpret)]
+        implementation: kda_tpu::Implementation,
+        #[values(1, 2)] devices: usize,
+        #[values(
+            (crate::causality::Place::InPlace, kda_testkit::causality::Rows::Fixed),
+            (crate::causality::Place::InPlace, kda_testkit::causality::Rows::Packed),
+            (crate::causality::Place::Lanes, kda_testkit::causality::Rows::Packed)
+        )]
+        rows: (crate::causality::Place, kda_testkit::causality::Rows),
+        #[values(DType::F32, DType::BF16)] dtype: DType,
+        #[values(BackwardStrategy::SavedState, BackwardStrategy::Rematerialize)] strategy: BackwardStrategy,
+        #[values(Path::Fused, Path::Split)] path: Path,
+    ) {
+        super::causality::holds(implementation, devices, rows.0, rows.1, dtype, strategy, path);
+    }
+
     #[rstest]
     fn interpret_forward_every_case(#[values(DType::F32, DType::BF16)] dtype: DType) {
         let be = super::interpret::backend();
@@ -1025,5 +1049,99 @@ mod full {
             .filter_map(|name| kda_testkit::conformance::forward(&be, name, dtype).err())
             .collect();
         assert!(failures.is_empty(), "{} cases failed:\n{}", failures.len(), failures.join("\n"));
+    }
+}
+
+/// Bitwise causality (docs/kda.md, Causality) on every implementation (a covering set; the
+/// whole product in `full::causality_product`): for every `t0` in
+/// 0..128 and 129, 189, 253, one batch row each, the outputs and gradients before `t0` do not
+/// change with the inputs from `t0` on (nor `dh0`), and the gradients from `t0` on do not
+/// change with `do` before `t0` ([`kda_testkit::causality`]). Gates in [-6, 0] with three hard
+/// resets in a row inside one 4-token block; packed rows with segment boundaries inside 4-token
+/// blocks, read in place by the kernels or through lanes (`with_packed_result_bytes(0)`).
+mod causality {
+    use kda_core::{BackwardStrategy, DType};
+    use kda_testkit::causality::{Rows, Setup};
+    use kda_testkit::conformance::Path;
+    use kda_tpu::{Implementation, PjrtBackend, PjrtOptions, Split};
+    use rstest::rstest;
+
+    use BackwardStrategy::{Rematerialize as Remat, SavedState as Saved};
+    use DType::{BF16, F32};
+    use Path::{Fused, Split as Staged};
+    use Rows::{Fixed, Packed};
+
+    /// Where packed rows go on the kernels: read in place, or through lanes.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub(crate) enum Place {
+        InPlace,
+        Lanes,
+    }
+
+    fn backend(implementation: Implementation, devices: usize, place: Place) -> PjrtBackend {
+        let mut o = PjrtOptions::new().implementation(implementation);
+        if devices > 1 {
+            o = o.devices(devices).split(Split::Context);
+        }
+        let be = o.build().expect("PJRT plugin (run `cargo xtask setup`)");
+        match place {
+            Place::InPlace => be,
+            Place::Lanes => be.with_packed_result_bytes(0),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn holds(
+        implementation: Implementation,
+        devices: usize,
+        place: Place,
+        rows: Rows,
+        dtype: DType,
+        strategy: BackwardStrategy,
+        path: Path,
+    ) {
+        let be = backend(implementation, devices, place);
+        match kda_testkit::causality::check(&be, Setup { rows, dtype, strategy, path }) {
+            Ok(summary) => eprintln!("{summary}"),
+            Err(failure) => panic!("{failure}"),
+        }
+    }
+
+    #[rstest]
+    #[case::fixed_f32_saved_fused(Fixed, F32, Saved, Fused)]
+    #[case::packed_bf16_remat_split(Packed, BF16, Remat, Staged)]
+    fn xla(#[case] rows: Rows, #[case] dtype: DType, #[case] strategy: BackwardStrategy, #[case] path: Path) {
+        holds(Implementation::Xla, 1, Place::InPlace, rows, dtype, strategy, path);
+    }
+
+    /// Each pair of values of any two of rows, dtype, strategy and path once.
+    #[rstest]
+    #[case::fixed_f32_saved_fused(Place::InPlace, Fixed, F32, Saved, Fused)]
+    #[case::fixed_bf16_remat_split(Place::InPlace, Fixed, BF16, Remat, Staged)]
+    #[case::in_place_bf16_saved_fused(Place::InPlace, Packed, BF16, Saved, Fused)]
+    #[case::in_place_f32_remat_split(Place::InPlace, Packed, F32, Remat, Staged)]
+    #[case::lanes_f32_remat_fused(Place::Lanes, Packed, F32, Remat, Fused)]
+    #[case::lanes_bf16_saved_split(Place::Lanes, Packed, BF16, Saved, Staged)]
+    fn interpret(
+        #[case] place: Place,
+        #[case] rows: Rows,
+        #[case] dtype: DType,
+        #[case] strategy: BackwardStrategy,
+        #[case] path: Path,
+    ) {
+        holds(Implementation::Interpret, 1, place, rows, dtype, strategy, path);
+    }
+
+    /// Two devices, each row cut into two pieces at token 128 (`Split::Context`).
+    #[rstest]
+    #[case::xla_fixed_bf16_remat(Implementation::Xla, Fixed, BF16, Remat)]
+    #[case::interpret_packed_f32_saved(Implementation::Interpret, Packed, F32, Saved)]
+    fn context_parallel(
+        #[case] implementation: Implementation,
+        #[case] rows: Rows,
+        #[case] dtype: DType,
+        #[case] strategy: BackwardStrategy,
+    ) {
+        holds(implementation, 2, Place::InPlace, rows, dtype, strategy, Fused);
     }
 }

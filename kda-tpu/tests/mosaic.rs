@@ -472,7 +472,9 @@ fn unit_lower_inverse() -> Result<Case> {
 }
 
 fn chunk_terms() -> Result<Case> {
-    // One chunk, K = 128: q, k of unit rows, g in [-5, 0] with two hard resets at the floor.
+    // One chunk, K = 128: q, k of unit rows, g in [-5, 0] with hard resets at the floor: two
+    // alone, and three in a row inside the 4-token block 48..52, where the level-0 factors
+    // reach their range (e^(+-60) beside the anchor, token 49).
     let kd = 128usize;
     let unit = |v: Vec<f32>| -> Vec<f32> {
         v.chunks(kd)
@@ -487,6 +489,9 @@ fn chunk_terms() -> Result<Case> {
     for c in 0..kd {
         g[21 * kd + c] = -30.0;
         g[40 * kd + c] = -30.0;
+        for r in 49..52 {
+            g[r * kd + c] = -30.0;
+        }
     }
     let beta = rand_vec(64, 21, 0.0, 1.0);
     let scale = 1.0 / (kd as f64).sqrt();

@@ -411,12 +411,14 @@ impl TermScratch {
 
 /// Terms of one chunk with every exponential at most 1 or bounded, and every exponent a direct
 /// sum of `g` (no difference of long cumulative sums), in whole-chunk products. A
-/// pair `j <= t` in one 4-token block factors through the block's anchor `a` (its second token),
-/// `e^(G_t - G_j) = e^(G_t - G_a) e^(G_a - G_j)`, each factor within `e^(+-60)` under the
-/// floor of -30 (no overflow, no underflow); a pair whose 4-blocks first part at block size `B`
-/// (`t` in the second half of a `2B` block, `j` in the first) factors through the start of that
-/// second half, both factors at most 1. Level 0 is `q x k^T` and `beta k x k^T` over the
-/// whole chunk, kept where its masks are 1; a level above it, whose rows and columns never share
+/// pair `j < t` in one 4-token block factors through the block's anchor `a` (its second token,
+/// at or before every such `t`), `e^(G_t - G_j) = e^(G_t - G_a) e^(G_a - G_j)`, each factor
+/// within `e^(+-60)` under the floor of -30 (no overflow, no underflow); a pair whose 4-blocks
+/// first part at block size `B` (`t` in the second half of a `2B` block, `j` in the first)
+/// factors through the start of that second half, both factors at most 1. Level 0 is
+/// `q x k^T` and `beta k x k^T` over the whole chunk, kept where its strict mask is 1, and the
+/// undecayed diagonal `q_t . k_t` of `Aqk` (so every row reads only its own and earlier gates:
+/// bitwise causal); a level above it, whose rows and columns never share
 /// a token, one product holding its `Aqk` pairs below the diagonal and its `L` pairs above
 /// (transposed). The exponents come from coefficient-mask
 /// products with `g` (split into `g_passes` bf16 parts for `data = Default`). `data` is the
@@ -540,16 +542,22 @@ fn chunk_products(
 ) -> Result<ChunkTerms> {
     let zero = b.splat(0.0, DType::F32, &[C, C])?;
     let one = b.splat(1.0, DType::F32, &[C, C])?;
-    // Level 0 (pairs within a 4-token block): its `Aqk` and `L` rows as two products sharing
-    // the column operand, kept where its masks are 1 (select, not multiply: outside its mask the
-    // mid-anchor factors may overflow).
-    let ((fr, fc), keep) = (&f.factors[0], &f.levels[0..2]);
+    // Level 0 (pairs within a 4-token block): its strictly causal `Aqk` and `L` pairs as two
+    // products sharing the column operand, kept where the strict mask is 1 (select, not
+    // multiply: outside it the mid-anchor factors may overflow). Every row with such a pair
+    // lies at or after its block's anchor (the second token); the diagonal of `Aqk`,
+    // `q_t . k_t` with no decay, comes from one more product `q k^T` (cheaper on a TPU than a
+    // lane reduction and its broadcast back), so the block's first row reads no later token's
+    // gate.
+    let ((fr, fc), strict) = (&f.factors[0], &f.levels[1]);
     let cols = mul(b, k, fc)?;
+    let qk = b.matmul(q, k, (1, 1), data)?;
+    let diagonal = mul(b, &f.eye, &qk)?;
     let mut level0 = vec![];
-    for (x, m) in [(q, &keep[0]), (&f.bk, &keep[1])] {
+    for (x, other) in [(q, &diagonal), (&f.bk, &zero)] {
         let rows = mul(b, x, fr)?;
         let p = b.matmul(&rows, &cols, (1, 1), data)?;
-        level0.push(pick(b, m, Cmp::Eq, &one, &p, &zero)?);
+        level0.push(pick(b, strict, Cmp::Eq, &one, &p, other)?);
     }
     // Levels 1 to 4 (block size `B`: rows `t` in the second half of a `2B` block, columns `j`
     // in its first, one factor array `e` for both, at most 1) one product each: with
