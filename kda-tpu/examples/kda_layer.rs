@@ -8,8 +8,8 @@
 use kda_core::{BackwardStrategy, Cotangents, DType, HostTensor, KdaConfig, KdaInputs, Layout};
 use kda_testkit::{agreement, Rng};
 use kda_tpu::hlo::{FnBuilder, Module, Precision, TensorType};
-use kda_tpu::kernels::compose::{add_function, KdaFunction};
-use kda_tpu::kernels::interface::index_tables;
+use kda_tpu::op::compose::{add_function, KdaFunction};
+use kda_tpu::op::interface::index_tables;
 use kda_tpu::{DeviceTensor, KernelSpec, PjrtBackend, ProgramKind};
 
 /// Heads, tokens, model width, key and value width.

@@ -25,11 +25,11 @@ fn main() {
     ];
     let refs: Vec<_> = bufs.iter().collect();
     let names: Vec<String> = std::env::args().skip(1).collect();
-    for name in kda_tpu::kernels::parts::NAMES {
+    for name in kda_tpu::op::parts::NAMES {
         if !names.is_empty() && !names.iter().any(|x| x == name) {
             continue;
         }
-        let exe = rt.compile(&kda_tpu::kernels::parts::program(name, n, k).unwrap()).unwrap();
+        let exe = rt.compile(&kda_tpu::op::parts::program(name, n, k).unwrap()).unwrap();
         let _ = rt.execute(&exe, &refs).unwrap();
         let iters: usize = std::env::var("KDA_PARTS_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(10);
         let c0 = cpu_ms();
@@ -38,7 +38,7 @@ fn main() {
             let _ = rt.execute(&exe, &refs).unwrap();
         }
         let wall = t.elapsed().as_secs_f64() * 1000.0 / iters as f64;
-        let rate = match kda_tpu::kernels::parts::product_flops(name, n, k) {
+        let rate = match kda_tpu::op::parts::product_flops(name, n, k) {
             Some(f) => format!("  {:.0} MFLOP, {:.0} GFLOP/s", f / 1e6, f / wall / 1e6),
             None if *name == "stream" => {
                 let written = 4.0 * (n * 64 * k * 4) as f64;

@@ -90,7 +90,7 @@ fn main() -> Result<(), Error> {
     // What a step may move: the index tables, built on the host from the segments (i32), in
     // the first step only, and the 4-byte loss back.
     let spec = kda_tpu::KernelSpec::of_inputs(&inputs, false)?;
-    let table_bytes: u64 = kda_tpu::kernels::index_tables(&spec, inputs.segments.as_ref())?
+    let table_bytes: u64 = kda_tpu::op::index_tables(&spec, inputs.segments.as_ref())?
         .iter()
         .map(|t| 4 * t.data.len() as u64)
         .sum();

@@ -2,9 +2,10 @@
 //! deviceless ahead-of-time TPU compiles. Build after `cargo xtask setup` (see [`error::SETUP_HINT`]).
 //!
 //! Feature `runtime` (default) brings the PJRT runtime (module `runtime`), the backend and the
-//! ahead-of-time compiler; without it the crate is the StableHLO builder ([`hlo`]) and the KDA
-//! program emitters ([`kernels`], with [`kernels::interface`] and [`kernels::compose`] to put a
-//! KDA program into a caller's own module), which build with no libclang, PJRT header or plugin.
+//! ahead-of-time compiler; without it the crate is the StableHLO builder ([`hlo`]), the kernel
+//! language ([`lang`]) and the KDA op's program emitters ([`op`], with [`op::interface`] and
+//! [`op::compose`] to put a KDA program into a caller's own module), which build with no
+//! libclang, PJRT header or plugin.
 #![warn(missing_docs)]
 #![deny(unsafe_code, clippy::undocumented_unsafe_blocks)]
 
@@ -14,8 +15,8 @@ pub mod aot;
 pub mod backend;
 pub mod error;
 pub mod hlo;
-pub mod kernels;
-pub mod mosaic;
+pub mod lang;
+pub mod op;
 #[cfg(feature = "runtime")]
 pub mod runtime;
 
@@ -28,8 +29,8 @@ pub use backend::{
     IMPLEMENTATION_ENV,
 };
 pub use error::{Result, TpuError};
-pub use kernels::interface::ProgramKind;
-pub use kernels::{Implementation, KernelSpec};
+pub use op::interface::ProgramKind;
+pub use op::{Implementation, KernelSpec};
 #[cfg(feature = "runtime")]
 pub use runtime::{CompileOptions, DeviceBuffer, Executable, MemoryStats, Runtime, Signature, XlaOption};
 

@@ -90,7 +90,7 @@ mod gate_gradients {
     ) {
         let mut be = kda_tpu::PjrtBackend::new().expect("PJRT plugin (run `cargo xtask setup`)");
         if slabs {
-            be = be.with_slab(kda_tpu::kernels::TPU_SLAB);
+            be = be.with_slab(kda_tpu::op::TPU_SLAB);
         }
         match gate_gradients(&be, name, strategy, path) {
             Ok(report) => eprint!("{report}"),

@@ -131,7 +131,7 @@ fn device_loop_moves_index_tables_once(
     }
     let p = d.inputs.validate().expect("valid");
     let spec = be.spec(&p, false).expect("spec");
-    let tables: u64 = kda_tpu::kernels::index_tables_for(&spec, &p.segments)
+    let tables: u64 = kda_tpu::op::index_tables_for(&spec, &p.segments)
         .expect("tables")
         .iter()
         .map(|t| 4 * t.data.len() as u64)

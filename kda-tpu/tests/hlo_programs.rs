@@ -334,7 +334,7 @@ fn wy_inverse_inverts_unit_lower_chunks() -> Result<()> {
     // The chunk solve `(I + L)^-1` (16-row blocks by repeated squaring, then two doublings)
     // against the definition: (I + L) A = I for random strictly lower L.
     let (n, c, k) = (3usize, 64usize, 8usize);
-    let text = kda_tpu::kernels::parts::program("inverse", n as i64, k as i64)?;
+    let text = kda_tpu::op::parts::program("inverse", n as i64, k as i64)?;
     let tok = |seed| In::F32(rand_vec(n * c * k, seed, -1.0, 1.0), vec![n as i64, c as i64, k as i64]);
     let raw = rand_vec(n * c * c, 21, -0.3, 0.3);
     let l: Vec<f32> =
@@ -379,7 +379,7 @@ fn decay_factor_forms_agree(#[case] lowest: f32) -> Result<()> {
     for (i, x) in g.iter_mut().enumerate() {
         match i % 37 {
             0 => *x = 0.0,
-            1 => *x = kda_tpu::kernels::GATE_FLOOR,
+            1 => *x = kda_tpu::op::GATE_FLOOR,
             _ => {}
         }
     }
@@ -391,8 +391,8 @@ fn decay_factor_forms_agree(#[case] lowest: f32) -> Result<()> {
             In::F32(g.clone(), dims.clone()),
         ]
     };
-    let products = run!(&kda_tpu::kernels::parts::decay_forms(n as i64, k as i64, true)?, inputs());
-    let sums = run!(&kda_tpu::kernels::parts::decay_forms(n as i64, k as i64, false)?, inputs());
+    let products = run!(&kda_tpu::op::parts::decay_forms(n as i64, k as i64, true)?, inputs());
+    let sums = run!(&kda_tpu::op::parts::decay_forms(n as i64, k as i64, false)?, inputs());
     assert_eq!(products.len(), sums.len());
     for (i, (p, e)) in products.iter().zip(&sums).enumerate() {
         assert_close(&format!("output {i}"), &p.f32s(), &e.f32s(), 2e-6);
@@ -644,7 +644,7 @@ fn floor_products_compute_the_forward_products() -> Result<()> {
             In::F32(m.clone(), vec![n as i64, c as i64, c as i64]),
         ]
     };
-    let wy = run!(&kda_tpu::kernels::parts::program("products_wy", n as i64, k as i64)?, inputs());
+    let wy = run!(&kda_tpu::op::parts::program("products_wy", n as i64, k as i64)?, inputs());
     let mut want = vec![0.0f32; n * c * k];
     for b in 0..n {
         for i in 0..c {
@@ -656,9 +656,9 @@ fn floor_products_compute_the_forward_products() -> Result<()> {
         }
     }
     assert_close("M V", &wy[0].f32s(), &want, 1e-5);
-    let all = run!(&kda_tpu::kernels::parts::program("products", n as i64, k as i64)?, inputs());
+    let all = run!(&kda_tpu::op::parts::program("products", n as i64, k as i64)?, inputs());
     assert_eq!(all.len(), 6 + 2 + 5);
-    let flops = kda_tpu::kernels::parts::product_flops("products", 128, 128).unwrap_or(0.0);
+    let flops = kda_tpu::op::parts::product_flops("products", 128, 128).unwrap_or(0.0);
     assert!((1.3e9..1.4e9).contains(&flops), "forward products at the primary shape: {flops}");
     Ok(())
 }

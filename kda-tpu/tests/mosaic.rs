@@ -12,11 +12,11 @@ use half::bf16;
 use hlo_support::{assert_close, rand_vec, In};
 use kda_core::DType;
 use kda_tpu::hlo::{Cmp, TensorType};
-use kda_tpu::mosaic::blocks::{TermMasks, TermScratch};
-use kda_tpu::mosaic::{
+use kda_tpu::lang::{
     Binary, Cost, Index, Kernel, KernelBuilder, Lowering, MatPrecision, Offset, Operand, Reduction, Ref,
     Semantics, Unary,
 };
+use kda_tpu::op::tpu_kernels::blocks::{TermMasks, TermScratch};
 use kda_tpu::{Result, TpuCompiler, DEFAULT_TOPOLOGY};
 use rstest::rstest;
 
@@ -78,7 +78,7 @@ fn whole_kernel(
     name: &str,
     inputs: &[TensorType],
     outputs: &[TensorType],
-    body: impl FnOnce(&mut kda_tpu::mosaic::Body) -> Result<()>,
+    body: impl FnOnce(&mut kda_tpu::lang::Body) -> Result<()>,
 ) -> Result<Kernel> {
     let mut k = one_step(name);
     for (i, ty) in inputs.iter().enumerate() {
@@ -294,7 +294,7 @@ fn slice_concat() -> Result<Case> {
         &[t(DType::F32, &[128, 128]), t(DType::F32, &[64, 256])],
         |b| {
             let x = b.load_all(Ref::Input(0))?;
-            let part = |b: &mut kda_tpu::mosaic::Body, r: i64, c: i64| b.slice(&x, &[r, c], &[64, 128]);
+            let part = |b: &mut kda_tpu::lang::Body, r: i64, c: i64| b.slice(&x, &[r, c], &[64, 128]);
             let (a, d) = (part(b, 64, 0)?, part(b, 0, 128)?);
             let rows = b.concat(&[a, d], 0)?;
             b.store_all(Ref::Output(0), &rows)?;
@@ -453,7 +453,7 @@ fn unit_lower_inverse() -> Result<Case> {
         .output(Operand::whole("a", t(DType::F32, &[64, 64])))
         .build(|b| {
             let l = b.load_all(Ref::Input(0))?;
-            let a = kda_tpu::mosaic::blocks::unit_lower_inverse(b, &l, MatPrecision::Highest)?;
+            let a = kda_tpu::op::tpu_kernels::blocks::unit_lower_inverse(b, &l, MatPrecision::Highest)?;
             b.store_all(Ref::Output(0), &a)
         })?;
     // Forward substitution in f64: (I + L) A = I, row by row.
@@ -510,7 +510,7 @@ fn chunk_terms() -> Result<Case> {
         .scratch("sums", ty(&[64, 128]))
         .build(|b| {
             let x: Vec<_> = (0..4).map(|i| b.load_all(Ref::Input(i))).collect::<Result<_>>()?;
-            let c = kda_tpu::mosaic::blocks::chunk_terms(
+            let c = kda_tpu::op::tpu_kernels::blocks::chunk_terms(
                 b,
                 &x[0],
                 &x[1],

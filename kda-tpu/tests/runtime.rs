@@ -294,7 +294,7 @@ fn forward_scheduler_override_reaches_the_cpu_compiler() {
     let case = kda_testkit::benchmark_cases().into_iter().find(|c| c.name == "bench_primary").unwrap();
     let data = kda_testkit::case_data(&case, DType::F32).unwrap();
     let call = harness::DeviceCall::upload(&be, &data.inputs, None).unwrap();
-    let text = kda_tpu::kernels::program(call.spec(), fwd).unwrap();
+    let text = kda_tpu::op::program(call.spec(), fwd).unwrap();
     let rt = runtime();
     let tuned = rt.compile_with(&text, &harness::compile_options(&be, fwd)).unwrap();
     let plain = rt.compile_with(&text, &CompileOptions::default()).unwrap();

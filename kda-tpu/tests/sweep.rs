@@ -16,7 +16,7 @@ use rstest::rstest;
 fn tpu_configuration() -> kda_tpu::PjrtBackend {
     kda_tpu::PjrtBackend::new()
         .expect("PJRT plugin (run `cargo xtask setup`)")
-        .with_slab(kda_tpu::kernels::TPU_SLAB)
+        .with_slab(kda_tpu::op::TPU_SLAB)
 }
 
 mod pairwise {

@@ -8,7 +8,7 @@
 use kda_core::BackwardStrategy;
 use kda_core::{BackwardStrategy as S, DType};
 use kda_testkit::{benchmark_cases, case_data};
-use kda_tpu::kernels::TPU_SLAB;
+use kda_tpu::op::TPU_SLAB;
 use kda_tpu::{PjrtBackend, ProgramKind, TpuCompiler, DEFAULT_TOPOLOGY};
 use rstest::rstest;
 
@@ -34,7 +34,7 @@ fn xla_program_compiles(name: &str, kind: ProgramKind, limit_mb: Option<f64>) {
     // The CPU plugin only plans the packed capacity here; nothing runs on it.
     let cpu = PjrtBackend::new().expect("PJRT CPU plugin (run `cargo xtask setup`)");
     let spec = cpu.spec(&problem, data.cotangents.dht.is_some()).expect("spec").with_slab(TPU_SLAB);
-    let text = kda_tpu::kernels::program(&spec, kind).expect("program");
+    let text = kda_tpu::op::program(&spec, kind).expect("program");
     let tpu = TpuCompiler::load().unwrap_or_else(|e| panic!("no libtpu ({e}); run `cargo xtask setup`"));
     let report = tpu.compile(&text, DEFAULT_TOPOLOGY).expect("tpu7x compile");
     let m = &report.memory;
@@ -84,7 +84,7 @@ fn mosaic_forward_compiles(name: &str, strategy: BackwardStrategy, limit_mb: Opt
     let problem = data.inputs.validate().expect("valid inputs");
     let cpu = PjrtBackend::new().expect("PJRT CPU plugin (run `cargo xtask setup`)");
     let spec = cpu.spec(&problem, false).expect("spec").with_implementation(kda_tpu::Implementation::Mosaic);
-    let text = kda_tpu::kernels::program(&spec, ProgramKind::Forward(strategy)).expect("program");
+    let text = kda_tpu::op::program(&spec, ProgramKind::Forward(strategy)).expect("program");
     let tpu = TpuCompiler::load().unwrap_or_else(|e| panic!("no libtpu ({e}); run `cargo xtask setup`"));
     let report = tpu.compile(&text, DEFAULT_TOPOLOGY).expect("tpu7x compile");
     let (m, vmem) = (&report.memory, &report.kernel_vmem_bytes);
@@ -133,7 +133,7 @@ fn static_cycles_of_the_forward() {
         let problem = data.inputs.validate().expect("valid inputs");
         let spec =
             cpu.spec(&problem, false).expect("spec").with_slab(TPU_SLAB).with_implementation(implementation);
-        let text = kda_tpu::kernels::program(&spec, kind).expect("program");
+        let text = kda_tpu::op::program(&spec, kind).expect("program");
         let report = tpu.compile(&text, DEFAULT_TOPOLOGY).expect("tpu7x compile");
         let c = report.static_cycles.expect("a static cycle count");
         eprintln!("{implementation:?} forward, {name} bf16: {c:?}");
@@ -184,7 +184,7 @@ fn fused_kernels_hold(name: &str, peak_mb: f64, cycles: u64) {
         .spec(&problem, data.cotangents.dht.is_some())
         .expect("spec")
         .with_implementation(kda_tpu::Implementation::Mosaic);
-    let text = kda_tpu::kernels::program(&spec, ProgramKind::Fused(S::SavedState)).expect("program");
+    let text = kda_tpu::op::program(&spec, ProgramKind::Fused(S::SavedState)).expect("program");
     let report = tpu.compile(&text, DEFAULT_TOPOLOGY).expect("tpu7x compile");
     let (m, vmem) = (&report.memory, &report.kernel_vmem_bytes);
     let peak = m.peak_bytes as f64 / MB;

@@ -33,6 +33,14 @@ options:
   --t N                override the shape's tokens per row T (packed shapes keep their
                        segment count, rebalanced over the new T)
   --segments N         packed: N balanced segments per row (0: fixed length)
+  --packed-result-bytes N
+                       the VMEM a packed kernel program may give a head's resident results
+                       to read packed tokens in place (default the library's 12 MiB; 0: the
+                       tokens go through chunk-aligned lanes)
+  --emit DIR           write each program's StableHLO text to
+                       DIR/<program>.<shape>.<dtype>.<implementation>[.d<devices>].mlir
+                       instead of compiling it (no libtpu needed; compare two commits'
+                       programs with sha256sum)
   --json PATH          also write one JSON record per compile (program, implementation,
                        shape, dtype, devices, h, b, t, k, v, segments, peak_bytes,
                        temp_bytes, code_bytes, kernel_vmem_bytes, gflop)
@@ -167,6 +175,11 @@ pub struct AotOptions {
     pub json: Option<String>,
     /// What runs the forward programs' chunk loop.
     pub implementation: kda_core::Implementation,
+    /// The packed kernel programs' VMEM budget for reading tokens in place (`None`: the
+    /// library's default).
+    pub packed_result_bytes: Option<usize>,
+    /// Write the program texts here instead of compiling them.
+    pub emit: Option<String>,
 }
 
 impl Default for AotOptions {
@@ -186,6 +199,8 @@ impl Default for AotOptions {
             segments: None,
             json: None,
             implementation: kda_core::Implementation::Xla,
+            packed_result_bytes: None,
+            emit: None,
         }
     }
 }
@@ -236,6 +251,12 @@ pub fn parse_args(args: &[String]) -> Result<Option<AotOptions>, String> {
                 o.segments = Some(v.parse().map_err(|_| format!("`{flag}` needs a count, got `{v}`"))?);
             }
             "--json" => o.json = Some(flags.value(flag)?),
+            "--emit" => o.emit = Some(flags.value(flag)?),
+            "--packed-result-bytes" => {
+                let v = flags.value(flag)?;
+                o.packed_result_bytes =
+                    Some(v.parse().map_err(|_| format!("`{flag}` needs a byte count, got `{v}`"))?);
+            }
             _ => return Err(format!("unknown argument `{flag}`")),
         }
     }

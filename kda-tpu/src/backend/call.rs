@@ -15,7 +15,7 @@ use super::launch::{check_on, tensor_args, Arg, Bound, Named, Part};
 use super::options::Split;
 use super::residuals::{Gradtypes, Held, Piece, PjrtResiduals};
 use super::tensor::{DeviceTensor, Meta};
-use crate::kernels::{KernelSpec, ProgramKind};
+use crate::op::{KernelSpec, ProgramKind};
 use kda_packed::{join_problems, RowPlan};
 
 /// Keeps [`CallInputs`] and [`CallCotangents`] to this crate's records.

@@ -1,7 +1,7 @@
 //! Context parallelism for the host `Backend` calls ([`super::Split::Context`]): every row's
 //! aligned chunks cut into one contiguous piece per device ([`kda_packed::PiecePlan`]), each
 //! device given only its piece's tokens as a packed problem of its own, and one program per
-//! call ([`crate::kernels::context_parallel`]) that hands each piece its true entering state
+//! call ([`crate::op::context_parallel`]) that hands each piece its true entering state
 //! and ending `dh`. Results go back to the caller's token and segment positions.
 
 use std::sync::Arc;
@@ -17,7 +17,7 @@ use super::io::{DeviceGradients, DeviceOutputs};
 use super::launch::{Arg, Part};
 use super::options::Split;
 use super::residuals::{ContextPlan, Gradtypes, Held, PjrtResiduals};
-use crate::kernels::context_parallel::CP_ARGS;
+use crate::op::context_parallel::CP_ARGS;
 
 /// Device `d`'s `cont` `[B]`, `carry` `[B, N]` and `piece` `[D]` (see `CP_ARGS`).
 fn cp_args(plan: &ContextPlan, d: usize) -> Vec<(&'static str, Arg)> {
@@ -51,7 +51,7 @@ impl PjrtBackend {
         x.check_values()?;
         let (pieces, locals) = PiecePlan::split(&p, self.device_count())?;
         let g_dtype = if x.g.dtype() == DType::BF16 { DType::BF16 } else { DType::F32 };
-        let spec = crate::kernels::context_parallel::local_spec(&locals[0], has_dht, self.slab, g_dtype)
+        let spec = crate::op::context_parallel::local_spec(&locals[0], has_dht, self.slab, g_dtype)
             .map_err(e)?
             .with_implementation(self.implementation);
         Ok((p, Arc::new(ContextPlan { pieces, locals, spec })))

@@ -3,7 +3,7 @@
 //! blocks of `ceil(B / D)` rows, each row whole on one device (its segments never split); the
 //! last blocks are padded with zero rows. Every device runs the same program, compiled once for
 //! D replicas, on its own rows and index tables; the gate-parameter gradients are all-reduced
-//! inside the program ([`crate::kernels::data_parallel_program`]). Results are gathered back
+//! inside the program ([`crate::op::data_parallel_program`]). Results are gathered back
 //! into the caller's batch order with the padding rows dropped. Zero rows with zero cotangents
 //! contribute exactly nothing to any gradient, so the sums match the single-device program's.
 
@@ -16,7 +16,7 @@ use super::handle::{PjrtBackend, Upload};
 use super::launch::{arg_name, Arg, Part};
 use super::options::Split;
 use super::residuals::{Gradtypes, Held, PjrtResiduals};
-use crate::kernels::KernelSpec;
+use crate::op::KernelSpec;
 use kda_packed::{batch_axis, RowPlan};
 
 /// One device's rows of the call's inputs, by program name: per-token tensors and `beta` (in

@@ -12,7 +12,7 @@ use super::options::{PjrtOptions, Split};
 use super::tensor::{DeviceProgram, DeviceTensor, TableCache, TransferStats};
 use super::worker::{self, BufferInfo, Shared, Worker};
 use crate::error::{Result, TpuError};
-use crate::kernels::{Implementation, KernelSpec, ProgramKind, PACKED_RESULT_BYTES, TPU_SLAB};
+use crate::op::{Implementation, KernelSpec, ProgramKind, PACKED_RESULT_BYTES, TPU_SLAB};
 use crate::runtime::{CompileOptions, XlaOption};
 use crate::MemoryStats;
 
@@ -291,7 +291,7 @@ impl PjrtBackend {
             .with_packed_result_bytes(self.packed_result_bytes))
     }
 
-    /// The XLA options a kernel program is compiled with ([`crate::kernels::program`] text). On the CPU plugin the forward
+    /// The XLA options a kernel program is compiled with ([`crate::op::program`] text). On the CPU plugin the forward
     /// programs use XLA's memory-optimized scheduler instead of its default
     /// concurrency-optimized one: at the primary shape that measured the forward 5-9% faster
     /// (medians of five alternating runs' medians, f32 19.4 -> 17.7 and 20.1 -> 19.1 ms) and its
@@ -405,7 +405,7 @@ impl PjrtBackend {
     }
 
     /// Compiles a caller's StableHLO program (with `@main`) on this handle's device, through the
-    /// same caches as the kernels. Build it with [`crate::hlo`] and [`crate::kernels::compose`].
+    /// same caches as the kernels. Build it with [`crate::hlo`] and [`crate::op::compose`].
     pub fn compile_program(&self, text: &str) -> kda_core::Result<DeviceProgram> {
         let text = text.to_string();
         let (id, sig) = self

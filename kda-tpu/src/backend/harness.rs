@@ -7,7 +7,7 @@ use super::handle::PjrtBackend;
 use super::launch::{Arg, Bound};
 use super::options::Split;
 use super::tensor::DeviceTensor;
-use crate::kernels::{KernelSpec, ProgramKind};
+use crate::op::{KernelSpec, ProgramKind};
 use crate::runtime::CompileOptions;
 
 /// A call's inputs and cotangents on device 0, validated once: what benchmarks time programs on.

@@ -1,6 +1,6 @@
 //! The one execution path of the KDA programs, for 1 to D devices: each device's arguments
 //! given by name, laid out in the order of the program's signature
-//! ([`crate::kernels::signature`]) with the index tables placed, every argument checked
+//! ([`crate::op::signature`]) with the index tables placed, every argument checked
 //! against its port (an error names it), buffers stored under other dims (flat results fed
 //! back) reshaped on their device, and the results handed back by name.
 
@@ -11,7 +11,7 @@ use super::options::Split;
 use super::tensor::{DeviceProgram, DeviceTensor, TableCache, TABLES_KEPT};
 use super::worker::{BufferInfo, Counters, Worker};
 use crate::error::{Result, TpuError};
-use crate::kernels::{KernelSpec, Port, ProgramKind, ProgramSignature, TABLE_NAMES};
+use crate::op::{KernelSpec, Port, ProgramKind, ProgramSignature, TABLE_NAMES};
 use crate::runtime::CompileOptions;
 use crate::Executable;
 use kda_core::DType;
@@ -67,7 +67,7 @@ impl PjrtBackend {
         split: Split,
         bound: Vec<Bound<'_>>,
     ) -> kda_core::Result<Vec<Named>> {
-        let sig = crate::kernels::signature(spec, kind, split == Split::Context, bound.len()).map_err(e)?;
+        let sig = crate::op::signature(spec, kind, split == Split::Context, bound.len()).map_err(e)?;
         if bound.len() > 1 && bound.iter().enumerate().any(|(d, b)| b.device != d) {
             return Err(KdaError::value(
                 "devices",
@@ -162,7 +162,7 @@ impl PjrtBackend {
     }
 
     /// The arguments of the KDA function `kda` of a caller's program
-    /// ([`crate::kernels::compose::add_function`]) on device `device`, in its signature's
+    /// ([`crate::op::compose::add_function`]) on device `device`, in its signature's
     /// order: each given tensor under its name (`q`, `k`, ..., `initial_state` or `h0`, `do`,
     /// ...: a record's [`kda_core::Tensors::named`] fits), checked against its port, and the
     /// index tables of `segments` (fixed length: `None`), uploaded on first use and kept.
@@ -170,7 +170,7 @@ impl PjrtBackend {
     /// computes `q`, `k` and `v` itself binds the tables alone.
     pub fn bind(
         &self,
-        kda: &crate::kernels::compose::KdaFunction,
+        kda: &crate::op::compose::KdaFunction,
         tensors: &[(&str, &DeviceTensor)],
         segments: Option<&kda_core::Segments>,
         device: usize,
@@ -314,7 +314,7 @@ impl PjrtBackend {
         if let Some(t) = cache(&self.tables.lock().unwrap_or_else(|p| p.into_inner())) {
             return Ok(t);
         }
-        let tables = crate::kernels::index_tables_for(spec, segments).map_err(e)?;
+        let tables = crate::op::index_tables_for(spec, segments).map_err(e)?;
         let ups = tables.into_iter().map(|t| Upload::i32(t.data, t.dims)).collect();
         let uploaded = self.upload_to(device, ups)?;
         let mut c = self.tables.lock().unwrap_or_else(|p| p.into_inner());

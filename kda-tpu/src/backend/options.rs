@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use crate::error::Result;
-use crate::kernels::Implementation;
+use crate::op::Implementation;
 use crate::runtime::{host_memory, plugin, Runtime, XlaOption};
 
 /// The environment variable that sets the XLA backend optimization level of kernel compiles
@@ -98,7 +98,7 @@ impl PjrtOptions {
     }
 
     /// Runs the fused programs in slabs of `chunks` chunk positions (0: all chunks at once).
-    /// Default: no slabs on the CPU plugin, [`crate::kernels::TPU_SLAB`] elsewhere.
+    /// Default: no slabs on the CPU plugin, [`crate::op::TPU_SLAB`] elsewhere.
     pub fn slab(mut self, chunks: usize) -> Self {
         self.slab = Some(chunks);
         self

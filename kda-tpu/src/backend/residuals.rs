@@ -8,7 +8,7 @@ use kda_core::{BackwardStrategy, DType, HostTensor, KdaGradients, KdaInputs, Pro
 
 use super::launch::Named;
 use super::tensor::DeviceTensor;
-use crate::kernels::KernelSpec;
+use crate::op::KernelSpec;
 use kda_packed::{PiecePlan, RowPlan};
 
 /// A context-parallel call's split, kept with a forward's residuals: every row's pieces, each

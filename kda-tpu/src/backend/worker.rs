@@ -16,7 +16,7 @@ use std::thread::{JoinHandle, ThreadId};
 
 use super::options::{PjrtOptions, Split};
 use crate::error::{Result, TpuError};
-use crate::kernels::KernelSpec;
+use crate::op::KernelSpec;
 use crate::runtime::{DeviceBuffer, Executable, Runtime};
 use crate::ProgramKind;
 
@@ -77,10 +77,8 @@ impl Worker {
             return Ok((x.clone(), true));
         }
         let text = match split {
-            Split::Context => {
-                crate::kernels::context_parallel::context_parallel_program(spec, kind, replicas)?
-            }
-            _ => crate::kernels::data_parallel_program(spec, kind, replicas)?,
+            Split::Context => crate::op::context_parallel::context_parallel_program(spec, kind, replicas)?,
+            _ => crate::op::data_parallel_program(spec, kind, replicas)?,
         };
         let exe = self.rt.compile_with(&text, options)?;
         self.programs.insert(key, exe.clone());

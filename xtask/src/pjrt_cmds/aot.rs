@@ -33,13 +33,84 @@ fn cycles_line(r: &super::AotFigures) -> String {
     s + "; bundles along the executed path (a model, not a time)"
 }
 
+/// The validated problem of `case` in `dtype` and its pieces over `o.devices` devices.
+fn pieces(
+    o: &AotOptions,
+    case: &kda_testkit::Case,
+    dtype: kda_core::DType,
+) -> Result<(kda_core::Problem, Vec<kda_core::Problem>), String> {
+    let problem = problem_of(case, dtype)?;
+    let cp = kda_packed::PiecePlan::split(&problem, o.devices).map_err(err)?.1;
+    Ok((problem, cp))
+}
+
+/// The StableHLO text of `program` of `case` in `dtype` as a TPU runs it (fused programs in
+/// slabs), on one device or in the context-parallel form over `o.devices`.
+fn program_text(
+    o: &AotOptions,
+    be: &PjrtBackend,
+    case: &kda_testkit::Case,
+    dtype: kda_core::DType,
+    program: crate::aot_cmd::Program,
+) -> Result<String, String> {
+    let (problem, cp) = pieces(o, case, dtype)?;
+    let slab = kda_tpu::op::TPU_SLAB;
+    let budget = |s: kda_tpu::KernelSpec| match o.packed_result_bytes {
+        Some(bytes) => s.with_packed_result_bytes(bytes),
+        None => s,
+    };
+    if o.devices > 1 {
+        let cp_spec = kda_tpu::op::context_parallel::local_spec(&cp[0], true, slab, dtype)
+            .map_err(err)?
+            .with_implementation(o.implementation);
+        kda_tpu::op::context_parallel::context_parallel_program(&budget(cp_spec), kind(program), o.devices)
+            .map_err(err)
+    } else {
+        let spec = be
+            .spec(&problem, case.final_state)
+            .map_err(err)?
+            .with_slab(slab)
+            .with_implementation(o.implementation);
+        kda_tpu::op::program(&budget(spec), kind(program)).map_err(err)
+    }
+}
+
+/// `--emit DIR`: every program's text into `DIR`, nothing compiled.
+fn emit(o: &AotOptions, be: &PjrtBackend, dir: &str) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {dir}: {e}"))?;
+    let mut n = 0;
+    for &shape in &o.shapes {
+        let case = o.case(shape);
+        for &dtype in &o.dtypes {
+            for &program in &o.programs {
+                let text = program_text(o, be, &case, dtype, program)?;
+                let devices = if o.devices > 1 { format!(".d{}", o.devices) } else { String::new() };
+                let name = format!(
+                    "{}.{}.{dtype}.{}{devices}.mlir",
+                    program.name(),
+                    shape.name(),
+                    o.implementation.name()
+                );
+                let path = std::path::Path::new(dir).join(name);
+                std::fs::write(&path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+                n += 1;
+            }
+        }
+    }
+    println!("wrote {n} program texts to {dir}");
+    Ok(())
+}
+
 /// Compiles every (shape, dtype, program) of `o` for its topology and prints the figures.
 pub fn run(o: &AotOptions) -> Result<(), String> {
     kda_tpu::aot::check_topology(&o.topology).map_err(err)?;
-    crate::progress::step("aot", format_args!("loading libtpu..."));
-    let tpu = super::load_tpu(o.libtpu.as_deref())?;
     // The CPU plugin only serves `spec()` (the packed capacity plan); nothing runs on it.
     let be = PjrtBackend::new().map_err(err)?;
+    if let Some(dir) = &o.emit {
+        return emit(o, &be, dir);
+    }
+    crate::progress::step("aot", format_args!("loading libtpu..."));
+    let tpu = super::load_tpu(o.libtpu.as_deref())?;
     let (major, minor) = tpu.plugin_version();
     println!("topology {} | libtpu PJRT API {major}.{minor} | MB = 10^6 bytes", o.topology);
     let mut rows = Vec::new();
@@ -72,29 +143,9 @@ pub fn run(o: &AotOptions) -> Result<(), String> {
             options.iter().map(|x| format!(", {x}")).collect::<String>()
         );
         for &dtype in &o.dtypes {
-            let problem = problem_of(&case, dtype)?;
-            // The programs a TPU runs: fused ones in slabs (`PjrtBackend` off the CPU plugin).
-            let slab = kda_tpu::kernels::TPU_SLAB;
-            let spec = be
-                .spec(&problem, case.final_state)
-                .map_err(err)?
-                .with_slab(slab)
-                .with_implementation(o.implementation);
-            let cp = kda_packed::PiecePlan::split(&problem, o.devices).map_err(err)?.1;
-            let cp_spec = kda_tpu::kernels::context_parallel::local_spec(&cp[0], true, slab, dtype)
-                .map_err(err)?
-                .with_implementation(o.implementation);
+            let (problem, cp) = pieces(o, &case, dtype)?;
             for &program in &o.programs {
-                let text = if o.devices > 1 {
-                    kda_tpu::kernels::context_parallel::context_parallel_program(
-                        &cp_spec,
-                        kind(program),
-                        o.devices,
-                    )
-                    .map_err(err)?
-                } else {
-                    kda_tpu::kernels::program(&spec, kind(program)).map_err(err)?
-                };
+                let text = program_text(o, &be, &case, dtype, program)?;
                 crate::progress::step(
                     "aot",
                     format_args!(
@@ -156,7 +207,7 @@ pub fn run(o: &AotOptions) -> Result<(), String> {
                     "k": case.k,
                     "v": case.v,
                     "segments": kda_testkit::inputs::slots(&case),
-                    "local_t": if o.devices > 1 { cp[0].dims.t } else { case.t },
+                    "local_t": if o.devices > 1 { cp[0].dims.t } else { problem.dims.t },
                     "peak_bytes": m.peak,
                     "temp_bytes": m.temp,
                     "argument_bytes": m.argument,

@@ -64,11 +64,11 @@ impl Measure<'_> {
                     );
                     // What a TPU runs: fused programs in slabs (`PjrtBackend` off the CPU plugin),
                     // the Mosaic lowering of a kernel the CPU runs interpreted.
-                    let mut tpu_spec = spec.clone().with_slab(kda_tpu::kernels::TPU_SLAB);
+                    let mut tpu_spec = spec.clone().with_slab(kda_tpu::op::TPU_SLAB);
                     if matches!(variant, Variant::ForwardMosaic | Variant::FusedMosaic) {
                         tpu_spec = tpu_spec.with_implementation(kda_tpu::Implementation::Mosaic);
                     }
-                    let text = kda_tpu::kernels::program(&tpu_spec, kind).map_err(err)?;
+                    let text = kda_tpu::op::program(&tpu_spec, kind).map_err(err)?;
                     let f = compile_aot(c, &text, TOPOLOGY)
                         .map_err(|e| format!("{label}: {TOPOLOGY} compile: {e}"))?;
                     if f.cached {
@@ -246,8 +246,8 @@ fn device_memory(
     dtype: DType,
     label: &str,
 ) -> Result<[ProgramFigures; 2], String> {
-    use kda_tpu::kernels::context_parallel::{context_parallel_program, local_spec};
-    use kda_tpu::kernels::TPU_SLAB;
+    use kda_tpu::op::context_parallel::{context_parallel_program, local_spec};
+    use kda_tpu::op::TPU_SLAB;
     let kind = ProgramKind::Fused(BackwardStrategy::SavedState);
     let has_dht = data.cotangents.dht.is_some();
     let problem = data.inputs.view().validate().map_err(err)?;
@@ -274,7 +274,7 @@ fn device_memory(
     let (single_tpu, cp_tpu) = match tpu {
         None => (None, None),
         Some(c) => {
-            let text = kda_tpu::kernels::program(&spec.clone().with_slab(TPU_SLAB), kind).map_err(err)?;
+            let text = kda_tpu::op::program(&spec.clone().with_slab(TPU_SLAB), kind).map_err(err)?;
             let single = tpu_figures(c, &text, 1, label)?;
             let many = tpu_figures(c, &cp_text(TPU_CP_DEVICES, TPU_SLAB)?, TPU_CP_DEVICES, label)?;
             (Some(single), Some(many))

@@ -87,7 +87,7 @@ pub fn run() -> Result<(), String> {
     }
     // The TPU configuration (fused program in slabs) on the same inputs: the program that
     // `cargo xtask aot` compiles for tpu7x, run here and held to the same limits.
-    let slab = kda_tpu::kernels::TPU_SLAB;
+    let slab = kda_tpu::op::TPU_SLAB;
     println!("\nthe TPU configuration (fused program in slabs of {slab} chunk positions), same check:");
     let tpu_be = be.clone().with_slab(slab);
     crate::progress::step("demo", "compiling and running the TPU configuration...");

@@ -1,91 +1,18 @@
-//! The programs: forward (optionally keeping `h` for the saved-state backward), backward (saved
-//! state or rematerialized) and the fused forward+VJP, assembled from the pieces in this module.
+//! The XLA implementation's program bodies: forward (optionally keeping `h` for the saved-state
+//! backward), backward (saved state or rematerialized) and the fused forward+VJP, assembled from
+//! the chunk terms and recurrences of this folder.
 
-use super::interface::{ProgramKind, ProgramSignature};
 use super::intra::{chunk_terms, rowdot, ChunkTerms};
-use super::ops::{causal_mask, diagonal, i32t, keep, row_sums, splat, stored_transposes, Scan};
-use super::prep::{self, GateParams};
-use super::recurrence::{
-    run_grads, run_grads_window, run_output, run_states, run_states_window, ChunkTables,
-};
-use super::spec::{on_device, KernelSpec, CHUNK};
+use super::recurrence::{run_grads, run_grads_window, run_output, run_states, run_states_window};
 use super::tiles::{col_side_sum, row_sides};
 use crate::hlo::Transpose;
-use crate::hlo::{FnBuilder, Module, TensorType, Value};
+use crate::hlo::{FnBuilder, TensorType, Value};
+use crate::op::args::{state_tab, Args, ChunkTables, GATE_FLOOR};
+use crate::op::ops::{causal_mask, diagonal, i32t, keep, row_sums, splat, stored_transposes, Scan};
+use crate::op::prep::{self, GateParams};
+use crate::op::spec::{on_device, KernelSpec, CHUNK};
 use crate::Result;
 use kda_core::{BackwardStrategy, DType};
-
-/// Per-token log-decays below this are treated as this value. `exp(-30) ~ 9e-14`: the state
-/// left after such a token is below f32 resolution relative to what follows, exactly as after a
-/// hard reset (`g = -1000`), while the in-chunk cumulative sums stay small enough that their
-/// differences keep f32 precision (a -1000 inside a chunk would cost ~6e-5 relative error in
-/// every later decay factor of that chunk).
-pub const GATE_FLOOR: f32 = -30.0;
-
-/// The program arguments the kernels read, by role.
-pub(super) struct Args {
-    pub(super) q: Value,
-    pub(super) k: Value,
-    pub(super) v: Value,
-    pub(super) g: Value,
-    pub(super) beta: Value,
-    pub(super) h0: Option<Value>,
-    pub(super) a_log: Option<Value>,
-    pub(super) dt_bias: Option<Value>,
-    pub(super) tables: ChunkTables,
-    pub(super) slot_token: Option<Value>,
-    pub(super) token_slot: Option<Value>,
-}
-
-/// Every argument of a program, declared in the order and with the types of its
-/// [`ProgramSignature`] (the one description the runtime and callers read as well).
-struct Declared {
-    sig: ProgramSignature,
-    values: Vec<Value>,
-}
-
-impl Declared {
-    fn new(b: &mut FnBuilder, s: &KernelSpec, kind: ProgramKind) -> Result<Declared> {
-        let sig = ProgramSignature::of(s, kind);
-        let values = sig.args.iter().map(|p| b.arg(p.ty.clone())).collect::<Result<_>>()?;
-        Ok(Declared { sig, values })
-    }
-
-    /// Argument `name`, if the program takes it.
-    fn get(&self, name: &str) -> Option<Value> {
-        self.sig.arg_index(name).map(|i| self.values[i])
-    }
-
-    /// Argument `name`, which every program of the spec takes.
-    fn need(&self, name: &str) -> Result<Value> {
-        self.get(name).ok_or_else(|| {
-            crate::TpuError::builder("declare", format!("internal: the signature has no argument `{name}`"))
-        })
-    }
-
-    /// The forward inputs: `q k v g beta [h0] [a_log] [dt_bias] first last slot
-    /// [slot_token token_slot]`.
-    fn args(&self) -> Result<Args> {
-        Ok(Args {
-            q: self.need("q")?,
-            k: self.need("k")?,
-            v: self.need("v")?,
-            g: self.need("g")?,
-            beta: self.need("beta")?,
-            h0: self.get("h0"),
-            a_log: self.get("a_log"),
-            dt_bias: self.get("dt_bias"),
-            tables: ChunkTables {
-                first: self.need("chunk_first")?,
-                last: self.need("chunk_last")?,
-                slot: self.need("chunk_slot")?,
-                used: None,
-            },
-            slot_token: self.get("slot_token"),
-            token_slot: self.get("token_slot"),
-        })
-    }
-}
 
 /// Inputs in working form: head-first f32 tokens (normalised, gate activated) and chunks.
 struct Working {
@@ -155,13 +82,6 @@ fn loop_tables(b: &mut FnBuilder, s: &KernelSpec, t: ChunkTables) -> Result<Chun
     let ends = b.mul(after, t.last)?;
     let used = b.reduce_max(ends, &[0])?;
     Ok(ChunkTables { used: Some(used), ..t })
-}
-
-pub(super) fn state_tab(b: &mut FnBuilder, s: &KernelSpec, x: Option<Value>) -> Result<Value> {
-    match x {
-        Some(x) => prep::state_table(b, s, x),
-        None => splat(b, 0.0, &[s.lanes() as i64, s.slots() as i64, s.k as i64, s.v as i64]),
-    }
 }
 
 fn flat(b: &mut FnBuilder, x: Value) -> Result<Value> {
@@ -430,90 +350,16 @@ fn finish_grads(
     Ok(out)
 }
 
-/// Program `kind` of `s` as the function `@name` (public: an entry point; private: a `call`
-/// target), with its signature. Its results are checked against the signature.
-pub(crate) fn build(
-    name: &str,
-    public: bool,
+/// The forward: `o [final_state] [h]` (`h` `[L, NT, K, V]` when `keep_h`). With slabs
+/// (`s.slab`, the TPU configuration) it runs as `forward_slabs`; otherwise the chunk terms are
+/// computed for all chunks at once.
+pub(in crate::op) fn forward(
+    f: &mut FnBuilder,
     s: &KernelSpec,
-    kind: ProgramKind,
-) -> Result<(FnBuilder, ProgramSignature)> {
-    let mut f = FnBuilder::new(name, public);
-    f.set_dot_precision(crate::hlo::Precision::Highest);
-    let d = Declared::new(&mut f, s, kind)?;
-    let outs = match kind {
-        ProgramKind::Forward(strategy) => {
-            forward_body(&mut f, s, &d, strategy == kda_core::BackwardStrategy::SavedState)?
-        }
-        ProgramKind::Backward(strategy) => backward_body(&mut f, s, &d, strategy)?,
-        ProgramKind::Fused(strategy) => fused_body(&mut f, s, &d, strategy)?,
-    };
-    let got: Vec<TensorType> = outs.iter().map(Value::ty).collect();
-    if got != d.sig.result_types() {
-        let names: Vec<&str> = d.sig.results.iter().map(|p| p.name).collect();
-        return Err(crate::TpuError::builder(
-            "program",
-            format!(
-                "internal: {kind:?} returns {} values ({got:?}), its signature {} ({names:?}: {:?})",
-                got.len(),
-                names.len(),
-                d.sig.result_types()
-            ),
-        ));
-    }
-    f.ret(&outs)?;
-    Ok((f, d.sig))
-}
-
-/// The text of a module holding program `kind` of `s` as its public `@main`.
-pub fn program(s: &KernelSpec, kind: ProgramKind) -> Result<String> {
-    let (f, _) = build("main", true, s, kind)?;
-    let mut m = Module::new();
-    m.add(f)?;
-    Ok(m.to_text())
-}
-
-/// [`program`] for data parallelism over `replicas` devices (one replica each; 0 or 1: the
-/// plain program). Every replica runs the program on its own rows; the gate-parameter
-/// gradients (`da_log`, `ddt_bias`), sums over all tokens, are then all-reduced, so every
-/// device holds the batch's total. Same arguments and results as [`program`].
-pub fn data_parallel_program(s: &KernelSpec, kind: ProgramKind, replicas: usize) -> Result<String> {
-    if replicas <= 1 {
-        return program(s, kind);
-    }
-    let (f, sig) = build("kda", false, s, kind)?;
-    let mut m = Module::new();
-    m.add(f)?;
-    let mut main = FnBuilder::new("main", true);
-    let args = sig.arg_types().into_iter().map(|t| main.arg(t)).collect::<Result<Vec<_>>>()?;
-    let mut outs = main.call("kda", &args, &sig.result_types())?;
-    for name in ["da_log", "ddt_bias"] {
-        if let Some(i) = sig.result_index(name) {
-            outs[i] = main.all_reduce_sum(outs[i], replicas)?;
-        }
-    }
-    main.ret(&outs)?;
-    m.add(main)?;
-    Ok(m.to_text())
-}
-
-/// The forward program. Outputs: `o`, `[final_state]`, and `h` `[L, NT, K, V]` when `keep_h`.
-/// With slabs (`s.slab`, the TPU configuration) it runs as `forward_slabs`; otherwise the
-/// chunk terms are computed for all chunks at once.
-pub fn forward_program(s: &KernelSpec, keep_h: bool) -> Result<String> {
-    let strategy = match keep_h {
-        true => kda_core::BackwardStrategy::SavedState,
-        false => kda_core::BackwardStrategy::Rematerialize,
-    };
-    program(s, ProgramKind::Forward(strategy))
-}
-
-fn forward_body(f: &mut FnBuilder, s: &KernelSpec, d: &Declared, keep_h: bool) -> Result<Vec<Value>> {
-    let a = d.args()?;
-    if let Some(lowering) = super::spec::lowering(s.implementation) {
-        let calls = super::kernel_forward::kernel_calls(f, s, false, lowering)?;
-        return super::kernel_forward::forward_body(f, s, &a, keep_h, true, false, &calls);
-    }
+    a: &Args,
+    keep_h: bool,
+) -> Result<Vec<Value>> {
+    let a = *a;
     let w = working(f, s, &a)?;
     if s.in_slabs() {
         // The TPU configuration: slab by slab, one slab's intermediates live at a time.
@@ -551,28 +397,16 @@ fn forward_body(f: &mut FnBuilder, s: &KernelSpec, d: &Declared, keep_h: bool) -
     Ok(outs)
 }
 
-/// The backward program. Inputs: the forward's, then `[h]` (saved state), `do`, `[dht]`.
-/// Outputs: `dq dk dv dg dbeta [dh0] [da_log] [ddt_bias]`.
-pub fn backward_program(s: &KernelSpec, strategy: BackwardStrategy) -> Result<String> {
-    program(s, ProgramKind::Backward(strategy))
-}
-
-fn backward_body(
+/// The backward from the saved states `saved` (or re-running the recurrence), `do` and
+/// `dht`: `dq dk dv dg dbeta [dh0] [da_log] [ddt_bias]`.
+pub(in crate::op) fn backward(
     f: &mut FnBuilder,
     s: &KernelSpec,
-    d: &Declared,
-    strategy: BackwardStrategy,
+    a: &Args,
+    saved: Option<Value>,
+    (d_o, dht): (Value, Option<Value>),
 ) -> Result<Vec<Value>> {
-    let a = d.args()?;
-    let saved = match strategy {
-        BackwardStrategy::SavedState => Some(d.need("h")?),
-        BackwardStrategy::Rematerialize => None,
-    };
-    let d_o = d.need("do")?;
-    let dht = d.get("dht");
-    if let Some(lowering) = super::spec::lowering(s.implementation) {
-        return super::kernel_backward::backward(f, s, &a, saved, (d_o, dht), lowering);
-    }
+    let a = *a;
     let w = working(f, s, &a)?;
     let ct = chunk_terms(f, w.qc, w.kc, w.vc, w.gc, w.betac, s.scale as f32, s.slab == 0)?;
     let (h, v_new) = match saved {
@@ -595,28 +429,18 @@ fn backward_body(
     Ok(outs)
 }
 
-/// The fused forward+VJP program: inputs of the forward then `do`, `[dht]`; outputs `o`,
-/// `[final_state]`, then the gradients. In slabs, `Rematerialize` keeps only each slab's entering
-/// state and the backward re-runs the slab's recurrence; without slabs both strategies read the
-/// forward's states, which the one executable holds anyway.
-pub fn fused_program(s: &KernelSpec, strategy: BackwardStrategy) -> Result<String> {
-    program(s, ProgramKind::Fused(strategy))
-}
-
-fn fused_body(
+/// The fused forward+VJP: `o [final_state]`, then the gradients. In slabs, `Rematerialize`
+/// keeps only each slab's entering state and the backward re-runs the slab's recurrence;
+/// without slabs both strategies read the forward's states, which the one executable holds
+/// anyway.
+pub(in crate::op) fn fused(
     f: &mut FnBuilder,
     s: &KernelSpec,
-    d: &Declared,
+    a: &Args,
     strategy: BackwardStrategy,
+    (d_o, dht): (Value, Option<Value>),
 ) -> Result<Vec<Value>> {
-    let a = d.args()?;
-    let d_o = d.need("do")?;
-    let dht = d.get("dht");
-    // On the kernels both strategies are one program: the forward's states are in the
-    // executable anyway (docs/design.md, the Mosaic backward kernel).
-    if let Some(lowering) = super::spec::lowering(s.implementation) {
-        return super::kernel_backward::fused(f, s, &a, (d_o, dht), lowering);
-    }
+    let a = *a;
     let w = working(f, s, &a)?;
     if s.in_slabs() {
         let outs = fused_slabs(f, s, &a, &w, strategy, (d_o, dht))?;

@@ -20,10 +20,10 @@
 use kda_core::DType;
 
 use super::blocks::{chunk_terms, unit_lower_inverse_of_parts, TermScratch, EXPONENT_ROWS, LEVEL_ROWS};
-use super::body::{Binary, Body, MatPrecision, Offset, Reduction, Ref, Unary, V};
-use super::kernel::{Cost, Index, Kernel, KernelBuilder, Operand, Semantics};
 use crate::error::{Result, TpuError};
 use crate::hlo::{Cmp, TensorType};
+use crate::lang::{Binary, Body, MatPrecision, Offset, Reduction, Ref, Unary, V};
+use crate::lang::{Cost, Index, Kernel, KernelBuilder, Operand, Semantics};
 
 pub(super) const C: i64 = 64;
 

@@ -56,8 +56,8 @@
 //! # Ok::<(), kda_tpu::TpuError>(())
 //! ```
 
+use super::api::build;
 use super::interface::{ProgramKind, ProgramSignature};
-use super::programs::build;
 use super::spec::KernelSpec;
 use crate::hlo::Module;
 use crate::Result;

@@ -3,9 +3,9 @@
 
 use kda_core::DType;
 
-use super::body::{Binary, Body, MatPrecision, Offset, Ref, V};
 use crate::error::{Result, TpuError};
 use crate::hlo::Cmp;
+use crate::lang::{Binary, Body, MatPrecision, Offset, Ref, V};
 
 /// Rows of a chunk and of its diagonal blocks.
 const C: i64 = 64;
@@ -20,6 +20,7 @@ fn mm(b: &mut Body, x: &V, y: &V) -> Result<V> {
 }
 
 /// The identity of `n x n`, f32.
+#[cfg_attr(not(feature = "harness"), allow(dead_code))] // the op tests' (harness feature)
 fn eye(b: &mut Body, n: i64) -> Result<V> {
     let (r, c) = (b.iota(&[n, n], 0)?, b.iota(&[n, n], 1)?);
     let d = b.compare(Cmp::Eq, &r, &c)?;
@@ -28,6 +29,7 @@ fn eye(b: &mut Body, n: i64) -> Result<V> {
 }
 
 /// The 0/1 f32 `n x n` mask of the diagonal `block x block` blocks.
+#[cfg_attr(not(feature = "harness"), allow(dead_code))] // the op tests' (harness feature)
 fn block_diagonal(b: &mut Body, n: i64, block: i64) -> Result<V> {
     let (r, c) = (b.iota(&[n, n], 0)?, b.iota(&[n, n], 1)?);
     let one = b.splat(1.0, DType::F32, &[n, n])?;
@@ -59,6 +61,7 @@ fn product(b: &mut Body, x: &V, y: &V, p: MatPrecision) -> Result<V> {
 /// `D^-1 = (I + Lb)^-1 = (I - Lb)(I + Lb^2)(I + Lb^4)(I + Lb^8)` (each block nilpotent of
 /// order 16), `M = D^-1 N` (nilpotent of order 4: four block rows) and
 /// `A = (I + M)^-1 D^-1 = (I - M)(I + M^2) D^-1`. Products run at `p` (see [`product`]).
+#[cfg_attr(not(feature = "harness"), allow(dead_code))] // the op tests' (harness feature)
 pub fn unit_lower_inverse(b: &mut Body, l: &V, p: MatPrecision) -> Result<V> {
     if l.ty.elem != DType::F32 || l.ty.dims != [C, C] {
         return Err(TpuError::builder("mosaic unit_lower_inverse", format!("a 64x64 f32 L, not {:?}", l.ty)));
@@ -95,7 +98,7 @@ pub fn unit_lower_inverse_of_parts(b: &mut Body, lb: &V, n: &V, i: &V, p: MatPre
 }
 
 fn exp(b: &mut Body, v: &V) -> Result<V> {
-    b.unary(super::body::Unary::Exp, v)
+    b.unary(crate::lang::Unary::Exp, v)
 }
 
 fn mul(b: &mut Body, x: &V, y: &V) -> Result<V> {
@@ -286,6 +289,7 @@ pub struct ChunkTerms {
     /// `scale sum_i q_t[i] k_j[i] e^(G_t[i] - G_j[i])` for `j <= t`, `[64, 64]`.
     pub aqk: V,
     /// `beta_t sum_i k_t[i] k_j[i] e^(G_t[i] - G_j[i])` for `j < t`, `[64, 64]`.
+    #[cfg_attr(not(feature = "harness"), allow(dead_code))] // the op tests' (harness feature)
     pub l: V,
     /// `l` on its 16x16 diagonal blocks (pairs within 16 tokens), zero elsewhere.
     pub l_blocks: V,
@@ -340,6 +344,7 @@ pub const LEVEL_PAIRS: i64 = (1 + HALVES.len() as i64) * 2 * C;
 /// whole grid, fetched once).
 #[derive(Clone, Copy, Debug)]
 pub enum TermMasks {
+    #[cfg_attr(not(feature = "harness"), allow(dead_code))] // the op tests' (harness feature)
     /// Made by the body.
     Build,
     /// Read from blocks: the exponent masks `[EXPONENT_ROWS, 64]` in the products' dtype (bf16
@@ -358,8 +363,8 @@ pub enum TermMasks {
 /// [`TermMasks::Build`], made once per call instead of once per step. With `transposed` a
 /// third result holds the exponent masks' transposes side by side, `[64, EXPONENT_ROWS]` in
 /// `dtype` (what the backward kernel's gate gradient multiplies by).
-pub fn term_masks_kernel(dtype: DType, transposed: bool) -> Result<super::kernel::Kernel> {
-    use super::kernel::{KernelBuilder, Operand, Semantics};
+pub fn term_masks_kernel(dtype: DType, transposed: bool) -> Result<crate::lang::Kernel> {
+    use crate::lang::{KernelBuilder, Operand, Semantics};
     let ty = |t: DType, rows: i64| crate::hlo::TensorType::new(t, &[rows, C]);
     let mut kb = KernelBuilder::new("kda_term_masks")
         .grid(1, Semantics::Arbitrary)
@@ -520,7 +525,7 @@ pub fn chunk_factors(
     let kg = mul(b, k, &egs)?;
     // Row and column factors per level: the mid anchor's pair, then one factor per level (rows
     // in second halves and columns in first halves read the same exponent array).
-    let neg_mid = b.unary(super::body::Unary::Neg, mid)?;
+    let neg_mid = b.unary(crate::lang::Unary::Neg, mid)?;
     let mut factors = vec![(exp(b, mid)?, exp(b, &neg_mid)?)];
     for x in &sums[3..] {
         let f = exp(b, x)?;

@@ -27,8 +27,8 @@ use crate::hlo::Transpose;
 use kda_core::{BackwardStrategy, DType, Problem};
 use kda_packed::StaticCapacity;
 
+use super::api::build;
 use super::interface::{ProgramKind, ProgramSignature};
-use super::programs::build;
 use super::spec::KernelSpec;
 use crate::hlo::{FnBuilder, Module, TensorType, Value};
 use crate::Result;

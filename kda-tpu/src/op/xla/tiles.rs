@@ -16,8 +16,8 @@
 //! sub-block times exponentials of whole sub-block or block sums, so the one token-sized tensor
 //! exponentiated is `g` itself (see [`decay`]).
 
-use super::ops::{f32t, index_mask, splat, stored_transposes};
 use crate::hlo::{Cmp, FnBuilder, Value};
+use crate::op::ops::{f32t, index_mask, splat, stored_transposes};
 use crate::Result;
 use kda_core::DType;
 

@@ -2,26 +2,12 @@
 //! recurrence in reverse (backward). Everything else is chunk-parallel.
 
 use super::intra::ChunkTerms;
-use super::ops::{choose, element, i32t, put, splat, take};
-use super::spec::{KernelSpec, CHUNK};
 use crate::hlo::Transpose;
 use crate::hlo::{FnBuilder, Value};
+use crate::op::args::ChunkTables;
+use crate::op::ops::{choose, element, i32t, put, splat, take};
+use crate::op::spec::{KernelSpec, CHUNK};
 use crate::Result;
-
-/// Per-chunk segment tables (i32 `[NT]` each).
-#[derive(Clone, Copy)]
-pub struct ChunkTables {
-    /// 1 at a segment's first chunk (the state resets there).
-    pub first: Value,
-    /// 1 at a segment's last chunk (its final state is written there).
-    pub last: Value,
-    /// The state slot of the chunk's segment.
-    pub slot: Value,
-    /// Packed programs: the chunk positions to visit, an i32 scalar (one past the last chunk
-    /// that ends a segment). The unused positions after it hold only padding, so the sequential
-    /// loops stop there; `None` visits every position.
-    pub used: Option<Value>,
-}
 
 /// `for i in 0..nt`, or `0..used` when the tables bound the loop at run time.
 fn chunk_loop<F>(

@@ -2,11 +2,11 @@
 //! causal products through the decay tiles of [`super::tiles`], the WY solve and the decayed
 //! keys and queries.
 
-use super::ops::sum_last_keep;
 pub use super::tiles::Decay;
 use super::tiles::{decay, grams};
 use crate::hlo::Transpose;
 use crate::hlo::{FnBuilder, Value};
+use crate::op::ops::sum_last_keep;
 use crate::Result;
 
 /// What the forward computes chunk-parallel (everything but the state recurrence).

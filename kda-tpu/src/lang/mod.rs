@@ -1,5 +1,5 @@
-//! Mosaic TPU kernels from Rust: a kernel layer in the spirit of Pallas TPU with two lowerings
-//! of one definition.
+//! The kernel language: kernels written once in Rust, in the spirit of Pallas, and lowered
+//! either way. Nothing in it is KDA's (the KDA kernels are `crate::op::tpu_kernels`).
 //!
 //! A [`KernelBuilder`] takes a grid (each axis [`Semantics::Parallel`] or
 //! [`Semantics::Arbitrary`]), scalar-prefetch tables, operands and results cut into blocks by
@@ -16,13 +16,10 @@
 //! What the CPU verifies is the interpret lowering of the same ops libtpu compiles; only a TPU
 //! run verifies the Mosaic lowering's numbers.
 
-pub mod backward;
-pub mod blocks;
 mod body;
-pub mod forward;
 mod interpret;
 mod kernel;
-mod text;
+mod mosaic;
 
 pub use body::{Binary, Body, MatPrecision, Offset, Reduction, Ref, Unary, V};
 pub use kernel::{Cost, Index, Kernel, KernelBuilder, Operand, Semantics};

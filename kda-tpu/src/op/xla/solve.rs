@@ -7,10 +7,10 @@
 //! doublings (16 -> 32 -> 64 rows, the two 32-row halves batched together) take 4 products
 //! where block forward substitution took 16, each a batched matmul.
 
-use super::ops::{index_mask, keep, splat};
-use super::spec::{CHUNK, SUB};
 use crate::hlo::Transpose;
 use crate::hlo::{Cmp, FnBuilder, Value};
+use crate::op::ops::{index_mask, keep, splat};
+use crate::op::spec::{CHUNK, SUB};
 use crate::Result;
 
 const NB: usize = CHUNK / SUB;

@@ -25,13 +25,13 @@ use super::blocks::{
     by_halves, chunk_factors, chunk_terms, unit_lower_inverse_of_parts, ChunkFactors, TermScratch,
     EXPONENT_ROWS, HALVES, LEVEL_ROWS,
 };
-use super::body::{Binary, Body, MatPrecision, Offset, Reduction, Ref, Unary, V};
 use super::forward::{
     activate, l2_normalise_with_scale, place, token_operand, ForwardDims, Gate, Tokens, Window, C, FLOOR,
 };
-use super::kernel::{Cost, Index, Kernel, Operand};
 use crate::error::{Result, TpuError};
 use crate::hlo::{Cmp, TensorType};
+use crate::lang::{Binary, Body, MatPrecision, Offset, Reduction, Ref, Unary, V};
+use crate::lang::{Cost, Index, Kernel, Operand};
 
 /// The most chunks a backward grid step takes by default (the forward's default, capped): a
 /// fixed-length row's step is one block, whose spill slots grow with its chunks (at H=32,

@@ -1,5 +1,5 @@
 //! A kernel body: typed values and the ops on them. Every op's shape and dtype rule, and the
-//! visibility of its operands, is checked here, once, when the op is added; both lowerings ([`super::text`] and
+//! visibility of its operands, is checked here, once, when the op is added; both lowerings ([`super::mosaic`] and
 //! [`super::interpret`]) take the checked ops as they are.
 
 use kda_core::DType;

@@ -1,4 +1,4 @@
-//! The forward program around the Mosaic forward kernel ([`crate::mosaic::forward`]): the same
+//! The forward program around the Mosaic forward kernel ([`crate::lang::forward`]): the same
 //! signature as the XLA forward, so the backend, the compile cache and the backward read it
 //! unchanged. The kernel reads the caller's tensors as they are (fixed-length rows of whole
 //! chunks, [`Tokens::HeadFirst`] and [`Tokens::BatchFirst`]; packed rows of whole 64-token
@@ -10,14 +10,13 @@
 //! zeroed with the cast; or back from lanes) and the final states of segments that hold no
 //! chunk (their initial states).
 
-use super::ops::{i32t, splat};
-use super::prep;
-use super::programs::{state_tab, Args};
-use super::recurrence::ChunkTables;
-use super::spec::{on_device, KernelSpec, CHUNK};
+use super::forward::{forward_kernel, ForwardDims, Gate, Tokens};
 use crate::hlo::{Cmp, FnBuilder, Value};
-use crate::mosaic::forward::{forward_kernel, ForwardDims, Gate, Tokens};
-use crate::mosaic::Lowering;
+use crate::lang::Lowering;
+use crate::op::args::{state_tab, Args, ChunkTables};
+use crate::op::ops::{i32t, splat};
+use crate::op::prep;
+use crate::op::spec::{on_device, KernelSpec, CHUNK};
 use crate::Result;
 use kda_core::{GateKind, Layout};
 
@@ -142,7 +141,7 @@ pub(super) fn kernel_input(
     }
 }
 
-/// The window tables of a packed kernel ([`crate::mosaic::forward::Window`]) from `slot_token`
+/// The window tables of a packed kernel ([`super::forward::Window`]) from `slot_token`
 /// (`[NT * 64]`, the packed token of each chunk row, `B * T` on padding rows): `lo hi off len`.
 pub(super) fn window_tables(b: &mut FnBuilder, s: &KernelSpec, slot_token: Value) -> Result<[Value; 4]> {
     let (nt, c, p) = (s.chunks() as i64, CHUNK as i64, (s.b * s.t) as i64);
@@ -230,11 +229,6 @@ pub(super) fn token_inputs(
     Ok((ops, g_dtype))
 }
 
-/// The VMEM a packed kernel's head-resident results may take by default (f32,
-/// double-buffered): the forward's `o` and the backward's gradients read in place within it,
-/// else through lanes ([`KernelSpec::packed_result_bytes`]).
-pub const PACKED_RESULT_BYTES: usize = 12 << 20;
-
 /// Whether results of `width` lanes per packed token fit [`KernelSpec::packed_result_bytes`].
 pub(super) fn packed_fits(s: &KernelSpec, width: usize) -> bool {
     2 * 4 * s.b * s.t * width <= s.packed_result_bytes
@@ -307,7 +301,7 @@ pub(super) fn kernel_gate(s: &KernelSpec, tokens: Tokens) -> Gate {
     }
 }
 
-/// The chunk terms' constant masks ([`crate::mosaic::blocks::term_masks_kernel`]'s results)
+/// The chunk terms' constant masks ([`super::blocks::term_masks_kernel`]'s results)
 /// and how the program's kernels are lowered: what every kernel call of a program shares.
 pub(super) struct KernelCalls {
     /// How the kernels are lowered.
@@ -327,7 +321,7 @@ pub(super) fn kernel_calls(
 ) -> Result<KernelCalls> {
     // The masks' dtype follows the kernels' products, whatever the gate's dtype.
     let dtype = kernel_dims(s, tokens_of(s), on_device(s.dtype)).mask_dtype();
-    let kernel = crate::mosaic::blocks::term_masks_kernel(dtype, transposed)?;
+    let kernel = super::blocks::term_masks_kernel(dtype, transposed)?;
     let masks = match lowering {
         Lowering::Mosaic => kernel.call_mosaic(b, &[])?,
         Lowering::Interpret => kernel.call_interpret(b, &[])?,

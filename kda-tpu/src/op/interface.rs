@@ -287,8 +287,8 @@ mod tests {
 
     use super::*;
     use crate::hlo::Module;
-    use crate::kernels::compose::add_function;
-    use crate::kernels::program;
+    use crate::op::compose::add_function;
+    use crate::op::program;
 
     /// A small spec: 2 heads, 2 rows of 100 tokens (two chunks), K = 16, V = 8.
     fn base(packed: bool) -> KernelSpec {

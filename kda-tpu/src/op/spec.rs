@@ -24,14 +24,10 @@ pub fn on_device(dtype: DType) -> DType {
 
 pub use kda_core::Implementation;
 
-/// The kernel lowering of an implementation, `None` for XLA.
-pub fn lowering(implementation: Implementation) -> Option<crate::mosaic::Lowering> {
-    match implementation {
-        Implementation::Xla => None,
-        Implementation::Mosaic => Some(crate::mosaic::Lowering::Mosaic),
-        Implementation::Interpret => Some(crate::mosaic::Lowering::Interpret),
-    }
-}
+/// The VMEM a packed kernel's head-resident results may take by default (f32,
+/// double-buffered): the forward's `o` and the backward's gradients read in place within it,
+/// else through lanes ([`KernelSpec::packed_result_bytes`]).
+pub const PACKED_RESULT_BYTES: usize = 12 << 20;
 
 /// Shapes and options baked into a program. Two problems with equal specs share executables.
 #[derive(Debug, Clone, PartialEq)]
@@ -81,11 +77,11 @@ pub struct KernelSpec {
     /// What runs the programs' chunk loops (the context-parallel programs are XLA's).
     pub implementation: Implementation,
     /// The kernel forward's wish of chunks per grid step for fixed-length rows (0: its default,
-    /// [`crate::mosaic::forward::ForwardDims::default_step_chunks`]).
+    /// the TPU forward kernel's `default_step_chunks`).
     pub step_chunks: usize,
     /// The VMEM packed kernel programs may give a head's resident results (f32,
     /// double-buffered) to read packed tokens in place; above it they go through lanes.
-    /// Default [`crate::kernels::PACKED_RESULT_BYTES`].
+    /// Default [`PACKED_RESULT_BYTES`].
     pub packed_result_bytes: usize,
 }
 
@@ -115,7 +111,7 @@ impl KernelSpec {
             slab: 0,
             implementation: Implementation::Xla,
             step_chunks: 0,
-            packed_result_bytes: super::kernel_forward::PACKED_RESULT_BYTES,
+            packed_result_bytes: PACKED_RESULT_BYTES,
         }
     }
     /// The spec of a call's inputs, as the backend builds it: validated, packed segments at

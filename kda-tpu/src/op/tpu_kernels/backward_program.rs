@@ -1,5 +1,5 @@
 //! The backward and fused forward+VJP programs around the Mosaic kernels: the same signatures
-//! as XLA's. The backward kernel ([`crate::mosaic::backward`]) reads the states the forward
+//! as XLA's. The backward kernel ([`crate::lang::backward`]) reads the states the forward
 //! kernel saved (`h`: the saved-state backward's argument, or in the rematerialized backward
 //! and the fused program the forward kernel's result in the same executable) and the caller's
 //! tensors in place (fixed-length rows of whole chunks; packed rows of whole 64-token blocks,
@@ -9,17 +9,17 @@
 //! the floor, the gate and the L2 norm to the gradients itself when it reads raw inputs in
 //! place; for lanes XLA takes `dg` through the gate.
 
-use super::kernel_forward::{
+use super::backward::backward_kernel;
+use super::forward::{ForwardDims, Gate, Tokens};
+use super::forward_program::{
     forward_body, gate_operand, kernel_calls, kernel_dims, kernel_gate, kernel_input, kernel_slots,
     or_passed, packed_fits, packed_result, packed_slots, token_inputs, tokens_of, window_tables, KernelCalls,
 };
-use super::prep;
-use super::programs::Args;
-use super::spec::{on_device, KernelSpec, CHUNK};
 use crate::hlo::{FnBuilder, Value};
-use crate::mosaic::backward::backward_kernel;
-use crate::mosaic::forward::{ForwardDims, Gate, Tokens};
-use crate::mosaic::Lowering;
+use crate::lang::Lowering;
+use crate::op::args::Args;
+use crate::op::prep;
+use crate::op::spec::{on_device, KernelSpec, CHUNK};
 use crate::Result;
 
 /// How the backward kernel reads tokens: as the forward kernel does, packed tokens in place
@@ -88,7 +88,7 @@ pub(super) fn grads(
         ..kernel_dims(s, tokens, g_dtype)
     };
     let wish = match s.step_chunks {
-        0 => dims.default_step_chunks().min(crate::mosaic::backward::BACKWARD_STEP_CHUNKS),
+        0 => dims.default_step_chunks().min(super::backward::BACKWARD_STEP_CHUNKS),
         n => n as i64,
     };
     let dims = ForwardDims { step_chunks: dims.steps_for(wish), ..dims };
@@ -181,7 +181,7 @@ pub(super) fn grads(
 
 /// The fused forward+VJP on the kernels: the forward kernel keeping its states and chunk
 /// terms, the backward kernel reading them; `o [final_state]` then the gradients.
-pub(super) fn fused(
+pub(in crate::op) fn fused(
     b: &mut FnBuilder,
     s: &KernelSpec,
     a: &Args,
@@ -205,7 +205,7 @@ fn take_saved(outs: &mut Vec<Value>) -> Result<(Value, Option<(Value, Value)>)> 
 
 /// The backward on the kernels: from the saved states `h`, or (rematerialized) from the states
 /// and chunk terms the forward kernel recomputes in the same executable.
-pub(super) fn backward(
+pub(in crate::op) fn backward(
     b: &mut FnBuilder,
     s: &KernelSpec,
     a: &Args,

@@ -1,0 +1,47 @@
+//! The KDA op (docs/kda.md, Chunks): its program spec ([`KernelSpec`]), signature
+//! ([`interface`]), arguments, composition into a caller's module ([`compose`]) and context
+//! parallelism ([`context_parallel`]), and the table that maps an implementation to its program
+//! builders (`api`). Beside them one folder per implementation: `xla` (the chunk loops as
+//! StableHLO, built with [`crate::hlo`]) and `tpu_kernels` (the TPU kernels written in
+//! [`crate::lang`], their building blocks and their program wiring).
+
+mod api;
+mod args;
+pub mod compose;
+pub mod context_parallel;
+pub mod interface;
+mod ops;
+mod prep;
+mod spec;
+/// The TPU kernels: public with the `harness` feature (their op tests), private otherwise.
+#[cfg(feature = "harness")]
+pub mod tpu_kernels;
+#[cfg(not(feature = "harness"))]
+mod tpu_kernels;
+mod xla;
+
+pub use api::{backward_program, data_parallel_program, forward_program, fused_program, program};
+pub use args::GATE_FLOOR;
+pub use interface::{index_tables, index_tables_for, IndexTable, Port, ProgramKind, ProgramSignature};
+pub(crate) use spec::CHUNK;
+pub use spec::{on_device, Implementation, KernelSpec, PACKED_RESULT_BYTES, SUB, TPU_SLAB};
+#[cfg(feature = "harness")]
+pub use xla::parts;
+
+/// The names of the host-built index-table arguments, in signature order.
+pub const TABLE_NAMES: [&str; 5] = ["chunk_first", "chunk_last", "chunk_slot", "slot_token", "token_slot"];
+
+/// The signature of program `kind` of `spec` as the backend runs it on `devices` replicas:
+/// [`ProgramSignature::of`], or in the context-parallel form
+/// [`context_parallel::signature`].
+pub fn signature(
+    spec: &KernelSpec,
+    kind: ProgramKind,
+    context: bool,
+    devices: usize,
+) -> crate::Result<ProgramSignature> {
+    Ok(match context {
+        true => context_parallel::signature(spec, kind, devices),
+        false => ProgramSignature::of(spec, kind),
+    })
+}
