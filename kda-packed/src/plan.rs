@@ -1,6 +1,5 @@
 //! The exact chunk plan of a packed batch: every segment starts a new chunk (docs/kda.md, Chunks).
 
-use crate::tables::IndexTables;
 use kda_core::{KdaError, Result, SegmentTable, Segments};
 use std::ops::Range;
 
@@ -167,9 +166,5 @@ impl SegmentPlan {
             ));
         }
         Ok(&self.segments[b * self.n + n])
-    }
-    /// The `i32` index tables of this exact plan (capacity = NT chunks, N segment slots).
-    pub fn index_tables(&self) -> Result<IndexTables> {
-        IndexTables::build(self, self.num_chunks(), self.n)
     }
 }

@@ -202,3 +202,10 @@ impl IndexTables {
         usize::try_from(*self.token_slot.get(b * self.t + t)?).ok()
     }
 }
+
+impl SegmentPlan {
+    /// The `i32` index tables of this exact plan (capacity = NT chunks, N segment slots).
+    pub fn index_tables(&self) -> Result<IndexTables> {
+        IndexTables::build(self, self.num_chunks(), self.n())
+    }
+}

@@ -295,25 +295,6 @@ fn program_names() -> String {
     names.join(", ")
 }
 
-/// The entry point of `cargo xtask aot`; `args` are the arguments after `aot`.
-pub fn aot(args: &[String]) -> Result<(), String> {
-    let Some(opts) = parse_args(args).map_err(|e| format!("xtask aot: {e}\n\n{USAGE}"))? else {
-        println!("{USAGE}");
-        return Ok(());
-    };
-    #[cfg(feature = "pjrt")]
-    {
-        crate::pjrt_cmds::aot::run(&opts)
-    }
-    #[cfg(not(feature = "pjrt"))]
-    {
-        let _ = opts;
-        let mut all = vec!["aot".to_string()];
-        all.extend(args.iter().cloned());
-        crate::cargo_cmd::reexec_with_pjrt(&all)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

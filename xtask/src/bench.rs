@@ -305,31 +305,6 @@ pub fn parse_args(args: &[String]) -> Result<Option<BenchOptions>, String> {
     Ok(Some(opts))
 }
 
-/// The entry point of `cargo xtask bench`; `args` are the arguments after `bench`.
-pub fn bench(args: &[String]) -> Result<(), String> {
-    let Some(opts) = parse_args(args).map_err(|e| format!("xtask bench: {e}\n\n{USAGE}"))? else {
-        println!("{USAGE}");
-        return Ok(());
-    };
-    if let (true, Some(markdown)) = (opts.render, &opts.markdown) {
-        for written in crate::results::update(markdown, Vec::new())? {
-            println!("bench: wrote {}", written.display());
-        }
-        return Ok(());
-    }
-    #[cfg(feature = "pjrt")]
-    {
-        crate::pjrt_cmds::bench::run(&opts, args)
-    }
-    #[cfg(not(feature = "pjrt"))]
-    {
-        let _ = opts;
-        let mut all = vec!["bench".to_string()];
-        all.extend(args.iter().cloned());
-        crate::cargo_cmd::reexec_with_pjrt(&all)
-    }
-}
-
 /// The compiler's memory statistics of one program, in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Memory {

@@ -60,27 +60,6 @@ options:
   --ref-only   only the reference part (no PJRT build needed)
   -h, --help   show this text";
 
-/// The entry point of `cargo xtask demo`.
-pub fn demo(args: &[String]) -> Result<(), String> {
-    match args.iter().map(String::as_str).collect::<Vec<_>>()[..] {
-        [] => {}
-        ["--ref-only"] => return reference().map(|_| ()),
-        ["-h" | "--help"] => {
-            println!("{USAGE}");
-            return Ok(());
-        }
-        _ => return Err(format!("xtask demo: unexpected arguments `{}`\n\n{USAGE}", args.join(" "))),
-    }
-    #[cfg(feature = "pjrt")]
-    {
-        crate::pjrt_cmds::demo::run()
-    }
-    #[cfg(not(feature = "pjrt"))]
-    {
-        crate::cargo_cmd::reexec_with_pjrt(&["demo".to_string()])
-    }
-}
-
 /// The reference part's results, for the PJRT part to compare with.
 pub struct Reference {
     /// Its f32 inputs and cotangents.

@@ -13,8 +13,11 @@ mod cargo_cmd;
 #[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
 mod charts;
 mod cli;
+mod commands;
 #[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
 mod demo;
+#[cfg(test)]
+mod imports;
 #[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
 mod machine;
 mod npy;
@@ -63,9 +66,9 @@ fn dispatch(cmd: &str, rest: &[String]) -> Result<(), String> {
         "ci" => test_cmd::ci(rest),
         "tpu-test" => tpu_test::tpu_test(rest),
         "run" => run_cmd::run(rest),
-        "demo" => demo::demo(rest),
-        "bench" => bench::bench(rest),
-        "aot" => aot_cmd::aot(rest),
+        "demo" => commands::demo(rest),
+        "bench" => commands::bench(rest),
+        "aot" => commands::aot(rest),
         "-h" | "--help" | "help" => {
             println!("{USAGE}");
             Ok(())

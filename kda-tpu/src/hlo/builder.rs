@@ -2,8 +2,8 @@
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use super::emit::{fmt_result_types, fmt_types};
 use super::error::{err, Result};
+use super::fmt::{fmt_result_types, fmt_types};
 use super::types::{Precision, TensorType, Value, MAX_RANK, SINGLE};
 
 /// Distinguishes values of different builders (a value used in the wrong function is an error).

@@ -1,8 +1,8 @@
 //! Control flow and function boundaries: `stablehlo.while`, counted loops, `func.call`, return.
 
 use super::builder::{CallRecord, FnBuilder};
-use super::emit::{check_symbol, fmt_types};
 use super::error::{err, Result};
+use super::fmt::{check_symbol, fmt_types};
 use super::types::{Cmp, TensorType, Value};
 use kda_core::DType;
 

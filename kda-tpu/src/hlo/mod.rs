@@ -5,6 +5,7 @@ mod builder;
 mod control;
 mod emit;
 mod error;
+mod fmt;
 mod ops_collective;
 mod ops_custom;
 mod ops_elementwise;

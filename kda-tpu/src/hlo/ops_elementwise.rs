@@ -2,8 +2,8 @@
 //! forms first broadcast both operands numpy-style (trailing dims aligned, size 1 stretches).
 
 use super::builder::FnBuilder;
-use super::emit::fmt_float;
 use super::error::{err, Result};
+use super::fmt::fmt_float;
 use super::types::{Cmp, TensorType, Value};
 use kda_core::DType;
 

@@ -2,8 +2,8 @@
 //! Out-of-range start indices are clamped (StableHLO semantics), never an error at run time.
 
 use super::builder::FnBuilder;
-use super::emit::{fmt_array, fmt_list};
 use super::error::{err, Result};
+use super::fmt::{fmt_array, fmt_list};
 use super::types::{TensorType, Value};
 use kda_core::DType;
 

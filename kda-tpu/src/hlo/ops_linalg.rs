@@ -1,8 +1,8 @@
 //! Matrix ops: `dot_general`, `batch_matmul`, `triangular_solve`.
 
 use super::builder::FnBuilder;
-use super::emit::fmt_list;
 use super::error::{err, Result};
+use super::fmt::fmt_list;
 use super::ops_shape::valid_axes;
 use super::types::{Precision, TensorType, Value};
 use kda_core::DType;

@@ -2,8 +2,8 @@
 //! (`stablehlo.reduce_window`, exact and independent of matmul precision).
 
 use super::builder::FnBuilder;
-use super::emit::fmt_array;
 use super::error::{err, Result};
+use super::fmt::fmt_array;
 use super::ops_shape::valid_axes;
 use super::types::{TensorType, Value};
 use kda_core::DType;

@@ -1,8 +1,8 @@
 //! Shape ops: broadcast, reshape, transpose, slice, concatenate, pad, reverse.
 
 use super::builder::FnBuilder;
-use super::emit::fmt_array;
 use super::error::{err, Result};
+use super::fmt::fmt_array;
 use super::types::{TensorType, Value};
 
 /// True when `dims` lists distinct axes of a rank-`rank` tensor.

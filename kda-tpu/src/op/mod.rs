@@ -13,6 +13,8 @@ pub mod interface;
 mod ops;
 mod prep;
 mod spec;
+#[cfg(test)]
+mod tests;
 /// The TPU kernels: public with the `harness` feature (their op tests), private otherwise.
 #[cfg(feature = "harness")]
 pub mod tpu_kernels;
