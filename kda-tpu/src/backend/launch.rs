@@ -307,7 +307,7 @@ impl PjrtBackend {
         segments: &kda_core::SegmentTable,
         device: usize,
     ) -> kda_core::Result<Vec<DeviceTensor>> {
-        let key = format!("{spec:?}|{segments:?}");
+        let key = (spec.clone(), segments.clone());
         let cache = |c: &TableCache| {
             c.0.iter().find(|(k, d, _)| *d == device && *k == key).map(|(_, _, t)| t.clone())
         };

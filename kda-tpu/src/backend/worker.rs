@@ -29,7 +29,7 @@ pub(crate) struct Worker {
     buffers: HashMap<u64, DeviceBuffer>,
     next_id: u64,
     /// Kernel programs by (spec, kind, replicas, first device, form).
-    pub(crate) programs: HashMap<(String, ProgramKind, usize, usize, Split), Rc<Executable>>,
+    pub(crate) programs: HashMap<(KernelSpec, ProgramKind, usize, usize, Split), Rc<Executable>>,
     /// Programs compiled for a caller ([`super::DeviceProgram`]), by id.
     pub(crate) user_programs: HashMap<u64, Rc<Executable>>,
 }
@@ -72,7 +72,7 @@ impl Worker {
         split: Split,
     ) -> Result<(Rc<Executable>, bool)> {
         let replicas = options.replicas();
-        let key = (format!("{spec:?}"), kind, replicas, options.first_device(), split);
+        let key = (spec.clone(), kind, replicas, options.first_device(), split);
         if let Some(x) = self.programs.get(&key) {
             return Ok((x.clone(), true));
         }

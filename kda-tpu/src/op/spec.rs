@@ -29,7 +29,8 @@ pub use kda_core::Implementation;
 /// else through lanes ([`KernelSpec::packed_result_bytes`]).
 pub const PACKED_RESULT_BYTES: usize = 12 << 20;
 
-/// Shapes and options baked into a program. Two problems with equal specs share executables.
+/// Shapes and options baked into a program. Two problems with equal specs share executables:
+/// the spec is the compile cache's key (`Eq` and `Hash`, its f64 fields hashed by their bits).
 #[derive(Debug, Clone, PartialEq)]
 pub struct KernelSpec {
     /// Heads, rows, tokens per row, key and value widths, segment slots per row.
@@ -232,5 +233,47 @@ impl KernelSpec {
     /// `[B, N, H, K, V]`.
     pub fn state_dims(&self) -> Vec<i64> {
         [self.b, self.n, self.h, self.k, self.v].iter().map(|&x| x as i64).collect()
+    }
+}
+
+// The scale and the gate's bound are validated finite, so the derived `PartialEq` is an
+// equivalence, and hashing their bits agrees with it (neither is ever -0.0).
+impl Eq for KernelSpec {}
+
+impl std::hash::Hash for KernelSpec {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        // Destructured, so that a new field cannot be left out of the key.
+        let KernelSpec {
+            h,
+            b,
+            t,
+            k,
+            v,
+            n,
+            layout,
+            dtype,
+            g_dtype,
+            gate,
+            has_dt_bias,
+            l2norm,
+            scale,
+            beta_trailing_one,
+            has_h0,
+            final_state,
+            has_dht,
+            packed_chunks,
+            slab,
+            implementation,
+            step_chunks,
+            packed_result_bytes,
+        } = self;
+        (h, b, t, k, v, n, layout, dtype, g_dtype).hash(state);
+        match gate {
+            GateKind::Preactivated => 0u64.hash(state),
+            GateKind::Softplus => 1u64.hash(state),
+            GateKind::LowerBound(lb) => (2u64, lb.to_bits()).hash(state),
+        }
+        (has_dt_bias, l2norm, scale.to_bits(), beta_trailing_one, has_h0, final_state, has_dht).hash(state);
+        (packed_chunks, slab, implementation, step_chunks, packed_result_bytes).hash(state);
     }
 }

@@ -13,7 +13,8 @@ use super::backward::backward_kernel;
 use super::forward::{ForwardDims, Gate, Tokens};
 use super::forward_program::{
     forward_body, gate_operand, kernel_calls, kernel_dims, kernel_gate, kernel_input, kernel_slots,
-    or_passed, packed_fits, packed_result, packed_slots, token_inputs, tokens_of, window_tables, KernelCalls,
+    or_passed, packed_fits, packed_result, packed_slots, token_inputs, tokens_of, window_tables, Kept,
+    KernelCalls, MaskReaders,
 };
 use crate::hlo::{FnBuilder, Value};
 use crate::lang::Lowering;
@@ -188,8 +189,8 @@ pub(in crate::op) fn fused(
     cotangents: (Value, Option<Value>),
     lowering: Lowering,
 ) -> Result<Vec<Value>> {
-    let calls = kernel_calls(b, s, true, lowering)?;
-    let mut outs = forward_body(b, s, a, true, true, true, &calls)?;
+    let calls = kernel_calls(b, s, MaskReaders::ForwardAndBackward, lowering)?;
+    let mut outs = forward_body(b, s, a, Kept { states: true, terms: true }, &calls)?;
     let saved = take_saved(&mut outs)?;
     outs.extend(grads(b, s, a, saved, cotangents, &calls)?);
     Ok(outs)
@@ -213,11 +214,11 @@ pub(in crate::op) fn backward(
     cotangents: (Value, Option<Value>),
     lowering: Lowering,
 ) -> Result<Vec<Value>> {
-    let calls = kernel_calls(b, s, true, lowering)?;
+    let calls = kernel_calls(b, s, MaskReaders::ForwardAndBackward, lowering)?;
     let saved = match saved {
         Some(h) => (h, None),
         None => {
-            let mut outs = forward_body(b, s, a, true, true, true, &calls)?;
+            let mut outs = forward_body(b, s, a, Kept { states: true, terms: true }, &calls)?;
             take_saved(&mut outs)?
         }
     };

@@ -310,17 +310,27 @@ pub(super) struct KernelCalls {
     pub masks: Vec<Value>,
 }
 
-/// The masks for the kernels of `s`, made once by their own one-step kernel; with `transposed`
-/// also the exponent masks' transposes the backward kernel reads (a program with both kernels
-/// makes them once, transposed, and hands the first two to the forward kernel).
+/// Which kernels of a program read the chunk terms' masks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum MaskReaders {
+    /// The forward kernel alone.
+    Forward,
+    /// The forward and backward kernels: the exponent masks' transposes too.
+    ForwardAndBackward,
+}
+
+/// The masks for the kernels of `s`, made once by their own one-step kernel; for the backward
+/// kernel also the exponent masks' transposes (a program with both kernels makes them once and
+/// hands the first two to the forward kernel).
 pub(super) fn kernel_calls(
     b: &mut FnBuilder,
     s: &KernelSpec,
-    transposed: bool,
+    readers: MaskReaders,
     lowering: Lowering,
 ) -> Result<KernelCalls> {
     // The masks' dtype follows the kernels' products, whatever the gate's dtype.
     let dtype = kernel_dims(s, tokens_of(s), on_device(s.dtype)).mask_dtype();
+    let transposed = readers == MaskReaders::ForwardAndBackward;
     let kernel = super::blocks::term_masks_kernel(dtype, transposed)?;
     let masks = match lowering {
         Lowering::Mosaic => kernel.call_mosaic(b, &[])?,
@@ -329,18 +339,27 @@ pub(super) fn kernel_calls(
     Ok(KernelCalls { lowering, masks })
 }
 
-/// The forward body: `o [final_state] [h]` as [`super::ProgramSignature`] says (`o` in the
-/// kernel forms when `kernel_forms`), then with `terms` the chunk terms `a aqk` the backward
-/// kernel reads; the chunk loop in the forward kernel, lowered and fed masks as `calls` says.
+/// What a forward body keeps besides `o [final_state]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Kept {
+    /// `h`, the state entering every chunk.
+    pub states: bool,
+    /// The chunk terms `a aqk` the backward kernel reads.
+    pub terms: bool,
+}
+
+/// The forward body: `o [final_state]` as the op's signature says (`o` in the kernel forms),
+/// then what `kept` names: `h`, then the chunk terms `a aqk`; the chunk loop in the forward
+/// kernel, lowered and fed masks as `calls` says.
 pub(super) fn forward_body(
     b: &mut FnBuilder,
     s: &KernelSpec,
     a: &Args,
-    keep_h: bool,
-    kernel_forms: bool,
-    terms: bool,
+    kept: Kept,
     calls: &KernelCalls,
 ) -> Result<Vec<Value>> {
+    let Kept { states: keep_h, terms } = kept;
+    let kernel_forms = true;
     let lowering = calls.lowering;
     let x = on_device(s.dtype);
     let tokens = tokens_of(s);

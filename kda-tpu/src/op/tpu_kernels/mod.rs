@@ -23,8 +23,9 @@ pub(super) fn forward(
     keep_h: bool,
     lowering: Lowering,
 ) -> Result<Vec<Value>> {
-    let calls = forward_program::kernel_calls(f, s, false, lowering)?;
-    forward_program::forward_body(f, s, a, keep_h, true, false, &calls)
+    let calls = forward_program::kernel_calls(f, s, forward_program::MaskReaders::Forward, lowering)?;
+    let kept = forward_program::Kept { states: keep_h, terms: false };
+    forward_program::forward_body(f, s, a, kept, &calls)
 }
 
 pub(super) use backward_program::{backward, fused};
