@@ -119,6 +119,7 @@ impl BackwardStrategy {
 
 /// What runs a PJRT backend's chunk loops (docs/design.md, "Mosaic kernels").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
 pub enum Implementation {
     /// XLA loops over chunks (any plugin; the default).
     #[default]

@@ -6,6 +6,7 @@ use std::fmt;
 
 /// An element type, spelled as in StableHLO (`f32`, `bf16`, `f64`, `i32`, `ui16`, `i1`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
 pub enum DType {
     /// IEEE single precision; the kernels' accumulation type.
     F32,

@@ -5,6 +5,7 @@ use std::fmt;
 
 /// What went wrong, without the details; tests and callers match on this.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ErrorKind {
     /// A tensor has the wrong rank or extent.
     Shape,

@@ -184,6 +184,7 @@ impl FnBuilder {
             DType::F32 | DType::BF16 | DType::F64 => "FLOAT",
             DType::I32 => "SIGNED",
             DType::I1 | DType::U16 => "UNSIGNED",
+            other => return Err(err(op, format!("no comparison type for {other}"))),
         };
         let attr = format!(
             "comparison_direction = #stablehlo<comparison_direction {}>, compare_type = #stablehlo<comparison_type {ct}>",

@@ -21,13 +21,20 @@ enum Family {
     TpuKernels(Lowering),
 }
 
-/// The table: each implementation's kernel family and lowering.
-fn family(implementation: Implementation) -> Family {
-    match implementation {
+/// The table: each implementation's kernel family and lowering (an `Unsupported` error for
+/// one this build has no row for).
+fn family(implementation: Implementation) -> Result<Family> {
+    Ok(match implementation {
         Implementation::Xla => Family::Xla,
         Implementation::Mosaic => Family::TpuKernels(Lowering::Mosaic),
         Implementation::Interpret => Family::TpuKernels(Lowering::Interpret),
-    }
+        other => {
+            return Err(crate::TpuError::unsupported(
+                "implementation",
+                format!("no program builders for {other:?} in this build of kda-tpu"),
+            ))
+        }
+    })
 }
 
 /// The results of program `kind` of `s` from its declared arguments `d`, by the builders of
@@ -42,7 +49,7 @@ fn body(f: &mut FnBuilder, s: &KernelSpec, d: &Declared, kind: ProgramKind) -> R
     };
     let cotangents = || -> Result<(Value, Option<Value>)> { Ok((d.need("do")?, d.get("dht"))) };
     let keep_h = |strategy: BackwardStrategy| strategy == BackwardStrategy::SavedState;
-    match (family(s.implementation), kind) {
+    match (family(s.implementation)?, kind) {
         (Family::Xla, ProgramKind::Forward(st)) => xla::forward(f, s, &a, keep_h(st)),
         (Family::Xla, ProgramKind::Backward(st)) => xla::backward(f, s, &a, saved(st)?, cotangents()?),
         (Family::Xla, ProgramKind::Fused(st)) => xla::fused(f, s, &a, st, cotangents()?),
