@@ -172,7 +172,7 @@ pub fn signature(s: &KernelSpec, kind: ProgramKind, devices: usize) -> ProgramSi
 /// (`P`, `P^T`) at width K from zero values and cotangents with the identity in the continuation
 /// (carry) slot. Same work, half the live memory of the widest phase.
 pub fn context_parallel_program(s: &KernelSpec, kind: ProgramKind, devices: usize) -> Result<String> {
-    let (k, v, n) = (s.k as i64, s.v as i64, s.n as i64);
+    let (k, n) = (s.k as i64, s.n as i64);
     // The state-column runs: values K wide (the same spec as `s` when K = V).
     let sk = KernelSpec { v: s.k, ..s.clone() };
     let same = sk == *s;
@@ -240,72 +240,22 @@ pub fn context_parallel_program(s: &KernelSpec, kind: ProgramKind, devices: usiz
     let zero_states_k = b.constant_f32(0.0, f32(&[s.b as i64, n, s.h as i64, k, k]))?;
     let first = slot0(&mut b, cont, n)?;
 
+    let cx = Pieces {
+        s,
+        devices,
+        named: &named,
+        fwd: (&fwd_sig, fwd_k),
+        bwd: (&bwd_sig, bwd_k),
+        zeros_k,
+        zero_states_k,
+        first,
+        carry,
+        piece,
+    };
     // 1-2: the entering state of each piece (a backward program gets it in `h0`).
-    let h0_eff = if wants_forward {
-        let outs = call_named(&mut b, "kda_fwd", &fwd_sig.0, &|name| get(&named, name))?;
-        let q = pick(&mut b, carry, outs[fwd_sig.0.result_index("final_state").unwrap_or(1)])?;
-        let eye = placed_identity(&mut b, first, s)?;
-        // One run after the other: their intermediates are never live together.
-        let fenced = b.optimization_barrier(&[q, zeros_k, eye])?;
-        let (q, zk, eye) = (fenced[0], fenced[1], fenced[2]);
-        let outs = call_named(&mut b, fwd_k, &fwd_sig.1, &|name| match name {
-            "v" => Some(zk),
-            "h0" => Some(eye),
-            other => get(&named, other),
-        })?;
-        let p = pick(&mut b, carry, outs[fwd_sig.1.result_index("final_state").unwrap_or(1)])?;
-        let qp = b.concatenate(&[q, p], 3)?;
-        let all = exchange(&mut b, qp, devices)?;
-        let mut states = vec![b.constant_f32(0.0, f32(&[s.b as i64, s.h as i64, k, v]))?];
-        for j in 0..devices.saturating_sub(1) {
-            let q = block(&mut b, all, j, (0, v))?;
-            let p = block(&mut b, all, j, (v, v + k))?;
-            let ps = b.batch_matmul(p, states[j], Transpose::None)?;
-            states.push(b.add(ps, q)?);
-        }
-        let s_in = select_piece(&mut b, piece, &states)?;
-        let placed = place(&mut b, first, s_in, n)?;
-        b.add(h0, placed)?
-    } else {
-        h0
-    };
-
+    let h0_eff = if wants_forward { entering_states(&mut b, &cx, h0)? } else { h0 };
     // 3: the ending dh of each piece.
-    let dht_eff = if wants_backward {
-        let dht = get(&named, "dht").ok_or_else(|| missing("dht"))?;
-        let dh0_of = |sig: &ProgramSignature| {
-            sig.result_index("dh0").ok_or_else(|| crate::TpuError::builder("context_parallel", "no dh0"))
-        };
-        let outs = call_named(&mut b, "kda_bwd", &bwd_sig.0, &|name| match name {
-            "h0" => Some(h0_eff),
-            other => get(&named, other),
-        })?;
-        let r = pick(&mut b, first, outs[dh0_of(&bwd_sig.0)?])?;
-        let eye = placed_identity(&mut b, carry, s)?;
-        let fenced = b.optimization_barrier(&[r, zeros_k, zero_states_k, eye])?;
-        let (r, zk, zs, eye) = (fenced[0], fenced[1], fenced[2], fenced[3]);
-        let outs = call_named(&mut b, bwd_k, &bwd_sig.1, &|name| match name {
-            "v" | "do" => Some(zk),
-            "h0" => Some(zs),
-            "dht" => Some(eye),
-            other => get(&named, other),
-        })?;
-        let pt = pick(&mut b, first, outs[dh0_of(&bwd_sig.1)?])?;
-        let rp = b.concatenate(&[r, pt], 3)?;
-        let all = exchange(&mut b, rp, devices)?;
-        let mut ends = vec![b.constant_f32(0.0, f32(&[s.b as i64, s.h as i64, k, v]))?; devices];
-        for j in (0..devices.saturating_sub(1)).rev() {
-            let r = block(&mut b, all, j + 1, (0, v))?;
-            let pt = block(&mut b, all, j + 1, (v, v + k))?;
-            let pg = b.batch_matmul(pt, ends[j + 1], Transpose::None)?;
-            ends[j] = b.add(pg, r)?;
-        }
-        let dh_out = select_piece(&mut b, piece, &ends)?;
-        let placed = place(&mut b, carry, dh_out, n)?;
-        Some(b.add(dht, placed)?)
-    } else {
-        None
-    };
+    let dht_eff = if wants_backward { Some(ending_dh(&mut b, &cx, h0_eff)?) } else { None };
 
     // 4: the piece's own program, after the transitions (fenced: not interleaved with them).
     let mut fence: Vec<Value> = named.iter().map(|(_, v)| *v).collect();
@@ -331,4 +281,104 @@ pub fn context_parallel_program(s: &KernelSpec, kind: ProgramKind, devices: usiz
     b.ret(&outs)?;
     m.add(b)?;
     Ok(m.to_text())
+}
+
+/// What the transition runs of a context-parallel program share.
+struct Pieces<'a> {
+    s: &'a KernelSpec,
+    devices: usize,
+    /// The program's arguments by name.
+    named: &'a [(&'static str, Value)],
+    /// The forward transition runs' signatures (V wide, K wide) and the K-wide function.
+    fwd: (&'a (ProgramSignature, ProgramSignature), &'static str),
+    /// The backward transition runs' signatures and the K-wide function.
+    bwd: (&'a (ProgramSignature, ProgramSignature), &'static str),
+    /// Zero values (and cotangents) K wide, and zero states `[B, N, H, K, K]`.
+    zeros_k: Value,
+    zero_states_k: Value,
+    /// Slot 0 of each row (its first segment) and the continuation slot.
+    first: Value,
+    carry: Value,
+    /// This device's piece index.
+    piece: Value,
+}
+
+impl Pieces<'_> {
+    fn get(&self, name: &str) -> Option<Value> {
+        self.named.iter().find(|(n, _)| *n == name).map(|(_, v)| *v)
+    }
+}
+
+/// Steps 1-2: each piece's entering state, `h0` plus the states the pieces before it pass on
+/// (`Q + P S` folded over the exchanged transitions).
+fn entering_states(b: &mut FnBuilder, cx: &Pieces, h0: Value) -> Result<Value> {
+    let (s, devices, (fwd_sig, fwd_k)) = (cx.s, cx.devices, cx.fwd);
+    let (k, v, n) = (s.k as i64, s.v as i64, s.n as i64);
+    let f32 = |d: &[i64]| TensorType::new(DType::F32, d);
+    let (first, carry, piece, zeros_k) = (cx.first, cx.carry, cx.piece, cx.zeros_k);
+    let outs = call_named(b, "kda_fwd", &fwd_sig.0, &|name| cx.get(name))?;
+    let q = pick(b, carry, outs[fwd_sig.0.result_index("final_state").unwrap_or(1)])?;
+    let eye = placed_identity(b, first, s)?;
+    // One run after the other: their intermediates are never live together.
+    let fenced = b.optimization_barrier(&[q, zeros_k, eye])?;
+    let (q, zk, eye) = (fenced[0], fenced[1], fenced[2]);
+    let outs = call_named(b, fwd_k, &fwd_sig.1, &|name| match name {
+        "v" => Some(zk),
+        "h0" => Some(eye),
+        other => cx.get(other),
+    })?;
+    let p = pick(b, carry, outs[fwd_sig.1.result_index("final_state").unwrap_or(1)])?;
+    let qp = b.concatenate(&[q, p], 3)?;
+    let all = exchange(b, qp, devices)?;
+    let mut states = vec![b.constant_f32(0.0, f32(&[s.b as i64, s.h as i64, k, v]))?];
+    for j in 0..devices.saturating_sub(1) {
+        let q = block(b, all, j, (0, v))?;
+        let p = block(b, all, j, (v, v + k))?;
+        let ps = b.batch_matmul(p, states[j], Transpose::None)?;
+        states.push(b.add(ps, q)?);
+    }
+    let s_in = select_piece(b, piece, &states)?;
+    let placed = place(b, first, s_in, n)?;
+    b.add(h0, placed)
+}
+
+/// Step 3: each piece's ending `dh`, `dht` plus what the pieces after it pass back (`R + P^T G`
+/// folded in reverse), from the entering states `h0_eff`.
+fn ending_dh(b: &mut FnBuilder, cx: &Pieces, h0_eff: Value) -> Result<Value> {
+    let (s, devices, (bwd_sig, bwd_k)) = (cx.s, cx.devices, cx.bwd);
+    let (k, v, n) = (s.k as i64, s.v as i64, s.n as i64);
+    let f32 = |d: &[i64]| TensorType::new(DType::F32, d);
+    let (first, carry, piece) = (cx.first, cx.carry, cx.piece);
+    let missing = |what: &str| crate::TpuError::builder("context_parallel", format!("needs {what}"));
+    let dht = cx.get("dht").ok_or_else(|| missing("dht"))?;
+    let dh0_of = |sig: &ProgramSignature| {
+        sig.result_index("dh0").ok_or_else(|| crate::TpuError::builder("context_parallel", "no dh0"))
+    };
+    let outs = call_named(b, "kda_bwd", &bwd_sig.0, &|name| match name {
+        "h0" => Some(h0_eff),
+        other => cx.get(other),
+    })?;
+    let r = pick(b, first, outs[dh0_of(&bwd_sig.0)?])?;
+    let eye = placed_identity(b, carry, s)?;
+    let fenced = b.optimization_barrier(&[r, cx.zeros_k, cx.zero_states_k, eye])?;
+    let (r, zk, zs, eye) = (fenced[0], fenced[1], fenced[2], fenced[3]);
+    let outs = call_named(b, bwd_k, &bwd_sig.1, &|name| match name {
+        "v" | "do" => Some(zk),
+        "h0" => Some(zs),
+        "dht" => Some(eye),
+        other => cx.get(other),
+    })?;
+    let pt = pick(b, first, outs[dh0_of(&bwd_sig.1)?])?;
+    let rp = b.concatenate(&[r, pt], 3)?;
+    let all = exchange(b, rp, devices)?;
+    let mut ends = vec![b.constant_f32(0.0, f32(&[s.b as i64, s.h as i64, k, v]))?; devices];
+    for j in (0..devices.saturating_sub(1)).rev() {
+        let r = block(b, all, j + 1, (0, v))?;
+        let pt = block(b, all, j + 1, (v, v + k))?;
+        let pg = b.batch_matmul(pt, ends[j + 1], Transpose::None)?;
+        ends[j] = b.add(pg, r)?;
+    }
+    let dh_out = select_piece(b, piece, &ends)?;
+    let placed = place(b, carry, dh_out, n)?;
+    b.add(dht, placed)
 }
