@@ -621,11 +621,77 @@ fn chunk_grads(
     dq = add(b, &dq, &x)?;
     let x = mul(b, q, &diag)?;
     dk = add(b, &dk, &x)?;
-    // The products' operands in the type the products read them (bf16 for one-pass products:
-    // rounded once, and half the registers while they wait).
+    let m = as_operand(b, &m, p)?;
+    let LevelGrads { dq, dk, d_bk, d_exponents } = level_grads(b, [q, k], t, &m, p, [dq, dk])?;
+    let mut dk = dk;
+    let x = mul(b, &d_bk, &wb)?;
+    dk = add(b, &dk, &x)?;
+    // dbeta: one reduction over the rows' lanes when K = V.
+    let through_k = {
+        let x = sub(b, &d_bk, &nwe)?;
+        mul(b, &x, k)?
+    };
+    let through_v = mul(b, &xu, v)?;
+    let dbeta = if kd == vd {
+        let x = add(b, &through_k, &through_v)?;
+        b.reduce(Reduction::Sum, &x, 1)?
+    } else {
+        let x = b.reduce(Reduction::Sum, &through_k, 1)?;
+        let y = b.reduce(Reduction::Sum, &through_v, 1)?;
+        add(b, &x, &y)?
+    };
+    // dg = sum over the exponent arrays of mask^T dE (G, the strict suffix, the mid anchor, the
+    // levels: the masks' order), one product over them stacked.
+    let mut all = vec![d_g, d_suffix];
+    all.extend(d_exponents);
+    let stacked = b.concat(&all, 0)?;
+    // With gate parameters, which sum `dg` over every token, the gradients of `G` and of the
+    // strict suffix (the masks that sum up to 64 of their rows) go in two bf16 parts: bf16
+    // `dg` 2.9e-3 RMS (lower-bound gate, L2 norm) against 2.7e-3 with every array in two parts
+    // and 3.8e-3 with none; at H=32, T=8192 that costs 0.07 M static cycles, every array in two
+    // parts 0.27 M.
+    let split = if d.gate_params { 2 * C } else { 0 };
+    let dg = fold(b, masks_t, &stacked, p, split)?;
+    Ok(Grads { dq, dk, dv, dbeta, dg, d_last })
+}
+
+/// What the levels of a chunk's terms add up: `dq`, `dk`, `d(beta k)` and the gradients of the
+/// exponent arrays of levels 0 to 4 (the exponent masks' order after `G` and the suffix).
+struct LevelGrads {
+    dq: V,
+    dk: V,
+    d_bk: V,
+    d_exponents: Vec<V>,
+}
+
+/// The operand `x` in the type products at `p` read (bf16 for one-pass products: rounded once,
+/// and half the registers while it waits).
+fn as_operand(b: &mut Body, x: &V, p: MatPrecision) -> Result<V> {
     let op_ty = if p == MatPrecision::Default { DType::BF16 } else { DType::F32 };
-    let as_op = |b: &mut Body, x: &V| if x.ty.elem == op_ty { Ok(x.clone()) } else { b.cast(x, op_ty) };
-    let m = as_op(b, &m)?;
+    if x.ty.elem == op_ty {
+        Ok(x.clone())
+    } else {
+        b.cast(x, op_ty)
+    }
+}
+
+/// The gradients through the levels of `Aqk` and `L` (their cotangents `m`, `Aqk`'s above
+/// `L`'s, in the products' type) added to `dq` and `dk`.
+fn level_grads(
+    b: &mut Body,
+    [q, k]: [&V; 2],
+    t: &ChunkFactors,
+    m: &V,
+    p: MatPrecision,
+    [dq, dk]: [V; 2],
+) -> Result<LevelGrads> {
+    let (mut dq, mut dk) = (dq, dk);
+    let mul = |b: &mut Body, x: &V, y: &V| b.binary(Binary::Mul, x, y);
+    let add = |b: &mut Body, x: &V, y: &V| b.binary(Binary::Add, x, y);
+    let sub = |b: &mut Body, x: &V, y: &V| b.binary(Binary::Sub, x, y);
+    let as_op = |b: &mut Body, x: &V| as_operand(b, x, p);
+    let kd = k.ty.dims[1];
+    let m = m.clone();
     let mut d_exponents = vec![];
     // Level 0, the pairs within a 4-token block (rows and columns share tokens): `Aqk` rows
     // `q fr` and `L` rows `beta k fr` against columns `k fc`, strictly causal pairs on its mask.
@@ -710,35 +776,7 @@ fn chunk_grads(
         let x = add(b, &dk, &uw)?;
         dk = pick(b, &dk, &x)?;
     }
-    let x = mul(b, &d_bk, &wb)?;
-    dk = add(b, &dk, &x)?;
-    // dbeta: one reduction over the rows' lanes when K = V.
-    let through_k = {
-        let x = sub(b, &d_bk, &nwe)?;
-        mul(b, &x, k)?
-    };
-    let through_v = mul(b, &xu, v)?;
-    let dbeta = if kd == vd {
-        let x = add(b, &through_k, &through_v)?;
-        b.reduce(Reduction::Sum, &x, 1)?
-    } else {
-        let x = b.reduce(Reduction::Sum, &through_k, 1)?;
-        let y = b.reduce(Reduction::Sum, &through_v, 1)?;
-        add(b, &x, &y)?
-    };
-    // dg = sum over the exponent arrays of mask^T dE (G, the strict suffix, the mid anchor, the
-    // levels: the masks' order), one product over them stacked.
-    let mut all = vec![d_g, d_suffix];
-    all.extend(d_exponents);
-    let stacked = b.concat(&all, 0)?;
-    // With gate parameters, which sum `dg` over every token, the gradients of `G` and of the
-    // strict suffix (the masks that sum up to 64 of their rows) go in two bf16 parts: bf16
-    // `dg` 2.9e-3 RMS (lower-bound gate, L2 norm) against 2.7e-3 with every array in two parts
-    // and 3.8e-3 with none; at H=32, T=8192 that costs 0.07 M static cycles, every array in two
-    // parts 0.27 M.
-    let split = if d.gate_params { 2 * C } else { 0 };
-    let dg = fold(b, masks_t, &stacked, p, split)?;
-    Ok(Grads { dq, dk, dv, dbeta, dg, d_last })
+    Ok(LevelGrads { dq, dk, d_bk, d_exponents })
 }
 
 /// `sum_m M_m^T de_m` over the exponent masks (`masks_t` holds the transposes side by side)
