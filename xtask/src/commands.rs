@@ -17,9 +17,7 @@ pub fn aot(args: &[String]) -> Result<(), String> {
     #[cfg(not(feature = "pjrt"))]
     {
         let _ = opts;
-        let mut all = vec!["aot".to_string()];
-        all.extend(args.iter().cloned());
-        crate::cargo_cmd::reexec_with_pjrt(&all)
+        reexec("aot", args)
     }
 }
 
@@ -44,9 +42,7 @@ pub fn bench(args: &[String]) -> Result<(), String> {
     #[cfg(not(feature = "pjrt"))]
     {
         let _ = opts;
-        let mut all = vec!["bench".to_string()];
-        all.extend(args.iter().cloned());
-        crate::cargo_cmd::reexec_with_pjrt(&all)
+        reexec("bench", args)
     }
 }
 
@@ -73,6 +69,14 @@ pub fn demo(args: &[String]) -> Result<(), String> {
     }
     #[cfg(not(feature = "pjrt"))]
     {
-        crate::cargo_cmd::reexec_with_pjrt(&["demo".to_string()])
+        reexec("demo", args)
     }
+}
+
+/// Runs `cargo xtask CMD ARGS` again with the `pjrt` feature.
+#[cfg(not(feature = "pjrt"))]
+fn reexec(cmd: &str, args: &[String]) -> Result<(), String> {
+    let mut all = vec![cmd.to_string()];
+    all.extend(args.iter().cloned());
+    crate::cargo_cmd::reexec_with_pjrt(&all)
 }
