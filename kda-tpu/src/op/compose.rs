@@ -19,8 +19,8 @@
 //! ```
 //! use kda_core::{BackwardStrategy, DType, HostTensor, KdaConfig, KdaInputs};
 //! use kda_tpu::hlo::{FnBuilder, Module};
-//! use kda_tpu::kernels::compose::add_function;
-//! use kda_tpu::kernels::interface::index_tables;
+//! use kda_tpu::op::compose::add_function;
+//! use kda_tpu::op::interface::index_tables;
 //! use kda_tpu::{KernelSpec, ProgramKind};
 //!
 //! // The spec of a call: batch-first [B, T, H, D] = [1, 128, 2, 16], f32, in-kernel q/k norm.

@@ -52,7 +52,7 @@ pub struct Decay {
     products: bool,
 }
 
-/// Profiling views of the factors (`kernels::parts`).
+/// Profiling views of the factors (`op::parts`).
 #[cfg(feature = "harness")]
 impl Decay {
     /// Every factor, for profiling.
