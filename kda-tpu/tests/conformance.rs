@@ -1038,7 +1038,8 @@ mod full {
         #[values(BackwardStrategy::SavedState, BackwardStrategy::Rematerialize)] strategy: BackwardStrategy,
         #[values(Path::Fused, Path::Split)] path: Path,
     ) {
-        super::causality::holds(implementation, devices, rows.0, rows.1, dtype, strategy, path);
+        let setup = kda_testkit::causality::Setup { rows: rows.1, dtype, strategy, path };
+        super::causality::holds(implementation, devices, rows.0, setup);
     }
 
     #[rstest]
@@ -1090,18 +1091,11 @@ mod causality {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn holds(
-        implementation: Implementation,
-        devices: usize,
-        place: Place,
-        rows: Rows,
-        dtype: DType,
-        strategy: BackwardStrategy,
-        path: Path,
-    ) {
+    /// Causality on `implementation` over `devices` devices (two: `Split::Context`), packed
+    /// rows placed as `place` says.
+    pub(crate) fn holds(implementation: Implementation, devices: usize, place: Place, setup: Setup) {
         let be = backend(implementation, devices, place);
-        match kda_testkit::causality::check(&be, Setup { rows, dtype, strategy, path }) {
+        match kda_testkit::causality::check(&be, setup) {
             Ok(summary) => eprintln!("{summary}"),
             Err(failure) => panic!("{failure}"),
         }
@@ -1111,7 +1105,7 @@ mod causality {
     #[case::fixed_f32_saved_fused(Fixed, F32, Saved, Fused)]
     #[case::packed_bf16_remat_split(Packed, BF16, Remat, Staged)]
     fn xla(#[case] rows: Rows, #[case] dtype: DType, #[case] strategy: BackwardStrategy, #[case] path: Path) {
-        holds(Implementation::Xla, 1, Place::InPlace, rows, dtype, strategy, path);
+        holds(Implementation::Xla, 1, Place::InPlace, Setup { rows, dtype, strategy, path });
     }
 
     /// Each pair of values of any two of rows, dtype, strategy and path once.
@@ -1129,7 +1123,7 @@ mod causality {
         #[case] strategy: BackwardStrategy,
         #[case] path: Path,
     ) {
-        holds(Implementation::Interpret, 1, place, rows, dtype, strategy, path);
+        holds(Implementation::Interpret, 1, place, Setup { rows, dtype, strategy, path });
     }
 
     /// Two devices, each row cut into two pieces at token 128 (`Split::Context`).
@@ -1142,6 +1136,6 @@ mod causality {
         #[case] dtype: DType,
         #[case] strategy: BackwardStrategy,
     ) {
-        holds(implementation, 2, Place::InPlace, rows, dtype, strategy, Fused);
+        holds(implementation, 2, Place::InPlace, Setup { rows, dtype, strategy, path: Fused });
     }
 }

@@ -49,11 +49,10 @@ fn pieces(
 fn program_text(
     o: &AotOptions,
     be: &PjrtBackend,
-    case: &kda_testkit::Case,
-    dtype: kda_core::DType,
+    (case, dtype): (&kda_testkit::Case, kda_core::DType),
+    (problem, cp): (&kda_core::Problem, &[kda_core::Problem]),
     program: crate::aot_cmd::Program,
 ) -> Result<String, String> {
-    let (problem, cp) = pieces(o, case, dtype)?;
     let slab = kda_tpu::op::TPU_SLAB;
     let budget = |s: kda_tpu::KernelSpec| match o.packed_result_bytes {
         Some(bytes) => s.with_packed_result_bytes(bytes),
@@ -67,7 +66,7 @@ fn program_text(
             .map_err(err)
     } else {
         let spec = be
-            .spec(&problem, case.final_state)
+            .spec(problem, case.final_state)
             .map_err(err)?
             .with_slab(slab)
             .with_implementation(o.implementation);
@@ -82,8 +81,9 @@ fn emit(o: &AotOptions, be: &PjrtBackend, dir: &str) -> Result<(), String> {
     for &shape in &o.shapes {
         let case = o.case(shape);
         for &dtype in &o.dtypes {
+            let (problem, cp) = pieces(o, &case, dtype)?;
             for &program in &o.programs {
-                let text = program_text(o, be, &case, dtype, program)?;
+                let text = program_text(o, be, (&case, dtype), (&problem, &cp), program)?;
                 let devices = if o.devices > 1 { format!(".d{}", o.devices) } else { String::new() };
                 let name = format!(
                     "{}.{}.{dtype}.{}{devices}.mlir",
@@ -145,7 +145,7 @@ pub fn run(o: &AotOptions) -> Result<(), String> {
         for &dtype in &o.dtypes {
             let (problem, cp) = pieces(o, &case, dtype)?;
             for &program in &o.programs {
-                let text = program_text(o, &be, &case, dtype, program)?;
+                let text = program_text(o, &be, (&case, dtype), (&problem, &cp), program)?;
                 crate::progress::step(
                     "aot",
                     format_args!(

@@ -622,8 +622,7 @@ fn chunk_grads(
     let x = mul(b, q, &diag)?;
     dk = add(b, &dk, &x)?;
     let m = as_operand(b, &m, p)?;
-    let LevelGrads { dq, dk, d_bk, d_exponents } = level_grads(b, [q, k], t, &m, p, [dq, dk])?;
-    let mut dk = dk;
+    let LevelGrads { dq, mut dk, d_bk, d_exponents } = level_grads(b, [q, k], t, &m, p, [dq, dk])?;
     let x = mul(b, &d_bk, &wb)?;
     dk = add(b, &dk, &x)?;
     // dbeta: one reduction over the rows' lanes when K = V.

@@ -359,7 +359,6 @@ pub(super) fn forward_body(
     calls: &KernelCalls,
 ) -> Result<Vec<Value>> {
     let Kept { states: keep_h, terms } = kept;
-    let kernel_forms = true;
     let lowering = calls.lowering;
     let x = on_device(s.dtype);
     let tokens = tokens_of(s);
@@ -412,17 +411,17 @@ pub(super) fn forward_body(
         Tokens::PackedHeadFirst | Tokens::PackedBatchFirst => {
             let slots = packed_slots(a)?;
             let o = packed_result(b, s, outs[0], slots, x)?;
-            b.reshape(o, &s.result_token_dims(s.v, kernel_forms))?
+            b.reshape(o, &s.result_token_dims(s.v, true))?
         }
         Tokens::Lanes => {
             let (l, nt) = (s.lanes() as i64, s.chunks() as i64);
             let o = b.reshape(outs[0], &[l, nt, CHUNK as i64, s.v as i64])?;
             let o = prep::from_chunks(b, s, o, a.token_slot)?;
             let o = prep::to_caller(b, s, o, x)?;
-            b.reshape(o, &s.result_token_dims(s.v, kernel_forms))?
+            b.reshape(o, &s.result_token_dims(s.v, true))?
         }
         // Already in the caller's layout: the result's form is a reshape.
-        _ => b.reshape(outs[0], &s.result_token_dims(s.v, kernel_forms))?,
+        _ => b.reshape(outs[0], &s.result_token_dims(s.v, true))?,
     };
     let mut results = vec![o];
     if s.final_state {
@@ -438,4 +437,17 @@ pub(super) fn forward_body(
         results.extend([outs[at], outs[at + 1]]);
     }
     Ok(results)
+}
+
+/// The forward on the kernels: `o [final_state] [h]`.
+pub(in crate::op) fn forward(
+    f: &mut FnBuilder,
+    s: &KernelSpec,
+    a: &Args,
+    keep_h: bool,
+    lowering: Lowering,
+) -> Result<Vec<Value>> {
+    let calls = kernel_calls(f, s, MaskReaders::Forward, lowering)?;
+    let kept = Kept { states: keep_h, terms: false };
+    forward_body(f, s, a, kept, &calls)
 }
