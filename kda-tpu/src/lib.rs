@@ -30,7 +30,7 @@ pub use backend::{
 };
 pub use error::{Result, TpuError};
 pub use op::interface::ProgramKind;
-pub use op::{Implementation, KernelSpec};
+pub use op::{Implementation, KernelSpec, Tuning};
 #[cfg(feature = "runtime")]
 pub use runtime::{CompileOptions, DeviceBuffer, Executable, MemoryStats, Runtime, Signature, XlaOption};
 

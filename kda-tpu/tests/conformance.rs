@@ -90,7 +90,8 @@ mod gate_gradients {
     ) {
         let mut be = kda_tpu::PjrtBackend::new().expect("PJRT plugin (run `cargo xtask setup`)");
         if slabs {
-            be = be.with_slab(kda_tpu::op::TPU_SLAB);
+            let tuning = be.tuning().with_slab(kda_tpu::op::TPU_SLAB);
+            be = be.with_tuning(tuning).expect("a tuning");
         }
         match gate_gradients(&be, name, strategy, path) {
             Ok(report) => eprint!("{report}"),
@@ -489,7 +490,8 @@ mod context_parallel {
         #[case] strategy: BackwardStrategy,
         #[case] path: Path,
     ) {
-        let be = built(options(devices).implementation(kda_tpu::Implementation::Interpret));
+        let tuning = kda_tpu::Tuning::default().with_implementation(kda_tpu::Implementation::Interpret);
+        let be = built(options(devices).tuning(tuning));
         meets_the_reference(
             &be,
             &format!("of the kernels on {devices} devices"),
@@ -512,7 +514,9 @@ mod context_parallel {
         #[case] strategy: BackwardStrategy,
         #[case] path: Path,
     ) {
-        let be = built(options(devices).slab(1));
+        let be = built(
+            options(devices).tuning(kda_tpu::Tuning::from_env().expect("KDA_IMPLEMENTATION").with_slab(1)),
+        );
         meets_the_reference(&be, &format!("on {devices} devices in slabs"), name, dtype, strategy, path);
     }
 
@@ -593,7 +597,7 @@ mod interpret {
 
     pub fn backend() -> PjrtBackend {
         PjrtBackend::new()
-            .and_then(|b| b.with_implementation(Implementation::Interpret))
+            .and_then(|b| b.clone().with_tuning(b.tuning().with_implementation(Implementation::Interpret)))
             .expect("PJRT plugin (run `cargo xtask setup`)")
     }
 
@@ -851,7 +855,7 @@ mod interpret {
 
     /// Gradient compaction: the kernels reading packed tokens in place and writing every
     /// result straight to its packed token agree with the gather path (the same kernels on
-    /// chunk-aligned lanes that XLA gathers and compacts back, `with_packed_result_bytes(0)`)
+    /// chunk-aligned lanes that XLA gathers and compacts back, `packed_result_bytes` 0)
     /// within docs/kda.md's limits: 1e-7 absolute in f32, equal in bf16; padding tokens 0 on
     /// both. The in-kernel gate is the one difference of arithmetic between the paths (lanes
     /// get the gate XLA activated), so with it f32 agrees within 4 ULPs of each tensor's
@@ -870,7 +874,8 @@ mod interpret {
         let run = |be: PjrtBackend| {
             be.forward_and_vjp(&data.inputs, &data.cotangents, strategy).expect("forward and vjp")
         };
-        let ((o, g), (gather_o, gather_g)) = (run(backend()), run(backend().with_packed_result_bytes(0)));
+        let gather = backend().with_tuning(backend().tuning().with_packed_result_bytes(0)).expect("a tuning");
+        let ((o, g), (gather_o, gather_g)) = (run(backend()), run(gather));
         let pairs = [
             ("o", Some(&o.o), Some(&gather_o.o)),
             ("final_state", o.final_state.as_ref(), gather_o.final_state.as_ref()),
@@ -937,7 +942,7 @@ mod interpret {
     ) {
         let case = Case { layout, ..Case::base("kernel_chunks_per_step", 2, 2, t, 128, 128) };
         run(kda_testkit::conformance::backward_case(
-            &backend().with_step_chunks(step_chunks),
+            &backend().with_tuning(backend().tuning().with_step_chunks(step_chunks)).expect("a tuning"),
             &case,
             dtype,
             BackwardStrategy::SavedState,
@@ -974,9 +979,9 @@ mod full {
         #[values(Path::Fused, Path::Split)] path: Path,
         #[values(DType::F32, DType::BF16)] dtype: DType,
     ) {
-        let be = super::context_parallel::backend(devices)
-            .with_implementation(implementation)
-            .expect("implementation");
+        let be = super::context_parallel::backend(devices);
+        let be =
+            be.clone().with_tuning(be.tuning().with_implementation(implementation)).expect("implementation");
         if let Err(failure) = backward_case(&be, &super::context_parallel::named(name), dtype, strategy, path)
         {
             panic!("conformance failure on {devices} devices:\n{failure}");
@@ -1059,7 +1064,7 @@ mod full {
 /// change with the inputs from `t0` on (nor `dh0`), and the gradients from `t0` on do not
 /// change with `do` before `t0` ([`kda_testkit::causality`]). Gates in [-6, 0] with three hard
 /// resets in a row inside one 4-token block; packed rows with segment boundaries inside 4-token
-/// blocks, read in place by the kernels or through lanes (`with_packed_result_bytes(0)`).
+/// blocks, read in place by the kernels or through lanes (`packed_result_bytes` 0).
 mod causality {
     use kda_core::{BackwardStrategy, DType};
     use kda_testkit::causality::{Rows, Setup};
@@ -1080,14 +1085,16 @@ mod causality {
     }
 
     fn backend(implementation: Implementation, devices: usize, place: Place) -> PjrtBackend {
-        let mut o = PjrtOptions::new().implementation(implementation);
+        let mut o = PjrtOptions::new().tuning(kda_tpu::Tuning::default().with_implementation(implementation));
         if devices > 1 {
             o = o.devices(devices).split(Split::Context);
         }
         let be = o.build().expect("PJRT plugin (run `cargo xtask setup`)");
         match place {
             Place::InPlace => be,
-            Place::Lanes => be.with_packed_result_bytes(0),
+            Place::Lanes => {
+                be.clone().with_tuning(be.tuning().with_packed_result_bytes(0)).expect("a tuning")
+            }
         }
     }
 

@@ -114,7 +114,8 @@ fn device_loop_moves_index_tables_once(
     #[case] implementation: Implementation,
     #[case] reshapes: u64,
 ) {
-    let be = backend().with_implementation(implementation).expect("implementation");
+    let be = backend();
+    let be = be.clone().with_tuning(be.tuning().with_implementation(implementation)).expect("implementation");
     let d = data(name, DType::F32);
     let x = be.to_device(&d.inputs, 0).expect("upload");
     let mut crossed = Vec::new();
@@ -343,13 +344,15 @@ fn calls_trace_kind_shape_dtype_strategy_and_cache() {
 #[test]
 fn mosaic_needs_a_tpu_plugin() {
     use kda_tpu::{Implementation, PjrtOptions};
-    let err = PjrtOptions::new().implementation(Implementation::Mosaic).build().expect_err("no TPU here");
+    let mosaic = kda_tpu::Tuning::default().with_implementation(Implementation::Mosaic);
+    let err = PjrtOptions::new().tuning(mosaic).build().expect_err("no TPU here");
     assert_eq!(err.kind(), ErrorKind::Unsupported, "{err:?}");
     assert!(err.to_string().contains("platform is cpu"), "{err}");
     let be = PjrtBackend::new().expect("PJRT plugin (run `cargo xtask setup`)");
-    let err = be.clone().with_implementation(Implementation::Mosaic).expect_err("no TPU here");
+    let err = be.clone().with_tuning(mosaic).expect_err("no TPU here");
     assert!(err.to_string().contains("platform is cpu"), "{err}");
-    let interpret = be.with_implementation(Implementation::Interpret).expect("any plugin");
-    assert_eq!(interpret.implementation(), Implementation::Interpret);
+    let interpret =
+        be.with_tuning(mosaic.with_implementation(Implementation::Interpret)).expect("any plugin");
+    assert_eq!(interpret.tuning().implementation, Implementation::Interpret);
     assert_eq!(kda_core::Backend::name(&interpret), "pjrt-cpu-interpret");
 }

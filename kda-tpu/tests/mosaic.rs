@@ -54,7 +54,9 @@ fn case_of(kernel: Kernel, inputs: Vec<In>, want: Vec<f32>, tol: f32) -> Result<
 }
 
 fn one_step(name: &str) -> KernelBuilder {
-    KernelBuilder::new(name).grid(1, Semantics::Parallel)
+    let mut k = KernelBuilder::new(name);
+    k.grid(1, Semantics::Parallel);
+    k
 }
 
 /// `a x b` of two whole `dtype` operands of `dims`, contracting `contract`, into f32.
@@ -66,28 +68,33 @@ fn matmul_kernel(
     precision: MatPrecision,
 ) -> Result<Kernel> {
     let out = [dims[0][1 - contract.0], dims[1][1 - contract.1]];
-    whole_kernel(name, &[t(dtype, &dims[0]), t(dtype, &dims[1])], &[t(DType::F32, &out)], |b| {
-        let (x, y) = (b.load_all(Ref::Input(0))?, b.load_all(Ref::Input(1))?);
+    whole_kernel(name, &[t(dtype, &dims[0]), t(dtype, &dims[1])], &[t(DType::F32, &out)], |b, ins, outs| {
+        let (x, y) = (b.load_all(ins[0])?, b.load_all(ins[1])?);
         let p = b.matmul(&x, &y, contract, precision)?;
-        b.store_all(Ref::Output(0), &p)
+        b.store_all(outs[0], &p)
     })
 }
 
-/// A one-step kernel of whole operands and results of the types given, running `body`.
+/// A one-step kernel of whole operands and results of the types given, running `body` on
+/// their references (inputs, then results).
 fn whole_kernel(
     name: &str,
     inputs: &[TensorType],
     outputs: &[TensorType],
-    body: impl FnOnce(&mut kda_tpu::lang::Body) -> Result<()>,
+    body: impl FnOnce(&mut kda_tpu::lang::Body, &[Ref], &[Ref]) -> Result<()>,
 ) -> Result<Kernel> {
     let mut k = one_step(name);
-    for (i, ty) in inputs.iter().enumerate() {
-        k = k.input(Operand::whole(&format!("in{i}"), ty.clone()));
-    }
-    for (i, ty) in outputs.iter().enumerate() {
-        k = k.output(Operand::whole(&format!("out{i}"), ty.clone()));
-    }
-    k.build(body)
+    let ins: Vec<Ref> = inputs
+        .iter()
+        .enumerate()
+        .map(|(i, ty)| k.input(Operand::whole(&format!("in{i}"), ty.clone())))
+        .collect();
+    let outs: Vec<Ref> = outputs
+        .iter()
+        .enumerate()
+        .map(|(i, ty)| k.output(Operand::whole(&format!("out{i}"), ty.clone())))
+        .collect();
+    k.build(|b| body(b, &ins, &outs))
 }
 
 fn matmul_f32() -> Result<Case> {
@@ -96,12 +103,12 @@ fn matmul_f32() -> Result<Case> {
         "matmul_f32",
         &[t(DType::F32, &[128, 128]), t(DType::F32, &[128, 128])],
         &[t(DType::F32, &[128, 128])],
-        |b| {
-            let (a, c) = (b.load_all(Ref::Input(0))?, b.load_all(Ref::Input(1))?);
+        |b, ins, outs| {
+            let (a, c) = (b.load_all(ins[0])?, b.load_all(ins[1])?);
             let p = b.matmul(&a, &c, (1, 0), MatPrecision::Highest)?;
             let one = b.splat(1.0, DType::F32, &[128, 128])?;
             let r = b.binary(Binary::Add, &p, &one)?;
-            b.store_all(Ref::Output(0), &r)
+            b.store_all(outs[0], &r)
         },
     )?;
     let want = matmul(&x, &y, 128, 128, 128).into_iter().map(|v| v + 1.0).collect();
@@ -128,9 +135,12 @@ fn matmul_bf16() -> Result<Case> {
 
 fn elementwise() -> Result<Case> {
     let x = rand_vec(8 * 128, 7, 0.5, 2.0);
-    let kernel =
-        whole_kernel("elementwise", &[t(DType::F32, &[8, 128])], &[t(DType::F32, &[8, 128])], |b| {
-            let x = b.load_all(Ref::Input(0))?;
+    let kernel = whole_kernel(
+        "elementwise",
+        &[t(DType::F32, &[8, 128])],
+        &[t(DType::F32, &[8, 128])],
+        |b, ins, outs| {
+            let x = b.load_all(ins[0])?;
             let one = b.splat(1.0, DType::F32, &[8, 128])?;
             let (e, l, r, n) = (
                 b.unary(Unary::Exp, &x)?,
@@ -149,8 +159,9 @@ fn elementwise() -> Result<Case> {
             let s = b.binary(Binary::Sub, &s, &nx)?;
             let m = b.binary(Binary::Sub, &hi, &lo)?;
             let out = b.binary(Binary::Add, &s, &m)?;
-            b.store_all(Ref::Output(0), &out)
-        })?;
+            b.store_all(outs[0], &out)
+        },
+    )?;
     let want = x
         .iter()
         .map(|&v| {
@@ -163,30 +174,38 @@ fn elementwise() -> Result<Case> {
 
 fn causal_mask() -> Result<Case> {
     let x = rand_vec(64 * 128, 8, -1.0, 1.0);
-    let kernel =
-        whole_kernel("causal_mask", &[t(DType::F32, &[64, 128])], &[t(DType::F32, &[64, 128])], |b| {
-            let x = b.load_all(Ref::Input(0))?;
+    let kernel = whole_kernel(
+        "causal_mask",
+        &[t(DType::F32, &[64, 128])],
+        &[t(DType::F32, &[64, 128])],
+        |b, ins, outs| {
+            let x = b.load_all(ins[0])?;
             let (r, c) = (b.iota(&[64, 128], 0)?, b.iota(&[64, 128], 1)?);
             let keep = b.compare(Cmp::Ge, &r, &c)?;
             let zero = b.splat(0.0, DType::F32, &[64, 128])?;
             let out = b.select(&keep, &x, &zero)?;
-            b.store_all(Ref::Output(0), &out)
-        })?;
+            b.store_all(outs[0], &out)
+        },
+    )?;
     let want = x.iter().enumerate().map(|(i, &v)| if i / 128 >= i % 128 { v } else { 0.0 }).collect();
     Ok(Case { kernel, inputs: vec![In::F32(x, vec![64, 128])], want: vec![want], tol: 0.0 })
 }
 
 fn reduce_broadcast() -> Result<Case> {
     let x = rand_vec(64 * 128, 9, -1.0, 1.0);
-    let kernel =
-        whole_kernel("reduce_broadcast", &[t(DType::F32, &[64, 128])], &[t(DType::F32, &[64, 128])], |b| {
-            let x = b.load_all(Ref::Input(0))?;
+    let kernel = whole_kernel(
+        "reduce_broadcast",
+        &[t(DType::F32, &[64, 128])],
+        &[t(DType::F32, &[64, 128])],
+        |b, ins, outs| {
+            let x = b.load_all(ins[0])?;
             let (s, m) = (b.reduce(Reduction::Sum, &x, 1)?, b.reduce(Reduction::Max, &x, 1)?);
             let (s, m) = (b.broadcast(&s, &[64, 128])?, b.broadcast(&m, &[64, 128])?);
             let d = b.binary(Binary::Sub, &x, &m)?;
             let out = b.binary(Binary::Add, &d, &s)?;
-            b.store_all(Ref::Output(0), &out)
-        })?;
+            b.store_all(outs[0], &out)
+        },
+    )?;
     let mut want = vec![0f32; 64 * 128];
     for r in 0..64 {
         let row = &x[r * 128..(r + 1) * 128];
@@ -201,14 +220,18 @@ fn reduce_broadcast() -> Result<Case> {
 
 fn cast_transpose() -> Result<Case> {
     let x = rand_vec(64 * 128, 10, -1.0, 1.0);
-    let kernel =
-        whole_kernel("cast_transpose", &[t(DType::F32, &[64, 128])], &[t(DType::F32, &[128, 64])], |b| {
-            let x = b.load_all(Ref::Input(0))?;
+    let kernel = whole_kernel(
+        "cast_transpose",
+        &[t(DType::F32, &[64, 128])],
+        &[t(DType::F32, &[128, 64])],
+        |b, ins, outs| {
+            let x = b.load_all(ins[0])?;
             let h = b.cast(&x, DType::BF16)?;
             let w = b.cast(&h, DType::F32)?;
             let tr = b.transpose(&w)?;
-            b.store_all(Ref::Output(0), &tr)
-        })?;
+            b.store_all(outs[0], &tr)
+        },
+    )?;
     let rounded: Vec<f32> = x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
     Ok(Case {
         kernel,
@@ -221,21 +244,21 @@ fn cast_transpose() -> Result<Case> {
 fn blocked_grid() -> Result<Case> {
     let x = rand_vec(512 * 128, 11, -1.0, 1.0);
     let rows = vec![Index::Grid(0), Index::Const(0)];
-    let kernel = KernelBuilder::new("blocked_grid")
-        .grid(8, Semantics::Parallel)
-        .input(Operand::blocked("x", t(DType::F32, &[512, 128]), &[64, 128], rows.clone()))
-        .output(Operand::blocked("o", t(DType::F32, &[512, 128]), &[64, 128], rows))
-        .build(|b| {
-            // Block i scaled by i + 1: the grid index broadcast and cast to f32.
-            let x = b.load_all(Ref::Input(0))?;
-            let i = b.program_id(0)?;
-            let one = b.index(1)?;
-            let ip1 = b.index_op(Binary::Add, &i, &one)?;
-            let s = b.broadcast(&ip1, &[64, 128])?;
-            let s = b.cast(&s, DType::F32)?;
-            let out = b.binary(Binary::Mul, &x, &s)?;
-            b.store_all(Ref::Output(0), &out)
-        })?;
+    let mut kb = KernelBuilder::new("blocked_grid");
+    kb.grid(8, Semantics::Parallel);
+    let xs = kb.input(Operand::blocked("x", t(DType::F32, &[512, 128]), &[64, 128], rows.clone()));
+    let o = kb.output(Operand::blocked("o", t(DType::F32, &[512, 128]), &[64, 128], rows));
+    let kernel = kb.build(|b| {
+        // Block i scaled by i + 1: the grid index broadcast and cast to f32.
+        let x = b.load_all(xs)?;
+        let i = b.program_id(0)?;
+        let one = b.index(1)?;
+        let ip1 = b.index_op(Binary::Add, &i, &one)?;
+        let s = b.broadcast(&ip1, &[64, 128])?;
+        let s = b.cast(&s, DType::F32)?;
+        let out = b.binary(Binary::Mul, &x, &s)?;
+        b.store_all(o, &out)
+    })?;
     let want = x.iter().enumerate().map(|(i, v)| v * (i / (64 * 128) + 1) as f32).collect();
     Ok(Case { kernel, inputs: vec![In::F32(x, vec![512, 128])], want: vec![want], tol: 0.0 })
 }
@@ -244,33 +267,33 @@ fn scalar_prefetch() -> Result<Case> {
     // tab[0..8): which 8-row block of x step i reads; tab[8 + i]: which 8-row block of y it adds.
     let table: Vec<i32> = vec![3, 0, 7, 1, 6, 2, 5, 4, 7, 6, 5, 4, 3, 2, 1, 0];
     let (x, y) = (rand_vec(64 * 128, 12, -1.0, 1.0), rand_vec(64 * 128, 13, -1.0, 1.0));
-    let kernel = KernelBuilder::new("scalar_prefetch")
-        .grid(8, Semantics::Arbitrary)
-        .table("tab", 16)
-        .input(Operand::blocked(
-            "x",
-            t(DType::F32, &[64, 128]),
-            &[8, 128],
-            vec![Index::table(0, Index::Grid(0)), Index::Const(0)],
-        ))
-        .input(Operand::whole("y", t(DType::F32, &[64, 128])))
-        .output(Operand::blocked(
-            "o",
-            t(DType::F32, &[64, 128]),
-            &[8, 128],
-            vec![Index::Grid(0), Index::Const(0)],
-        ))
-        .build(|b| {
-            let x = b.load_all(Ref::Input(0))?;
-            let i = b.program_id(0)?;
-            let eight = b.index(8)?;
-            let at = b.index_op(Binary::Add, &i, &eight)?;
-            let blk = b.read_table(0, &at)?;
-            let row = b.index_op(Binary::Mul, &blk, &eight)?;
-            let y = b.load(Ref::Input(1), &[Offset::Dyn(row, 8), Offset::Const(0)], &[8, 128])?;
-            let out = b.binary(Binary::Add, &x, &y)?;
-            b.store_all(Ref::Output(0), &out)
-        })?;
+    let mut kb = KernelBuilder::new("scalar_prefetch");
+    kb.grid(8, Semantics::Arbitrary);
+    let tab = kb.table("tab", 16);
+    let xs = kb.input(Operand::blocked(
+        "x",
+        t(DType::F32, &[64, 128]),
+        &[8, 128],
+        vec![Index::table(tab, Index::Grid(0)), Index::Const(0)],
+    ));
+    let ys = kb.input(Operand::whole("y", t(DType::F32, &[64, 128])));
+    let o = kb.output(Operand::blocked(
+        "o",
+        t(DType::F32, &[64, 128]),
+        &[8, 128],
+        vec![Index::Grid(0), Index::Const(0)],
+    ));
+    let kernel = kb.build(|b| {
+        let x = b.load_all(xs)?;
+        let i = b.program_id(0)?;
+        let eight = b.index(8)?;
+        let at = b.index_op(Binary::Add, &i, &eight)?;
+        let blk = b.read_table(tab, &at)?;
+        let row = b.index_op(Binary::Mul, &blk, &eight)?;
+        let y = b.load(ys, &[Offset::Dyn(row, 8), Offset::Const(0)], &[8, 128])?;
+        let out = b.binary(Binary::Add, &x, &y)?;
+        b.store_all(o, &out)
+    })?;
     let mut want = vec![0f32; 64 * 128];
     for i in 0..8 {
         let (xb, yb) = (table[i] as usize, table[8 + i] as usize);
@@ -292,15 +315,15 @@ fn slice_concat() -> Result<Case> {
         "slice_concat",
         &[t(DType::F32, &[128, 256])],
         &[t(DType::F32, &[128, 128]), t(DType::F32, &[64, 256])],
-        |b| {
-            let x = b.load_all(Ref::Input(0))?;
+        |b, ins, outs| {
+            let x = b.load_all(ins[0])?;
             let part = |b: &mut kda_tpu::lang::Body, r: i64, c: i64| b.slice(&x, &[r, c], &[64, 128]);
             let (a, d) = (part(b, 64, 0)?, part(b, 0, 128)?);
             let rows = b.concat(&[a, d], 0)?;
-            b.store_all(Ref::Output(0), &rows)?;
+            b.store_all(outs[0], &rows)?;
             let (a, d) = (part(b, 0, 0)?, part(b, 64, 128)?);
             let lanes = b.concat(&[a, d], 1)?;
-            b.store_all(Ref::Output(1), &lanes)
+            b.store_all(outs[1], &lanes)
         },
     )?;
     let at = |r: usize, c: usize| x[r * 256 + c];
@@ -328,38 +351,37 @@ fn unaligned_window() -> Result<Case> {
     let (lo, off): (Vec<i32>, Vec<i32>) = (vec![0, 2, 1], vec![13, 63, 1]);
     let table: Vec<i32> = lo.iter().chain(&off).copied().collect();
     let x = rand_vec(256 * 128, 15, -1.0, 1.0);
+    let mut kb = KernelBuilder::new("unaligned_window");
+    kb.grid(3, Semantics::Arbitrary);
+    let tab = kb.table("tab", 6);
     let block = |shift: i64| {
         Operand::blocked(
             "x",
             t(DType::F32, &[256, 128]),
             &[64, 128],
-            vec![Index::table(0, Index::Grid(0)) + Index::Const(shift), Index::Const(0)],
+            vec![Index::table(tab, Index::Grid(0)) + Index::Const(shift), Index::Const(0)],
         )
     };
-    let kernel = KernelBuilder::new("unaligned_window")
-        .grid(3, Semantics::Arbitrary)
-        .table("tab", 6)
-        .input(block(0))
-        .input(block(1))
-        .output(Operand::blocked(
-            "o",
-            t(DType::F32, &[192, 128]),
-            &[64, 128],
-            vec![Index::Grid(0), Index::Const(0)],
-        ))
-        .scratch("window", t(DType::F32, &[128, 128]))
-        .build(|b| {
-            for half in 0..2 {
-                let x = b.load_all(Ref::Input(half))?;
-                b.store(Ref::Scratch(0), &[Offset::Const(64 * half as i64), Offset::Const(0)], &x)?;
-            }
-            let i = b.program_id(0)?;
-            let three = b.index(3)?;
-            let at = b.index_op(Binary::Add, &i, &three)?;
-            let off = b.read_table(0, &at)?;
-            let w = b.load(Ref::Scratch(0), &[Offset::Dyn(off, 1), Offset::Const(0)], &[64, 128])?;
-            b.store_all(Ref::Output(0), &w)
-        })?;
+    let halves = [kb.input(block(0)), kb.input(block(1))];
+    let o = kb.output(Operand::blocked(
+        "o",
+        t(DType::F32, &[192, 128]),
+        &[64, 128],
+        vec![Index::Grid(0), Index::Const(0)],
+    ));
+    let window = kb.scratch("window", t(DType::F32, &[128, 128]));
+    let kernel = kb.build(|b| {
+        for (half, r) in halves.into_iter().enumerate() {
+            let x = b.load_all(r)?;
+            b.store(window, &[Offset::Const(64 * half as i64), Offset::Const(0)], &x)?;
+        }
+        let i = b.program_id(0)?;
+        let three = b.index(3)?;
+        let at = b.index_op(Binary::Add, &i, &three)?;
+        let off = b.read_table(tab, &at)?;
+        let w = b.load(window, &[Offset::Dyn(off, 1), Offset::Const(0)], &[64, 128])?;
+        b.store_all(o, &w)
+    })?;
     let mut want = vec![0f32; 192 * 128];
     for i in 0..3 {
         let start = (lo[i] * 64 + off[i]) as usize;
@@ -375,39 +397,38 @@ fn scratch_state() -> Result<Case> {
     // arbitrary chunk axis, reset at c = 0 and written at the last chunk.
     let (k, v) = (rand_vec(4 * 512 * 128, 14, -0.5, 0.5), rand_vec(4 * 512 * 128, 15, -0.5, 0.5));
     let kv = vec![Index::Grid(0), Index::Grid(1), Index::Const(0)];
-    let kernel = KernelBuilder::new("scratch_state")
-        .grid(4, Semantics::Parallel)
-        .grid(8, Semantics::Arbitrary)
-        .input(Operand::blocked("k", t(DType::F32, &[4, 512, 128]), &[1, 64, 128], kv.clone()))
-        .input(Operand::blocked("v", t(DType::F32, &[4, 512, 128]), &[1, 64, 128], kv))
-        .output(Operand::blocked(
-            "o",
-            t(DType::F32, &[4, 128, 128]),
-            &[1, 128, 128],
-            vec![Index::Grid(0), Index::Const(0), Index::Const(0)],
-        ))
-        .scratch("state", t(DType::F32, &[128, 128]))
-        .build(|b| {
-            let c = b.program_id(1)?;
-            let (first, last) = (b.index(0)?, b.index(7)?);
-            let at_first = b.compare(Cmp::Eq, &c, &first)?;
-            b.when(&at_first, |b| {
-                let z = b.splat(0.0, DType::F32, &[128, 128])?;
-                b.store_all(Ref::Scratch(0), &z)
-            })?;
-            let kb = b.load_all(Ref::Input(0))?;
-            let vb = b.load_all(Ref::Input(1))?;
-            let (kb, vb) = (b.reshape(&kb, &[64, 128])?, b.reshape(&vb, &[64, 128])?);
-            let s = b.load_all(Ref::Scratch(0))?;
-            let p = b.matmul(&kb, &vb, (0, 0), MatPrecision::Highest)?;
-            let s = b.binary(Binary::Add, &s, &p)?;
-            b.store_all(Ref::Scratch(0), &s)?;
-            let at_last = b.compare(Cmp::Eq, &c, &last)?;
-            b.when(&at_last, |b| {
-                let o = b.reshape(&s, &[1, 128, 128])?;
-                b.store_all(Ref::Output(0), &o)
-            })
+    let mut kb = KernelBuilder::new("scratch_state");
+    kb.grid(4, Semantics::Parallel).grid(8, Semantics::Arbitrary);
+    let ks = kb.input(Operand::blocked("k", t(DType::F32, &[4, 512, 128]), &[1, 64, 128], kv.clone()));
+    let vs = kb.input(Operand::blocked("v", t(DType::F32, &[4, 512, 128]), &[1, 64, 128], kv));
+    let o = kb.output(Operand::blocked(
+        "o",
+        t(DType::F32, &[4, 128, 128]),
+        &[1, 128, 128],
+        vec![Index::Grid(0), Index::Const(0), Index::Const(0)],
+    ));
+    let state = kb.scratch("state", t(DType::F32, &[128, 128]));
+    let kernel = kb.build(|b| {
+        let c = b.program_id(1)?;
+        let (first, last) = (b.index(0)?, b.index(7)?);
+        let at_first = b.compare(Cmp::Eq, &c, &first)?;
+        b.when(&at_first, |b| {
+            let z = b.splat(0.0, DType::F32, &[128, 128])?;
+            b.store_all(state, &z)
         })?;
+        let kb = b.load_all(ks)?;
+        let vb = b.load_all(vs)?;
+        let (kb, vb) = (b.reshape(&kb, &[64, 128])?, b.reshape(&vb, &[64, 128])?);
+        let s = b.load_all(state)?;
+        let p = b.matmul(&kb, &vb, (0, 0), MatPrecision::Highest)?;
+        let s = b.binary(Binary::Add, &s, &p)?;
+        b.store_all(state, &s)?;
+        let at_last = b.compare(Cmp::Eq, &c, &last)?;
+        b.when(&at_last, |b| {
+            let x = b.reshape(&s, &[1, 128, 128])?;
+            b.store_all(o, &x)
+        })
+    })?;
     let mut want = Vec::with_capacity(4 * 128 * 128);
     for h in 0..4 {
         let kh = &k[h * 512 * 128..(h + 1) * 512 * 128];
@@ -421,20 +442,24 @@ fn scratch_state() -> Result<Case> {
 fn for_loop() -> Result<Case> {
     // s <- s / 2 + x[32j..32j+32]^T x[32j..32j+32] for j in 0..2, from s = 0.
     let x = rand_vec(64 * 128, 16, -1.0, 1.0);
-    let kernel =
-        whole_kernel("for_loop", &[t(DType::F32, &[64, 128])], &[t(DType::F32, &[128, 128])], |b| {
+    let kernel = whole_kernel(
+        "for_loop",
+        &[t(DType::F32, &[64, 128])],
+        &[t(DType::F32, &[128, 128])],
+        |b, ins, outs| {
             let s0 = b.splat(0.0, DType::F32, &[128, 128])?;
             let out = b.for_range(0, 2, &[s0], |b, j, s| {
                 let step = b.index(32)?;
                 let row = b.index_op(Binary::Mul, j, &step)?;
-                let xs = b.load(Ref::Input(0), &[Offset::Dyn(row, 32), Offset::Const(0)], &[32, 128])?;
+                let xs = b.load(ins[0], &[Offset::Dyn(row, 32), Offset::Const(0)], &[32, 128])?;
                 let p = b.matmul(&xs, &xs, (0, 0), MatPrecision::Highest)?;
                 let half = b.splat(0.5, DType::F32, &[128, 128])?;
                 let s = b.binary(Binary::Mul, &s[0], &half)?;
                 Ok(vec![b.binary(Binary::Add, &s, &p)?])
             })?;
-            b.store_all(Ref::Output(0), &out[0])
-        })?;
+            b.store_all(outs[0], &out[0])
+        },
+    )?;
     let mut s = vec![0f32; 128 * 128];
     for j in 0..2 {
         let xs = &x[j * 32 * 128..(j + 1) * 32 * 128];
@@ -448,14 +473,14 @@ fn unit_lower_inverse() -> Result<Case> {
     // L strictly lower with entries like beta k_i . k_j of unit keys: A = (I + L)^-1.
     let raw = rand_vec(64 * 64, 17, -0.3, 0.3);
     let l: Vec<f32> = raw.iter().enumerate().map(|(i, &v)| if i / 64 > i % 64 { v } else { 0.0 }).collect();
-    let kernel = one_step("unit_lower_inverse")
-        .input(Operand::whole("l", t(DType::F32, &[64, 64])))
-        .output(Operand::whole("a", t(DType::F32, &[64, 64])))
-        .build(|b| {
-            let l = b.load_all(Ref::Input(0))?;
-            let a = kda_tpu::op::tpu_kernels::blocks::unit_lower_inverse(b, &l, MatPrecision::Highest)?;
-            b.store_all(Ref::Output(0), &a)
-        })?;
+    let mut kb = one_step("unit_lower_inverse");
+    let ls = kb.input(Operand::whole("l", t(DType::F32, &[64, 64])));
+    let out = kb.output(Operand::whole("a", t(DType::F32, &[64, 64])));
+    let kernel = kb.build(|b| {
+        let l = b.load_all(ls)?;
+        let a = kda_tpu::op::tpu_kernels::blocks::unit_lower_inverse(b, &l, MatPrecision::Highest)?;
+        b.store_all(out, &a)
+    })?;
     // Forward substitution in f64: (I + L) A = I, row by row.
     let mut a = vec![0f64; 64 * 64];
     for c in 0..64 {
@@ -496,36 +521,37 @@ fn chunk_terms() -> Result<Case> {
     let beta = rand_vec(64, 21, 0.0, 1.0);
     let scale = 1.0 / (kd as f64).sqrt();
     let ty = |d: &[i64]| t(DType::F32, d);
-    let kernel = one_step("chunk_terms")
-        .input(Operand::whole("q", ty(&[64, 128])))
-        .input(Operand::whole("k", ty(&[64, 128])))
-        .input(Operand::whole("g", ty(&[64, 128])))
-        .input(Operand::whole("beta", ty(&[64, 1])))
-        .output(Operand::whole("aqk", ty(&[64, 64])))
-        .output(Operand::whole("l", ty(&[64, 64])))
-        .output(Operand::whole("qg", ty(&[64, 128])))
-        .output(Operand::whole("kg", ty(&[64, 128])))
-        .output(Operand::whole("kbg", ty(&[64, 128])))
-        .output(Operand::whole("eg_last", ty(&[1, 128])))
-        .scratch("sums", ty(&[64, 128]))
-        .build(|b| {
-            let x: Vec<_> = (0..4).map(|i| b.load_all(Ref::Input(i))).collect::<Result<_>>()?;
-            let c = kda_tpu::op::tpu_kernels::blocks::chunk_terms(
-                b,
-                &x[0],
-                &x[1],
-                &x[2],
-                &x[3],
-                scale,
-                TermScratch { masks: TermMasks::Build, sums: Ref::Scratch(0) },
-                MatPrecision::Highest,
-                2,
-            )?;
-            for (i, v) in [c.aqk, c.l, c.f.qg, c.f.kg, c.f.kbg, c.f.eg_last].iter().enumerate() {
-                b.store_all(Ref::Output(i), v)?;
-            }
-            Ok(())
-        })?;
+    let mut kb = one_step("chunk_terms");
+    let ins = [("q", 128), ("k", 128), ("g", 128), ("beta", 1)]
+        .map(|(n, w)| kb.input(Operand::whole(n, ty(&[64, w]))));
+    let outs = [
+        ("aqk", [64, 64]),
+        ("l", [64, 64]),
+        ("qg", [64, 128]),
+        ("kg", [64, 128]),
+        ("kbg", [64, 128]),
+        ("eg_last", [1, 128]),
+    ]
+    .map(|(n, d)| kb.output(Operand::whole(n, ty(&d))));
+    let sums = kb.scratch("sums", ty(&[64, 128]));
+    let kernel = kb.build(|b| {
+        let x: Vec<_> = ins.iter().map(|i| b.load_all(*i)).collect::<Result<_>>()?;
+        let c = kda_tpu::op::tpu_kernels::blocks::chunk_terms(
+            b,
+            &x[0],
+            &x[1],
+            &x[2],
+            &x[3],
+            scale,
+            TermScratch { masks: TermMasks::Build, sums },
+            MatPrecision::Highest,
+            2,
+        )?;
+        for (out, v) in outs.iter().zip([c.aqk, c.l, c.f.qg, c.f.kg, c.f.kbg, c.f.eg_last]) {
+            b.store_all(*out, &v)?;
+        }
+        Ok(())
+    })?;
     // The definitions, in f64: G inclusive prefix sums of g.
     let mut gc = vec![0f64; 64 * kd];
     for c in 0..kd {
@@ -636,24 +662,22 @@ fn mosaic_kernel_interprets_and_compiles(#[case] name: &str) -> Result<()> {
 
 #[test]
 fn kernels_refuse_blocks_off_the_tiling() {
-    let err = KernelBuilder::new("misaligned")
-        .grid(2, Semantics::Parallel)
-        .input(Operand::blocked(
-            "x",
-            t(DType::F32, &[512, 192]),
-            &[64, 96],
-            vec![Index::Grid(0), Index::Const(0)],
-        ))
-        .output(Operand::whole("o", t(DType::F32, &[64, 96])))
-        .build(|_| Ok(()))
-        .expect_err("a 96-lane block of a 192-wide array");
+    let mut kb = KernelBuilder::new("misaligned");
+    kb.grid(2, Semantics::Parallel);
+    kb.input(Operand::blocked(
+        "x",
+        t(DType::F32, &[512, 192]),
+        &[64, 96],
+        vec![Index::Grid(0), Index::Const(0)],
+    ));
+    kb.output(Operand::whole("o", t(DType::F32, &[64, 96])));
+    let err = kb.build(|_| Ok(())).expect_err("a 96-lane block of a 192-wide array");
     assert!(err.to_string().contains("multiple of 128 or the full 192"), "{err}");
     // libtpu refuses i1 buffers ("Unsupported bitwidth: 1"): the builder refuses them first.
-    let err = one_step("mask_scratch")
-        .output(Operand::whole("o", t(DType::F32, &[8, 128])))
-        .scratch("m", t(DType::I1, &[8, 128]))
-        .build(|_| Ok(()))
-        .expect_err("an i1 scratch buffer");
+    let mut kb = one_step("mask_scratch");
+    kb.output(Operand::whole("o", t(DType::F32, &[8, 128])));
+    kb.scratch("m", t(DType::I1, &[8, 128]));
+    let err = kb.build(|_| Ok(())).expect_err("an i1 scratch buffer");
     assert!(err.to_string().contains("scratch m"), "{err}");
 }
 
@@ -661,17 +685,17 @@ fn kernels_refuse_blocks_off_the_tiling() {
 fn the_cost_estimate_reaches_the_compiler() -> Result<()> {
     let cost = Cost { flops: 2.0 * 128f64.powi(3), transcendentals: 128.0 * 128.0, bytes: 3.0 * 65536.0 };
     let with = |cost: Option<Cost>| -> Result<f64> {
-        let mut k = one_step("costed")
-            .input(Operand::whole("x", t(DType::F32, &[128, 128])))
-            .output(Operand::whole("o", t(DType::F32, &[128, 128])));
+        let mut k = one_step("costed");
+        let xs = k.input(Operand::whole("x", t(DType::F32, &[128, 128])));
+        let o = k.output(Operand::whole("o", t(DType::F32, &[128, 128])));
         if let Some(c) = cost {
-            k = k.cost(c);
+            k.cost(c);
         }
         let k = k.build(|b| {
-            let x = b.load_all(Ref::Input(0))?;
+            let x = b.load_all(xs)?;
             let p = b.matmul(&x, &x, (1, 0), MatPrecision::Highest)?;
             let e = b.unary(Unary::Exp, &p)?;
-            b.store_all(Ref::Output(0), &e)
+            b.store_all(o, &e)
         })?;
         let tpu = TpuCompiler::load().unwrap_or_else(|e| panic!("no libtpu ({e}); run `cargo xtask setup`"));
         Ok(tpu.compile(&k.module(Lowering::Mosaic)?, DEFAULT_TOPOLOGY)?.cost.flops)

@@ -14,9 +14,8 @@ use rstest::rstest;
 
 /// The backend every point runs on: the default plugin in the TPU configuration.
 fn tpu_configuration() -> kda_tpu::PjrtBackend {
-    kda_tpu::PjrtBackend::new()
-        .expect("PJRT plugin (run `cargo xtask setup`)")
-        .with_slab(kda_tpu::op::TPU_SLAB)
+    let be = kda_tpu::PjrtBackend::new().expect("PJRT plugin (run `cargo xtask setup`)");
+    be.clone().with_tuning(be.tuning().with_slab(kda_tpu::op::TPU_SLAB)).expect("a tuning")
 }
 
 mod pairwise {

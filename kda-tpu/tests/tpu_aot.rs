@@ -12,6 +12,15 @@ use kda_tpu::op::TPU_SLAB;
 use kda_tpu::{PjrtBackend, ProgramKind, TpuCompiler, DEFAULT_TOPOLOGY};
 use rstest::rstest;
 
+/// `spec` with its tuning changed by `f`.
+fn tuned(
+    spec: kda_tpu::KernelSpec,
+    f: impl FnOnce(kda_tpu::Tuning) -> kda_tpu::Tuning,
+) -> kda_tpu::KernelSpec {
+    let tuning = f(spec.tuning);
+    spec.with_tuning(tuning)
+}
+
 const MB: f64 = 1e6;
 
 /// In CI: the forward and the fused saved-state program, fixed and packed; the rest under `--full`.
@@ -33,7 +42,8 @@ fn xla_program_compiles(name: &str, kind: ProgramKind, limit_mb: Option<f64>) {
     let problem = data.inputs.validate().expect("valid inputs");
     // The CPU plugin only plans the packed capacity here; nothing runs on it.
     let cpu = PjrtBackend::new().expect("PJRT CPU plugin (run `cargo xtask setup`)");
-    let spec = cpu.spec(&problem, data.cotangents.dht.is_some()).expect("spec").with_slab(TPU_SLAB);
+    let spec =
+        tuned(cpu.spec(&problem, data.cotangents.dht.is_some()).expect("spec"), |t| t.with_slab(TPU_SLAB));
     let text = kda_tpu::op::program(&spec, kind).expect("program");
     let tpu = TpuCompiler::load().unwrap_or_else(|e| panic!("no libtpu ({e}); run `cargo xtask setup`"));
     let report = tpu.compile(&text, DEFAULT_TOPOLOGY).expect("tpu7x compile");
@@ -83,7 +93,9 @@ fn mosaic_forward_compiles(name: &str, strategy: BackwardStrategy, limit_mb: Opt
     let data = case_data(&case, DType::BF16).expect("inputs");
     let problem = data.inputs.validate().expect("valid inputs");
     let cpu = PjrtBackend::new().expect("PJRT CPU plugin (run `cargo xtask setup`)");
-    let spec = cpu.spec(&problem, false).expect("spec").with_implementation(kda_tpu::Implementation::Mosaic);
+    let spec = tuned(cpu.spec(&problem, false).expect("spec"), |t| {
+        t.with_implementation(kda_tpu::Implementation::Mosaic)
+    });
     let text = kda_tpu::op::program(&spec, ProgramKind::Forward(strategy)).expect("program");
     let tpu = TpuCompiler::load().unwrap_or_else(|e| panic!("no libtpu ({e}); run `cargo xtask setup`"));
     let report = tpu.compile(&text, DEFAULT_TOPOLOGY).expect("tpu7x compile");
@@ -131,8 +143,9 @@ fn static_cycles_of_the_forward() {
         let case = benchmark_cases().into_iter().find(|c| c.name == name).expect("benchmark case");
         let data = case_data(&case, DType::BF16).expect("inputs");
         let problem = data.inputs.validate().expect("valid inputs");
-        let spec =
-            cpu.spec(&problem, false).expect("spec").with_slab(TPU_SLAB).with_implementation(implementation);
+        let spec = tuned(cpu.spec(&problem, false).expect("spec"), |t| {
+            t.with_slab(TPU_SLAB).with_implementation(implementation)
+        });
         let text = kda_tpu::op::program(&spec, kind).expect("program");
         let report = tpu.compile(&text, DEFAULT_TOPOLOGY).expect("tpu7x compile");
         let c = report.static_cycles.expect("a static cycle count");
@@ -180,10 +193,8 @@ fn fused_kernels_hold(name: &str, peak_mb: f64, cycles: u64) {
     let case = benchmark_cases().into_iter().find(|c| c.name == name).expect("benchmark case");
     let data = case_data(&case, DType::BF16).expect("inputs");
     let problem = data.inputs.validate().expect("valid inputs");
-    let spec = cpu
-        .spec(&problem, data.cotangents.dht.is_some())
-        .expect("spec")
-        .with_implementation(kda_tpu::Implementation::Mosaic);
+    let spec = cpu.spec(&problem, data.cotangents.dht.is_some()).expect("spec");
+    let spec = tuned(spec, |t| t.with_implementation(kda_tpu::Implementation::Mosaic));
     let text = kda_tpu::op::program(&spec, ProgramKind::Fused(S::SavedState)).expect("program");
     let report = tpu.compile(&text, DEFAULT_TOPOLOGY).expect("tpu7x compile");
     let (m, vmem) = (&report.memory, &report.kernel_vmem_bytes);

@@ -240,8 +240,8 @@ pub fn run(args: &[String]) -> Result<(), String> {
         "pjrt" => kda_tpu::PjrtOptions::new()
             .devices(opts.devices)
             .split(kda_tpu::Split::Context)
-            .implementation(opts.implementation)
             .build()
+            .and_then(|b| b.clone().with_tuning(b.tuning().with_implementation(opts.implementation)))
             .and_then(|b| run_with(&b, &opts)),
         #[cfg(not(feature = "pjrt"))]
         "pjrt" => {

@@ -205,7 +205,7 @@ impl PjrtBackend {
     ) -> Result<Vec<DeviceGradients>> {
         let pieces = res.pieces();
         let mut spec = res.spec.clone();
-        spec.has_dht = cotangents.first().is_some_and(|c| c.iter().any(|(n, _)| *n == "dht"));
+        spec.options.has_dht = cotangents.first().is_some_and(|c| c.iter().any(|(n, _)| *n == "dht"));
         let kind = ProgramKind::Backward(res.strategy);
         let span = span("backward", &res.problem, kind, pieces.len());
         let _entered = span.enter();
@@ -601,7 +601,7 @@ impl Backend for PjrtBackend {
     type Residuals = PjrtResiduals;
 
     fn name(&self) -> String {
-        match self.implementation {
+        match self.tuning.implementation {
             crate::Implementation::Xla => format!("pjrt-{}", self.platform()),
             other => format!("pjrt-{}-{}", self.platform(), other.name()),
         }

@@ -51,9 +51,8 @@ impl PjrtBackend {
         x.check_values()?;
         let (pieces, locals) = PiecePlan::split(&p, self.device_count())?;
         let g_dtype = if x.g.dtype() == DType::BF16 { DType::BF16 } else { DType::F32 };
-        let spec = crate::op::context_parallel::local_spec(&locals[0], has_dht, self.slab, g_dtype)
-            .map_err(e)?
-            .with_implementation(self.implementation);
+        let spec =
+            crate::op::context_parallel::local_spec(&locals[0], has_dht, self.tuning, g_dtype).map_err(e)?;
         Ok((p, Arc::new(ContextPlan { pieces, locals, spec })))
     }
 
@@ -119,11 +118,7 @@ impl PjrtBackend {
         types: Option<Gradtypes>,
         grads: &[DeviceGradients],
     ) -> Result<KdaGradients> {
-        let host: Vec<KdaGradients> = self
-            .to_host(&grads.to_vec())?
-            .into_iter()
-            .map(|g| Gradtypes::apply(types, g))
-            .collect::<Result<_>>()?;
+        let host = Gradtypes::download(self, types, grads)?;
         let first = host.first().ok_or_else(|| KdaError::backend("gather", "one device or more", "none"))?;
         let d = p.dims;
         let token = |f: fn(&KdaGradients) -> &HostTensor, width: usize| -> Result<HostTensor> {

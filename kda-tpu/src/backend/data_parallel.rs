@@ -85,11 +85,7 @@ impl PjrtBackend {
         plan: RowPlan,
         grads: &[super::io::DeviceGradients],
     ) -> Result<KdaGradients> {
-        let host: Vec<KdaGradients> = self
-            .to_host(&grads.to_vec())?
-            .into_iter()
-            .map(|g| Gradtypes::apply(types, g))
-            .collect::<Result<_>>()?;
+        let host = Gradtypes::download(self, types, grads)?;
         let ax = batch_axis(p.layout);
         let take = |f: fn(&KdaGradients) -> HostTensor| host.iter().map(f).collect::<Vec<_>>();
         let first = host.first().ok_or_else(|| KdaError::backend("gather", "one device or more", "none"))?;

@@ -12,7 +12,7 @@ use super::options::{PjrtOptions, Split};
 use super::tensor::{DeviceProgram, DeviceTensor, TableCache, TransferStats};
 use super::worker::{self, BufferInfo, Shared, Worker};
 use crate::error::{Result, TpuError};
-use crate::op::{Implementation, KernelSpec, ProgramKind, PACKED_RESULT_BYTES, TPU_SLAB};
+use crate::op::{Implementation, KernelSpec, ProgramKind, Tuning};
 use crate::runtime::{CompileOptions, XlaOption};
 use crate::MemoryStats;
 
@@ -49,11 +49,8 @@ use crate::MemoryStats;
 #[derive(Clone)]
 pub struct PjrtBackend {
     pub(super) shared: Arc<Shared>,
-    pub(super) slab: usize,
+    pub(super) tuning: Tuning,
     pub(super) split: Split,
-    pub(super) implementation: Implementation,
-    step_chunks: usize,
-    packed_result_bytes: usize,
     xla: Arc<BTreeMap<String, XlaOption>>,
     /// Index tables already on the devices, shared by the clones.
     pub(super) tables: Arc<Mutex<TableCache>>,
@@ -63,10 +60,10 @@ impl std::fmt::Debug for PjrtBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "PjrtBackend({} via {}, slab {})",
+            "PjrtBackend({} via {}, {:?})",
             self.shared.info.platform,
             self.shared.info.plugin_path.display(),
-            self.slab
+            self.tuning
         )
     }
 }
@@ -205,59 +202,22 @@ impl PjrtBackend {
     pub(crate) fn start(options: PjrtOptions) -> Result<Self> {
         let xla = Arc::new(options.xla_choice()?);
         let shared = Shared::start(&options)?;
-        let slab = options.slab_choice().unwrap_or(if shared.info.platform == "cpu" { 0 } else { TPU_SLAB });
-        let tables = Arc::default();
-        let implementation = options.implementation_choice()?;
-        check_implementation(implementation, &shared.info.platform)?;
-        Ok(Self {
-            shared,
-            slab,
-            split: options.split_choice(),
-            implementation,
-            step_chunks: 0,
-            packed_result_bytes: PACKED_RESULT_BYTES,
-            xla,
-            tables,
-        })
+        let tuning = options.tuning_choice(&shared.info.platform)?;
+        check_implementation(tuning.implementation, &shared.info.platform)?;
+        Ok(Self { shared, tuning, split: options.split_choice(), xla, tables: Arc::default() })
     }
 
-    /// This handle with fused programs in slabs of `chunks` chunk positions (0: all chunks at
-    /// once); other clones keep theirs. Slabs bound the live intermediates to one slab's (the
-    /// memory figure that matters on TPU) at the cost of recomputing the chunk terms in the
-    /// backward loop; results agree to f32 rounding either way.
-    pub fn with_slab(mut self, chunks: usize) -> Self {
-        self.slab = chunks;
-        self
-    }
-    /// This handle with its forward programs run by `implementation` (see
-    /// [`PjrtOptions::implementation`]); other clones keep theirs. `Mosaic` on another platform
+    /// This handle tuned as `tuning` says ([`Tuning`]: the implementation, slabs, kernel
+    /// steps, packed results' VMEM); other clones keep theirs. `Mosaic` on another platform
     /// than a TPU is an `Unsupported` error naming it.
-    pub fn with_implementation(mut self, implementation: Implementation) -> kda_core::Result<Self> {
-        check_implementation(implementation, &self.shared.info.platform).map_err(e)?;
-        self.implementation = implementation;
+    pub fn with_tuning(mut self, tuning: Tuning) -> kda_core::Result<Self> {
+        check_implementation(tuning.implementation, &self.shared.info.platform).map_err(e)?;
+        self.tuning = tuning;
         Ok(self)
     }
-    /// This handle with the kernel forward running at most `chunks` chunks per grid step on
-    /// fixed-length rows (the largest power of two up to it dividing the chunk count; 0, the
-    /// default: sixteen when the inputs are too large for VMEM, else two); other clones keep
-    /// theirs. Results are the same either way; the step count trades the per-step cost of
-    /// streaming operands against code size and VMEM.
-    pub fn with_step_chunks(mut self, chunks: usize) -> Self {
-        self.step_chunks = chunks;
-        self
-    }
-    /// This handle with packed kernel programs reading tokens in place (and placing results
-    /// straight into their packed tokens) only while a head's results fit `bytes` of VMEM
-    /// (f32, double-buffered; default [`PACKED_RESULT_BYTES`], 12 MiB); above it, or with 0,
-    /// XLA gathers the chunk-aligned lanes and compacts the results. Results agree either way
-    /// (the in-place placement is checked against the gather path); other clones keep theirs.
-    pub fn with_packed_result_bytes(mut self, bytes: usize) -> Self {
-        self.packed_result_bytes = bytes;
-        self
-    }
-    /// What runs this handle's forward programs.
-    pub fn implementation(&self) -> Implementation {
-        self.implementation
+    /// This handle's tuning.
+    pub fn tuning(&self) -> Tuning {
+        self.tuning
     }
     /// The platform name the plugin reports (`cpu`, `tpu`, `cuda`).
     pub fn platform(&self) -> &str {
@@ -284,11 +244,7 @@ impl PjrtBackend {
         } else {
             None
         };
-        Ok(KernelSpec::new(p, packed, has_dht)
-            .with_slab(self.slab)
-            .with_implementation(self.implementation)
-            .with_step_chunks(self.step_chunks)
-            .with_packed_result_bytes(self.packed_result_bytes))
+        Ok(KernelSpec::new(p, packed, has_dht).with_tuning(self.tuning))
     }
 
     /// The XLA options a kernel program is compiled with ([`crate::op::program`] text). On the CPU plugin the forward

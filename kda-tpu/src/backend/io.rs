@@ -136,7 +136,7 @@ impl PjrtBackend {
         self.check_device_index(device)?;
         let travel = x.travel()?;
         let named = x.named();
-        let kernel = self.implementation != crate::Implementation::Xla;
+        let kernel = self.tuning.implementation != crate::Implementation::Xla;
         let items = named
             .iter()
             .map(|&(name, t)| (t, travel_of(name, travel), held_as(name, travel.layout, t.shape(), kernel)));

@@ -187,8 +187,8 @@ impl PjrtBackend {
             }
         }
         let table = match segments {
-            Some(s) => s.validate(kda.spec.b, kda.spec.t)?,
-            None => kda_core::SegmentTable::fixed(kda.spec.b, kda.spec.t),
+            Some(s) => s.validate(kda.spec.dims.b, kda.spec.dims.t)?,
+            None => kda_core::SegmentTable::fixed(kda.spec.dims.b, kda.spec.dims.t),
         };
         let mut problem_tables: Option<Vec<DeviceTensor>> = None;
         let mut out = Vec::with_capacity(sig.args.len());

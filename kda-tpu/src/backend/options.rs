@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use crate::error::Result;
-use crate::op::Implementation;
+use crate::op::{Implementation, Tuning};
 use crate::runtime::{host_memory, plugin, Runtime, XlaOption};
 
 /// The environment variable that sets the XLA backend optimization level of kernel compiles
@@ -57,17 +57,39 @@ pub struct PjrtOptions {
     plugin: Option<PathBuf>,
     compile_cache: CompileCache,
     retain_host_memory: bool,
-    slab: Option<usize>,
+    tuning: Option<Tuning>,
     devices: Option<usize>,
     split: Split,
-    implementation: Option<Implementation>,
     xla: BTreeMap<String, XlaOption>,
 }
 
 /// The environment variable that picks the implementation (`xla`, `mosaic`, `interpret`) when
-/// [`PjrtOptions::implementation`] does not (how `cargo xtask tpu-test --implementation` runs
-/// the conformance suite through the kernels).
+/// [`PjrtOptions::tuning`] is not given (how `cargo xtask tpu-test --implementation` runs the
+/// conformance suite through the kernels).
 pub const IMPLEMENTATION_ENV: &str = "KDA_IMPLEMENTATION";
+
+/// `$KDA_IMPLEMENTATION`'s implementation, else XLA (another value than `xla`, `mosaic` or
+/// `interpret` there is an error naming the variable).
+fn env_implementation() -> Result<Implementation> {
+    match std::env::var(IMPLEMENTATION_ENV) {
+        Ok(text) => Implementation::parse(text.trim()).ok_or_else(|| {
+            crate::TpuError::contract(kda_core::KdaError::value(
+                IMPLEMENTATION_ENV,
+                "xla, mosaic or interpret",
+                text.clone(),
+            ))
+        }),
+        Err(_) => Ok(Implementation::Xla),
+    }
+}
+
+impl Tuning {
+    /// The default tuning with the implementation `$KDA_IMPLEMENTATION` names (else XLA's):
+    /// what a test or tool that tunes one knob starts from to keep the environment's choice.
+    pub fn from_env() -> kda_core::Result<Tuning> {
+        Ok(Tuning::default().with_implementation(env_implementation()?))
+    }
+}
 
 impl PjrtOptions {
     /// The defaults: the plugin from the environment, `$KDA_COMPILE_CACHE`, no host-memory
@@ -97,13 +119,6 @@ impl PjrtOptions {
         self
     }
 
-    /// Runs the fused programs in slabs of `chunks` chunk positions (0: all chunks at once).
-    /// Default: no slabs on the CPU plugin, [`crate::op::TPU_SLAB`] elsewhere.
-    pub fn slab(mut self, chunks: usize) -> Self {
-        self.slab = Some(chunks);
-        self
-    }
-
     /// Drives `n` devices of the plugin (default 1): the CPU plugin makes `n` devices; other
     /// plugins need at least `n` addressable devices (else an `Unsupported` error naming both
     /// numbers). The host `Backend` calls then spread each batch's rows over the devices (data
@@ -119,15 +134,14 @@ impl PjrtOptions {
         self
     }
 
-    /// What runs the programs' chunk loops (default `$KDA_IMPLEMENTATION`, else
-    /// [`Implementation::Xla`]):
-    /// [`Implementation::Mosaic`] needs a TPU plugin (else [`PjrtOptions::build`] is an
-    /// `Unsupported` error naming the platform); [`Implementation::Interpret`] runs the same
-    /// kernels' interpret lowering on any plugin. The forward, the backward (both strategies)
-    /// and the fused forward+VJP run on the kernels; context-parallel programs are XLA's
-    /// whichever is chosen.
-    pub fn implementation(mut self, implementation: Implementation) -> Self {
-        self.implementation = Some(implementation);
+    /// Tunes the handle's programs as `tuning` says (see [`Tuning`]: what runs their chunk
+    /// loops, slabs, kernel steps, packed results' VMEM); [`Implementation::Mosaic`] needs a TPU
+    /// plugin, else [`PjrtOptions::build`] is an `Unsupported` error naming the platform.
+    /// Without it: [`Tuning::for_platform`] with the implementation `$KDA_IMPLEMENTATION` names
+    /// (how `cargo xtask tpu-test --implementation` runs the conformance suite through the
+    /// kernels), else XLA's; [`Tuning::from_env`] gives the same to start from.
+    pub fn tuning(mut self, tuning: Tuning) -> Self {
+        self.tuning = Some(tuning);
         self
     }
 
@@ -141,21 +155,11 @@ impl PjrtOptions {
         self
     }
 
-    /// The implementation asked for, else `$KDA_IMPLEMENTATION`'s (another value than `xla`,
-    /// `mosaic` or `interpret` there is an error naming the variable), else XLA.
-    pub(crate) fn implementation_choice(&self) -> Result<Implementation> {
-        if let Some(i) = self.implementation {
-            return Ok(i);
-        }
-        match std::env::var(IMPLEMENTATION_ENV) {
-            Ok(text) => Implementation::parse(text.trim()).ok_or_else(|| {
-                crate::TpuError::contract(kda_core::KdaError::value(
-                    IMPLEMENTATION_ENV,
-                    "xla, mosaic or interpret",
-                    text.clone(),
-                ))
-            }),
-            Err(_) => Ok(Implementation::Xla),
+    /// The tuning asked for, else the platform's with `$KDA_IMPLEMENTATION`'s implementation.
+    pub(crate) fn tuning_choice(&self, platform: &str) -> Result<Tuning> {
+        match self.tuning {
+            Some(t) => Ok(t),
+            None => Ok(Tuning::for_platform(platform).with_implementation(env_implementation()?)),
         }
     }
 
@@ -173,11 +177,6 @@ impl PjrtOptions {
             xla.insert(OPT_LEVEL.to_string(), XlaOption::Int(opt_level(&text)?));
         }
         Ok(xla)
-    }
-
-    /// The slab size asked for, if any.
-    pub(crate) fn slab_choice(&self) -> Option<usize> {
-        self.slab
     }
 
     /// Loads the plugin and makes the runtime (on the worker thread).

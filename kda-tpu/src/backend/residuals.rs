@@ -103,6 +103,15 @@ impl Gradtypes {
         Gradtypes { g: x.g.dtype(), beta: x.beta.dtype(), gate, dt_bias }
     }
 
+    /// Downloads each device's gradients and casts them to their inputs' dtypes.
+    pub(crate) fn download(
+        b: &super::handle::PjrtBackend,
+        types: Option<Self>,
+        grads: &[super::io::DeviceGradients],
+    ) -> Result<Vec<KdaGradients>> {
+        b.to_host(&grads.to_vec())?.into_iter().map(|g| Gradtypes::apply(types, g)).collect()
+    }
+
     /// Casts downloaded gradients to their inputs' dtypes.
     pub(crate) fn apply(types: Option<Self>, mut grads: KdaGradients) -> Result<KdaGradients> {
         let Some(x) = types else { return Ok(grads) };

@@ -18,9 +18,25 @@ pub struct V {
 }
 
 /// A memory reference the body reads and writes: the block of an input or output (the window
-/// of the current grid step) or a scratch buffer (kept across grid steps).
+/// of the current grid step) or a scratch buffer (kept across grid steps). Only the kernel's
+/// builder makes one ([`super::KernelBuilder::input`], `output`, `scratch`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Ref {
+pub struct Ref {
+    pub(super) kernel: u32,
+    pub(super) place: Place,
+}
+
+/// A scalar-prefetch table of a kernel, as [`super::KernelBuilder::table`] returned it: what an
+/// [`super::Index`] and [`Body::read_table`] read, and what [`super::Bindings::table`] binds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Table {
+    pub(super) kernel: u32,
+    pub(super) index: usize,
+}
+
+/// Which of its kernel's references a [`Ref`] is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(super) enum Place {
     /// Input `i`'s block.
     Input(usize),
     /// Output `i`'s block.
@@ -100,7 +116,7 @@ pub enum Op {
     IndexConst { out: V, value: i64 },
     /// i32 scalar arithmetic.
     IndexBinary { out: V, op: Binary, a: V, b: V },
-    /// Entry `index` of scalar-prefetch table `table`.
+    /// Entry `index` of scalar-prefetch table `table` (its position).
     ReadTable { out: V, table: usize, index: V },
     /// A vector of one value.
     Splat { out: V, value: f64 },
@@ -175,6 +191,7 @@ fn fmt_ty(t: &TensorType) -> String {
 /// block type.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Scope {
+    pub(crate) kernel: u32,
     pub(crate) grid: usize,
     pub(crate) tables: usize,
     pub(crate) inputs: Vec<TensorType>,
@@ -184,10 +201,13 @@ pub(crate) struct Scope {
 
 impl Scope {
     fn of(&self, r: Ref) -> Option<&TensorType> {
-        match r {
-            Ref::Input(i) => self.inputs.get(i),
-            Ref::Output(i) => self.outputs.get(i),
-            Ref::Scratch(i) => self.scratch.get(i),
+        if r.kernel != self.kernel {
+            return None;
+        }
+        match r.place {
+            Place::Input(i) => self.inputs.get(i),
+            Place::Output(i) => self.outputs.get(i),
+            Place::Scratch(i) => self.scratch.get(i),
         }
     }
 }
@@ -288,14 +308,16 @@ impl Body {
     }
 
     /// Entry `index` (an i32 scalar) of scalar-prefetch table `table`.
-    pub fn read_table(&mut self, table: usize, index: &V) -> Result<V> {
+    pub fn read_table(&mut self, table: Table, index: &V) -> Result<V> {
         self.uses("read_table", &[index])?;
-        if table >= self.scope.tables || index.ty != TensorType::scalar(DType::I32) {
+        let mine = table.kernel == self.scope.kernel && table.index < self.scope.tables;
+        if !mine || index.ty != TensorType::scalar(DType::I32) {
             return Err(err(
                 "read_table",
-                format!("table {table} of {}, index {}", self.scope.tables, fmt_ty(&index.ty)),
+                format!("{table:?} must be this kernel's, read at an i32 index (not {})", fmt_ty(&index.ty)),
             ));
         }
+        let table = table.index;
         let out = self.fresh(TensorType::scalar(DType::I32));
         self.push(Op::ReadTable { out: out.clone(), table, index: index.clone() });
         Ok(out)

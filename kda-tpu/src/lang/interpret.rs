@@ -13,7 +13,7 @@ use std::collections::HashMap;
 
 use kda_core::DType;
 
-use super::body::{Binary, MatPrecision, Offset, Op, Reduction, Ref, Unary, V};
+use super::body::{Binary, MatPrecision, Offset, Op, Place, Reduction, Ref, Unary, V};
 use super::kernel::{Index, Kernel};
 use crate::error::{Result, TpuError};
 use crate::hlo::{FnBuilder, Precision, TensorType, Value};
@@ -55,17 +55,17 @@ struct Refs {
 
 impl Refs {
     fn get(&self, r: Ref) -> Value {
-        match r {
-            Ref::Input(i) => self.inputs[i],
-            Ref::Output(i) => self.outputs[i],
-            Ref::Scratch(i) => self.scratch[i],
+        match r.place {
+            Place::Input(i) => self.inputs[i],
+            Place::Output(i) => self.outputs[i],
+            Place::Scratch(i) => self.scratch[i],
         }
     }
     fn set(&mut self, r: Ref, v: Value) {
-        match r {
-            Ref::Input(i) => self.inputs[i] = v,
-            Ref::Output(i) => self.outputs[i] = v,
-            Ref::Scratch(i) => self.scratch[i] = v,
+        match r.place {
+            Place::Input(i) => self.inputs[i] = v,
+            Place::Output(i) => self.outputs[i] = v,
+            Place::Scratch(i) => self.scratch[i] = v,
         }
     }
     fn all(&self) -> Vec<Value> {
@@ -109,7 +109,7 @@ impl Step<'_> {
             }
             Index::Table(t, at) => {
                 let at = self.scalar(b, at)?;
-                self.entry(b, *t, at)?
+                self.entry(b, t.index, at)?
             }
         })
     }
@@ -326,7 +326,7 @@ fn binary(b: &mut FnBuilder, op: Binary, x: Value, y: Value) -> Result<Value> {
 impl Kernel {
     /// The kernel run on `operands` (the tables, then the inputs) as plain StableHLO in `b`:
     /// the interpret lowering, for any plugin.
-    pub fn call_interpret(&self, b: &mut FnBuilder, operands: &[Value]) -> Result<Vec<Value>> {
+    pub(super) fn call_interpret(&self, b: &mut FnBuilder, operands: &[Value]) -> Result<Vec<Value>> {
         let want = self.operand_types();
         let got: Vec<TensorType> = operands.iter().map(Value::ty).collect();
         if got != want {

@@ -5,9 +5,12 @@
 
 use kda_core::DType;
 
-use super::body::{Body, Op, Scope};
+use super::body::{Body, Op, Place, Ref, Scope, Table};
 use crate::error::{Result, TpuError};
 use crate::hlo::TensorType;
+
+/// A distinct tag per kernel builder, so that a handle of one kernel is refused by another.
+static KERNELS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
 /// How the steps of one grid axis relate: independent (`Parallel`, may run on several cores)
 /// or in order with state carried from one to the next (`Arbitrary`).
@@ -31,7 +34,7 @@ pub enum Index {
     /// An index times a constant.
     Mul(Box<Index>, i64),
     /// Entry `at` of scalar-prefetch table `table`.
-    Table(usize, Box<Index>),
+    Table(Table, Box<Index>),
 }
 
 impl std::ops::Add for Index {
@@ -50,7 +53,7 @@ impl std::ops::Mul<i64> for Index {
 
 impl Index {
     /// `table[at]`.
-    pub fn table(table: usize, at: Index) -> Index {
+    pub fn table(table: Table, at: Index) -> Index {
         Index::Table(table, Box::new(at))
     }
 
@@ -72,13 +75,13 @@ impl Index {
         }
     }
 
-    fn check(&self, grid: usize, tables: usize) -> bool {
+    fn check(&self, grid: usize, kernel: u32) -> bool {
         match self {
             Index::Grid(a) => *a < grid,
             Index::Const(c) => i32::try_from(*c).is_ok(),
-            Index::Add(a, b) => a.check(grid, tables) && b.check(grid, tables),
-            Index::Mul(a, k) => i32::try_from(*k).is_ok() && a.check(grid, tables),
-            Index::Table(t, at) => *t < tables && at.check(grid, tables),
+            Index::Add(a, b) => a.check(grid, kernel) && b.check(grid, kernel),
+            Index::Mul(a, k) => i32::try_from(*k).is_ok() && a.check(grid, kernel),
+            Index::Table(t, at) => t.kernel == kernel && at.check(grid, kernel),
         }
     }
 }
@@ -126,6 +129,7 @@ pub struct Cost {
 /// A checked kernel: what both lowerings read.
 #[derive(Clone, Debug)]
 pub struct Kernel {
+    pub(crate) tag: u32,
     pub(crate) name: String,
     pub(crate) grid: Vec<(i64, Semantics)>,
     pub(crate) tables: Vec<(String, i64)>,
@@ -136,9 +140,11 @@ pub struct Kernel {
     pub(crate) cost: Option<Cost>,
 }
 
-/// The parts of a kernel before its body.
-#[derive(Clone, Debug, Default)]
+/// The parts of a kernel before its body. Each part added returns its handle ([`Table`],
+/// [`Ref`]): the body and the call name operands by these, never by position.
+#[derive(Clone, Debug)]
 pub struct KernelBuilder {
+    tag: u32,
     name: String,
     grid: Vec<(i64, Semantics)>,
     tables: Vec<(String, i64)>,
@@ -164,39 +170,48 @@ fn tiling(dtype: DType) -> (i64, i64) {
 impl KernelBuilder {
     /// A kernel named `name` (an MLIR symbol: letters, digits, `_`).
     pub fn new(name: &str) -> Self {
-        KernelBuilder { name: name.to_string(), ..Default::default() }
+        KernelBuilder {
+            tag: KERNELS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            name: name.to_string(),
+            grid: Vec::new(),
+            tables: Vec::new(),
+            inputs: Vec::new(),
+            outputs: Vec::new(),
+            scratch: Vec::new(),
+            cost: None,
+        }
     }
     /// Adds a grid axis of `steps` steps.
-    pub fn grid(mut self, steps: i64, semantics: Semantics) -> Self {
+    pub fn grid(&mut self, steps: i64, semantics: Semantics) -> &mut Self {
         self.grid.push((steps, semantics));
         self
     }
     /// Adds a scalar-prefetch table of `len` i32 entries (the call's first operands, in SMEM).
-    pub fn table(mut self, name: &str, len: i64) -> Self {
+    pub fn table(&mut self, name: &str, len: i64) -> Table {
         self.tables.push((name.to_string(), len));
-        self
+        Table { kernel: self.tag, index: self.tables.len() - 1 }
     }
     /// Adds an operand.
-    pub fn input(mut self, operand: Operand) -> Self {
+    pub fn input(&mut self, operand: Operand) -> Ref {
         self.inputs.push(operand);
-        self
+        Ref { kernel: self.tag, place: Place::Input(self.inputs.len() - 1) }
     }
     /// Adds a result. A step sees its result block as the TPU does: a VMEM buffer that holds
     /// what the earlier steps with the same block index wrote, uninitialised on a block's
     /// first visit (NaN in the interpret lowering); blocks go back to HBM when the index
     /// changes. Write every block before reading it, and visit each one in consecutive steps.
-    pub fn output(mut self, operand: Operand) -> Self {
+    pub fn output(&mut self, operand: Operand) -> Ref {
         self.outputs.push(operand);
-        self
+        Ref { kernel: self.tag, place: Place::Output(self.outputs.len() - 1) }
     }
     /// Adds a VMEM scratch buffer, kept across grid steps (zero before the first step in the
     /// interpret lowering; on a TPU, whatever VMEM held: initialise it in the body).
-    pub fn scratch(mut self, name: &str, ty: TensorType) -> Self {
+    pub fn scratch(&mut self, name: &str, ty: TensorType) -> Ref {
         self.scratch.push((name.to_string(), TensorType::new(ty.elem, &ty.dims)));
-        self
+        Ref { kernel: self.tag, place: Place::Scratch(self.scratch.len() - 1) }
     }
     /// Sets the analytic cost.
-    pub fn cost(mut self, cost: Cost) -> Self {
+    pub fn cost(&mut self, cost: Cost) -> &mut Self {
         self.cost = Some(cost);
         self
     }
@@ -230,7 +245,7 @@ impl KernelBuilder {
                 ));
             }
         }
-        if o.map.iter().any(|m| !m.check(self.grid.len(), self.tables.len())) {
+        if o.map.iter().any(|m| !m.check(self.grid.len(), self.tag)) {
             return Err(err(&what, "an index names a grid axis or table the kernel lacks"));
         }
         // Block indices the grid alone decides must stay inside the array (table-read ones are
@@ -275,6 +290,7 @@ impl KernelBuilder {
             return Err(err("tables", "each table holds one entry or more"));
         }
         let scope = Scope {
+            kernel: self.tag,
             grid: self.grid.len(),
             tables: self.tables.len(),
             inputs: self.inputs.iter().map(Operand::block_type).collect(),
@@ -284,6 +300,7 @@ impl KernelBuilder {
         let mut b = Body::new(scope);
         body(&mut b)?;
         Ok(Kernel {
+            tag: self.tag,
             name: self.name,
             grid: self.grid,
             tables: self.tables,

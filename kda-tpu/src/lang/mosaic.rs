@@ -8,7 +8,7 @@ use std::fmt::Write;
 
 use kda_core::DType;
 
-use super::body::{Binary, MatPrecision, Offset, Op, Reduction, Ref, Unary, V};
+use super::body::{Binary, MatPrecision, Offset, Op, Place, Reduction, Ref, Unary, V};
 use super::kernel::{Index, Kernel, Semantics};
 use crate::error::{Result, TpuError};
 use crate::hlo::{Cmp, FnBuilder, TensorType, Value};
@@ -86,12 +86,14 @@ impl<'k> Emitter<'k> {
         n
     }
     fn reference(&self, r: Ref) -> (String, String) {
-        let (name, dims, dtype) = match r {
-            Ref::Input(i) => (format!("%in{i}"), self.k.inputs[i].block.clone(), self.k.inputs[i].ty.elem),
-            Ref::Output(i) => {
+        let (name, dims, dtype) = match r.place {
+            Place::Input(i) => (format!("%in{i}"), self.k.inputs[i].block.clone(), self.k.inputs[i].ty.elem),
+            Place::Output(i) => {
                 (format!("%out{i}"), self.k.outputs[i].block.clone(), self.k.outputs[i].ty.elem)
             }
-            Ref::Scratch(i) => (format!("%s{i}"), self.k.scratch[i].1.dims.clone(), self.k.scratch[i].1.elem),
+            Place::Scratch(i) => {
+                (format!("%s{i}"), self.k.scratch[i].1.dims.clone(), self.k.scratch[i].1.elem)
+            }
         };
         (name, memref(&dims, dtype, "vmem"))
     }
@@ -395,10 +397,11 @@ impl<'k> Emitter<'k> {
                 t
             }
             Index::Table(tab, at) => {
+                let tab = tab.index;
                 let at = self.index(at);
                 let (i, t) = (self.temp(), self.temp());
                 self.line(&format!("{i} = arith.index_cast {at} : i32 to index"));
-                let ty = memref(&[self.k.tables[*tab].1], DType::I32, "smem");
+                let ty = memref(&[self.k.tables[tab].1], DType::I32, "smem");
                 self.line(&format!("{t} = memref.load %tab{tab}[{i}] : {ty}"));
                 t
             }
@@ -475,20 +478,7 @@ impl Kernel {
             })
             .collect();
         let bounds: Vec<String> = self.grid.iter().map(|(n, _)| n.to_string()).collect();
-        let windows: Vec<String> = self
-            .inputs
-            .iter()
-            .chain(&self.outputs)
-            .enumerate()
-            .map(|(i, o)| {
-                let b: Vec<String> = o.block.iter().map(i64::to_string).collect();
-                format!(
-                    "{{transform_indices = @{}_map{i}, window_bounds = array<i64: {}>}}",
-                    self.name,
-                    b.join(", ")
-                )
-            })
-            .collect();
+        let windows = self.window_params();
         let _ = writeln!(e.out, "module @{} {{", self.name);
         e.depth = 1;
         e.line(&format!(
@@ -521,6 +511,21 @@ impl Kernel {
         Ok(e.out)
     }
 
+    /// The kernel's `window_params`: per operand and result its block and transform function.
+    fn window_params(&self) -> Vec<String> {
+        let operands = self.inputs.iter().chain(&self.outputs).enumerate();
+        operands
+            .map(|(i, o)| {
+                let b: Vec<String> = o.block.iter().map(i64::to_string).collect();
+                format!(
+                    "{{transform_indices = @{}_map{i}, window_bounds = array<i64: {}>}}",
+                    self.name,
+                    b.join(", ")
+                )
+            })
+            .collect()
+    }
+
     /// The `backend_config` of the custom call: the base64 body, layout passes on, and the
     /// analytic cost when the kernel has one.
     fn backend_config(&self) -> Result<String> {
@@ -540,7 +545,7 @@ impl Kernel {
 
     /// The kernel called from `b` on `operands` (the tables, then the inputs, as
     /// [`Kernel::operand_types`] lists them): a `tpu_custom_call` that libtpu compiles.
-    pub fn call_mosaic(&self, b: &mut FnBuilder, operands: &[Value]) -> Result<Vec<Value>> {
+    pub(super) fn call_mosaic(&self, b: &mut FnBuilder, operands: &[Value]) -> Result<Vec<Value>> {
         let want = self.operand_types();
         let got: Vec<TensorType> = operands.iter().map(Value::ty).collect();
         if got != want {

@@ -38,7 +38,7 @@ fn family(implementation: Implementation) -> Result<Family> {
 }
 
 /// The results of program `kind` of `s` from its declared arguments `d`, by the builders of
-/// `s.implementation`'s row.
+/// `s.tuning.implementation`'s row.
 fn body(f: &mut FnBuilder, s: &KernelSpec, d: &Declared, kind: ProgramKind) -> Result<Vec<Value>> {
     let a = d.args()?;
     let saved = |strategy: BackwardStrategy| -> Result<Option<Value>> {
@@ -49,7 +49,7 @@ fn body(f: &mut FnBuilder, s: &KernelSpec, d: &Declared, kind: ProgramKind) -> R
     };
     let cotangents = || -> Result<(Value, Option<Value>)> { Ok((d.need("do")?, d.get("dht"))) };
     let keep_h = |strategy: BackwardStrategy| strategy == BackwardStrategy::SavedState;
-    match (family(s.implementation)?, kind) {
+    match (family(s.tuning.implementation)?, kind) {
         (Family::Xla, ProgramKind::Forward(st)) => xla::forward(f, s, &a, keep_h(st)),
         (Family::Xla, ProgramKind::Backward(st)) => xla::backward(f, s, &a, saved(st)?, cotangents()?),
         (Family::Xla, ProgramKind::Fused(st)) => xla::fused(f, s, &a, st, cotangents()?),

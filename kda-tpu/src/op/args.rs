@@ -84,7 +84,7 @@ impl Declared {
 pub(crate) fn state_tab(b: &mut FnBuilder, s: &KernelSpec, x: Option<Value>) -> Result<Value> {
     match x {
         Some(x) => prep::state_table(b, s, x),
-        None => splat(b, 0.0, &[s.lanes() as i64, s.slots() as i64, s.k as i64, s.v as i64]),
+        None => splat(b, 0.0, &[s.lanes() as i64, s.slots() as i64, s.dims.k as i64, s.dims.v as i64]),
     }
 }
 

@@ -24,12 +24,12 @@
 //! independent of T.
 
 use crate::hlo::Transpose;
-use kda_core::{BackwardStrategy, DType, Problem};
+use kda_core::{BackwardStrategy, DType, Problem, ProblemDims};
 use kda_packed::StaticCapacity;
 
 use super::api::build;
 use super::interface::{ProgramKind, ProgramSignature};
-use super::spec::KernelSpec;
+use super::spec::{KernelSpec, Tuning};
 use crate::hlo::{FnBuilder, Module, TensorType, Value};
 use crate::Result;
 
@@ -38,14 +38,14 @@ use crate::Result;
 pub const CP_ARGS: [&str; 3] = ["cont", "carry", "piece"];
 
 /// The spec every device's context-parallel program is built from (any device's local
-/// problem: they share their dims), with `g` in `g_dtype` and slabs of `slab` chunks.
-pub fn local_spec(local: &Problem, has_dht: bool, slab: usize, g_dtype: DType) -> Result<KernelSpec> {
+/// problem: they share their dims), with `g` in `g_dtype`, tuned as `tuning` says.
+pub fn local_spec(local: &Problem, has_dht: bool, tuning: Tuning, g_dtype: DType) -> Result<KernelSpec> {
     let d = local.dims;
     let chunks = match local.segments.is_packed() {
         true => Some(StaticCapacity::new(d.b, d.t, d.n, super::CHUNK)?.chunks()),
         false => None,
     };
-    Ok(KernelSpec::new(local, chunks, has_dht).with_slab(slab).with_g_dtype(g_dtype))
+    Ok(KernelSpec::new(local, chunks, has_dht).with_tuning(tuning).with_g_dtype(g_dtype))
 }
 
 /// The identity `[K, K]` in f32.
@@ -69,7 +69,7 @@ fn place(b: &mut FnBuilder, w: Value, block: Value, n: i64) -> Result<Value> {
 
 /// `I` placed by `w[b, n]`: `[B, N, H, K, K]`.
 fn placed_identity(b: &mut FnBuilder, w: Value, s: &KernelSpec) -> Result<Value> {
-    let (bb, n, h, k) = (s.b as i64, s.n as i64, s.h as i64, s.k as i64);
+    let (bb, n, h, k) = (s.dims.b as i64, s.dims.n as i64, s.dims.h as i64, s.dims.k as i64);
     let eye = identity(b, k)?;
     let dims = [bb, n, h, k, k];
     let wb = b.broadcast_in_dim(w, &dims, &[0, 1])?;
@@ -152,7 +152,7 @@ fn call_named(
 pub fn signature(s: &KernelSpec, kind: ProgramKind, devices: usize) -> ProgramSignature {
     let mut sig = ProgramSignature::of(s, kind);
     let f32 = |d: &[i64]| TensorType::new(DType::F32, d);
-    let (b, n) = (s.b as i64, s.n as i64);
+    let (b, n) = (s.dims.b as i64, s.dims.n as i64);
     for (name, dims) in CP_ARGS.into_iter().zip([vec![b], vec![b, n], vec![devices as i64]]) {
         sig.args.push(super::interface::Port { name, ty: f32(&dims) });
     }
@@ -172,9 +172,9 @@ pub fn signature(s: &KernelSpec, kind: ProgramKind, devices: usize) -> ProgramSi
 /// (`P`, `P^T`) at width K from zero values and cotangents with the identity in the continuation
 /// (carry) slot. Same work, half the live memory of the widest phase.
 pub fn context_parallel_program(s: &KernelSpec, kind: ProgramKind, devices: usize) -> Result<String> {
-    let (k, n) = (s.k as i64, s.n as i64);
+    let (k, n) = (s.dims.k as i64, s.dims.n as i64);
     // The state-column runs: values K wide (the same spec as `s` when K = V).
-    let sk = KernelSpec { v: s.k, ..s.clone() };
+    let sk = KernelSpec { dims: ProblemDims { v: s.dims.k, ..s.dims }, ..s.clone() };
     let same = sk == *s;
     let mut m = Module::new();
     let fwd_kind = ProgramKind::Forward(BackwardStrategy::Rematerialize);
@@ -213,8 +213,8 @@ pub fn context_parallel_program(s: &KernelSpec, kind: ProgramKind, devices: usiz
         named.push((p.name, b.arg(p.ty.clone())?));
     }
     let f32 = |d: &[i64]| TensorType::new(DType::F32, d);
-    let cont = b.arg(f32(&[s.b as i64]))?;
-    let carry = b.arg(f32(&[s.b as i64, n]))?;
+    let cont = b.arg(f32(&[s.dims.b as i64]))?;
+    let carry = b.arg(f32(&[s.dims.b as i64, n]))?;
     let piece = b.arg(f32(&[devices as i64]))?;
     let missing = |what: &str| crate::TpuError::builder("context_parallel", format!("needs {what}"));
     let get =
@@ -237,7 +237,7 @@ pub fn context_parallel_program(s: &KernelSpec, kind: ProgramKind, devices: usiz
             b.convert(z, v_in.elem())?
         }
     };
-    let zero_states_k = b.constant_f32(0.0, f32(&[s.b as i64, n, s.h as i64, k, k]))?;
+    let zero_states_k = b.constant_f32(0.0, f32(&[s.dims.b as i64, n, s.dims.h as i64, k, k]))?;
     let first = slot0(&mut b, cont, n)?;
 
     let cx = Pieces {
@@ -313,7 +313,7 @@ impl Pieces<'_> {
 /// (`Q + P S` folded over the exchanged transitions).
 fn entering_states(b: &mut FnBuilder, cx: &Pieces, h0: Value) -> Result<Value> {
     let (s, devices, (fwd_sig, fwd_k)) = (cx.s, cx.devices, cx.fwd);
-    let (k, v, n) = (s.k as i64, s.v as i64, s.n as i64);
+    let (k, v, n) = (s.dims.k as i64, s.dims.v as i64, s.dims.n as i64);
     let f32 = |d: &[i64]| TensorType::new(DType::F32, d);
     let (first, carry, piece, zeros_k) = (cx.first, cx.carry, cx.piece, cx.zeros_k);
     let outs = call_named(b, "kda_fwd", &fwd_sig.0, &|name| cx.get(name))?;
@@ -330,7 +330,7 @@ fn entering_states(b: &mut FnBuilder, cx: &Pieces, h0: Value) -> Result<Value> {
     let p = pick(b, carry, outs[fwd_sig.1.result_index("final_state").unwrap_or(1)])?;
     let qp = b.concatenate(&[q, p], 3)?;
     let all = exchange(b, qp, devices)?;
-    let mut states = vec![b.constant_f32(0.0, f32(&[s.b as i64, s.h as i64, k, v]))?];
+    let mut states = vec![b.constant_f32(0.0, f32(&[s.dims.b as i64, s.dims.h as i64, k, v]))?];
     for j in 0..devices.saturating_sub(1) {
         let q = block(b, all, j, (0, v))?;
         let p = block(b, all, j, (v, v + k))?;
@@ -346,7 +346,7 @@ fn entering_states(b: &mut FnBuilder, cx: &Pieces, h0: Value) -> Result<Value> {
 /// folded in reverse), from the entering states `h0_eff`.
 fn ending_dh(b: &mut FnBuilder, cx: &Pieces, h0_eff: Value) -> Result<Value> {
     let (s, devices, (bwd_sig, bwd_k)) = (cx.s, cx.devices, cx.bwd);
-    let (k, v, n) = (s.k as i64, s.v as i64, s.n as i64);
+    let (k, v, n) = (s.dims.k as i64, s.dims.v as i64, s.dims.n as i64);
     let f32 = |d: &[i64]| TensorType::new(DType::F32, d);
     let (first, carry, piece) = (cx.first, cx.carry, cx.piece);
     let missing = |what: &str| crate::TpuError::builder("context_parallel", format!("needs {what}"));
@@ -371,7 +371,7 @@ fn ending_dh(b: &mut FnBuilder, cx: &Pieces, h0_eff: Value) -> Result<Value> {
     let pt = pick(b, first, outs[dh0_of(&bwd_sig.1)?])?;
     let rp = b.concatenate(&[r, pt], 3)?;
     let all = exchange(b, rp, devices)?;
-    let mut ends = vec![b.constant_f32(0.0, f32(&[s.b as i64, s.h as i64, k, v]))?; devices];
+    let mut ends = vec![b.constant_f32(0.0, f32(&[s.dims.b as i64, s.dims.h as i64, k, v]))?; devices];
     for j in (0..devices.saturating_sub(1)).rev() {
         let r = block(b, all, j + 1, (0, v))?;
         let pt = block(b, all, j + 1, (v, v + k))?;

@@ -90,29 +90,29 @@ fn port(name: &'static str, elem: DType, dims: &[i64]) -> Port {
 impl ProgramSignature {
     /// The signature of program `kind` of `spec` (the table in the module docs).
     pub fn of(s: &KernelSpec, kind: ProgramKind) -> ProgramSignature {
-        let e = on_device(s.dtype);
-        let ge = on_device(s.g_dtype);
+        let e = on_device(s.options.dtype);
+        let ge = on_device(s.options.g_dtype);
         let f32 = DType::F32;
         let i32 = DType::I32;
         let nt = s.chunks() as i64;
         let state = s.state_dims();
-        let saved_h = [s.lanes() as i64, nt, s.k as i64, s.v as i64];
+        let saved_h = [s.lanes() as i64, nt, s.dims.k as i64, s.dims.v as i64];
         let kernel_forms = s.kernel_forms();
         let tokens = |d: usize| if kernel_forms { s.kernel_token_dims(d) } else { s.token_dims(d) };
         let mut args = vec![
-            port("q", e, &tokens(s.k)),
-            port("k", e, &tokens(s.k)),
-            port("v", e, &tokens(s.v)),
-            port("g", ge, &tokens(s.k)),
+            port("q", e, &tokens(s.dims.k)),
+            port("k", e, &tokens(s.dims.k)),
+            port("v", e, &tokens(s.dims.v)),
+            port("g", ge, &tokens(s.dims.k)),
             port("beta", e, &if kernel_forms { s.kernel_beta_dims() } else { s.beta_dims() }),
         ];
-        if s.has_h0 {
+        if s.options.has_h0 {
             args.push(port("h0", f32, &state));
         }
         if s.in_kernel_gate() {
-            args.push(port("a_log", f32, &[s.h as i64]));
-            if s.has_dt_bias {
-                args.push(port("dt_bias", f32, &[(s.h * s.k) as i64]));
+            args.push(port("a_log", f32, &[s.dims.h as i64]));
+            if s.options.has_dt_bias {
+                args.push(port("dt_bias", f32, &[(s.dims.h * s.dims.k) as i64]));
             }
         }
         for name in ["chunk_first", "chunk_last", "chunk_slot"] {
@@ -120,17 +120,17 @@ impl ProgramSignature {
         }
         if s.packed_chunks.is_some() {
             args.push(port("slot_token", i32, &[nt * CHUNK as i64]));
-            args.push(port("token_slot", i32, &[(s.b * s.t) as i64]));
+            args.push(port("token_slot", i32, &[(s.dims.b * s.dims.t) as i64]));
         }
         // Per-token results are 2-D (and `dbeta` `[H*B*T]`): the row-major bytes of the
         // caller's shapes (a 4-D result with a unit axis made XLA copy it once more).
-        let flat_k = s.result_token_dims(s.k, kernel_forms);
-        let flat_v = s.result_token_dims(s.v, kernel_forms);
+        let flat_k = s.result_token_dims(s.dims.k, kernel_forms);
+        let flat_v = s.result_token_dims(s.dims.v, kernel_forms);
         let flat_beta = [s.beta_dims().iter().product::<i64>()];
         let mut results = Vec::new();
         let forward = |results: &mut Vec<Port>| {
             results.push(port("o", e, &flat_v));
-            if s.final_state {
+            if s.options.final_state {
                 results.push(port("final_state", f32, &state));
             }
         };
@@ -140,19 +140,19 @@ impl ProgramSignature {
             results.push(port("dv", e, &flat_v));
             results.push(port("dg", ge, &flat_k));
             results.push(port("dbeta", e, &flat_beta));
-            if s.has_h0 {
+            if s.options.has_h0 {
                 results.push(port("dh0", f32, &state));
             }
             if s.in_kernel_gate() {
-                results.push(port("da_log", f32, &[s.h as i64]));
-                if s.has_dt_bias {
-                    results.push(port("ddt_bias", f32, &[(s.h * s.k) as i64]));
+                results.push(port("da_log", f32, &[s.dims.h as i64]));
+                if s.options.has_dt_bias {
+                    results.push(port("ddt_bias", f32, &[(s.dims.h * s.dims.k) as i64]));
                 }
             }
         };
         let cotangents = |args: &mut Vec<Port>| {
-            args.push(port("do", e, &tokens(s.v)));
-            if s.has_dht {
+            args.push(port("do", e, &tokens(s.dims.v)));
+            if s.options.has_dht {
                 args.push(port("dht", f32, &state));
             }
         };
@@ -241,7 +241,7 @@ pub fn index_tables(spec: &KernelSpec, segments: Option<&Segments>) -> Result<Ve
             "a packed spec's tables need its segments",
         ))
     })?;
-    let seg_table = segments.validate(spec.b, spec.t)?;
+    let seg_table = segments.validate(spec.dims.b, spec.dims.t)?;
     packed_tables(spec, cap, &seg_table)
 }
 
@@ -260,8 +260,8 @@ fn packed_tables(spec: &KernelSpec, cap: usize, seg_table: &SegmentTable) -> Res
         dims: dims.iter().map(|&d| d as i64).collect(),
         data,
     };
-    let (b, t) = (spec.b, spec.t);
-    let tables = StaticCapacity::new(b, t, spec.n, CHUNK)?.plan(seg_table)?.tables().clone();
+    let (b, t) = (spec.dims.b, spec.dims.t);
+    let tables = StaticCapacity::new(b, t, spec.dims.n, CHUNK)?.plan(seg_table)?.tables().clone();
     if tables.capacity != cap {
         return Err(TpuError::contract(kda_core::KdaError::shape(
             "segments",

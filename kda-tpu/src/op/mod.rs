@@ -26,7 +26,9 @@ pub use api::{backward_program, data_parallel_program, forward_program, fused_pr
 pub use args::GATE_FLOOR;
 pub use interface::{index_tables, index_tables_for, IndexTable, Port, ProgramKind, ProgramSignature};
 pub(crate) use spec::CHUNK;
-pub use spec::{on_device, Implementation, KernelSpec, PACKED_RESULT_BYTES, SUB, TPU_SLAB};
+pub use spec::{
+    on_device, Implementation, KernelSpec, OpOptions, Tuning, PACKED_RESULT_BYTES, SUB, TPU_SLAB,
+};
 #[cfg(feature = "harness")]
 pub use xla::parts;
 

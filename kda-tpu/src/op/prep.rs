@@ -10,7 +10,7 @@ use kda_core::{DType, GateKind, Layout, L2NORM_EPS};
 /// Per-token tensor in the caller's layout to head-first `[H, B, T, D]` f32.
 pub fn head_first(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result<Value> {
     let x = if x.elem() == DType::F32 { x } else { b.convert(x, DType::F32)? };
-    Ok(match s.layout {
+    Ok(match s.options.layout {
         Layout::HeadFirst => x,
         Layout::BatchFirst => heads_outermost(b, s, x)?,
     })
@@ -23,7 +23,7 @@ pub fn heads_outermost(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result<Va
         x
     } else {
         let hd = *x.dims().last().unwrap_or(&1);
-        let (h, bb, t) = (s.h as i64, s.b as i64, s.t as i64);
+        let (h, bb, t) = (s.dims.h as i64, s.dims.b as i64, s.dims.t as i64);
         b.reshape(x, &[bb, t, h, hd / h.max(1)])?
     };
     b.transpose(x, &[2, 0, 1, 3])
@@ -31,7 +31,13 @@ pub fn heads_outermost(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result<Va
 
 /// `beta` as the caller gives it to `[H, B, T, 1]` f32.
 pub fn beta_head_first(b: &mut FnBuilder, s: &KernelSpec, beta: Value) -> Result<Value> {
-    let mut d = s.layout.scalar_shape(s.h, s.b, s.t).iter().map(|&x| x as i64).collect::<Vec<_>>();
+    let mut d = s
+        .options
+        .layout
+        .scalar_shape(s.dims.h, s.dims.b, s.dims.t)
+        .iter()
+        .map(|&x| x as i64)
+        .collect::<Vec<_>>();
     d.push(1);
     let x = b.reshape(beta, &d)?;
     head_first(b, s, x)
@@ -42,7 +48,7 @@ pub fn beta_head_first(b: &mut FnBuilder, s: &KernelSpec, beta: Value) -> Result
 /// results with the API shape). A 4-D result with a unit axis (B = 1) made XLA give the last
 /// fusion a layout with that axis elsewhere and then copy the whole result into the standard one.
 pub fn to_caller(b: &mut FnBuilder, s: &KernelSpec, x: Value, dtype: DType) -> Result<Value> {
-    let x = match s.layout {
+    let x = match s.options.layout {
         Layout::HeadFirst => x,
         Layout::BatchFirst => b.transpose(x, &[1, 2, 0, 3])?,
     };
@@ -96,7 +102,7 @@ pub fn gate_params(
     let a = b.broadcast_in_dim(a, dims, &[0])?;
     let bias = match dt_bias {
         Some(d) => {
-            let d = b.reshape(d, &[s.h as i64, s.k as i64])?;
+            let d = b.reshape(d, &[s.dims.h as i64, s.dims.k as i64])?;
             b.broadcast_in_dim(d, dims, &[0, 3])?
         }
         None => splat(b, 0.0, dims)?,
@@ -108,7 +114,7 @@ pub fn gate_params(
 pub fn activate(b: &mut FnBuilder, s: &KernelSpec, x: Value, p: Option<&GateParams>) -> Result<Value> {
     let Some(p) = p else { return Ok(x) };
     let z = b.add(x, p.bias)?;
-    match s.gate {
+    match s.options.gate {
         GateKind::Preactivated => Ok(x),
         GateKind::Softplus => {
             // softplus(z) = max(z, 0) + log1p(exp(-|z|)), exact and overflow-free.
@@ -145,7 +151,7 @@ pub fn gate_backward(
     p: &GateParams,
 ) -> Result<(Value, Value, Value)> {
     let z = b.add(x, p.bias)?;
-    let (dx, dalog) = match s.gate {
+    let (dx, dalog) = match s.options.gate {
         GateKind::Preactivated => return Ok((dg, dg, dg)),
         GateKind::Softplus => {
             // g = -a softplus(z): dg/dz = -a sigmoid(z), dg/da_log = g.
@@ -171,7 +177,7 @@ pub fn gate_backward(
     };
     let da_log = b.reduce_sum(dalog, &[1, 2, 3])?;
     let ddt = b.reduce_sum(dx, &[1, 2])?;
-    let ddt = b.reshape(ddt, &[(s.h * s.k) as i64])?;
+    let ddt = b.reshape(ddt, &[(s.dims.h * s.dims.k) as i64])?;
     Ok((dx, da_log, ddt))
 }
 
@@ -180,7 +186,7 @@ pub fn gate_backward(
 /// Packed programs gather through `slot_token` (`[NT*C]`, padding slots point at a zero row).
 pub fn to_chunks(b: &mut FnBuilder, s: &KernelSpec, x: Value, slot_token: Option<Value>) -> Result<Value> {
     let d = x.dims()[3];
-    let (h, bb, t) = (s.h as i64, s.b as i64, s.t as i64);
+    let (h, bb, t) = (s.dims.h as i64, s.dims.b as i64, s.dims.t as i64);
     let (l, nt, c) = (s.lanes() as i64, s.chunks() as i64, CHUNK as i64);
     let zero = b.constant_f32(0.0, crate::hlo::TensorType::scalar(x.elem()))?;
     match slot_token {
@@ -202,7 +208,7 @@ pub fn to_chunks(b: &mut FnBuilder, s: &KernelSpec, x: Value, slot_token: Option
 /// from its slot (`token_slot` `[B*T]`, padding tokens point at a zero row, so they are exactly 0).
 pub fn from_chunks(b: &mut FnBuilder, s: &KernelSpec, y: Value, token_slot: Option<Value>) -> Result<Value> {
     let d = y.dims()[3];
-    let (h, bb, t) = (s.h as i64, s.b as i64, s.t as i64);
+    let (h, bb, t) = (s.dims.h as i64, s.dims.b as i64, s.dims.t as i64);
     let (nt, c) = (s.chunks() as i64, CHUNK as i64);
     match token_slot {
         None => {
@@ -242,11 +248,12 @@ fn head_rows(b: &mut FnBuilder, x: Value, idx: Value) -> Result<Value> {
 /// States `[B, N, H, K, V]` to the per-lane table `[L, slots, K, V]`.
 pub fn state_table(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result<Value> {
     let x = b.transpose(x, &[2, 0, 1, 3, 4])?;
-    b.reshape(x, &[s.lanes() as i64, s.slots() as i64, s.k as i64, s.v as i64])
+    b.reshape(x, &[s.lanes() as i64, s.slots() as i64, s.dims.k as i64, s.dims.v as i64])
 }
 
 /// The per-lane table `[L, slots, K, V]` back to `[B, N, H, K, V]`.
 pub fn state_from_table(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result<Value> {
-    let x = b.reshape(x, &[s.h as i64, s.b as i64, s.n as i64, s.k as i64, s.v as i64])?;
+    let x =
+        b.reshape(x, &[s.dims.h as i64, s.dims.b as i64, s.dims.n as i64, s.dims.k as i64, s.dims.v as i64])?;
     b.transpose(x, &[1, 2, 0, 3, 4])
 }

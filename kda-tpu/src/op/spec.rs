@@ -1,6 +1,6 @@
 //! The static description of one compiled program: everything that changes the program text.
 
-use kda_core::{DType, GateKind, Layout, Problem};
+use kda_core::{DType, GateKind, Layout, Problem, ProblemDims};
 
 pub(crate) use kda_core::CHUNK;
 /// Diagonal block size of the blocked `(I + L)^-1`.
@@ -26,25 +26,28 @@ pub use kda_core::Implementation;
 
 /// The VMEM a packed kernel's head-resident results may take by default (f32,
 /// double-buffered): the forward's `o` and the backward's gradients read in place within it,
-/// else through lanes ([`KernelSpec::packed_result_bytes`]).
+/// else through lanes ([`Tuning::packed_result_bytes`]).
 pub const PACKED_RESULT_BYTES: usize = 12 << 20;
 
-/// Shapes and options baked into a program. Two problems with equal specs share executables:
-/// the spec is the compile cache's key (`Eq` and `Hash`, its f64 fields hashed by their bits).
+/// Shapes and options baked into a program, in three parts: the problem's dims, the op's
+/// options and the tuning. Two problems with equal specs share executables: the spec is the
+/// compile cache's key (`Eq` and `Hash`, its f64 fields hashed by their bits).
 #[derive(Debug, Clone, PartialEq)]
 pub struct KernelSpec {
     /// Heads, rows, tokens per row, key and value widths, segment slots per row.
-    pub h: usize,
-    /// Rows.
-    pub b: usize,
-    /// Tokens per row.
-    pub t: usize,
-    /// Key width.
-    pub k: usize,
-    /// Value width.
-    pub v: usize,
-    /// Segment slots per row.
-    pub n: usize,
+    pub dims: ProblemDims,
+    /// Packed: the static chunk capacity; `None` for fixed length.
+    pub packed_chunks: Option<usize>,
+    /// What the op computes and how its tensors are laid out.
+    pub options: OpOptions,
+    /// How the programs compute it (no effect on results beyond rounding).
+    pub tuning: Tuning,
+}
+
+/// The op's options: layouts, dtypes, the gate, the norm, the scale and which states go in
+/// and out.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OpOptions {
     /// Layout of per-token inputs and outputs.
     pub layout: Layout,
     /// Element type of q, k, v, beta, do (and of o and their gradients).
@@ -68,35 +71,76 @@ pub struct KernelSpec {
     pub final_state: bool,
     /// Whether `dht` is an input of backward programs.
     pub has_dht: bool,
-    /// Packed: the static chunk capacity; `None` for fixed length.
-    pub packed_chunks: Option<usize>,
+}
+
+/// The tuning of the programs: what runs their chunk loops and how they are cut. Results agree
+/// whatever it is (to rounding). It is set in one place: [`crate::PjrtOptions::tuning`] for a
+/// new handle, [`crate::PjrtBackend::with_tuning`] for a handle, [`KernelSpec::with_tuning`]
+/// for a program.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Tuning {
+    /// What runs the programs' chunk loops (the context-parallel programs are XLA's).
+    pub implementation: Implementation,
     /// Fused programs: chunk positions per slab (0: all chunks at once). With slabs the fused
     /// forward+VJP runs its chunk-parallel work slab by slab inside the recurrence loops, so
     /// only one slab's intermediates are live at a time (see `programs::fused_program`).
     /// 0 also selects the CPU form of the forward alone (outputs formed inside the recurrence).
     pub slab: usize,
-    /// What runs the programs' chunk loops (the context-parallel programs are XLA's).
-    pub implementation: Implementation,
     /// The kernel forward's wish of chunks per grid step for fixed-length rows (0: its default,
     /// the TPU forward kernel's `default_step_chunks`).
     pub step_chunks: usize,
     /// The VMEM packed kernel programs may give a head's resident results (f32,
     /// double-buffered) to read packed tokens in place; above it they go through lanes.
-    /// Default [`PACKED_RESULT_BYTES`].
     pub packed_result_bytes: usize,
+}
+
+impl Default for Tuning {
+    /// XLA's chunk loops, no slabs, the kernels' default steps, [`PACKED_RESULT_BYTES`].
+    fn default() -> Self {
+        Tuning {
+            implementation: Implementation::Xla,
+            slab: 0,
+            step_chunks: 0,
+            packed_result_bytes: PACKED_RESULT_BYTES,
+        }
+    }
+}
+
+impl Tuning {
+    /// The defaults for a plugin of `platform`: no slabs on the CPU ([`TPU_SLAB`] elsewhere:
+    /// slabs bound the live intermediates, the memory figure that matters on a TPU, at the cost
+    /// of recomputing the chunk terms in the backward loop).
+    pub fn for_platform(platform: &str) -> Self {
+        Tuning { slab: if platform == "cpu" { 0 } else { TPU_SLAB }, ..Tuning::default() }
+    }
+    /// Programs run by `implementation`: [`Implementation::Mosaic`] needs a TPU plugin,
+    /// [`Implementation::Interpret`] runs the same kernels' interpret lowering on any plugin.
+    pub fn with_implementation(self, implementation: Implementation) -> Self {
+        Tuning { implementation, ..self }
+    }
+    /// Fused programs in slabs of `chunks` chunk positions (0: no slabs).
+    pub fn with_slab(self, chunks: usize) -> Self {
+        Tuning { slab: chunks, ..self }
+    }
+    /// The kernel forward running at most `chunks` chunks per grid step on fixed-length rows
+    /// (the largest power of two up to it dividing the chunk count; 0: its default, sixteen
+    /// when the inputs are too large for VMEM, else four). The step count trades the per-step
+    /// cost of streaming operands against code size and VMEM.
+    pub fn with_step_chunks(self, chunks: usize) -> Self {
+        Tuning { step_chunks: chunks, ..self }
+    }
+    /// Packed kernel programs reading tokens in place (and placing results straight into their
+    /// packed tokens) only while a head's results fit `bytes` of VMEM (f32, double-buffered);
+    /// above it, or with 0, XLA gathers chunk-aligned lanes and compacts the results.
+    pub fn with_packed_result_bytes(self, bytes: usize) -> Self {
+        Tuning { packed_result_bytes: bytes, ..self }
+    }
 }
 
 impl KernelSpec {
     /// The spec of a validated problem; `packed_chunks` comes from `kda-packed`'s static plan.
     pub fn new(p: &Problem, packed_chunks: Option<usize>, has_dht: bool) -> Self {
-        let d = p.dims;
-        KernelSpec {
-            h: d.h,
-            b: d.b,
-            t: d.t,
-            k: d.k,
-            v: d.v,
-            n: d.n,
+        let options = OpOptions {
             layout: p.layout,
             dtype: p.dtype,
             g_dtype: p.dtype,
@@ -108,16 +152,12 @@ impl KernelSpec {
             has_h0: p.has_initial_state,
             final_state: p.output_final_state,
             has_dht,
-            packed_chunks,
-            slab: 0,
-            implementation: Implementation::Xla,
-            step_chunks: 0,
-            packed_result_bytes: PACKED_RESULT_BYTES,
-        }
+        };
+        KernelSpec { dims: p.dims, packed_chunks, options, tuning: Tuning::default() }
     }
     /// The spec of a call's inputs, as the backend builds it: validated, packed segments at
-    /// `kda-packed`'s static capacity, `g` read in its own dtype, no slabs (see
-    /// [`KernelSpec::with_slab`]). `has_dht`: whether backward and fused programs take `dht`.
+    /// `kda-packed`'s static capacity, `g` read in its own dtype, the default tuning (see
+    /// [`KernelSpec::with_tuning`]). `has_dht`: whether backward and fused programs take `dht`.
     pub fn of_inputs(inputs: &kda_core::KdaInputs, has_dht: bool) -> crate::Result<Self> {
         let p = inputs.validate()?;
         let packed = if p.segments.is_packed() {
@@ -129,69 +169,62 @@ impl KernelSpec {
     }
     /// The same spec reading `g` (and writing `dg`) as `dtype` (bf16, or f32 for f32 and f64).
     pub fn with_g_dtype(mut self, dtype: DType) -> Self {
-        self.g_dtype = on_device(dtype);
+        self.options.g_dtype = on_device(dtype);
         self
     }
-    /// The same spec with fused programs in slabs of `chunks` chunk positions (0: no slabs).
-    pub fn with_slab(mut self, chunks: usize) -> Self {
-        self.slab = chunks;
-        self
-    }
-    /// The same spec with the kernel forward running at most `chunks` chunks per grid step
-    /// (0: its default).
-    pub fn with_step_chunks(mut self, chunks: usize) -> Self {
-        self.step_chunks = chunks;
-        self
-    }
-    /// The same spec with packed kernel programs reading tokens in place only while a head's
-    /// results fit `bytes` of VMEM (0: always through lanes).
-    pub fn with_packed_result_bytes(mut self, bytes: usize) -> Self {
-        self.packed_result_bytes = bytes;
-        self
-    }
-    /// The same spec with its forward programs run by `implementation`.
-    pub fn with_implementation(mut self, implementation: Implementation) -> Self {
-        self.implementation = implementation;
+    /// The same spec tuned as `tuning` says.
+    pub fn with_tuning(mut self, tuning: Tuning) -> Self {
+        self.tuning = tuning;
         self
     }
     /// Whether the programs run in slabs (the TPU configuration): `slab` set and below the
     /// chunk count.
     pub fn in_slabs(&self) -> bool {
-        self.slab > 0 && self.slab < self.chunks()
+        self.tuning.slab > 0 && self.tuning.slab < self.chunks()
     }
     /// Independent recurrences run side by side: `H*B` fixed, `H` packed (rows run in sequence).
     pub fn lanes(&self) -> usize {
         if self.packed_chunks.is_some() {
-            self.h
+            self.dims.h
         } else {
-            self.h * self.b
+            self.dims.h * self.dims.b
         }
     }
     /// Chunks per lane.
     pub fn chunks(&self) -> usize {
-        self.packed_chunks.unwrap_or(self.t.div_ceil(CHUNK))
+        self.packed_chunks.unwrap_or(self.dims.t.div_ceil(CHUNK))
     }
     /// State slots per lane: `B*N` packed, 1 fixed.
     pub fn slots(&self) -> usize {
         if self.packed_chunks.is_some() {
-            self.b * self.n
+            self.dims.b * self.dims.n
         } else {
-            self.n
+            self.dims.n
         }
     }
     /// Whether the gate is computed in the kernel.
     pub fn in_kernel_gate(&self) -> bool {
-        self.gate != GateKind::Preactivated
+        self.options.gate != GateKind::Preactivated
     }
     /// Shape of a per-token input of width `d` in the caller's layout.
     pub fn token_dims(&self, d: usize) -> Vec<i64> {
-        self.layout.token_shape(self.h, self.b, self.t, d).iter().map(|&x| x as i64).collect()
+        self.options
+            .layout
+            .token_shape(self.dims.h, self.dims.b, self.dims.t, d)
+            .iter()
+            .map(|&x| x as i64)
+            .collect()
     }
     /// Shape of `beta` as the caller gives it.
     pub fn beta_dims(&self) -> Vec<i64> {
-        let mut s: Vec<i64> =
-            self.layout.scalar_shape(self.h, self.b, self.t).iter().map(|&x| x as i64).collect();
-        if self.beta_trailing_one {
+        let mut s: Vec<i64> = self
+            .options
+            .layout
+            .scalar_shape(self.dims.h, self.dims.b, self.dims.t)
+            .iter()
+            .map(|&x| x as i64)
+            .collect();
+        if self.options.beta_trailing_one {
             s.push(1);
         }
         s
@@ -200,39 +233,39 @@ impl KernelSpec {
     /// ([`KernelSpec::kernel_token_dims`]): programs run by a kernel lowering. XLA's programs
     /// keep the caller's shapes, from which XLA's layout assignment makes fewer copies.
     pub fn kernel_forms(&self) -> bool {
-        self.implementation != Implementation::Xla
+        self.tuning.implementation != Implementation::Xla
     }
     /// A kernel program's form of a per-token input of width `d` (the row-major elements of
     /// [`KernelSpec::token_dims`]): head-first `[H, B, T, D]` as given, batch-first
     /// `[B*T, H*D]`, whose TPU tiles run along tokens (a `[B, T, H, D]` array is tiled over
     /// `(H, D)`, and reading a head's tokens from it costs a relayout of the whole tensor).
     pub fn kernel_token_dims(&self, d: usize) -> Vec<i64> {
-        let (h, b, t, d) = (self.h as i64, self.b as i64, self.t as i64, d as i64);
-        match self.layout {
+        let (h, b, t, d) = (self.dims.h as i64, self.dims.b as i64, self.dims.t as i64, d as i64);
+        match self.options.layout {
             Layout::HeadFirst => vec![h, b, t, d],
             Layout::BatchFirst => vec![b * t, h * d],
         }
     }
     /// A kernel program's form of `beta`: head-first as given, batch-first `[B*T, H]`.
     pub fn kernel_beta_dims(&self) -> Vec<i64> {
-        match self.layout {
+        match self.options.layout {
             Layout::HeadFirst => self.beta_dims(),
-            Layout::BatchFirst => vec![(self.b * self.t) as i64, self.h as i64],
+            Layout::BatchFirst => vec![(self.dims.b * self.dims.t) as i64, self.dims.h as i64],
         }
     }
     /// A per-token result of width `d`, 2-D: `[H*B*T, D]` head-first; batch-first
     /// `[B*T, H*D]` in a kernel program, `[B*T*H, D]` in XLA's (each the row-major elements
     /// of the caller's shape).
     pub fn result_token_dims(&self, d: usize, kernel_forms: bool) -> Vec<i64> {
-        let (h, b, t, d) = (self.h as i64, self.b as i64, self.t as i64, d as i64);
-        match (self.layout, kernel_forms) {
+        let (h, b, t, d) = (self.dims.h as i64, self.dims.b as i64, self.dims.t as i64, d as i64);
+        match (self.options.layout, kernel_forms) {
             (Layout::BatchFirst, true) => vec![b * t, h * d],
             _ => vec![h * b * t, d],
         }
     }
     /// `[B, N, H, K, V]`.
     pub fn state_dims(&self) -> Vec<i64> {
-        [self.b, self.n, self.h, self.k, self.v].iter().map(|&x| x as i64).collect()
+        [self.dims.b, self.dims.n, self.dims.h, self.dims.k, self.dims.v].iter().map(|&x| x as i64).collect()
     }
 }
 
@@ -243,13 +276,9 @@ impl Eq for KernelSpec {}
 impl std::hash::Hash for KernelSpec {
     fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
         // Destructured, so that a new field cannot be left out of the key.
-        let KernelSpec {
-            h,
-            b,
-            t,
-            k,
-            v,
-            n,
+        let KernelSpec { dims, packed_chunks, options, tuning } = self;
+        let ProblemDims { h, b, t, k, v, n } = dims;
+        let OpOptions {
             layout,
             dtype,
             g_dtype,
@@ -261,19 +290,14 @@ impl std::hash::Hash for KernelSpec {
             has_h0,
             final_state,
             has_dht,
-            packed_chunks,
-            slab,
-            implementation,
-            step_chunks,
-            packed_result_bytes,
-        } = self;
-        (h, b, t, k, v, n, layout, dtype, g_dtype).hash(state);
+        } = options;
+        (h, b, t, k, v, n, packed_chunks, layout, dtype, g_dtype).hash(state);
         match gate {
             GateKind::Preactivated => 0u64.hash(state),
             GateKind::Softplus => 1u64.hash(state),
             GateKind::LowerBound(lb) => (2u64, lb.to_bits()).hash(state),
         }
         (has_dt_bias, l2norm, scale.to_bits(), beta_trailing_one, has_h0, final_state, has_dht).hash(state);
-        (packed_chunks, slab, implementation, step_chunks, packed_result_bytes).hash(state);
+        tuning.hash(state);
     }
 }

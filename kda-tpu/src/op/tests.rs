@@ -1,10 +1,10 @@
 //! The signature and the index tables checked against the programs that read them.
 
-use kda_core::{BackwardStrategy, DType, GateKind, HostTensor, KdaInputs, Layout, Segments};
+use kda_core::{BackwardStrategy, DType, GateKind, HostTensor, KdaInputs, Layout, ProblemDims, Segments};
 use kda_packed::{StaticCapacity, SENTINEL};
 
 use super::interface::*;
-use super::spec::{KernelSpec, CHUNK};
+use super::spec::{KernelSpec, OpOptions, Tuning, CHUNK};
 use crate::hlo::{Module, TensorType};
 use crate::op::compose::add_function;
 use crate::op::program;
@@ -12,33 +12,34 @@ use crate::op::program;
 /// A small spec: 2 heads, 2 rows of 100 tokens (two chunks), K = 16, V = 8.
 fn base(packed: bool) -> KernelSpec {
     KernelSpec {
-        h: 2,
-        b: 2,
-        t: 100,
-        k: 16,
-        v: 8,
-        n: if packed { 3 } else { 1 },
-        layout: Layout::BatchFirst,
-        dtype: DType::F32,
-        g_dtype: DType::F32,
-        gate: GateKind::Preactivated,
-        has_dt_bias: false,
-        l2norm: false,
-        scale: 0.25,
-        beta_trailing_one: false,
-        has_h0: false,
-        final_state: false,
-        has_dht: false,
+        dims: ProblemDims { h: 2, b: 2, t: 100, k: 16, v: 8, n: if packed { 3 } else { 1 } },
         packed_chunks: if packed {
             Some(StaticCapacity::new(2, 100, 3, CHUNK).unwrap().chunks())
         } else {
             None
         },
-        slab: 0,
-        implementation: super::spec::Implementation::Xla,
-        step_chunks: 0,
-        packed_result_bytes: 0,
+        options: OpOptions {
+            layout: Layout::BatchFirst,
+            dtype: DType::F32,
+            g_dtype: DType::F32,
+            gate: GateKind::Preactivated,
+            has_dt_bias: false,
+            l2norm: false,
+            scale: 0.25,
+            beta_trailing_one: false,
+            has_h0: false,
+            final_state: false,
+            has_dht: false,
+        },
+        tuning: Tuning::default().with_packed_result_bytes(0),
     }
+}
+
+/// `base(packed)` with its options changed by `f`.
+fn with(packed: bool, f: impl FnOnce(&mut OpOptions)) -> KernelSpec {
+    let mut s = base(packed);
+    f(&mut s.options);
+    s
 }
 
 /// Every spec variant the signature branches on.
@@ -46,18 +47,13 @@ fn variants() -> Vec<KernelSpec> {
     let mut out = Vec::new();
     for packed in [false, true] {
         out.push(base(packed));
-        out.push(KernelSpec { has_h0: true, final_state: true, has_dht: true, ..base(packed) });
-        out.push(KernelSpec { gate: GateKind::Softplus, has_dt_bias: true, ..base(packed) });
-        out.push(KernelSpec { gate: GateKind::LowerBound(-5.0), l2norm: true, ..base(packed) });
-        out.push(KernelSpec {
-            dtype: DType::BF16,
-            g_dtype: DType::F32,
-            layout: Layout::HeadFirst,
-            beta_trailing_one: true,
-            has_h0: true,
-            has_dht: true,
-            ..base(packed)
-        });
+        out.push(with(packed, |o| (o.has_h0, o.final_state, o.has_dht) = (true, true, true)));
+        out.push(with(packed, |o| (o.gate, o.has_dt_bias) = (GateKind::Softplus, true)));
+        out.push(with(packed, |o| (o.gate, o.l2norm) = (GateKind::LowerBound(-5.0), true)));
+        out.push(with(packed, |o| {
+            (o.dtype, o.g_dtype, o.layout) = (DType::BF16, DType::F32, Layout::HeadFirst);
+            (o.beta_trailing_one, o.has_h0, o.has_dht) = (true, true, true);
+        }));
     }
     out
 }
@@ -99,7 +95,7 @@ fn emitted_main_matches_the_signature() {
     let mut checked = 0;
     for spec in variants() {
         for slab in [0, 1] {
-            let spec = spec.clone().with_slab(slab);
+            let spec = spec.clone().with_tuning(spec.tuning.with_slab(slab));
             for kind in kinds() {
                 let sig = ProgramSignature::of(&spec, kind);
                 let text = program(&spec, kind).unwrap_or_else(|e| panic!("{kind:?} {spec:?}: {e}"));
@@ -120,7 +116,7 @@ fn kernel_forwards_match_the_signature() {
     use super::spec::Implementation;
     for spec in variants() {
         for implementation in [Implementation::Mosaic, Implementation::Interpret] {
-            let spec = spec.clone().with_implementation(implementation);
+            let spec = spec.clone().with_tuning(spec.tuning.with_implementation(implementation));
             for kind in [
                 ProgramKind::Forward(BackwardStrategy::Rematerialize),
                 ProgramKind::Forward(BackwardStrategy::SavedState),
@@ -139,8 +135,10 @@ fn kernel_forwards_match_the_signature() {
 
 #[test]
 fn signature_names_and_optional_ports() {
-    let s = KernelSpec { has_h0: true, final_state: true, has_dht: true, ..base(true) };
-    let s = KernelSpec { gate: GateKind::Softplus, has_dt_bias: true, ..s };
+    let s = with(true, |o| {
+        (o.has_h0, o.final_state, o.has_dht) = (true, true, true);
+        (o.gate, o.has_dt_bias) = (GateKind::Softplus, true);
+    });
     let sig = ProgramSignature::of(&s, ProgramKind::Backward(BackwardStrategy::SavedState));
     let names: Vec<&str> = sig.args.iter().map(|p| p.name).collect();
     assert_eq!(
@@ -177,7 +175,8 @@ fn signature_names_and_optional_ports() {
     assert_eq!(sig.results[0].ty, TensorType::new(DType::F32, &[400, 8]));
     assert_eq!(sig.args[0].ty, TensorType::new(DType::F32, &[2, 100, 2, 16]));
     assert_eq!(sig.results[1].ty, TensorType::new(DType::F32, &[4, 2, 16, 8]));
-    let kernel = KernelSpec { implementation: crate::Implementation::Interpret, ..base(false) };
+    let kernel =
+        base(false).with_tuning(Tuning::default().with_implementation(crate::Implementation::Interpret));
     let sig = ProgramSignature::of(&kernel, ProgramKind::Forward(BackwardStrategy::SavedState));
     assert_eq!(sig.results[0].ty, TensorType::new(DType::F32, &[200, 16]));
     assert_eq!(sig.args[0].ty, TensorType::new(DType::F32, &[200, 32]));
@@ -195,7 +194,7 @@ fn signature_names_and_optional_ports() {
 #[test]
 fn add_function_emits_a_private_callee_with_the_signature() {
     for slab in [0, 1] {
-        let spec = base(true).with_slab(slab);
+        let spec = base(true).with_tuning(Tuning::default().with_slab(slab));
         let kind = ProgramKind::Fused(BackwardStrategy::SavedState);
         let mut m = Module::new();
         let sig = add_function(&mut m, "kda_vjp", &spec, kind).unwrap().signature;

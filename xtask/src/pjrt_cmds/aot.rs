@@ -55,21 +55,21 @@ fn program_text(
 ) -> Result<String, String> {
     let slab = kda_tpu::op::TPU_SLAB;
     let budget = |s: kda_tpu::KernelSpec| match o.packed_result_bytes {
-        Some(bytes) => s.with_packed_result_bytes(bytes),
+        Some(bytes) => {
+            let tuning = s.tuning.with_packed_result_bytes(bytes);
+            s.with_tuning(tuning)
+        }
         None => s,
     };
     if o.devices > 1 {
-        let cp_spec = kda_tpu::op::context_parallel::local_spec(&cp[0], true, slab, dtype)
-            .map_err(err)?
-            .with_implementation(o.implementation);
+        let tuning = kda_tpu::Tuning::default().with_slab(slab).with_implementation(o.implementation);
+        let cp_spec = kda_tpu::op::context_parallel::local_spec(&cp[0], true, tuning, dtype).map_err(err)?;
         kda_tpu::op::context_parallel::context_parallel_program(&budget(cp_spec), kind(program), o.devices)
             .map_err(err)
     } else {
-        let spec = be
-            .spec(problem, case.final_state)
-            .map_err(err)?
-            .with_slab(slab)
-            .with_implementation(o.implementation);
+        let spec = be.spec(problem, case.final_state).map_err(err)?;
+        let tuning = spec.tuning.with_slab(slab).with_implementation(o.implementation);
+        let spec = spec.with_tuning(tuning);
         kda_tpu::op::program(&budget(spec), kind(program)).map_err(err)
     }
 }

@@ -64,10 +64,11 @@ impl Measure<'_> {
                     );
                     // What a TPU runs: fused programs in slabs (`PjrtBackend` off the CPU plugin),
                     // the Mosaic lowering of a kernel the CPU runs interpreted.
-                    let mut tpu_spec = spec.clone().with_slab(kda_tpu::op::TPU_SLAB);
+                    let mut tuning = spec.tuning.with_slab(kda_tpu::op::TPU_SLAB);
                     if matches!(variant, Variant::ForwardMosaic | Variant::FusedMosaic) {
-                        tpu_spec = tpu_spec.with_implementation(kda_tpu::Implementation::Mosaic);
+                        tuning = tuning.with_implementation(kda_tpu::Implementation::Mosaic);
                     }
+                    let tpu_spec = spec.clone().with_tuning(tuning);
                     let text = kda_tpu::op::program(&tpu_spec, kind).map_err(err)?;
                     let f = compile_aot(c, &text, TOPOLOGY)
                         .map_err(|e| format!("{label}: {TOPOLOGY} compile: {e}"))?;
@@ -255,7 +256,8 @@ fn device_memory(
     let cp_text = |devices: usize, slab: usize| -> Result<String, String> {
         let locals = kda_packed::PiecePlan::split(&problem, devices).map_err(err)?.1;
         // A piece always takes `dht` (its carry slot's ending `dh` comes in through it).
-        let s = local_spec(&locals[0], true, slab, dtype).map_err(err)?;
+        let s =
+            local_spec(&locals[0], true, kda_tpu::Tuning::default().with_slab(slab), dtype).map_err(err)?;
         context_parallel_program(&s, kind, devices).map_err(err)
     };
     let single_cpu = memory(&be.memory_stats(&spec, kind).map_err(err)?);
@@ -274,7 +276,8 @@ fn device_memory(
     let (single_tpu, cp_tpu) = match tpu {
         None => (None, None),
         Some(c) => {
-            let text = kda_tpu::op::program(&spec.clone().with_slab(TPU_SLAB), kind).map_err(err)?;
+            let tpu_spec = spec.clone().with_tuning(spec.tuning.with_slab(TPU_SLAB));
+            let text = kda_tpu::op::program(&tpu_spec, kind).map_err(err)?;
             let single = tpu_figures(c, &text, 1, label)?;
             let many = tpu_figures(c, &cp_text(TPU_CP_DEVICES, TPU_SLAB)?, TPU_CP_DEVICES, label)?;
             (Some(single), Some(many))
@@ -465,10 +468,8 @@ pub fn run(opts: &BenchOptions, args: &[String]) -> Result<(), String> {
                 for variant in suite.variants(opts.baseline) {
                     if matches!(variant, Variant::ForwardMosaic | Variant::FusedMosaic) {
                         // The kernels' interpret lowering on this plugin, its own handle and call.
-                        let be = be
-                            .clone()
-                            .with_implementation(kda_tpu::Implementation::Interpret)
-                            .map_err(err)?;
+                        let tuning = be.tuning().with_implementation(kda_tpu::Implementation::Interpret);
+                        let be = be.clone().with_tuning(tuning).map_err(err)?;
                         let call = DeviceCall::upload(&be, &data.inputs, cot).map_err(err)?;
                         let m =
                             Measure { be: &be, tpu: tpu.as_ref(), call: &call, iterations: opts.iterations };

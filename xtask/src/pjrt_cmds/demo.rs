@@ -89,7 +89,7 @@ pub fn run() -> Result<(), String> {
     // `cargo xtask aot` compiles for tpu7x, run here and held to the same limits.
     let slab = kda_tpu::op::TPU_SLAB;
     println!("\nthe TPU configuration (fused program in slabs of {slab} chunk positions), same check:");
-    let tpu_be = be.clone().with_slab(slab);
+    let tpu_be = be.clone().with_tuning(be.tuning().with_slab(slab)).map_err(err)?;
     crate::progress::step("demo", "compiling and running the TPU configuration...");
     let t = Instant::now();
     let (t_out, t_grads) = tpu_be.forward_and_vjp(&data.inputs, &data.cotangents, strategy).map_err(err)?;
@@ -104,7 +104,8 @@ pub fn run() -> Result<(), String> {
     // plain StableHLO), on the same inputs: the forward kernel saving its states and chunk
     // terms, the backward kernel reading them.
     println!("\nthe Mosaic forward and backward kernels (interpret lowering), fused, same check:");
-    let kernel_be = be.clone().with_implementation(kda_tpu::Implementation::Interpret).map_err(err)?;
+    let kernel_tuning = be.tuning().with_implementation(kda_tpu::Implementation::Interpret);
+    let kernel_be = be.clone().with_tuning(kernel_tuning).map_err(err)?;
     crate::progress::step("demo", "compiling and running the Mosaic kernels' interpret lowering...");
     let t = Instant::now();
     let (k_out, k_grads) =

@@ -23,15 +23,15 @@ use kda_core::DType;
 
 use super::blocks::{
     by_halves, chunk_factors, chunk_terms, unit_lower_inverse_of_parts, ChunkFactors, TermScratch,
-    EXPONENT_ROWS, HALVES, LEVEL_ROWS,
+    EXPONENT_ROWS, HALVES,
 };
-use super::forward::{
-    activate, l2_normalise_with_scale, place, token_operand, ForwardDims, Gate, Tokens, Window, C, FLOOR,
-};
+use super::dims::{ForwardDims, Gate, Tokens, C, FLOOR};
+use super::forward::{activate, gate_params, l2_normalise_with_scale, place};
+use super::operands::{token_operand, window_at, ChunkRows, ChunkTabs, PerToken, TokenIn};
 use crate::error::{Result, TpuError};
 use crate::hlo::{Cmp, TensorType};
 use crate::lang::{Binary, Body, MatPrecision, Offset, Reduction, Ref, Unary, V};
-use crate::lang::{Cost, Index, Kernel, Operand};
+use crate::lang::{Cost, Index, Kernel, KernelBuilder, Operand};
 
 /// The most chunks a backward grid step takes by default (the forward's default, capped): a
 /// fixed-length row's step is one block, whose spill slots grow with its chunks (at H=32,
@@ -39,87 +39,97 @@ use crate::lang::{Cost, Index, Kernel, Operand};
 /// forward+VJP, eight 9.7 MB and 6.45 M).
 pub const BACKWARD_STEP_CHUNKS: i64 = 8;
 
+/// The backward kernel's operands, results and scratch by name: what its body reads and
+/// writes and what the program around it binds and takes.
+#[derive(Clone, Debug)]
+pub(super) struct BackwardRefs {
+    /// The chunk tables.
+    pub tabs: ChunkTabs,
+    /// `q k v g beta`, as the forward kernel reads them.
+    pub tokens: PerToken<TokenIn>,
+    /// The gate parameters `[H, 2, K]` of an in-kernel gate.
+    pub gate: Option<Ref>,
+    /// `h`, the states the forward kernel saved.
+    pub h: Ref,
+    /// The chunk terms `a aqk` the forward kernel saved.
+    pub terms: Option<[Ref; 2]>,
+    /// `do`.
+    pub d_o: TokenIn,
+    /// `dht` `[L, S, K, V]`.
+    pub dht: Option<Ref>,
+    /// The exponent and level masks and the exponent masks' transposes.
+    pub masks: [Ref; 3],
+    /// `dq dk dv dg dbeta`.
+    pub grads: PerToken<Ref>,
+    /// `dh0` `[L, S, K, V]`.
+    pub dh0: Option<Ref>,
+    /// `gate_sums` `[L, 2, K]`.
+    pub gate_sums: Option<Ref>,
+    dh: Ref,
+    sums: Ref,
+    /// The rows a packed chunk places around its gradients, of widths K, V and 1.
+    place: Option<[Ref; 3]>,
+}
+
+/// The backward kernel and its operands by name.
+pub(super) struct BackwardKernel {
+    pub kernel: Kernel,
+    pub refs: BackwardRefs,
+}
+
 /// The backward kernel of `d` (the dims of the forward kernel that saved the states, with its
-/// own chunks per step) with scale `scale`. Its operands: the tables `first`, `last`, `slot`
-/// (`slot` as the forward kernel's; packed tokens read in place add the window tables), then
-/// `q k v g beta [gate] h [a aqk] do [dht] exponent_masks level_masks exponent_masks_t` (as the
-/// forward kernel's; `h` the states it saved in [`ForwardDims::state_dtype`], `a` and `aqk`
-/// its chunk terms when `d.terms`,
-/// `do` laid out as `v`, `dht` `[L, S, K, V]` f32 when `d.ht`, the masks those of
+/// own chunks per step) with scale `scale`. Its operands ([`BackwardRefs`]): the chunk tables
+/// (as the forward kernel's), then `q k v g beta [gate] h [a aqk] do [dht] exponent_masks
+/// level_masks exponent_masks_t` (as the forward kernel's; `h` the states it saved in
+/// [`ForwardDims::state_dtype`], `a` and `aqk` its chunk terms when `d.terms`, `do` laid out as
+/// `v`, `dht` `[L, S, K, V]` f32 when `d.ht`, the masks those of
 /// [`super::blocks::term_masks_kernel`] with its transposes); its results
 /// `dq dk dv dg dbeta [dh0] [gate_sums]`: the gradients laid out as their inputs (`dbeta` f32,
 /// a chunk's 64 tokens a row, `[L, NT, 64]`; `dg` that of the raw gate; packed tokens read in
-/// place: f32, each head's whole (`dbeta` `[H, P, 1]`), padding tokens unwritten), `dh0` `[L, S, K, V]`
-/// f32 when `d.h0` (written at each segment's first chunk), and with an in-kernel gate
-/// `gate_sums` `[L, 2, K]` f32: per lane the sums over its tokens of `dg dg/da_log` and of the
-/// raw gate's gradient (`da_log` and `ddt_bias` once summed over a head's lanes).
-pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
+/// place: f32, each head's whole (`dbeta` `[H, P, 1]`), padding tokens unwritten), `dh0`
+/// `[L, S, K, V]` f32 when `d.h0` (written at each segment's first chunk), and with an
+/// in-kernel gate `gate_sums` `[L, 2, K]` f32: per lane the sums over its tokens of
+/// `dg dg/da_log` and of the raw gate's gradient (`da_log` and `ddt_bias` once summed over a
+/// head's lanes).
+pub(super) fn backward_kernel(d: ForwardDims, scale: f64) -> Result<BackwardKernel> {
     d.check("mosaic backward")?;
-    let packed = d.tokens.packed();
+    let (mut kb, refs) = declare_backward(&d)?;
+    let cx = BackwardStep { d: &d, r: &refs, scale, p: d.precision(), g_passes: d.g_passes() };
+    kb.cost(backward_cost(&d));
+    let kernel = kb.build(|b| backward_step(b, &cx))?;
+    Ok(BackwardKernel { kernel, refs })
+}
+
+/// The backward kernel's builder and its operands (in the order [`backward_kernel`] lists).
+fn declare_backward(d: &ForwardDims) -> Result<(KernelBuilder, BackwardRefs)> {
     let n = d.chunks_per_step();
     let (h, r, l, nt, k, v, x) = (d.heads, d.rows, d.heads * d.rows, d.chunks, d.k, d.v, d.dtype);
     let (g0, g1, g2) = (Index::Grid(0), Index::Grid(1), Index::Grid(2));
     let lane = || g0.clone() * r + g1.clone();
     // Grid step `i` holds the chunks of block `nt / n - 1 - i`, walked from its last.
     let rev = || Index::Const(nt / n - 1) + g2.clone() * -1;
-    let slot = || vec![lane(), Index::table(2, rev() * n), Index::Const(0), Index::Const(0)];
     let ty = |dt: DType, dims: &[i64]| TensorType::new(dt, dims);
-    let gated = d.gate != Gate::Preactivated;
-    let beta_tokens = d.beta_tokens();
-    let beta_rows = d.tokens == Tokens::BatchFirst;
-    let mut kb = d.builder("kda_backward");
-    // Each per-token input: one operand, or a packed window's two blocks.
-    let windows = d.windows();
-    let per = windows.len();
-    for (name, dtype, w) in [("q", d.qk, k), ("k", d.qk, k), ("v", x, v), ("g", d.g, k)] {
-        for &table in windows {
-            kb = kb.input(token_operand(name, &d, d.tokens, dtype, w, table, true));
-        }
-    }
-    for &table in windows {
-        kb = kb.input(if beta_rows {
-            let at = vec![g1.clone() * (nt / n) + rev(), Index::Const(0)];
-            Operand::blocked("beta", ty(x, &[r * nt * C, h]), &[n * C, h], at)
-        } else {
-            token_operand("beta", &d, beta_tokens, x, 1, table, true)
-        });
-    }
-    let gate_input = 5 * per;
-    if gated {
-        let at = vec![g0.clone(), Index::Const(0), Index::Const(0)];
-        kb = kb.input(Operand::blocked("gate", ty(DType::F32, &[h, 2, k]), &[1, 2, k], at));
-    }
-    let h_input = gate_input + usize::from(gated);
-    let at = vec![lane(), rev(), Index::Const(0), Index::Const(0)];
-    kb = kb.input(Operand::blocked("h", ty(d.state_dtype(), &[l, nt, k, v]), &[1, n, k, v], at));
-    let mut at_terms = None;
-    if d.terms {
-        at_terms = Some(h_input + 1);
-        let at = vec![lane(), rev(), Index::Const(0), Index::Const(0)];
-        for name in ["a", "aqk"] {
-            kb = kb.input(Operand::blocked(
-                name,
-                ty(d.mask_dtype(), &[l, nt, C, C]),
-                &[1, n, C, C],
-                at.clone(),
-            ));
-        }
-    }
-    let do_input = h_input + 1 + 2 * usize::from(d.terms);
-    for &table in windows {
-        kb = kb.input(token_operand("do", &d, d.tokens, x, v, table, true));
-    }
-    let dht_input = do_input + per;
-    if d.ht {
-        kb = kb.input(Operand::blocked("dht", ty(DType::F32, &[l, d.slots, k, v]), &[1, 1, k, v], slot()));
-    }
-    let masks_input = dht_input + usize::from(d.ht);
-    kb = kb.input(Operand::whole("exponent_masks", ty(d.mask_dtype(), &[EXPONENT_ROWS, C])));
-    kb = kb.input(Operand::whole("level_masks", ty(DType::F32, &[LEVEL_ROWS, C])));
-    kb = kb.input(Operand::whole("exponent_masks_t", ty(d.mask_dtype(), &[C, EXPONENT_ROWS])));
-    let grads = [("dq", d.qk, k), ("dk", d.qk, k), ("dv", x, v), ("dg", d.g, k), ("dbeta", x, 1)];
-    for (name, dtype, w) in grads {
-        kb = kb.output(if packed {
+    let (mut kb, tabs) = d.builder("kda_backward");
+    let slot = || vec![lane(), Index::table(tabs.slot, rev() * n), Index::Const(0), Index::Const(0)];
+    let (dh, sums) = (kb.scratch("dh", ty(DType::F32, &[k, v])), kb.scratch("sums", ty(DType::F32, &[C, k])));
+    let tokens = d.declare_tokens(&mut kb, &tabs, true)?;
+    let gate = d.declare_gate(&mut kb);
+    let chunks_at = || vec![lane(), rev(), Index::Const(0), Index::Const(0)];
+    let hs = kb.input(Operand::blocked("h", ty(d.state_dtype(), &[l, nt, k, v]), &[1, n, k, v], chunks_at()));
+    let terms = d.terms.then(|| {
+        ["a", "aqk"].map(|name| {
+            kb.input(Operand::blocked(name, ty(d.mask_dtype(), &[l, nt, C, C]), &[1, n, C, C], chunks_at()))
+        })
+    });
+    let d_o = d.token_in(&mut kb, &tabs, "do", v, |t| token_operand("do", d, d.tokens, x, v, t, true))?;
+    let dht = d.ht.then(|| {
+        kb.input(Operand::blocked("dht", ty(DType::F32, &[l, d.slots, k, v]), &[1, 1, k, v], slot()))
+    });
+    let [exponents, levels] = d.declare_masks(&mut kb);
+    let transposes = kb.input(Operand::whole("exponent_masks_t", ty(d.mask_dtype(), &[C, EXPONENT_ROWS])));
+    let masks = [exponents, levels, transposes];
+    let mut grad = |name: &str, dtype: DType, w: i64| -> Result<Ref> {
+        Ok(kb.output(if d.tokens.packed() {
             // A head's packed tokens whole, in f32: every chunk's rows go to their tokens, and
             // the block is written back once, after the head's last chunk (padding tokens hold
             // whatever was there: the caller zeroes them).
@@ -131,331 +141,412 @@ pub fn backward_kernel(d: ForwardDims, scale: f64) -> Result<Kernel> {
                 _ => ([h, p, w], vec![g0.clone(), Index::Const(0), Index::Const(0)]),
             };
             Operand::blocked(name, ty(DType::F32, &dims), &[1, p, w], at)
-        } else if w == 1 {
+        } else if name == "dbeta" {
             // `dbeta` lane-dense in f32, a chunk's 64 tokens a row, `[L, NT, 64]` (the elements
             // of `[H, R * T]` in order; a `[.., T, 1]` result took XLA about 1,200 bundles to
             // relayout at the primary shape): a lane's rows whole, resident through its walk.
             let at = vec![lane(), Index::Const(0), Index::Const(0)];
             Operand::blocked(name, ty(DType::F32, &[l, nt, C]), &[1, nt, C], at)
         } else {
-            token_operand(name, &d, d.tokens, dtype, w, 0, true)
-        });
-    }
-    if d.h0 {
-        kb = kb.output(Operand::blocked("dh0", ty(DType::F32, &[l, d.slots, k, v]), &[1, 1, k, v], slot()));
-    }
-    let sums_output = 5 + usize::from(d.h0);
-    if gated {
+            token_operand(name, d, d.tokens, dtype, w, None, true)?
+        }))
+    };
+    let grads = PerToken {
+        q: grad("dq", d.qk, k)?,
+        k: grad("dk", d.qk, k)?,
+        v: grad("dv", x, v)?,
+        g: grad("dg", d.g, k)?,
+        beta: grad("dbeta", x, 1)?,
+    };
+    let dh0 = d.h0.then(|| {
+        kb.output(Operand::blocked("dh0", ty(DType::F32, &[l, d.slots, k, v]), &[1, 1, k, v], slot()))
+    });
+    let gate_sums = gate.is_some().then(|| {
         let at = vec![lane(), Index::Const(0), Index::Const(0)];
-        kb = kb.output(Operand::blocked("gate_sums", ty(DType::F32, &[l, 2, k]), &[1, 2, k], at));
-    }
-    // docs/kda.md, Work: the forward's chunk terms again, about twice their products for the
-    // gradients; every operand and result once through HBM.
+        kb.output(Operand::blocked("gate_sums", ty(DType::F32, &[l, 2, k]), &[1, 2, k], at))
+    });
+    let place = d.tokens.packed().then(|| {
+        [("place_k", k), ("place_v", v), ("place_1", 1)]
+            .map(|(name, w)| kb.scratch(name, ty(DType::F32, &[3 * C, w])))
+    });
+    let refs = BackwardRefs {
+        tabs,
+        tokens,
+        gate,
+        h: hs,
+        terms,
+        d_o,
+        dht,
+        masks,
+        grads,
+        dh0,
+        gate_sums,
+        dh,
+        sums,
+        place,
+    };
+    Ok((kb, refs))
+}
+
+/// The backward kernel's analytic cost (docs/kda.md, Work): the forward's chunk terms again,
+/// about twice their products for the gradients; every operand and result once through HBM.
+fn backward_cost(d: &ForwardDims) -> Cost {
+    let (l, nt, k, v, x) = (d.heads * d.rows, d.chunks, d.k, d.v, d.dtype);
     let (cf, kf, vf, t) = (C as f64, k as f64, v as f64, (l * nt * C) as f64);
     let flops = t * 3.0 * (6.0 * cf * kf + 4.0 * cf * vf + 6.0 * kf * vf + 2.0 / 3.0 * cf * cf);
     let bytes_of = |t: DType| f64::from(t.bit_width() / 8);
     let bytes = t * 2.0 * (2.0 * kf * bytes_of(d.qk) + (2.0 * vf + 1.0) * bytes_of(x) + kf * bytes_of(d.g))
         + (l * k * v) as f64 * 4.0 * (nt + d.slots * (i64::from(d.h0) + i64::from(d.ht))) as f64;
-    let transcendentals = t * kf * 8.0;
-    kb = kb.scratch("dh", ty(DType::F32, &[k, v])).scratch("sums", ty(DType::F32, &[C, k]));
-    // Packed: each input's window (its two blocks side by side, f32; scratch 2 to 7), then per
-    // gradient width the rows a chunk places around its tokens (scratch 8 to 10).
-    if packed {
-        let inputs = [("q_window", k), ("k_window", k), ("v_window", v), ("g_window", k), ("beta_window", 1)];
-        for (name, w) in inputs.into_iter().chain([("do_window", v)]) {
-            kb = kb.scratch(name, ty(DType::F32, &[2 * C, w]));
-        }
-        for (name, w) in [("place_k", k), ("place_v", v), ("place_1", 1)] {
-            kb = kb.scratch(name, ty(DType::F32, &[3 * C, w]));
-        }
-    }
-    let p = d.precision();
-    let g_passes = if d.g == DType::BF16 && !gated { 1 } else { 2 };
-    kb.cost(Cost { flops, transcendentals, bytes }).build(|b| {
-        let step = b.program_id(2)?;
-        let (zero, end) = (b.index(0)?, b.index(nt / n - 1)?);
-        let block = b.index_op(Binary::Sub, &end, &step)?;
-        // A row's walk starts with no gradient (padding chunks after its segments hold none);
-        // each segment's from `dht` of its slot at its last chunk. Fixed-length rows have one
-        // segment, whose last chunk is the walk's first: `dht` is read there and no chunk
-        // branches (a branch keeps the scheduler from overlapping a step's chunks: at H=32,
-        // T=8192 the fused forward+VJP counts 7.11 M static cycles with a branch a chunk, 6.83 M
-        // without).
-        let one_block = d.fixed_rows();
-        let dht_at = |b: &mut Body| -> Result<V> {
-            if d.ht {
-                let x = b.load_all(Ref::Input(dht_input))?;
-                b.reshape(&x, &[k, v])
-            } else {
-                b.splat(0.0, DType::F32, &[k, v])
-            }
-        };
-        let starts = b.compare(Cmp::Eq, &step, &zero)?;
-        b.when(&starts, |b| {
-            let z = if one_block { dht_at(b)? } else { b.splat(0.0, DType::F32, &[k, v])? };
-            b.store_all(Ref::Scratch(0), &z)?;
-            if gated {
-                let z = b.splat(0.0, DType::F32, &[1, 2, k])?;
-                b.store_all(Ref::Output(sums_output), &z)?;
-            }
-            Ok(())
-        })?;
-        // The step's chunks from its last: chunk `c = n block + ci` at rows `64 ci` of its blocks.
-        // One block: `dh` passes from chunk to chunk of a step as a value, through scratch only
-        // between steps.
-        let mut carried: Option<V> = None;
-        for ci in (0..n).rev() {
-            let c = {
-                let (nv, iv) = (b.index(n)?, b.index(ci)?);
-                let base = b.index_op(Binary::Mul, &block, &nv)?;
-                b.index_op(Binary::Add, &base, &iv)?
-            };
-            if !one_block {
-                let last = b.read_table(1, &c)?;
-                let at_last = b.compare(Cmp::Ne, &last, &zero)?;
-                b.when(&at_last, |b| {
-                    let dht = dht_at(b)?;
-                    b.store_all(Ref::Scratch(0), &dht)
-                })?;
-            }
-            let dh = match carried.take() {
-                Some(dh) => dh,
-                None => b.load_all(Ref::Scratch(0))?,
-            };
-            // Packed: the chunk's window in its two blocks (`off`, `len`), and the blocks of its
-            // tokens (`lo`, `hi`).
-            let window = if packed {
-                let t = |b: &mut Body, i: usize| b.read_table(i, &c);
-                Some([t(b, Window::LO)?, t(b, Window::HI)?, t(b, Window::OFF)?, t(b, Window::LEN)?])
-            } else {
-                None
-            };
-            // Per-token input `i` (q k v g beta do) as f32 `[64, w]` from its operand(s) at `at`:
-            // its block, or rows `off .. off + 64` of its window's two blocks.
-            let token = |b: &mut Body, i: usize, at: usize, w: i64| -> Result<V> {
-                let block = |b: &mut Body, at: usize| -> Result<V> {
-                    let rows = [Offset::Const(0), Offset::Const(ci * C), Offset::Const(0)];
-                    let x = b.load(Ref::Input(at), &rows, &[1, C, w])?;
-                    let x = if x.ty.elem == DType::F32 { x } else { b.cast(&x, DType::F32)? };
-                    b.reshape(&x, &[C, w])
-                };
-                match &window {
-                    None => block(b, at),
-                    Some([_, _, off, _]) => {
-                        let buf = Ref::Scratch(2 + i);
-                        for half in 0..2 {
-                            let x = block(b, at + half)?;
-                            b.store(buf, &[Offset::Const(half as i64 * C), Offset::Const(0)], &x)?;
-                        }
-                        b.load(buf, &[Offset::Dyn(off.clone(), 1), Offset::Const(0)], &[C, w])
-                    }
-                }
-            };
-            // `x` with the rows from a packed chunk's `len` on zero (the next segment's tokens).
-            let keep = |b: &mut Body, x: &V| -> Result<V> {
-                match &window {
-                    None => Ok(x.clone()),
-                    Some([_, _, _, len]) => {
-                        let rows = b.iota(&x.ty.dims, 0)?;
-                        let len = b.broadcast(len, &x.ty.dims)?;
-                        let inside = b.compare(Cmp::Lt, &rows, &len)?;
-                        let zero = b.splat(0.0, DType::F32, &x.ty.dims)?;
-                        b.select(&inside, x, &zero)
-                    }
-                }
-            };
-            let beta = if beta_rows {
-                let head = b.program_id(0)?;
-                let head = b.broadcast(&head, &[C, h])?;
-                let ids = b.iota(&[C, h], 1)?;
-                let mine = b.compare(Cmp::Eq, &ids, &head)?;
-                let rows = b.load(Ref::Input(4), &[Offset::Const(ci * C), Offset::Const(0)], &[C, h])?;
-                let rows = if rows.ty.elem == DType::F32 { rows } else { b.cast(&rows, DType::F32)? };
-                let none = b.splat(0.0, DType::F32, &[C, h])?;
-                let picked = b.select(&mine, &rows, &none)?;
-                b.reduce(Reduction::Sum, &picked, 1)?
-            } else {
-                token(b, 4, 4 * per, 1)?
-            };
-            let (q_in, k_in) = (token(b, 0, 0, k)?, token(b, 1, per, k)?);
-            let (vv, gx) = (token(b, 2, 2 * per, v)?, token(b, 3, 3 * per, k)?);
-            let d_o = token(b, 5, do_input, v)?;
-            // Rows past a packed chunk's tokens: k, v, beta, do and the activated g zero (no part
-            // in the state or the gradients; q's rows meet only zero cotangents).
-            let (k_in, vv, beta, d_o) = (keep(b, &k_in)?, keep(b, &vv)?, keep(b, &beta)?, keep(b, &d_o)?);
-            let (q, q_scale) =
-                if d.l2norm { split(l2_normalise_with_scale(b, &q_in)?) } else { (q_in, None) };
-            let (kk, k_scale) =
-                if d.l2norm { split(l2_normalise_with_scale(b, &k_in)?) } else { (k_in, None) };
-            let g = activate(b, &gx, d.gate, gate_input)?;
-            let g = keep(b, &g)?;
-            let scratch = TermScratch::of_kernel(masks_input);
-            // The chunk's `A` and `Aqk`: as the forward kernel saved them, or formed again.
-            let (t, a, aqk) = match at_terms {
-                Some(at) => {
-                    let f = chunk_factors(b, &q, &kk, &g, &beta, scratch, p, g_passes)?;
-                    let saved = |b: &mut Body, i: usize| -> Result<V> {
-                        let at4 = [Offset::Const(0), Offset::Const(ci), Offset::Const(0), Offset::Const(0)];
-                        let x = b.load(Ref::Input(at + i), &at4, &[1, 1, C, C])?;
-                        b.reshape(&x, &[C, C])
-                    };
-                    let (a, aqk) = (saved(b, 0)?, saved(b, 1)?);
-                    (f, a, aqk)
-                }
-                None => {
-                    let t = chunk_terms(b, &q, &kk, &g, &beta, scale, scratch, p, g_passes)?;
-                    let a = unit_lower_inverse_of_parts(b, &t.l_blocks, &t.l_rest, &t.f.eye, p)?;
-                    (t.f, a, t.aqk)
-                }
-            };
-            let wide_beta = b.broadcast(&beta, &[C, v])?;
-            let bv = b.binary(Binary::Mul, &vv, &wide_beta)?;
-            let u = mm(b, &a, &bv, (1, 0), p)?;
-            let w = mm(b, &a, &t.kbg, (1, 0), p)?;
-            let at4 = [Offset::Const(0), Offset::Const(ci), Offset::Const(0), Offset::Const(0)];
-            let s0 = b.load(Ref::Input(h_input), &at4, &[1, 1, k, v])?;
-            let s0 = if s0.ty.elem == DType::F32 { s0 } else { b.cast(&s0, DType::F32)? };
-            let s0 = b.reshape(&s0, &[k, v])?;
-            let ws = b.matmul(&w, &s0, (1, 0), p)?;
-            let vn = b.binary(Binary::Sub, &u, &ws)?;
-            // dv_new = Aqk^T dO + kg dh; dh_prev = e^(G_C) dh + scale qg^T dO - w^T dv_new.
-            let dvn = {
-                // One product: [Aqk^T, kg] [dO; dh].
-                let op = aqk.ty.elem;
-                let at = b.transpose(&aqk)?;
-                let kg = if t.kg.ty.elem == op { t.kg.clone() } else { b.cast(&t.kg, op)? };
-                let lhs = b.concat(&[at, kg], 1)?;
-                let d_o_op = if d_o.ty.elem == op { d_o.clone() } else { b.cast(&d_o, op)? };
-                let dh_op = if dh.ty.elem == op { dh.clone() } else { b.cast(&dh, op)? };
-                let rhs = b.concat(&[d_o_op, dh_op], 0)?;
-                b.matmul(&lhs, &rhs, (1, 0), p)?
-            };
-            // `scale dO`, for `dh` and for `Aqk`'s cotangent.
-            let sd_o = mul_const(b, &d_o, scale)?;
-            let dh_prev = {
-                let decay = b.reshape(&t.eg_last, &[k, 1])?;
-                let decay = b.broadcast(&decay, &[k, v])?;
-                let kept = b.binary(Binary::Mul, &dh, &decay)?;
-                // Both products as one over the stacked tokens: [qg; w]^T [scale dO; -dv_new].
-                let lhs = b.concat(&[t.qg.clone(), w.clone()], 0)?;
-                let ndvn = b.unary(Unary::Neg, &dvn)?;
-                let rhs = b.concat(&[sd_o.clone(), ndvn], 0)?;
-                let x = b.matmul(&lhs, &rhs, (0, 0), p)?;
-                b.binary(Binary::Add, &kept, &x)?
-            };
-            if one_block && ci > 0 {
-                carried = Some(dh_prev.clone());
-            } else {
-                b.store_all(Ref::Scratch(0), &dh_prev)?;
-            }
-            // Without branches (fixed-length rows): each step's last chunk writes `dh0`'s block,
-            // which stays resident through the row's walk and holds the row's first chunk's
-            // when it goes to HBM.
-            if d.h0 && one_block && ci == 0 {
-                let x = b.reshape(&dh_prev, &[1, 1, k, v])?;
-                b.store_all(Ref::Output(5), &x)?;
-            }
-            let grads = chunk_grads(
-                b,
-                &d,
-                [&q, &kk, &vv, &beta],
-                &t,
-                [&a, &vn],
-                [&s0, &dh, &dvn, &sd_o],
-                Ref::Input(masks_input + 2),
-            )?;
-            let dg = grads.dg;
-            let every = b.broadcast(&grads.d_last, &[C, k])?;
-            let dg = b.binary(Binary::Add, &dg, &every)?;
-            let floor = b.splat(FLOOR, DType::F32, &[C, k])?;
-            let live = b.compare(Cmp::Gt, &g, &floor)?;
-            let none = b.splat(0.0, DType::F32, &[C, k])?;
-            let dg = b.select(&live, &dg, &none)?;
-            // A packed chunk's rows past its tokens hold the gradient of their zeroed gate: not a
-            // token's, and kept out of the gate parameters' sums.
-            let dg = keep(b, &dg)?;
-            let dx = if gated {
-                let (dz, dlog) = gate_slopes(b, &gx, d.gate, gate_input)?;
-                let dx = b.binary(Binary::Mul, &dg, &dz)?;
-                let dl = b.binary(Binary::Mul, &dg, &dlog)?;
-                // Column sums (a reduction over the rows: no product, whose full precision would
-                // take six MXU passes), added to the lane's running sums row by row.
-                for (i, x) in [&dl, &dx].into_iter().enumerate() {
-                    let sum = b.reduce(Reduction::Sum, x, 0)?;
-                    let sum = b.reshape(&sum, &[1, 1, k])?;
-                    let at = [Offset::Const(0), Offset::Const(i as i64), Offset::Const(0)];
-                    let before = b.load(Ref::Output(sums_output), &at, &[1, 1, k])?;
-                    let after = b.binary(Binary::Add, &before, &sum)?;
-                    b.store(Ref::Output(sums_output), &at, &after)?;
-                }
-                dx
-            } else {
-                dg
-            };
-            let dq = match &q_scale {
-                Some(rs) => l2_backward(b, &grads.dq, &q, rs)?,
-                None => grads.dq,
-            };
-            let dk = match &k_scale {
-                Some(rs) => l2_backward(b, &grads.dk, &kk, rs)?,
-                None => grads.dk,
-            };
-            let results = [dq, dk, grads.dv, dx, grads.dbeta];
-            match &window {
-                None => {
-                    for (i, x) in results.iter().enumerate() {
-                        if x.ty.dims[1] == 1 {
-                            // The column as a row: its entries on the diagonal, summed down the
-                            // columns (one term each: exact), at the chunk's row.
-                            let wide = b.broadcast(x, &[C, C])?;
-                            let diag = b.binary(Binary::Mul, &wide, &t.eye)?;
-                            let row = b.reduce(Reduction::Sum, &diag, 0)?;
-                            let row = b.reshape(&row, &[1, 1, C])?;
-                            let at = [Offset::Const(0), Offset::Dyn(c.clone(), 1), Offset::Const(0)];
-                            b.store(Ref::Output(i), &at, &row)?;
-                            continue;
-                        }
-                        let out_ty = b_out_elem(i, &d);
-                        let x = if out_ty == DType::F32 { x.clone() } else { b.cast(x, out_ty)? };
-                        let w = x.ty.dims[1];
-                        let x = b.reshape(&x, &[1, C, w])?;
-                        let rows = [Offset::Const(0), Offset::Const(ci * C), Offset::Const(0)];
-                        b.store(Ref::Output(i), &rows, &x)?;
-                    }
-                }
-                Some(tables) => {
-                    for (i, x) in results.iter().enumerate() {
-                        let buf = match x.ty.dims[1] {
-                            w if w == k => 8,
-                            w if w == v => 9,
-                            _ => 10,
-                        };
-                        place(b, Ref::Output(i), Ref::Scratch(buf), x, tables)?;
-                    }
-                }
-            }
-            // Else `dh0` at each segment's first chunk, written last (a branch there would split
-            // the chunk's work in two).
-            if d.h0 && !one_block {
-                let first = b.read_table(0, &c)?;
-                let at_first = b.compare(Cmp::Ne, &first, &zero)?;
-                b.when(&at_first, |b| {
-                    let x = b.reshape(&dh_prev, &[1, 1, k, v])?;
-                    b.store_all(Ref::Output(5), &x)
-                })?;
-            }
-        }
-        Ok(())
-    })
+    Cost { flops, transcendentals: t * kf * 8.0, bytes }
 }
 
-/// The element type of gradient result `i` (`dq dk dv dg dbeta`).
-fn b_out_elem(i: usize, d: &ForwardDims) -> DType {
-    match i {
-        0 | 1 => d.qk,
-        3 => d.g,
-        _ => d.dtype,
+/// What every step of the backward kernel's body reads.
+struct BackwardStep<'a> {
+    d: &'a ForwardDims,
+    r: &'a BackwardRefs,
+    scale: f64,
+    p: MatPrecision,
+    /// The bf16 parts the sums of `g` take ([`chunk_terms`]).
+    g_passes: usize,
+}
+
+impl BackwardStep<'_> {
+    /// Whether a step's chunks are one block of one fixed-length row: its one segment's last
+    /// chunk is the walk's first, `dht` read there and no chunk branching (a branch keeps the
+    /// scheduler from overlapping a step's chunks: at H=32, T=8192 the fused forward+VJP
+    /// counts 7.11 M static cycles with a branch a chunk, 6.83 M without).
+    fn one_block(&self) -> bool {
+        self.d.fixed_rows()
     }
+
+    /// `dht` of the step's lane and slot, or zeros.
+    fn dht(&self, b: &mut Body) -> Result<V> {
+        let (k, v) = (self.d.k, self.d.v);
+        match self.r.dht {
+            Some(dht) => {
+                let x = b.load_all(dht)?;
+                b.reshape(&x, &[k, v])
+            }
+            None => b.splat(0.0, DType::F32, &[k, v]),
+        }
+    }
+}
+
+/// One grid step: a row's walk starts with no gradient (padding chunks after its segments hold
+/// none); each segment's from `dht` of its slot at its last chunk. Then the step's chunks from
+/// its last (chunk `c = n block + ci` at rows `64 ci` of its blocks); in one block `dh` passes
+/// from chunk to chunk as a value, through scratch only between steps.
+fn backward_step(b: &mut Body, cx: &BackwardStep) -> Result<()> {
+    let (d, r, n) = (cx.d, cx.r, cx.d.chunks_per_step());
+    let (k, v) = (d.k, d.v);
+    let step = b.program_id(2)?;
+    let (zero, end) = (b.index(0)?, b.index(d.chunks / n - 1)?);
+    let block = b.index_op(Binary::Sub, &end, &step)?;
+    let starts = b.compare(Cmp::Eq, &step, &zero)?;
+    b.when(&starts, |b| {
+        let z = if cx.one_block() { cx.dht(b)? } else { b.splat(0.0, DType::F32, &[k, v])? };
+        b.store_all(r.dh, &z)?;
+        if let Some(sums) = r.gate_sums {
+            let z = b.splat(0.0, DType::F32, &[1, 2, k])?;
+            b.store_all(sums, &z)?;
+        }
+        Ok(())
+    })?;
+    let mut carried: Option<V> = None;
+    for ci in (0..n).rev() {
+        let c = {
+            let (nv, iv) = (b.index(n)?, b.index(ci)?);
+            let base = b.index_op(Binary::Mul, &block, &nv)?;
+            b.index_op(Binary::Add, &base, &iv)?
+        };
+        if !cx.one_block() {
+            let last = b.read_table(r.tabs.last, &c)?;
+            let at_last = b.compare(Cmp::Ne, &last, &zero)?;
+            b.when(&at_last, |b| {
+                let dht = cx.dht(b)?;
+                b.store_all(r.dh, &dht)
+            })?;
+        }
+        let dh = match carried.take() {
+            Some(dh) => dh,
+            None => b.load_all(r.dh)?,
+        };
+        let chunk = ChunkAt { ci, c, zero: zero.clone() };
+        carried = backward_chunk(b, cx, &chunk, dh)?;
+    }
+    Ok(())
+}
+
+/// Chunk `ci` of a step: its index `c` (and the i32 zero the branches compare with).
+struct ChunkAt {
+    ci: i64,
+    c: V,
+    zero: V,
+}
+
+/// A chunk's inputs as its gradients need them: normalised `q` and `k` with their L2 scales,
+/// `v`, `beta`, `do`, the raw gate `gx` and the activated `g`.
+struct ChunkInputs {
+    q: V,
+    q_scale: Option<V>,
+    kk: V,
+    k_scale: Option<V>,
+    vv: V,
+    beta: V,
+    d_o: V,
+    gx: V,
+    g: V,
+}
+
+/// The chunk's per-token inputs as `rows` finds them, the rows past a packed chunk's tokens
+/// zero for k, v, beta, do and the activated g (no part in the state or the gradients; q's
+/// rows meet only zero cotangents).
+fn chunk_inputs(b: &mut Body, cx: &BackwardStep, rows: &ChunkRows) -> Result<ChunkInputs> {
+    let (d, r, ci) = (cx.d, cx.r, rows.ci);
+    let (h, k, v) = (d.heads, d.k, d.v);
+    let beta = if d.tokens == Tokens::BatchFirst {
+        let head = b.program_id(0)?;
+        let head = b.broadcast(&head, &[C, h])?;
+        let ids = b.iota(&[C, h], 1)?;
+        let mine = b.compare(Cmp::Eq, &ids, &head)?;
+        let all = b.load(r.tokens.beta.block, &[Offset::Const(ci * C), Offset::Const(0)], &[C, h])?;
+        let all = if all.ty.elem == DType::F32 { all } else { b.cast(&all, DType::F32)? };
+        let none = b.splat(0.0, DType::F32, &[C, h])?;
+        let picked = b.select(&mine, &all, &none)?;
+        b.reduce(Reduction::Sum, &picked, 1)?
+    } else {
+        rows.read(b, &r.tokens.beta, 1)?
+    };
+    let t = &r.tokens;
+    let (q_in, k_in) = (rows.read(b, &t.q, k)?, rows.read(b, &t.k, k)?);
+    let (vv, gx) = (rows.read(b, &t.v, v)?, rows.read(b, &t.g, k)?);
+    let d_o = rows.read(b, &r.d_o, v)?;
+    let (k_in, vv, beta, d_o) =
+        (rows.keep(b, &k_in)?, rows.keep(b, &vv)?, rows.keep(b, &beta)?, rows.keep(b, &d_o)?);
+    let (q, q_scale) = if d.l2norm { split(l2_normalise_with_scale(b, &q_in)?) } else { (q_in, None) };
+    let (kk, k_scale) = if d.l2norm { split(l2_normalise_with_scale(b, &k_in)?) } else { (k_in, None) };
+    let g = activate(b, &gx, d.gate, r.gate)?;
+    let g = rows.keep(b, &g)?;
+    Ok(ChunkInputs { q, q_scale, kk, k_scale, vv, beta, d_o, gx, g })
+}
+
+/// What a chunk's gradients read of its forward and of `dh`: the chunk factors, `A`, the
+/// state `S0` entering it, `v_new`, `dv_new` and `scale dO`.
+struct ChunkState {
+    t: ChunkFactors,
+    a: V,
+    s0: V,
+    vn: V,
+    dvn: V,
+    sd_o: V,
+}
+
+/// The chunk's forward again from its saved state (`A` and `Aqk` as the forward kernel saved
+/// them, or formed again), `dv_new = Aqk^T dO + kg dh` and the gradient of the state before
+/// it, `dh_prev = e^(G_C) dh + scale qg^T dO - w^T dv_new`.
+fn chunk_state(b: &mut Body, cx: &BackwardStep, ci: i64, x: &ChunkInputs, dh: &V) -> Result<(ChunkState, V)> {
+    let (d, r, p) = (cx.d, cx.r, cx.p);
+    let (k, v) = (d.k, d.v);
+    let scratch = TermScratch::of_kernel([r.masks[0], r.masks[1]], r.sums);
+    let at4 = [Offset::Const(0), Offset::Const(ci), Offset::Const(0), Offset::Const(0)];
+    let (t, a, aqk) = match r.terms {
+        Some(saved) => {
+            let f = chunk_factors(b, &x.q, &x.kk, &x.g, &x.beta, scratch, p, cx.g_passes)?;
+            let [a, aqk] = saved.map(|at| {
+                let y = b.load(at, &at4, &[1, 1, C, C])?;
+                b.reshape(&y, &[C, C])
+            });
+            (f, a?, aqk?)
+        }
+        None => {
+            let t = chunk_terms(b, &x.q, &x.kk, &x.g, &x.beta, cx.scale, scratch, p, cx.g_passes)?;
+            let a = unit_lower_inverse_of_parts(b, &t.l_blocks, &t.l_rest, &t.f.eye, p)?;
+            (t.f, a, t.aqk)
+        }
+    };
+    let wide_beta = b.broadcast(&x.beta, &[C, v])?;
+    let bv = b.binary(Binary::Mul, &x.vv, &wide_beta)?;
+    let u = mm(b, &a, &bv, (1, 0), p)?;
+    let w = mm(b, &a, &t.kbg, (1, 0), p)?;
+    let s0 = b.load(r.h, &at4, &[1, 1, k, v])?;
+    let s0 = if s0.ty.elem == DType::F32 { s0 } else { b.cast(&s0, DType::F32)? };
+    let s0 = b.reshape(&s0, &[k, v])?;
+    let ws = b.matmul(&w, &s0, (1, 0), p)?;
+    let vn = b.binary(Binary::Sub, &u, &ws)?;
+    let dvn = {
+        // One product: [Aqk^T, kg] [dO; dh].
+        let op = aqk.ty.elem;
+        let at = b.transpose(&aqk)?;
+        let kg = if t.kg.ty.elem == op { t.kg.clone() } else { b.cast(&t.kg, op)? };
+        let lhs = b.concat(&[at, kg], 1)?;
+        let d_o_op = if x.d_o.ty.elem == op { x.d_o.clone() } else { b.cast(&x.d_o, op)? };
+        let dh_op = if dh.ty.elem == op { dh.clone() } else { b.cast(dh, op)? };
+        let rhs = b.concat(&[d_o_op, dh_op], 0)?;
+        b.matmul(&lhs, &rhs, (1, 0), p)?
+    };
+    // `scale dO`, for `dh` and for `Aqk`'s cotangent.
+    let sd_o = mul_const(b, &x.d_o, cx.scale)?;
+    let dh_prev = {
+        let decay = b.reshape(&t.eg_last, &[k, 1])?;
+        let decay = b.broadcast(&decay, &[k, v])?;
+        let kept = b.binary(Binary::Mul, dh, &decay)?;
+        // Both products as one over the stacked tokens: [qg; w]^T [scale dO; -dv_new].
+        let lhs = b.concat(&[t.qg.clone(), w.clone()], 0)?;
+        let ndvn = b.unary(Unary::Neg, &dvn)?;
+        let rhs = b.concat(&[sd_o.clone(), ndvn], 0)?;
+        let y = b.matmul(&lhs, &rhs, (0, 0), p)?;
+        b.binary(Binary::Add, &kept, &y)?
+    };
+    Ok((ChunkState { t, a, s0, vn, dvn, sd_o }, dh_prev))
+}
+
+/// One chunk of the walk from `dh`, the gradient of the state after it: its inputs, its
+/// forward again, `dh` stepped back (returned when it passes on as a value), and its
+/// gradients written.
+fn backward_chunk(b: &mut Body, cx: &BackwardStep, chunk: &ChunkAt, dh: V) -> Result<Option<V>> {
+    let (d, r) = (cx.d, cx.r);
+    let ChunkAt { ci, c, zero } = chunk;
+    let (k, v) = (d.k, d.v);
+    let window = match r.tabs.window {
+        Some(t) => Some(window_at(b, &t, c)?),
+        None => None,
+    };
+    let rows =
+        ChunkRows { ci: *ci, window: window.as_ref().map(|[_, _, off, len]| (off.clone(), len.clone())) };
+    let x = chunk_inputs(b, cx, &rows)?;
+    let (st, dh_prev) = chunk_state(b, cx, *ci, &x, &dh)?;
+    let carried = if cx.one_block() && *ci > 0 {
+        Some(dh_prev.clone())
+    } else {
+        b.store_all(r.dh, &dh_prev)?;
+        None
+    };
+    // Without branches (fixed-length rows): each step's last chunk writes `dh0`'s block, which
+    // stays resident through the row's walk and holds the row's first chunk's when it goes to
+    // HBM.
+    if let (Some(dh0), true, 0) = (r.dh0, cx.one_block(), *ci) {
+        let y = b.reshape(&dh_prev, &[1, 1, k, v])?;
+        b.store_all(dh0, &y)?;
+    }
+    let grads = chunk_grads(
+        b,
+        d,
+        [&x.q, &x.kk, &x.vv, &x.beta],
+        &st.t,
+        [&st.a, &st.vn],
+        [&st.s0, &dh, &st.dvn, &st.sd_o],
+        r.masks[2],
+    )?;
+    let results = chunk_results(b, cx, &rows, &x, grads)?;
+    write_grads(b, cx, chunk, &results, &st.t.eye, window.as_ref())?;
+    // Else `dh0` at each segment's first chunk, written last (a branch there would split the
+    // chunk's work in two).
+    if let (Some(dh0), false) = (r.dh0, cx.one_block()) {
+        let first = b.read_table(r.tabs.first, c)?;
+        let at_first = b.compare(Cmp::Ne, &first, zero)?;
+        b.when(&at_first, |b| {
+            let y = b.reshape(&dh_prev, &[1, 1, k, v])?;
+            b.store_all(dh0, &y)
+        })?;
+    }
+    Ok(carried)
+}
+
+/// The chunk's gradients of the kernel's inputs from [`chunk_grads`]: `dg` with `G_C`'s term,
+/// through the floor (zero where the gate sat on it) and (in-kernel) the gate, whose parameter
+/// gradients go to the lane's running sums; `dq` and `dk` through the L2 norm.
+fn chunk_results(
+    b: &mut Body,
+    cx: &BackwardStep,
+    rows: &ChunkRows,
+    x: &ChunkInputs,
+    grads: Grads,
+) -> Result<PerToken<V>> {
+    let (d, r, k) = (cx.d, cx.r, cx.d.k);
+    let every = b.broadcast(&grads.d_last, &[C, k])?;
+    let dg = b.binary(Binary::Add, &grads.dg, &every)?;
+    let floor = b.splat(FLOOR, DType::F32, &[C, k])?;
+    let live = b.compare(Cmp::Gt, &x.g, &floor)?;
+    let none = b.splat(0.0, DType::F32, &[C, k])?;
+    let dg = b.select(&live, &dg, &none)?;
+    // A packed chunk's rows past its tokens hold the gradient of their zeroed gate: not a
+    // token's, and kept out of the gate parameters' sums.
+    let dg = rows.keep(b, &dg)?;
+    let dx = match r.gate_sums {
+        Some(sums) => {
+            let (dz, dlog) = gate_slopes(b, &x.gx, d.gate, r.gate)?;
+            let dx = b.binary(Binary::Mul, &dg, &dz)?;
+            let dl = b.binary(Binary::Mul, &dg, &dlog)?;
+            // Column sums (a reduction over the rows: no product, whose full precision would
+            // take six MXU passes), added to the lane's running sums row by row.
+            for (i, y) in [&dl, &dx].into_iter().enumerate() {
+                let sum = b.reduce(Reduction::Sum, y, 0)?;
+                let sum = b.reshape(&sum, &[1, 1, k])?;
+                let at = [Offset::Const(0), Offset::Const(i as i64), Offset::Const(0)];
+                let before = b.load(sums, &at, &[1, 1, k])?;
+                let after = b.binary(Binary::Add, &before, &sum)?;
+                b.store(sums, &at, &after)?;
+            }
+            dx
+        }
+        None => dg,
+    };
+    let dq = match &x.q_scale {
+        Some(rs) => l2_backward(b, &grads.dq, &x.q, rs)?,
+        None => grads.dq,
+    };
+    let dk = match &x.k_scale {
+        Some(rs) => l2_backward(b, &grads.dk, &x.kk, rs)?,
+        None => grads.dk,
+    };
+    Ok(PerToken { q: dq, k: dk, v: grads.dv, g: dx, beta: grads.dbeta })
+}
+
+/// Writes a chunk's gradients `dq dk dv dg dbeta`: at its rows of the step's blocks in their
+/// dtypes (`dbeta` as a row of `[L, NT, 64]`: the column's entries on the diagonal of `eye`,
+/// summed down the columns, one term each: exact), or (packed) to its tokens.
+fn write_grads(
+    b: &mut Body,
+    cx: &BackwardStep,
+    chunk: &ChunkAt,
+    results: &PerToken<V>,
+    eye: &V,
+    window: Option<&[V; 4]>,
+) -> Result<()> {
+    let (d, r) = (cx.d, cx.r);
+    let g = &r.grads;
+    let outs = [
+        (g.q, &results.q, d.qk),
+        (g.k, &results.k, d.qk),
+        (g.v, &results.v, d.dtype),
+        (g.g, &results.g, d.g),
+    ];
+    match (window, r.place) {
+        (Some(tables), Some([place_k, place_v, place_1])) => {
+            for (out, x, _) in outs.into_iter().chain([(g.beta, &results.beta, d.dtype)]) {
+                let buf = match x.ty.dims[1] {
+                    w if w == d.k => place_k,
+                    w if w == d.v => place_v,
+                    _ => place_1,
+                };
+                place(b, out, buf, x, tables)?;
+            }
+        }
+        _ => {
+            for (out, x, dtype) in outs {
+                let x = if dtype == DType::F32 { x.clone() } else { b.cast(x, dtype)? };
+                let w = x.ty.dims[1];
+                let x = b.reshape(&x, &[1, C, w])?;
+                b.store(out, &[Offset::Const(0), Offset::Const(chunk.ci * C), Offset::Const(0)], &x)?;
+            }
+            let wide = b.broadcast(&results.beta, &[C, C])?;
+            let diag = b.binary(Binary::Mul, &wide, eye)?;
+            let row = b.reduce(Reduction::Sum, &diag, 0)?;
+            let row = b.reshape(&row, &[1, 1, C])?;
+            b.store(g.beta, &[Offset::Const(0), Offset::Dyn(chunk.c.clone(), 1), Offset::Const(0)], &row)?;
+        }
+    }
+    Ok(())
 }
 
 /// `x y` at `p`, a saved bf16 operand against an f32 one in one bf16 pass (as `p` runs it).
@@ -502,11 +593,12 @@ fn l2_backward(b: &mut Body, dy: &V, y: &V, r: &V) -> Result<V> {
 /// `params`, as [`activate`] reads them). Softplus, `g = -a softplus(z)`: `-a sigmoid(z)` and
 /// `g`; the lower bound, `g = lb sigmoid(y)`, `y = a z`: `lb s (1 - s) a` and `lb s (1 - s) y`,
 /// with `s (1 - s) = e / (1 + e)^2`, `e = e^(-|y|)`, exact where `s` saturates.
-fn gate_slopes(b: &mut Body, x: &V, gate: Gate, params: usize) -> Result<(V, V)> {
+fn gate_slopes(b: &mut Body, x: &V, gate: Gate, params: Option<Ref>) -> Result<(V, V)> {
     let dims = x.ty.dims.clone();
+    let block = gate_params(params)?;
     let row = |b: &mut Body, i: i64| {
         let at = [Offset::Const(0), Offset::Const(i), Offset::Const(0)];
-        let r = b.load(Ref::Input(params), &at, &[1, 1, dims[1]])?;
+        let r = b.load(block, &at, &[1, 1, dims[1]])?;
         let r = b.reshape(&r, &[1, dims[1]])?;
         b.broadcast(&r, &dims)
     };

@@ -9,12 +9,12 @@
 //! the floor, the gate and the L2 norm to the gradients itself when it reads raw inputs in
 //! place; for lanes XLA takes `dg` through the gate.
 
-use super::backward::backward_kernel;
-use super::forward::{ForwardDims, Gate, Tokens};
+use super::backward::{backward_kernel, BACKWARD_STEP_CHUNKS};
+use super::dims::{ForwardDims, Gate, Tokens};
 use super::forward_program::{
-    forward_body, gate_operand, kernel_calls, kernel_dims, kernel_gate, kernel_input, kernel_slots,
-    or_passed, packed_fits, packed_result, packed_slots, token_inputs, tokens_of, window_tables, Kept,
-    KernelCalls, MaskReaders,
+    bind_inputs, forward_body, gate_operand, kernel_calls, kernel_dims, kernel_gate, kernel_input, or_passed,
+    packed_fits, packed_result, packed_slots, token_inputs, tokens_of, with_steps, Kept, KernelCalls,
+    MaskReaders, TableValues,
 };
 use crate::hlo::{FnBuilder, Value};
 use crate::lang::Lowering;
@@ -24,12 +24,14 @@ use crate::op::spec::{on_device, KernelSpec, CHUNK};
 use crate::Result;
 
 /// How the backward kernel reads tokens: as the forward kernel does, packed tokens in place
-/// while a head's gradients fit [`KernelSpec::packed_result_bytes`] (4.2 MB at the
+/// while a head's gradients fit [`Tuning::packed_result_bytes`](crate::op::Tuning::packed_result_bytes) (4.2 MB at the
 /// primary shape's 1024 tokens), else through lanes (XLA gathers the inputs and compacts the
 /// gradients).
 fn backward_tokens(s: &KernelSpec) -> Tokens {
     match tokens_of(s) {
-        Tokens::PackedHeadFirst | Tokens::PackedBatchFirst if !packed_fits(s, 3 * s.k + s.v + 1) => {
+        Tokens::PackedHeadFirst | Tokens::PackedBatchFirst
+            if !packed_fits(s, 3 * s.dims.k + s.dims.v + 1) =>
+        {
             Tokens::Lanes
         }
         t => t,
@@ -47,58 +49,49 @@ pub(super) fn grads(
     (d_o, dht): (Value, Option<Value>),
     calls: &KernelCalls,
 ) -> Result<Vec<Value>> {
-    let lowering = calls.lowering;
-    let x = on_device(s.dtype);
+    let x = on_device(s.options.dtype);
     let tokens = backward_tokens(s);
-    let gate = kernel_gate(s, tokens);
-    let mut ops = vec![a.tables.first, a.tables.last, kernel_slots(b, s, a.tables.slot)?];
-    if tokens.packed() {
-        let slot_token = a.slot_token.ok_or_else(|| {
-            crate::TpuError::builder("mosaic backward", "a packed program without slot_token")
-        })?;
-        ops.extend(window_tables(b, s, slot_token)?);
-    }
-    // A packed kernel reads every per-token input through a window of two blocks: each operand
-    // twice.
-    let twice = |x: Vec<Value>| -> Vec<Value> {
-        match tokens.packed() {
-            true => x.into_iter().flat_map(|v| [v, v]).collect(),
-            false => x,
-        }
-    };
+    let tables = TableValues::new(b, s, a, tokens, "mosaic backward")?;
     let (inputs, g_dtype) = token_inputs(b, s, a, tokens)?;
-    ops.extend(twice(inputs));
-    if let (true, Some(al)) = (gate != Gate::Preactivated, a.a_log) {
-        ops.push(gate_operand(b, s, al, a.dt_bias)?);
-    }
-    ops.push(h);
-    if let Some((at, aqk)) = terms {
-        ops.extend([at, aqk]);
-    }
-    ops.extend(twice(vec![kernel_input(b, s, d_o, tokens, a.slot_token, s.v as i64)?]));
+    let gate = match (kernel_gate(s, tokens) != Gate::Preactivated, a.a_log) {
+        (true, Some(al)) => Some(gate_operand(b, s, al, a.dt_bias)?),
+        _ => None,
+    };
+    let d_o = kernel_input(b, s, d_o, tokens, a.slot_token, s.dims.v as i64)?;
     let dht_tab = match dht {
         Some(d) => Some(prep::state_table(b, s, d)?),
         None => None,
     };
-    ops.extend(dht_tab);
     let dims = ForwardDims {
-        h0: s.has_h0,
+        h0: s.options.has_h0,
         ht: dht_tab.is_some(),
         states: true,
         terms: terms.is_some(),
         ..kernel_dims(s, tokens, g_dtype)
     };
-    let wish = match s.step_chunks {
-        0 => dims.default_step_chunks().min(super::backward::BACKWARD_STEP_CHUNKS),
-        n => n as i64,
-    };
-    let dims = ForwardDims { step_chunks: dims.steps_for(wish), ..dims };
-    ops.extend(calls.masks.iter().copied());
-    let kernel = backward_kernel(dims, s.scale)?;
-    let outs = match lowering {
-        Lowering::Mosaic => kernel.call_mosaic(b, &ops)?,
-        Lowering::Interpret => kernel.call_interpret(b, &ops)?,
-    };
+    let bk = backward_kernel(with_steps(dims, s, Some(BACKWARD_STEP_CHUNKS)), s.options.scale)?;
+    let r = &bk.refs;
+    let mut args = bk.kernel.bindings();
+    tables.bind(&mut args, &r.tabs)?;
+    bind_inputs(&mut args, (&r.tokens, &inputs), (r.gate, gate))?;
+    args.input(r.h, h)?;
+    if let (Some([ra, raqk]), Some((va, vaqk))) = (r.terms, terms) {
+        args.input(ra, va)?;
+        args.input(raqk, vaqk)?;
+    }
+    r.d_o.bind(&mut args, d_o)?;
+    if let (Some(input), Some(value)) = (r.dht, dht_tab) {
+        args.input(input, value)?;
+    }
+    let exponents_t = calls
+        .exponents_t
+        .ok_or_else(|| crate::TpuError::builder("mosaic backward", "masks made without their transposes"))?;
+    for (input, value) in r.masks.into_iter().zip([calls.exponents, calls.levels, exponents_t]) {
+        args.input(input, value)?;
+    }
+    let outs = bk.kernel.call(b, calls.lowering, args)?;
+    let g = &r.grads;
+    let grads = [outs.get(g.q)?, outs.get(g.k)?, outs.get(g.v)?, outs.get(g.g)?, outs.get(g.beta)?];
     let mut results = Vec::new();
     let mut gate_grads = Vec::new();
     if tokens == Tokens::Lanes {
@@ -107,14 +100,14 @@ pub(super) fn grads(
             let y = b.reshape(y, &[l, nt, c, d])?;
             prep::from_chunks(b, s, y, a.token_slot)
         };
-        let (k, v) = (s.k as i64, s.v as i64);
+        let (k, v) = (s.dims.k as i64, s.dims.v as i64);
         // `dbeta` comes a chunk's tokens a row, `[L, NT, 64]` f32.
         let (dq, dk, dv, mut dg, dbeta) = (
-            tok(b, outs[0], k)?,
-            tok(b, outs[1], k)?,
-            tok(b, outs[2], v)?,
-            tok(b, outs[3], k)?,
-            tok(b, outs[4], 1)?,
+            tok(b, grads[0], k)?,
+            tok(b, grads[1], k)?,
+            tok(b, grads[2], v)?,
+            tok(b, grads[3], k)?,
+            tok(b, grads[4], 1)?,
         );
         if let Some(al) = a.a_log {
             // Through the gate XLA activated.
@@ -124,23 +117,23 @@ pub(super) fn grads(
             let (dx, da_log, ddt) = prep::gate_backward(b, s, gx, g, dg, &p)?;
             dg = dx;
             gate_grads.push(da_log);
-            if s.has_dt_bias {
+            if s.options.has_dt_bias {
                 gate_grads.push(ddt);
             }
         }
-        for (y, w) in [(dq, s.k), (dk, s.k), (dv, s.v)] {
+        for (y, w) in [(dq, s.dims.k), (dk, s.dims.k), (dv, s.dims.v)] {
             let y = prep::to_caller(b, s, y, x)?;
             results.push(b.reshape(y, &s.result_token_dims(w, true))?);
         }
-        let dg = prep::to_caller(b, s, dg, on_device(s.g_dtype))?;
-        results.push(b.reshape(dg, &s.result_token_dims(s.k, true))?);
+        let dg = prep::to_caller(b, s, dg, on_device(s.options.g_dtype))?;
+        results.push(b.reshape(dg, &s.result_token_dims(s.dims.k, true))?);
         results.push(prep::beta_to_caller(b, s, dbeta, x)?);
     } else {
         // In place, or (packed) the head's tokens in f32, padding tokens (which no chunk
         // writes) zeroed here.
-        let dtypes = [x, x, x, on_device(s.g_dtype), x];
+        let dtypes = [x, x, x, on_device(s.options.g_dtype), x];
         let mut cast = Vec::new();
-        for (&y, t) in outs.iter().zip(dtypes) {
+        for (y, t) in grads.into_iter().zip(dtypes) {
             cast.push(if tokens.packed() {
                 packed_result(b, s, y, packed_slots(a)?, t)?
             } else if y.elem() == t {
@@ -149,31 +142,30 @@ pub(super) fn grads(
                 b.convert(y, t)?
             });
         }
-        let outs: Vec<Value> = cast.into_iter().chain(outs[5..].iter().copied()).collect();
-        for (i, w) in [(0, s.k), (1, s.k), (2, s.v), (3, s.k)] {
-            results.push(b.reshape(outs[i], &s.result_token_dims(w, true))?);
+        for (i, w) in [(0, s.dims.k), (1, s.dims.k), (2, s.dims.v), (3, s.dims.k)] {
+            results.push(b.reshape(cast[i], &s.result_token_dims(w, true))?);
         }
         // `dbeta` `[L, NT, 64]` (f32): the elements of `[H, B, T]` in order.
-        let (h, bb, t) = (s.h as i64, s.b as i64, s.t as i64);
-        let dbeta = b.reshape(outs[4], &[h, bb, t, 1])?;
+        let (h, bb, t) = (s.dims.h as i64, s.dims.b as i64, s.dims.t as i64);
+        let dbeta = b.reshape(cast[4], &[h, bb, t, 1])?;
         results.push(prep::beta_to_caller(b, s, dbeta, x)?);
-        if gate != Gate::Preactivated {
+        if let Some(sums) = r.gate_sums {
             // Per-lane sums `[L, 2, K]`: `da_log` over a head's lanes and channels, `ddt_bias`
             // over its lanes.
-            let sums = outs[5 + usize::from(s.has_h0)];
-            let rows = s.lanes() / s.h;
-            let sums = b.reshape(sums, &[h, rows as i64, 2, s.k as i64])?;
+            let sums = outs.get(sums)?;
+            let rows = s.lanes() / s.dims.h;
+            let sums = b.reshape(sums, &[h, rows as i64, 2, s.dims.k as i64])?;
             let da = b.slice_axis(sums, 2, 0, 1)?;
             gate_grads.push(b.reduce_sum(da, &[1, 2, 3])?);
-            if s.has_dt_bias {
+            if s.options.has_dt_bias {
                 let dd = b.slice_axis(sums, 2, 1, 2)?;
                 let dd = b.reduce_sum(dd, &[1, 2])?;
-                gate_grads.push(b.reshape(dd, &[(s.h * s.k) as i64])?);
+                gate_grads.push(b.reshape(dd, &[(s.dims.h * s.dims.k) as i64])?);
             }
         }
     }
-    if s.has_h0 {
-        let dh0 = or_passed(b, s, &a.tables, outs[5], dht_tab)?;
+    if let Some(dh0) = r.dh0 {
+        let dh0 = or_passed(b, s, &a.tables, outs.get(dh0)?, dht_tab)?;
         results.push(prep::state_from_table(b, s, dh0)?);
     }
     results.extend(gate_grads);

@@ -363,34 +363,46 @@ pub enum TermMasks {
 /// [`TermMasks::Build`], made once per call instead of once per step. With `transposed` a
 /// third result holds the exponent masks' transposes side by side, `[64, EXPONENT_ROWS]` in
 /// `dtype` (what the backward kernel's gate gradient multiplies by).
-pub fn term_masks_kernel(dtype: DType, transposed: bool) -> Result<crate::lang::Kernel> {
+pub fn term_masks_kernel(dtype: DType, transposed: bool) -> Result<TermMasksKernel> {
     use crate::lang::{KernelBuilder, Operand, Semantics};
     let ty = |t: DType, rows: i64| crate::hlo::TensorType::new(t, &[rows, C]);
-    let mut kb = KernelBuilder::new("kda_term_masks")
-        .grid(1, Semantics::Arbitrary)
-        .output(Operand::whole("exponents", ty(dtype, EXPONENT_ROWS)))
-        .output(Operand::whole("levels", ty(DType::F32, LEVEL_ROWS)));
-    if transposed {
-        let t = crate::hlo::TensorType::new(dtype, &[C, EXPONENT_ROWS]);
-        kb = kb.output(Operand::whole("exponents_t", t));
-    }
+    let mut kb = KernelBuilder::new("kda_term_masks");
+    kb.grid(1, Semantics::Arbitrary);
+    let exponents = kb.output(Operand::whole("exponents", ty(dtype, EXPONENT_ROWS)));
+    let levels = kb.output(Operand::whole("levels", ty(DType::F32, LEVEL_ROWS)));
+    let exponents_t = transposed.then(|| {
+        kb.output(Operand::whole("exponents_t", crate::hlo::TensorType::new(dtype, &[C, EXPONENT_ROWS])))
+    });
     let cast = |b: &mut Body, m: &V| if dtype == DType::F32 { Ok(m.clone()) } else { b.cast(m, dtype) };
-    kb.build(|b| {
+    let kernel = kb.build(|b| {
         for (i, m) in exponent_masks(b)?.iter().enumerate() {
             let m = cast(b, m)?;
-            b.store(Ref::Output(0), &at(i as i64 * C, 0), &m)?;
+            b.store(exponents, &at(i as i64 * C, 0), &m)?;
         }
         for (i, m) in level_masks(b)?.iter().enumerate() {
-            b.store(Ref::Output(1), &at(i as i64 * C, 0), m)?;
+            b.store(levels, &at(i as i64 * C, 0), m)?;
         }
-        if transposed {
+        if let Some(out) = exponents_t {
             for (i, m) in exponent_masks_along(b, 1)?.iter().enumerate() {
                 let m = cast(b, m)?;
-                b.store(Ref::Output(2), &at(0, i as i64 * C), &m)?;
+                b.store(out, &at(0, i as i64 * C), &m)?;
             }
         }
         Ok(())
-    })
+    })?;
+    Ok(TermMasksKernel { kernel, exponents, levels, exponents_t })
+}
+
+/// The masks kernel and its results by name.
+pub struct TermMasksKernel {
+    /// The kernel.
+    pub kernel: crate::lang::Kernel,
+    /// The exponent masks `[EXPONENT_ROWS, 64]`.
+    pub exponents: Ref,
+    /// The level masks `[LEVEL_ROWS, 64]`.
+    pub levels: Ref,
+    /// The exponent masks' transposes `[64, EXPONENT_ROWS]`, when asked for.
+    pub exponents_t: Option<Ref>,
 }
 
 /// The memory [`chunk_terms`] uses: where its masks come from, and `sums`, a `[64, K]` f32
@@ -404,13 +416,10 @@ pub struct TermScratch {
 }
 
 impl TermScratch {
-    /// A kernel's: the masks kernel's exponent and level masks in inputs `masks` and
-    /// `masks + 1`, `G` in scratch 1.
-    pub fn of_kernel(masks: usize) -> Self {
-        TermScratch {
-            masks: TermMasks::Input { exponents: Ref::Input(masks), levels: Ref::Input(masks + 1) },
-            sums: Ref::Scratch(1),
-        }
+    /// A kernel's: the masks kernel's exponent and level masks read from the inputs
+    /// `[exponents, levels]`, `G` in the scratch `sums`.
+    pub fn of_kernel([exponents, levels]: [Ref; 2], sums: Ref) -> Self {
+        TermScratch { masks: TermMasks::Input { exponents, levels }, sums }
     }
 }
 

@@ -10,9 +10,11 @@
 //! zeroed with the cast; or back from lanes) and the final states of segments that hold no
 //! chunk (their initial states).
 
-use super::forward::{forward_kernel, ForwardDims, Gate, Tokens};
+use super::dims::{ForwardDims, Gate, Tokens};
+use super::forward::forward_kernel;
+use super::operands::{ChunkTabs, PerToken, TokenIn};
 use crate::hlo::{Cmp, FnBuilder, Value};
-use crate::lang::Lowering;
+use crate::lang::{Bindings, Lowering, Ref};
 use crate::op::args::{state_tab, Args, ChunkTables};
 use crate::op::ops::{i32t, splat};
 use crate::op::prep;
@@ -22,7 +24,7 @@ use kda_core::{GateKind, Layout};
 
 /// A per-token tensor in the caller's layout to head-first `[H, B, T, D]`, in its own dtype.
 pub(super) fn lanes_first(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result<Value> {
-    match s.layout {
+    match s.options.layout {
         Layout::HeadFirst => Ok(x),
         Layout::BatchFirst => prep::heads_outermost(b, s, x),
     }
@@ -101,19 +103,19 @@ fn ended(b: &mut FnBuilder, s: &KernelSpec, last: Value, slot: Value) -> Result<
 /// lanes are whole 128-lane tiles, or H = 1), else through lanes that XLA makes (padded to whole
 /// chunks).
 pub(super) fn tokens_of(s: &KernelSpec) -> Tokens {
-    let tiles = s.h == 1 || (s.k.is_multiple_of(128) && s.v.is_multiple_of(128));
+    let tiles = s.dims.h == 1 || (s.dims.k.is_multiple_of(128) && s.dims.v.is_multiple_of(128));
     if s.packed_chunks.is_some() {
         // A head's `o` stays in VMEM (f32, double-buffered) while its chunks place their rows.
-        if !packed_fits(s, s.v) {
+        if !packed_fits(s, s.dims.v) {
             return Tokens::Lanes;
         }
-        return match ((s.b * s.t).is_multiple_of(CHUNK), s.layout) {
+        return match ((s.dims.b * s.dims.t).is_multiple_of(CHUNK), s.options.layout) {
             (true, Layout::HeadFirst) => Tokens::PackedHeadFirst,
             (true, Layout::BatchFirst) if tiles => Tokens::PackedBatchFirst,
             _ => Tokens::Lanes,
         };
     }
-    match (s.t.is_multiple_of(CHUNK), s.layout) {
+    match (s.dims.t.is_multiple_of(CHUNK), s.options.layout) {
         (true, Layout::HeadFirst) => Tokens::HeadFirst,
         (true, Layout::BatchFirst) if tiles => Tokens::BatchFirst,
         _ => Tokens::Lanes,
@@ -129,7 +131,7 @@ pub(super) fn kernel_input(
     slot_token: Option<Value>,
     d: i64,
 ) -> Result<Value> {
-    let (h, bb, t) = (s.h as i64, s.b as i64, s.t as i64);
+    let (h, bb, t) = (s.dims.h as i64, s.dims.b as i64, s.dims.t as i64);
     match tokens {
         Tokens::HeadFirst | Tokens::PackedHeadFirst => b.reshape(x, &[h, bb * t, d]),
         Tokens::BatchFirst => b.reshape(x, &[bb, t, h * d]),
@@ -141,10 +143,10 @@ pub(super) fn kernel_input(
     }
 }
 
-/// The window tables of a packed kernel ([`super::forward::Window`]) from `slot_token`
+/// The window tables of a packed kernel ([`super::operands::WindowTables`]) from `slot_token`
 /// (`[NT * 64]`, the packed token of each chunk row, `B * T` on padding rows): `lo hi off len`.
 pub(super) fn window_tables(b: &mut FnBuilder, s: &KernelSpec, slot_token: Value) -> Result<[Value; 4]> {
-    let (nt, c, p) = (s.chunks() as i64, CHUNK as i64, (s.b * s.t) as i64);
+    let (nt, c, p) = (s.chunks() as i64, CHUNK as i64, (s.dims.b * s.dims.t) as i64);
     let blocks = p / c;
     let rows = b.reshape(slot_token, &[nt, c])?;
     let start = b.reduce_min(rows, &[1])?;
@@ -177,7 +179,7 @@ pub(super) fn gate_operand(
     a_log: Value,
     dt_bias: Option<Value>,
 ) -> Result<Value> {
-    let (h, k) = (s.h as i64, s.k as i64);
+    let (h, k) = (s.dims.h as i64, s.dims.k as i64);
     let a = b.exp(a_log)?;
     let a = b.broadcast_in_dim(a, &[h, 1, k], &[0])?;
     let bias = match dt_bias {
@@ -194,11 +196,10 @@ pub(super) fn token_inputs(
     s: &KernelSpec,
     a: &Args,
     tokens: Tokens,
-) -> Result<(Vec<Value>, kda_core::DType)> {
-    let mut ops = Vec::new();
-    for (t, d) in [(a.q, s.k), (a.k, s.k), (a.v, s.v)] {
-        ops.push(kernel_input(b, s, t, tokens, a.slot_token, d as i64)?);
-    }
+) -> Result<(PerToken<Value>, kda_core::DType)> {
+    let q = kernel_input(b, s, a.q, tokens, a.slot_token, s.dims.k as i64)?;
+    let k = kernel_input(b, s, a.k, tokens, a.slot_token, s.dims.k as i64)?;
+    let v = kernel_input(b, s, a.v, tokens, a.slot_token, s.dims.v as i64)?;
     // Lanes get the gate XLA activated ([`kernel_gate`]).
     let g = match (tokens, a.a_log) {
         (Tokens::Lanes, Some(al)) => {
@@ -207,31 +208,76 @@ pub(super) fn token_inputs(
             let g = prep::activate(b, s, gx, Some(&p))?;
             kernel_tokens(b, s, g, a.slot_token)?
         }
-        _ => kernel_input(b, s, a.g, tokens, a.slot_token, s.k as i64)?,
+        _ => kernel_input(b, s, a.g, tokens, a.slot_token, s.dims.k as i64)?,
     };
     let g_dtype = g.elem();
-    ops.push(g);
-    let mut beta_dims: Vec<i64> = s.layout.scalar_shape(s.h, s.b, s.t).iter().map(|&d| d as i64).collect();
+    let mut beta_dims: Vec<i64> =
+        s.options.layout.scalar_shape(s.dims.h, s.dims.b, s.dims.t).iter().map(|&d| d as i64).collect();
     beta_dims.push(1);
     let beta = b.reshape(a.beta, &beta_dims)?;
-    ops.push(match tokens {
+    let beta = match tokens {
         // Batch-first rows read in place: beta as the programs take it, `[B*T, H]`.
-        Tokens::BatchFirst => b.reshape(beta, &[(s.b * s.t) as i64, s.h as i64])?,
+        Tokens::BatchFirst => b.reshape(beta, &[(s.dims.b * s.dims.t) as i64, s.dims.h as i64])?,
         Tokens::Lanes => {
             let beta = lanes_first(b, s, beta)?;
             kernel_tokens(b, s, beta, a.slot_token)?
         }
         _ => {
             let beta = lanes_first(b, s, beta)?;
-            b.reshape(beta, &[s.h as i64, (s.b * s.t) as i64, 1])?
+            b.reshape(beta, &[s.dims.h as i64, (s.dims.b * s.dims.t) as i64, 1])?
         }
-    });
-    Ok((ops, g_dtype))
+    };
+    Ok((PerToken { q, k, v, g, beta }, g_dtype))
 }
 
-/// Whether results of `width` lanes per packed token fit [`KernelSpec::packed_result_bytes`].
+/// The chunk tables' values of a kernel of `s` read as `tokens`: `first`, `last`, the slots
+/// the kernels read ([`kernel_slots`]) and for packed tokens read in place the window tables.
+pub(super) struct TableValues {
+    first: Value,
+    last: Value,
+    slot: Value,
+    window: Option<[Value; 4]>,
+}
+
+impl TableValues {
+    /// Makes the tables' values (the slots' running maximum, the windows from `slot_token`).
+    pub(super) fn new(
+        b: &mut FnBuilder,
+        s: &KernelSpec,
+        a: &Args,
+        tokens: Tokens,
+        what: &str,
+    ) -> Result<Self> {
+        let slot = kernel_slots(b, s, a.tables.slot)?;
+        let window = if tokens.packed() {
+            let slot_token = a
+                .slot_token
+                .ok_or_else(|| crate::TpuError::builder(what, "a packed program without slot_token"))?;
+            Some(window_tables(b, s, slot_token)?)
+        } else {
+            None
+        };
+        Ok(TableValues { first: a.tables.first, last: a.tables.last, slot, window })
+    }
+
+    /// Binds the values to the kernel's tables `tabs`.
+    pub(super) fn bind(&self, args: &mut Bindings, tabs: &ChunkTabs) -> Result<()> {
+        args.table(tabs.first, self.first)?;
+        args.table(tabs.last, self.last)?;
+        args.table(tabs.slot, self.slot)?;
+        if let (Some(t), Some([lo, hi, off, len])) = (tabs.window, self.window) {
+            args.table(t.lo, lo)?;
+            args.table(t.hi, hi)?;
+            args.table(t.off, off)?;
+            args.table(t.len, len)?;
+        }
+        Ok(())
+    }
+}
+
+/// Whether results of `width` lanes per packed token fit [`Tuning::packed_result_bytes`](crate::op::Tuning::packed_result_bytes).
 pub(super) fn packed_fits(s: &KernelSpec, width: usize) -> bool {
-    2 * 4 * s.b * s.t * width <= s.packed_result_bytes
+    2 * 4 * s.dims.b * s.dims.t * width <= s.tuning.packed_result_bytes
 }
 
 /// A packed program's `token_slot` (the chunk row of each packed token; padding tokens point
@@ -266,20 +312,20 @@ pub(super) fn packed_result(
 /// The kernels' dims of `s` read as `tokens` with `g` in `g_dtype` (one chunk a step, no state
 /// operands or results: the caller sets those).
 pub(super) fn kernel_dims(s: &KernelSpec, tokens: Tokens, g_dtype: kda_core::DType) -> ForwardDims {
-    let x = on_device(s.dtype);
+    let x = on_device(s.options.dtype);
     ForwardDims {
-        heads: s.h as i64,
-        rows: (s.lanes() / s.h) as i64,
+        heads: s.dims.h as i64,
+        rows: (s.lanes() / s.dims.h) as i64,
         chunks: s.chunks() as i64,
         slots: s.slots() as i64,
-        k: s.k as i64,
-        v: s.v as i64,
+        k: s.dims.k as i64,
+        v: s.dims.v as i64,
         qk: x,
         g: g_dtype,
         dtype: x,
         tokens,
-        packed_tokens: (s.b * s.t) as i64,
-        l2norm: s.l2norm,
+        packed_tokens: (s.dims.b * s.dims.t) as i64,
+        l2norm: s.options.l2norm,
         gate: kernel_gate(s, tokens),
         gate_params: s.in_kernel_gate(),
         h0: false,
@@ -294,7 +340,7 @@ pub(super) fn kernel_dims(s: &KernelSpec, tokens: Tokens, g_dtype: kda_core::DTy
 /// padding tokens, whose zero raw gate would activate to a decay, so lanes get the gate XLA
 /// activated, zero on padding, as the XLA programs have it).
 pub(super) fn kernel_gate(s: &KernelSpec, tokens: Tokens) -> Gate {
-    match (tokens != Tokens::Lanes && s.in_kernel_gate(), s.gate) {
+    match (tokens != Tokens::Lanes && s.in_kernel_gate(), s.options.gate) {
         (false, _) | (_, GateKind::Preactivated) => Gate::Preactivated,
         (true, GateKind::Softplus) => Gate::Softplus,
         (true, GateKind::LowerBound(lb)) => Gate::LowerBound(lb),
@@ -306,8 +352,12 @@ pub(super) fn kernel_gate(s: &KernelSpec, tokens: Tokens) -> Gate {
 pub(super) struct KernelCalls {
     /// How the kernels are lowered.
     pub lowering: Lowering,
-    /// The exponent and level masks, then (transposed) the exponent masks' transposes.
-    pub masks: Vec<Value>,
+    /// The exponent masks.
+    pub exponents: Value,
+    /// The level masks.
+    pub levels: Value,
+    /// The exponent masks' transposes (for the backward kernel).
+    pub exponents_t: Option<Value>,
 }
 
 /// Which kernels of a program read the chunk terms' masks.
@@ -329,14 +379,45 @@ pub(super) fn kernel_calls(
     lowering: Lowering,
 ) -> Result<KernelCalls> {
     // The masks' dtype follows the kernels' products, whatever the gate's dtype.
-    let dtype = kernel_dims(s, tokens_of(s), on_device(s.dtype)).mask_dtype();
+    let dtype = kernel_dims(s, tokens_of(s), on_device(s.options.dtype)).mask_dtype();
     let transposed = readers == MaskReaders::ForwardAndBackward;
-    let kernel = super::blocks::term_masks_kernel(dtype, transposed)?;
-    let masks = match lowering {
-        Lowering::Mosaic => kernel.call_mosaic(b, &[])?,
-        Lowering::Interpret => kernel.call_interpret(b, &[])?,
+    let masks = super::blocks::term_masks_kernel(dtype, transposed)?;
+    let outs = masks.kernel.call(b, lowering, masks.kernel.bindings())?;
+    let exponents_t = match masks.exponents_t {
+        Some(t) => Some(outs.get(t)?),
+        None => None,
     };
-    Ok(KernelCalls { lowering, masks })
+    Ok(KernelCalls {
+        lowering,
+        exponents: outs.get(masks.exponents)?,
+        levels: outs.get(masks.levels)?,
+        exponents_t,
+    })
+}
+
+/// `dims` with the chunks a grid step takes: the tuning's wish, else the kernel's default
+/// (at most `cap`).
+pub(super) fn with_steps(dims: ForwardDims, s: &KernelSpec, cap: Option<i64>) -> ForwardDims {
+    let wish = match s.tuning.step_chunks {
+        0 => cap.map_or(dims.default_step_chunks(), |c| dims.default_step_chunks().min(c)),
+        n => n as i64,
+    };
+    ForwardDims { step_chunks: dims.steps_for(wish), ..dims }
+}
+
+/// Binds the inputs both kernels take alike: `q k v g beta` and the gate parameters.
+pub(super) fn bind_inputs(
+    args: &mut Bindings,
+    (refs, values): (&PerToken<TokenIn>, &PerToken<Value>),
+    gate: (Option<Ref>, Option<Value>),
+) -> Result<()> {
+    for (input, value) in refs.each().into_iter().zip(values.each()) {
+        input.bind(args, *value)?;
+    }
+    match gate {
+        (Some(input), Some(value)) => args.input(input, value),
+        _ => Ok(()),
+    }
 }
 
 /// What a forward body keeps besides `o [final_state]`.
@@ -359,82 +440,65 @@ pub(super) fn forward_body(
     calls: &KernelCalls,
 ) -> Result<Vec<Value>> {
     let Kept { states: keep_h, terms } = kept;
-    let lowering = calls.lowering;
-    let x = on_device(s.dtype);
+    let x = on_device(s.options.dtype);
     let tokens = tokens_of(s);
-    let mut ops = vec![a.tables.first, a.tables.last, kernel_slots(b, s, a.tables.slot)?];
-    if tokens.packed() {
-        let slot_token = a.slot_token.ok_or_else(|| {
-            crate::TpuError::builder("mosaic forward", "a packed program without slot_token")
-        })?;
-        ops.extend(window_tables(b, s, slot_token)?);
-    }
+    let tables = TableValues::new(b, s, a, tokens, "mosaic forward")?;
     let (inputs, g_dtype) = token_inputs(b, s, a, tokens)?;
-    ops.extend(inputs);
-    // A packed kernel reads every per-token input through a window of two blocks: each operand
-    // twice.
-    if tokens.packed() {
-        let singles = ops.split_off(ops.len() - 5);
-        for x in singles {
-            ops.extend([x, x]);
-        }
-    }
-    let gate = kernel_gate(s, tokens);
-    if let (true, Some(al)) = (gate != Gate::Preactivated, a.a_log) {
-        ops.push(gate_operand(b, s, al, a.dt_bias)?);
-    }
+    let gate = match (kernel_gate(s, tokens) != Gate::Preactivated, a.a_log) {
+        (true, Some(al)) => Some(gate_operand(b, s, al, a.dt_bias)?),
+        _ => None,
+    };
     let h0 = match a.h0 {
         Some(h0) => Some(prep::state_table(b, s, h0)?),
         None => None,
     };
-    ops.extend(h0);
     let dims = ForwardDims {
         h0: h0.is_some(),
-        ht: s.final_state,
+        ht: s.options.final_state,
         states: keep_h,
         terms,
         ..kernel_dims(s, tokens, g_dtype)
     };
-    let wish = match s.step_chunks {
-        0 => dims.default_step_chunks(),
-        n => n as i64,
-    };
-    let dims = ForwardDims { step_chunks: dims.steps_for(wish), ..dims };
-    // The chunk terms' constant masks: the exponent and level masks of the masks kernel.
-    ops.extend(calls.masks.iter().take(2).copied());
-    let kernel = forward_kernel(dims, s.scale)?;
-    let outs = match lowering {
-        Lowering::Mosaic => kernel.call_mosaic(b, &ops)?,
-        Lowering::Interpret => kernel.call_interpret(b, &ops)?,
-    };
+    let fk = forward_kernel(with_steps(dims, s, None), s.options.scale)?;
+    let r = &fk.refs;
+    let mut args = fk.kernel.bindings();
+    tables.bind(&mut args, &r.tabs)?;
+    bind_inputs(&mut args, (&r.tokens, &inputs), (r.gate, gate))?;
+    if let (Some(input), Some(value)) = (r.h0, h0) {
+        args.input(input, value)?;
+    }
+    args.input(r.masks[0], calls.exponents)?;
+    args.input(r.masks[1], calls.levels)?;
+    let outs = fk.kernel.call(b, calls.lowering, args)?;
+    let o = outs.get(r.o)?;
     let o = match tokens {
         Tokens::PackedHeadFirst | Tokens::PackedBatchFirst => {
             let slots = packed_slots(a)?;
-            let o = packed_result(b, s, outs[0], slots, x)?;
-            b.reshape(o, &s.result_token_dims(s.v, true))?
+            let o = packed_result(b, s, o, slots, x)?;
+            b.reshape(o, &s.result_token_dims(s.dims.v, true))?
         }
         Tokens::Lanes => {
             let (l, nt) = (s.lanes() as i64, s.chunks() as i64);
-            let o = b.reshape(outs[0], &[l, nt, CHUNK as i64, s.v as i64])?;
+            let o = b.reshape(o, &[l, nt, CHUNK as i64, s.dims.v as i64])?;
             let o = prep::from_chunks(b, s, o, a.token_slot)?;
             let o = prep::to_caller(b, s, o, x)?;
-            b.reshape(o, &s.result_token_dims(s.v, true))?
+            b.reshape(o, &s.result_token_dims(s.dims.v, true))?
         }
         // Already in the caller's layout: the result's form is a reshape.
-        _ => b.reshape(outs[0], &s.result_token_dims(s.v, true))?,
+        _ => b.reshape(o, &s.result_token_dims(s.dims.v, true))?,
     };
     let mut results = vec![o];
-    if s.final_state {
-        let fin = or_passed(b, s, &a.tables, outs[1], h0)?;
+    if let Some(ht) = r.ht {
+        let fin = or_passed(b, s, &a.tables, outs.get(ht)?, h0)?;
         results.push(prep::state_from_table(b, s, fin)?);
     }
-    let at_h = 1 + usize::from(s.final_state);
-    if keep_h {
-        results.push(outs[at_h]);
+    if let Some(h) = r.h {
+        results.push(outs.get(h)?);
     }
-    if terms {
-        let at = at_h + usize::from(keep_h);
-        results.extend([outs[at], outs[at + 1]]);
+    if let Some(saved) = r.terms {
+        for t in saved {
+            results.push(outs.get(t)?);
+        }
     }
     Ok(results)
 }

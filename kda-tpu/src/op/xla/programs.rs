@@ -42,7 +42,7 @@ fn flat_chunks(b: &mut FnBuilder, s: &KernelSpec, x: Value, idx: Option<Value>) 
 fn working(b: &mut FnBuilder, s: &KernelSpec, a: &Args) -> Result<Working> {
     let q = prep::head_first(b, s, a.q)?;
     let k = prep::head_first(b, s, a.k)?;
-    let (q, k, q_rstd, k_rstd) = if s.l2norm {
+    let (q, k, q_rstd, k_rstd) = if s.options.l2norm {
         let (qn, qr) = prep::l2_normalise(b, q)?;
         let (kn, kr) = prep::l2_normalise(b, k)?;
         (qn, kn, Some(qr), Some(kr))
@@ -103,12 +103,12 @@ fn output(
     let hf = flat(b, h)?;
     let vf = flat(b, v_new)?;
     let inter = b.batch_matmul(ct.qg, hf, Transpose::None)?;
-    let inter = b.mul_const(inter, s.scale as f32)?;
+    let inter = b.mul_const(inter, s.options.scale as f32)?;
     let intra = b.batch_matmul(ct.aqk, vf, Transpose::None)?;
     let o = b.add(inter, intra)?;
-    let o = b.reshape(o, &[s.lanes() as i64, s.chunks() as i64, CHUNK as i64, s.v as i64])?;
+    let o = b.reshape(o, &[s.lanes() as i64, s.chunks() as i64, CHUNK as i64, s.dims.v as i64])?;
     let o = prep::from_chunks(b, s, o, a.token_slot)?;
-    prep::to_caller(b, s, o, on_device(s.dtype))
+    prep::to_caller(b, s, o, on_device(s.options.dtype))
 }
 
 struct Forward {
@@ -130,7 +130,8 @@ fn forward_core(
     let run = run_states(b, s, tables, h0, ct)?;
     let o = output(b, s, a, ct, run.h, run.v_new)?;
     let _ = w;
-    let final_state = if s.final_state { Some(prep::state_from_table(b, s, run.final_tab)?) } else { None };
+    let final_state =
+        if s.options.final_state { Some(prep::state_from_table(b, s, run.final_tab)?) } else { None };
     Ok(Forward { o, final_state, h: run.h, v_new: run.v_new })
 }
 
@@ -200,7 +201,7 @@ fn chunk_grads(
     [h, vn, dh, dvn]: [Value; 4],
     doc: Value,
 ) -> Result<ChunkGrads> {
-    let scale = s.scale as f32;
+    let scale = s.options.scale as f32;
     let dc = &ct.dc;
     // Through O = scale qg S0 + Aqk v_new and S1 = exp(G_last) S0 + kg^T v_new.
     let dqg = b.batch_matmul(doc, h, Transpose::B)?;
@@ -284,7 +285,7 @@ fn chunk_grads(
         let hd = b.broadcast_in_dim(hd, dg.dims(), &[0, 2])?;
         b.add(dg, hd)?
     } else {
-        let hd = b.reshape(hd, &[n, 1, s.k as i64])?;
+        let hd = b.reshape(hd, &[n, 1, s.dims.k as i64])?;
         let rows = [(dgg, Scan::Suffix), (t2, Scan::ExclusivePrefix), (hd, Scan::Every)];
         row_sums(b, CHUNK as i64, &rows)?
     };
@@ -330,19 +331,19 @@ fn finish_grads(
         let (dx, da_log, ddt) = prep::gate_backward(b, s, w.x, w.g, dg, gp)?;
         dg = dx;
         gate_grads.push(da_log);
-        if s.has_dt_bias {
+        if s.options.has_dt_bias {
             gate_grads.push(ddt);
         }
     }
-    let e = on_device(s.dtype);
+    let e = on_device(s.options.dtype);
     let mut out = vec![
         prep::to_caller(b, s, dq, e)?,
         prep::to_caller(b, s, dk, e)?,
         prep::to_caller(b, s, dv, e)?,
-        prep::to_caller(b, s, dg, on_device(s.g_dtype))?,
+        prep::to_caller(b, s, dg, on_device(s.options.g_dtype))?,
         prep::beta_to_caller(b, s, dbeta, e)?,
     ];
-    if s.has_h0 {
+    if s.options.has_h0 {
         out.push(prep::state_from_table(b, s, dh0_tab)?);
     }
     out.extend(gate_grads);
@@ -351,7 +352,7 @@ fn finish_grads(
 }
 
 /// The forward: `o [final_state] [h]` (`h` `[L, NT, K, V]` when `keep_h`). With slabs
-/// (`s.slab`, the TPU configuration) it runs as `forward_slabs`; otherwise the chunk terms are
+/// (`s.tuning.slab`, the TPU configuration) it runs as `forward_slabs`; otherwise the chunk terms are
 /// computed for all chunks at once.
 pub(in crate::op) fn forward(
     f: &mut FnBuilder,
@@ -373,17 +374,17 @@ pub(in crate::op) fn forward(
         }
         return Ok(outs);
     }
-    let ct = chunk_terms(f, w.qc, w.kc, w.vc, w.gc, w.betac, s.scale as f32, s.slab == 0)?;
+    let ct = chunk_terms(f, w.qc, w.kc, w.vc, w.gc, w.betac, s.options.scale as f32, s.tuning.slab == 0)?;
     if !keep_h {
         // The forward alone on the CPU configuration: outputs formed inside the recurrence, no
         // per-chunk states kept (about 1 ms and 9 MB of scratch less on the CPU plugin; on
         // tpu7x this form raised the peak, and the TPU configuration runs in slabs instead).
         let h0 = state_tab(f, s, a.h0)?;
         let tables = loop_tables(f, s, a.tables)?;
-        let run = run_output(f, s, tables, h0, &ct, s.scale as f32)?;
+        let run = run_output(f, s, tables, h0, &ct, s.options.scale as f32)?;
         let o = prep::from_chunks(f, s, run.o, a.token_slot)?;
-        let mut outs = vec![prep::to_caller(f, s, o, on_device(s.dtype))?];
-        if s.final_state {
+        let mut outs = vec![prep::to_caller(f, s, o, on_device(s.options.dtype))?];
+        if s.options.final_state {
             outs.push(prep::state_from_table(f, s, run.final_tab)?);
         }
         return Ok(outs);
@@ -408,14 +409,14 @@ pub(in crate::op) fn backward(
 ) -> Result<Vec<Value>> {
     let a = *a;
     let w = working(f, s, &a)?;
-    let ct = chunk_terms(f, w.qc, w.kc, w.vc, w.gc, w.betac, s.scale as f32, s.slab == 0)?;
+    let ct = chunk_terms(f, w.qc, w.kc, w.vc, w.gc, w.betac, s.options.scale as f32, s.tuning.slab == 0)?;
     let (h, v_new) = match saved {
         Some(h) => {
             // v_new = u - w S0, chunk-parallel from the saved states.
             let hf = flat(f, h)?;
             let ws = f.batch_matmul(ct.w, hf, Transpose::None)?;
             let vn = f.sub(ct.u, ws)?;
-            let vn = f.reshape(vn, &[s.lanes() as i64, s.chunks() as i64, CHUNK as i64, s.v as i64])?;
+            let vn = f.reshape(vn, &[s.lanes() as i64, s.chunks() as i64, CHUNK as i64, s.dims.v as i64])?;
             (h, vn)
         }
         None => {
@@ -446,7 +447,7 @@ pub(in crate::op) fn fused(
         let outs = fused_slabs(f, s, &a, &w, strategy, (d_o, dht))?;
         return Ok(outs);
     }
-    let ct = chunk_terms(f, w.qc, w.kc, w.vc, w.gc, w.betac, s.scale as f32, s.slab == 0)?;
+    let ct = chunk_terms(f, w.qc, w.kc, w.vc, w.gc, w.betac, s.options.scale as f32, s.tuning.slab == 0)?;
     // Without slabs the forward's per-chunk states are live in this executable whichever the
     // strategy, so the backward half reads them: re-running the identical recurrence would only
     // cost time. The strategies differ in slabs (`fused_slabs`) and in the split path.
@@ -506,7 +507,7 @@ struct Slabs {
 impl Slabs {
     fn new(b: &mut FnBuilder, s: &KernelSpec, a: &Args, w: &Working) -> Result<Slabs> {
         let nt = s.chunks() as i64;
-        let p = s.slab as i64;
+        let p = s.tuning.slab as i64;
         let ns = (nt + p - 1) / p;
         let ntp = ns * p;
         let chunks: Vec<Value> = [w.qc, w.kc, w.vc, w.gc, w.betac]
@@ -573,7 +574,7 @@ struct SlabForward {
     kept: Vec<Value>,
 }
 
-/// The forward in slabs of `s.slab` chunk positions: each loop step computes one slab's chunk
+/// The forward in slabs of `s.tuning.slab` chunk positions: each loop step computes one slab's chunk
 /// terms, runs the state recurrence through it and writes its outputs, so only one slab's
 /// intermediates are live at a time.
 fn forward_slabs(
@@ -583,9 +584,10 @@ fn forward_slabs(
     sl: &Slabs,
     keep: SlabKeep,
 ) -> Result<SlabForward> {
-    let (l, nt, k, v, c) = (s.lanes() as i64, s.chunks() as i64, s.k as i64, s.v as i64, CHUNK as i64);
+    let (l, nt, k, v, c) =
+        (s.lanes() as i64, s.chunks() as i64, s.dims.k as i64, s.dims.v as i64, CHUNK as i64);
     let (p, ntp) = (sl.p, sl.ntp);
-    let scale = s.scale as f32;
+    let scale = s.options.scale as f32;
     let h0_tab = state_tab(b, s, a.h0)?;
     let s0 = splat(b, 0.0, &[l, k, v])?;
     let o_all = b.scratch_f32(&[l, ntp, c, v])?;
@@ -628,12 +630,12 @@ fn forward_slabs(
     })?;
     let o = b.slice_axis(fwd[2], 1, 0, nt)?;
     let o = prep::from_chunks(b, s, o, a.token_slot)?;
-    let o = prep::to_caller(b, s, o, on_device(s.dtype))?;
-    let final_state = if s.final_state { Some(prep::state_from_table(b, s, fwd[1])?) } else { None };
+    let o = prep::to_caller(b, s, o, on_device(s.options.dtype))?;
+    let final_state = if s.options.final_state { Some(prep::state_from_table(b, s, fwd[1])?) } else { None };
     Ok(SlabForward { o, final_state, kept: fwd[3..].to_vec() })
 }
 
-/// The fused forward+VJP in slabs of `s.slab` chunk positions: [`forward_slabs`], then the
+/// The fused forward+VJP in slabs of `s.tuning.slab` chunk positions: [`forward_slabs`], then the
 /// reverse loop recomputes each slab's chunk terms, runs the `dh` recurrence through it and
 /// writes its chunk gradients. Saved-state keeps `h` and `v_new` per chunk, remat only the state
 /// at each slab boundary and re-runs the slab.
@@ -645,10 +647,11 @@ fn fused_slabs(
     strategy: BackwardStrategy,
     (d_o, dht): (Value, Option<Value>),
 ) -> Result<Vec<Value>> {
-    let (l, nt, k, v, c) = (s.lanes() as i64, s.chunks() as i64, s.k as i64, s.v as i64, CHUNK as i64);
+    let (l, nt, k, v, c) =
+        (s.lanes() as i64, s.chunks() as i64, s.dims.k as i64, s.dims.v as i64, CHUNK as i64);
     let sl = Slabs::new(b, s, a, w)?;
     let (p, ns, ntp) = (sl.p, sl.ns, sl.ntp);
-    let scale = s.scale as f32;
+    let scale = s.options.scale as f32;
     let doh = prep::head_first(b, s, d_o)?;
     let doc = flat_chunks(b, s, doh, a.slot_token)?;
     let doc = lanes_padded(b, s, doc, ntp)?;

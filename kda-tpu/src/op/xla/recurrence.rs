@@ -55,7 +55,7 @@ pub fn run_states(
     h0: Value,
     ct: &ChunkTerms,
 ) -> Result<StateRun> {
-    let (l, k, v) = (s.lanes() as i64, s.k as i64, s.v as i64);
+    let (l, k, v) = (s.lanes() as i64, s.dims.k as i64, s.dims.v as i64);
     let whole = whole_rows(s, &t);
     let s0 = if whole { only_slot(b, h0)? } else { splat(b, 0.0, &[l, k, v])? };
     run_states_window(b, s, s.chunks() as i64, t, h0, (s0, h0), ct, whole)
@@ -76,7 +76,7 @@ pub fn run_states_window(
     whole: bool,
 ) -> Result<StateRun> {
     let (u, w, kg, eg_last) = (ct.u, ct.w, ct.kg, ct.dc.eg_last);
-    let (l, k, v, c) = (s.lanes() as i64, s.k as i64, s.v as i64, CHUNK as i64);
+    let (l, k, v, c) = (s.lanes() as i64, s.dims.k as i64, s.dims.v as i64, CHUNK as i64);
     let (u, w, kg, el) =
         (lanes4(b, s, nt, u)?, lanes4(b, s, nt, w)?, lanes4(b, s, nt, kg)?, lanes4(b, s, nt, eg_last)?);
     let h_all = b.scratch_f32(&[l, nt, k, v])?;
@@ -234,7 +234,7 @@ pub fn run_output(
     ct: &ChunkTerms,
     scale: f32,
 ) -> Result<OutputRun> {
-    let (l, k, v, c) = (s.lanes() as i64, s.k as i64, s.v as i64, CHUNK as i64);
+    let (l, k, v, c) = (s.lanes() as i64, s.dims.k as i64, s.dims.v as i64, CHUNK as i64);
     let nt = s.chunks() as i64;
     let wq = b.concatenate(&[ct.w, ct.qg], 1)?; // [N, 2C, K]
     let kgt = b.transpose(ct.kg, &[0, 2, 1])?;
@@ -306,7 +306,7 @@ pub fn run_grads(
     p: (Value, Value),
     ct: &ChunkTerms,
 ) -> Result<GradRun> {
-    let (l, k, v) = (s.lanes() as i64, s.k as i64, s.v as i64);
+    let (l, k, v) = (s.lanes() as i64, s.dims.k as i64, s.dims.v as i64);
     let whole = whole_rows(s, &t);
     let d0 = if whole { only_slot(b, dht)? } else { splat(b, 0.0, &[l, k, v])? };
     run_grads_window(b, s, s.chunks() as i64, t, dht, (d0, dht), p, ct, whole)
@@ -330,8 +330,8 @@ pub fn run_grads_window(
     whole: bool,
 ) -> Result<GradRun> {
     let (p1, q2, w, kg, eg_last) = (p.0, p.1, ct.w, ct.kg, ct.dc.eg_last);
-    let (l, k, v) = (s.lanes() as i64, s.k as i64, s.v as i64);
-    let scale = s.scale as f32;
+    let (l, k, v) = (s.lanes() as i64, s.dims.k as i64, s.dims.v as i64);
+    let scale = s.options.scale as f32;
     let (p1, q2, w, kg, el) = (
         lanes4(b, s, nt, p1)?,
         lanes4(b, s, nt, q2)?,

@@ -1,0 +1,272 @@
+//! The dims and options of the KDA kernels, what both the forward and the backward kernel are
+//! built for: how the per-token operands hold their tokens, the gate, the widths and dtypes,
+//! and the chunks a grid step takes.
+
+use kda_core::DType;
+
+use crate::error::{Result, TpuError};
+use crate::lang::MatPrecision;
+
+pub(super) const C: i64 = 64;
+
+/// How the per-token operands (`q k v g` and `o`) hold their tokens (`R` rows of `T = NT * 64`
+/// tokens, `H` heads, `L = H * R` lanes, lane `h * R + r`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tokens {
+    /// `[L, T, D]`: lanes made by XLA (any width; packed rows gathered to chunk-aligned work).
+    Lanes,
+    /// `[H, R * T, D]`: the caller's head-first `[H, B, T, D]`, read in place.
+    HeadFirst,
+    /// `[R, T, H * D]`: the caller's batch-first `[B, T, H, D]`, read in place (each block a
+    /// head's `D` lanes, so D a multiple of 128, or H = 1).
+    BatchFirst,
+    /// Packed segments read in place from the caller's head-first tensors `[H, P, D]` (`P`
+    /// packed tokens, a multiple of 64; one row of chunks): chunk `c` holds the `len[c]` tokens
+    /// from `start[c]`, read through the two aligned 64-token blocks around them (`WindowTables`);
+    /// `o` comes out f32 in the tokens' own places (`[H, P, V]`), padding tokens unwritten.
+    PackedHeadFirst,
+    /// As [`Tokens::PackedHeadFirst`] from batch-first tensors `[1, P, H * D]` (D a multiple of
+    /// 128, or H = 1).
+    PackedBatchFirst,
+}
+
+impl Tokens {
+    /// Whether the kernel reads packed tokens in place through the window tables.
+    pub fn packed(self) -> bool {
+        matches!(self, Tokens::PackedHeadFirst | Tokens::PackedBatchFirst)
+    }
+}
+
+/// The gate the kernel applies to `g` (docs/kda.md, Tensors), then the floor at -30 (the XLA
+/// programs' `GATE_FLOOR`): with `Softplus` or `LowerBound` the per-head `exp(a_log)` and
+/// `dt_bias` come as the operand `gate` `[H, 2, K]` (row 0 `exp(a_log[h])` on every channel,
+/// row 1 `dt_bias[h, :]`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Gate {
+    /// `g` is the log-decay.
+    Preactivated,
+    /// `g = -exp(a_log) softplus(x + dt_bias)`.
+    Softplus,
+    /// `g = lb sigmoid(exp(a_log) (x + dt_bias))`.
+    LowerBound(f64),
+}
+
+/// The floor of the per-token log-decay (as the XLA programs' `GATE_FLOOR`).
+pub(super) const FLOOR: f64 = -30.0;
+
+/// The dims and options of one forward kernel.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ForwardDims {
+    /// Heads `H`.
+    pub heads: i64,
+    /// Rows `R` side by side (`B` for fixed-length rows; 1 for packed rows, whose chunks follow
+    /// each other in one lane per head).
+    pub rows: i64,
+    /// Chunk positions per lane.
+    pub chunks: i64,
+    /// State slots per lane (`h0`, `ht`): 1 for fixed-length rows.
+    pub slots: i64,
+    /// Key width.
+    pub k: i64,
+    /// Value width.
+    pub v: i64,
+    /// The dtype of `q` and `k` (f32 or bf16).
+    pub qk: DType,
+    /// The dtype of `g` (f32 or bf16).
+    pub g: DType,
+    /// The dtype of `v`, `beta` and `o` (f32 or bf16).
+    pub dtype: DType,
+    /// How `q k v g o` hold their tokens.
+    pub tokens: Tokens,
+    /// Packed tokens `P` of [`Tokens::packed`] operands (a multiple of 64; else unused).
+    pub packed_tokens: i64,
+    /// Whether the kernel L2-normalises q and k over K.
+    pub l2norm: bool,
+    /// The gate applied to `g`.
+    pub gate: Gate,
+    /// Whether the caller's gate has parameters whose gradients sum `dg` over every token (an
+    /// in-kernel gate, applied here or, for lanes, by XLA): the backward then forms `dg` to
+    /// about 16 bits in one-pass products.
+    pub gate_params: bool,
+    /// Whether `h0` is an input (else every segment starts from zero).
+    pub h0: bool,
+    /// Whether `ht` is a result.
+    pub ht: bool,
+    /// Whether `h`, the state entering every chunk, is a result.
+    pub states: bool,
+    /// Whether every chunk's `A = (I + L)^-1` and `Aqk` are results (`a`, `aqk`
+    /// `[L, NT, 64, 64]` in [`ForwardDims::mask_dtype`]: what the backward kernel reads
+    /// instead of forming them again).
+    pub terms: bool,
+    /// Chunks per grid step: a divisor of `chunks`, above one only for fixed-length rows read in
+    /// place ([`ForwardDims::steps_for`] picks one). A step forms all its chunks' terms before
+    /// their state updates, so that the compiler overlaps them, and pays the step's own
+    /// bookkeeping once.
+    pub step_chunks: i64,
+}
+
+impl ForwardDims {
+    /// `Unsupported` (naming `what` and the limit) unless the kernels take these dims: one
+    /// head, row, chunk and slot or more, f32 or bf16 inputs, K and V of 1 to [`MAX_WIDTH`].
+    pub fn check(&self, what: &str) -> Result<()> {
+        let float = |t: DType| matches!(t, DType::F32 | DType::BF16);
+        let sizes_ok = self.chunks >= 1 && self.heads >= 1 && self.rows >= 1 && self.slots >= 1;
+        if !sizes_ok || !float(self.dtype) || !float(self.qk) || !float(self.g) {
+            return Err(TpuError::unsupported(
+                what,
+                format!("one head, row, chunk and slot or more and f32 or bf16 inputs ({self:?})"),
+            ));
+        }
+        if !(1..=MAX_WIDTH).contains(&self.k) || !(1..=MAX_WIDTH).contains(&self.v) {
+            return Err(TpuError::unsupported(
+                what,
+                format!("K and V of 1 to {MAX_WIDTH} (K = {}, V = {})", self.k, self.v),
+            ));
+        }
+        let n = self.chunks_per_step();
+        if n < 1 || self.chunks % n != 0 || (n > 1 && !self.fixed_rows()) {
+            return Err(TpuError::unsupported(
+                what,
+                format!(
+                    "chunks per step dividing the chunk count, one unless fixed-length rows are \
+                     read in place ({self:?})"
+                ),
+            ));
+        }
+        let t = self.packed_tokens;
+        if self.tokens.packed() && (self.rows != 1 || t < C || t % C != 0) {
+            return Err(TpuError::unsupported(
+                what,
+                format!("packed tokens read in place in one row of whole 64-token blocks ({self:?})"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// How `beta` is read: as the tokens, but head-first in place for batch-first tokens (a
+    /// packed window's `[H, P, 1]`, or fixed rows' `[R * T, H]` columns).
+    pub(super) fn beta_tokens(&self) -> Tokens {
+        match self.tokens {
+            Tokens::Lanes => Tokens::Lanes,
+            Tokens::PackedHeadFirst | Tokens::PackedBatchFirst => Tokens::PackedHeadFirst,
+            _ => Tokens::HeadFirst,
+        }
+    }
+
+    pub(super) fn lanes(&self) -> i64 {
+        self.heads * self.rows
+    }
+
+    /// The precision of the kernel's products: f32 inputs keep f32 products (the MXU at full
+    /// precision); bf16 inputs run them in one bf16 pass with f32 accumulation, as their inputs'
+    /// precision allows (docs/kda.md, Accuracy: 2e-2), but for the sums of `g`
+    /// ([`super::blocks::chunk_terms`]).
+    pub fn precision(&self) -> MatPrecision {
+        if self.dtype == DType::BF16 && self.qk == DType::BF16 {
+            MatPrecision::Default
+        } else {
+            MatPrecision::Highest
+        }
+    }
+
+    /// Whether the tokens are fixed-length rows read in place ([`Tokens::HeadFirst`],
+    /// [`Tokens::BatchFirst`]): one segment per lane, its state reset at the first chunk and
+    /// final at the last (lanes may hold packed segments).
+    pub fn fixed_rows(&self) -> bool {
+        matches!(self.tokens, Tokens::HeadFirst | Tokens::BatchFirst)
+    }
+
+    /// Chunks per grid step ([`ForwardDims::step_chunks`]).
+    pub fn chunks_per_step(&self) -> i64 {
+        self.step_chunks
+    }
+
+    /// The chunks per grid step for a wish of `at_most`: the largest power of two up to it that
+    /// divides the chunk count, for fixed-length rows read in place ([`ForwardDims::fixed_rows`]);
+    /// one otherwise (packed windows).
+    pub fn steps_for(&self, at_most: i64) -> i64 {
+        if !self.fixed_rows() {
+            return 1;
+        }
+        let mut n = 1;
+        while n * 2 <= at_most.max(1) && self.chunks % (n * 2) == 0 {
+            n *= 2;
+        }
+        n
+    }
+
+    /// The default wish for [`ForwardDims::steps_for`]: [`STREAMED_STEP_CHUNKS`] when the
+    /// per-token operands are too large for XLA to place them in VMEM (it streams them from HBM
+    /// then, and each grid step pays DMA bookkeeping for every operand: at H=32, T=8192 about
+    /// 140 bundles a step), while a step's double-buffered blocks stay within
+    /// [`STEP_BLOCK_BYTES`]; else [`RESIDENT_STEP_CHUNKS`] (a step's other chunks' terms overlap
+    /// each chunk's state update).
+    pub fn default_step_chunks(&self) -> i64 {
+        let bytes = |t: DType| i64::from(t.bit_width() / 8);
+        // Bytes of one token of one lane through q, k, v, g, beta and o (and one chunk's state).
+        let token =
+            2 * self.k * bytes(self.qk) + self.k * bytes(self.g) + (2 * self.v + 1) * bytes(self.dtype);
+        let operands = self.lanes() * self.chunks * C * token;
+        if operands <= STREAMED_BYTES {
+            return RESIDENT_STEP_CHUNKS;
+        }
+        let chunk = C * token + if self.states { 4 * self.k * self.v } else { 0 };
+        let mut n = STREAMED_STEP_CHUNKS;
+        while n > 2 && 2 * n * chunk > STEP_BLOCK_BYTES {
+            n /= 2;
+        }
+        n
+    }
+
+    /// The bf16 parts the kernels' sums of `g` take ([`super::blocks::chunk_terms`]): a
+    /// pre-activated bf16 g is bf16 after the floor, and one pass sums it exactly.
+    pub fn g_passes(&self) -> usize {
+        if self.g == DType::BF16 && self.gate == Gate::Preactivated {
+            1
+        } else {
+            2
+        }
+    }
+
+    /// The dtype of the per-chunk states `h`: with the chunk terms ([`ForwardDims::terms`],
+    /// states that only the backward kernel reads) [`ForwardDims::mask_dtype`], since the
+    /// backward's one-pass products round them to it anyway; else f32 (the caller's `h`).
+    pub fn state_dtype(&self) -> DType {
+        if self.terms {
+            self.mask_dtype()
+        } else {
+            DType::F32
+        }
+    }
+
+    /// The dtype of the exponent masks the kernel reads
+    /// ([`super::blocks::term_masks_kernel`]): bf16 for one-pass products, else f32.
+    pub fn mask_dtype(&self) -> DType {
+        match self.precision() {
+            MatPrecision::Default => DType::BF16,
+            MatPrecision::Highest => DType::F32,
+        }
+    }
+}
+
+/// Per-token operand bytes above which [`ForwardDims::default_step_chunks`] takes XLA to stream
+/// them from HBM: more than a TensorCore's 64 MiB of VMEM cannot stay there (the primary
+/// shape's 10 MB, bf16, or 25 MB, f32, are placed in VMEM; H=32, T=8192's 336 MB stream).
+pub const STREAMED_BYTES: i64 = 64 << 20;
+
+/// Chunks per grid step when the operands stay in VMEM: at the primary shape (bf16, tpu7x) the
+/// fused forward+VJP counts 196 k static cycles at two, 190 k at four and 195 k at eight (the
+/// forward alone 75.5 k and 73.8 k at two and four).
+pub const RESIDENT_STEP_CHUNKS: i64 = 4;
+
+/// Chunks per grid step when the operands stream from HBM: at H=32, T=8192 (bf16, tpu7x) the
+/// static count falls from 2.94 M at two to 2.59 M at sixteen (thirty-two: a little less again,
+/// for twice the code and VMEM).
+pub const STREAMED_STEP_CHUNKS: i64 = 16;
+
+/// The bound on one grid step's double-buffered per-token blocks (and saved states) that
+/// [`ForwardDims::default_step_chunks`] keeps to, well inside the default scoped VMEM.
+pub const STEP_BLOCK_BYTES: i64 = 8 << 20;
+
+/// The largest key or value width of the kernel (docs/kda.md, Shapes).
+pub const MAX_WIDTH: i64 = 256;
