@@ -528,6 +528,16 @@ impl Body {
         Ok(out)
     }
 
+    /// `a` in `dtype`: `a` itself when it already is, else its cast (no op is added then).
+    pub fn to_dtype(&mut self, a: &V, dtype: DType) -> Result<V> {
+        if a.ty.elem == dtype {
+            self.uses("to_dtype", &[a])?;
+            Ok(a.clone())
+        } else {
+            self.cast(a, dtype)
+        }
+    }
+
     /// The transpose of a 2-D vector.
     pub fn transpose(&mut self, a: &V) -> Result<V> {
         self.uses("transpose", &[a])?;

@@ -106,15 +106,20 @@ impl ProgramSignature {
             port("g", ge, &tokens(s.dims.k)),
             port("beta", e, &if kernel_forms { s.kernel_beta_dims() } else { s.beta_dims() }),
         ];
-        if s.options.has_h0 {
-            args.push(port("h0", f32, &state));
-        }
-        if s.in_kernel_gate() {
-            args.push(port("a_log", f32, &[s.dims.h as i64]));
-            if s.options.has_dt_bias {
-                args.push(port("dt_bias", f32, &[(s.dims.h * s.dims.k) as i64]));
+        // The initial state and the gate parameters, or (named `[dh0, da_log, ddt_bias]`)
+        // their gradients, where the spec has them.
+        let state_and_gate = |ports: &mut Vec<Port>, [h0, a_log, dt_bias]: [&'static str; 3]| {
+            if s.options.has_h0 {
+                ports.push(port(h0, f32, &state));
             }
-        }
+            if s.in_kernel_gate() {
+                ports.push(port(a_log, f32, &[s.dims.h as i64]));
+                if s.options.has_dt_bias {
+                    ports.push(port(dt_bias, f32, &[(s.dims.h * s.dims.k) as i64]));
+                }
+            }
+        };
+        state_and_gate(&mut args, ["h0", "a_log", "dt_bias"]);
         for name in ["chunk_first", "chunk_last", "chunk_slot"] {
             args.push(port(name, i32, &[nt]));
         }
@@ -140,15 +145,7 @@ impl ProgramSignature {
             results.push(port("dv", e, &flat_v));
             results.push(port("dg", ge, &flat_k));
             results.push(port("dbeta", e, &flat_beta));
-            if s.options.has_h0 {
-                results.push(port("dh0", f32, &state));
-            }
-            if s.in_kernel_gate() {
-                results.push(port("da_log", f32, &[s.dims.h as i64]));
-                if s.options.has_dt_bias {
-                    results.push(port("ddt_bias", f32, &[(s.dims.h * s.dims.k) as i64]));
-                }
-            }
+            state_and_gate(results, ["dh0", "da_log", "ddt_bias"]);
         };
         let cotangents = |args: &mut Vec<Port>| {
             args.push(port("do", e, &tokens(s.dims.v)));

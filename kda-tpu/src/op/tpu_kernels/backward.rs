@@ -27,7 +27,7 @@ use super::blocks::{
 };
 use super::dims::{ForwardDims, Gate, Tokens, C, FLOOR};
 use super::forward::{activate, gate_params, l2_normalise_with_scale, place};
-use super::operands::{token_operand, window_at, ChunkRows, ChunkTabs, PerToken, TokenIn};
+use super::operands::{store_state_where, token_operand, window_at, ChunkRows, ChunkTabs, PerToken, TokenIn};
 use crate::error::{Result, TpuError};
 use crate::hlo::{Cmp, TensorType};
 use crate::lang::{Binary, Body, MatPrecision, Offset, Reduction, Ref, Unary, V};
@@ -310,7 +310,7 @@ fn chunk_inputs(b: &mut Body, cx: &BackwardStep, rows: &ChunkRows) -> Result<Chu
         let ids = b.iota(&[C, h], 1)?;
         let mine = b.compare(Cmp::Eq, &ids, &head)?;
         let all = b.load(r.tokens.beta.block, &[Offset::Const(ci * C), Offset::Const(0)], &[C, h])?;
-        let all = if all.ty.elem == DType::F32 { all } else { b.cast(&all, DType::F32)? };
+        let all = b.to_dtype(&all, DType::F32)?;
         let none = b.splat(0.0, DType::F32, &[C, h])?;
         let picked = b.select(&mine, &all, &none)?;
         b.reduce(Reduction::Sum, &picked, 1)?
@@ -369,7 +369,7 @@ fn chunk_state(b: &mut Body, cx: &BackwardStep, ci: i64, x: &ChunkInputs, dh: &V
     let u = mm(b, &a, &bv, (1, 0), p)?;
     let w = mm(b, &a, &t.kbg, (1, 0), p)?;
     let s0 = b.load(r.h, &at4, &[1, 1, k, v])?;
-    let s0 = if s0.ty.elem == DType::F32 { s0 } else { b.cast(&s0, DType::F32)? };
+    let s0 = b.to_dtype(&s0, DType::F32)?;
     let s0 = b.reshape(&s0, &[k, v])?;
     let ws = b.matmul(&w, &s0, (1, 0), p)?;
     let vn = b.binary(Binary::Sub, &u, &ws)?;
@@ -377,10 +377,10 @@ fn chunk_state(b: &mut Body, cx: &BackwardStep, ci: i64, x: &ChunkInputs, dh: &V
         // One product: [Aqk^T, kg] [dO; dh].
         let op = aqk.ty.elem;
         let at = b.transpose(&aqk)?;
-        let kg = if t.kg.ty.elem == op { t.kg.clone() } else { b.cast(&t.kg, op)? };
+        let kg = b.to_dtype(&t.kg, op)?;
         let lhs = b.concat(&[at, kg], 1)?;
-        let d_o_op = if x.d_o.ty.elem == op { x.d_o.clone() } else { b.cast(&x.d_o, op)? };
-        let dh_op = if dh.ty.elem == op { dh.clone() } else { b.cast(dh, op)? };
+        let d_o_op = b.to_dtype(&x.d_o, op)?;
+        let dh_op = b.to_dtype(dh, op)?;
         let rhs = b.concat(&[d_o_op, dh_op], 0)?;
         b.matmul(&lhs, &rhs, (1, 0), p)?
     };
@@ -442,12 +442,7 @@ fn backward_chunk(b: &mut Body, cx: &BackwardStep, chunk: &ChunkAt, dh: V) -> Re
     // Else `dh0` at each segment's first chunk, written last (a branch there would split the
     // chunk's work in two).
     if let (Some(dh0), false) = (r.dh0, cx.one_block()) {
-        let first = b.read_table(r.tabs.first, c)?;
-        let at_first = b.compare(Cmp::Ne, &first, zero)?;
-        b.when(&at_first, |b| {
-            let y = b.reshape(&dh_prev, &[1, 1, k, v])?;
-            b.store_all(dh0, &y)
-        })?;
+        store_state_where(b, (r.tabs.first, c), zero, &dh_prev, dh0)?;
     }
     Ok(carried)
 }
@@ -534,7 +529,7 @@ fn write_grads(
         }
         _ => {
             for (out, x, dtype) in outs {
-                let x = if dtype == DType::F32 { x.clone() } else { b.cast(x, dtype)? };
+                let x = b.to_dtype(x, dtype)?;
                 let w = x.ty.dims[1];
                 let x = b.reshape(&x, &[1, C, w])?;
                 b.store(out, &[Offset::Const(0), Offset::Const(chunk.ci * C), Offset::Const(0)], &x)?;
@@ -759,11 +754,7 @@ struct LevelGrads {
 /// and half the registers while it waits).
 fn as_operand(b: &mut Body, x: &V, p: MatPrecision) -> Result<V> {
     let op_ty = if p == MatPrecision::Default { DType::BF16 } else { DType::F32 };
-    if x.ty.elem == op_ty {
-        Ok(x.clone())
-    } else {
-        b.cast(x, op_ty)
-    }
+    b.to_dtype(x, op_ty)
 }
 
 /// The gradients through the levels of `Aqk` and `L` (their cotangents `m`, `Aqk`'s above
@@ -877,7 +868,7 @@ fn level_grads(
 fn fold(b: &mut Body, masks_t: Ref, de: &V, p: MatPrecision, split: i64) -> Result<V> {
     let mt = b.load_all(masks_t)?;
     let x = if p == MatPrecision::Highest {
-        let mt = if mt.ty.elem == DType::F32 { mt } else { b.cast(&mt, DType::F32)? };
+        let mt = b.to_dtype(&mt, DType::F32)?;
         b.matmul(&mt, de, (1, 0), MatPrecision::Highest)?
     } else {
         let hi = b.cast(de, DType::BF16)?;

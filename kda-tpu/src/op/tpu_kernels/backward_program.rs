@@ -10,11 +10,10 @@
 //! place; for lanes XLA takes `dg` through the gate.
 
 use super::backward::{backward_kernel, BACKWARD_STEP_CHUNKS};
-use super::dims::{ForwardDims, Gate, Tokens};
+use super::dims::{ForwardDims, Tokens};
 use super::forward_program::{
-    bind_inputs, forward_body, gate_operand, kernel_calls, kernel_dims, kernel_gate, kernel_input, or_passed,
-    packed_fits, packed_result, packed_slots, token_inputs, tokens_of, with_steps, Kept, KernelCalls,
-    MaskReaders, TableValues,
+    forward_body, kernel_calls, kernel_dims, kernel_input, or_passed, packed_fits, packed_result,
+    packed_slots, tokens_of, with_steps, Kept, KernelCalls, MaskReaders, SharedInputs,
 };
 use crate::hlo::{FnBuilder, Value};
 use crate::lang::Lowering;
@@ -51,12 +50,7 @@ pub(super) fn grads(
 ) -> Result<Vec<Value>> {
     let x = on_device(s.options.dtype);
     let tokens = backward_tokens(s);
-    let tables = TableValues::new(b, s, a, tokens, "mosaic backward")?;
-    let (inputs, g_dtype) = token_inputs(b, s, a, tokens)?;
-    let gate = match (kernel_gate(s, tokens) != Gate::Preactivated, a.a_log) {
-        (true, Some(al)) => Some(gate_operand(b, s, al, a.dt_bias)?),
-        _ => None,
-    };
+    let shared = SharedInputs::new(b, s, a, tokens, "mosaic backward")?;
     let d_o = kernel_input(b, s, d_o, tokens, a.slot_token, s.dims.v as i64)?;
     let dht_tab = match dht {
         Some(d) => Some(prep::state_table(b, s, d)?),
@@ -67,13 +61,12 @@ pub(super) fn grads(
         ht: dht_tab.is_some(),
         states: true,
         terms: terms.is_some(),
-        ..kernel_dims(s, tokens, g_dtype)
+        ..kernel_dims(s, tokens, shared.g_dtype)
     };
     let bk = backward_kernel(with_steps(dims, s, Some(BACKWARD_STEP_CHUNKS)), s.options.scale)?;
     let r = &bk.refs;
     let mut args = bk.kernel.bindings();
-    tables.bind(&mut args, &r.tabs)?;
-    bind_inputs(&mut args, (&r.tokens, &inputs), (r.gate, gate))?;
+    shared.bind(&mut args, &r.tabs, &r.tokens, r.gate)?;
     args.input(r.h, h)?;
     if let (Some([ra, raqk]), Some((va, vaqk))) = (r.terms, terms) {
         args.input(ra, va)?;

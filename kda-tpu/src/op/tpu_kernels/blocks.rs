@@ -222,7 +222,7 @@ fn mask_sum(b: &mut Body, mask: &V, g: &V, data: MatPrecision, passes: usize) ->
     if data == MatPrecision::Highest {
         return mm(b, mask, g);
     }
-    let mask = if mask.ty.elem == DType::BF16 { mask.clone() } else { b.cast(mask, DType::BF16)? };
+    let mask = b.to_dtype(mask, DType::BF16)?;
     let mut rest = g.clone();
     let mut acc: Option<V> = None;
     for i in 0..passes {
@@ -373,7 +373,7 @@ pub fn term_masks_kernel(dtype: DType, transposed: bool) -> Result<TermMasksKern
     let exponents_t = transposed.then(|| {
         kb.output(Operand::whole("exponents_t", crate::hlo::TensorType::new(dtype, &[C, EXPONENT_ROWS])))
     });
-    let cast = |b: &mut Body, m: &V| if dtype == DType::F32 { Ok(m.clone()) } else { b.cast(m, dtype) };
+    let cast = |b: &mut Body, m: &V| b.to_dtype(m, dtype);
     let kernel = kb.build(|b| {
         for (i, m) in exponent_masks(b)?.iter().enumerate() {
             let m = cast(b, m)?;

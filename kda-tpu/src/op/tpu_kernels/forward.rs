@@ -21,7 +21,7 @@ use kda_core::DType;
 
 use super::blocks::{chunk_terms, unit_lower_inverse_of_parts, ChunkTerms, TermScratch};
 use super::dims::{ForwardDims, Gate, Tokens, C, FLOOR};
-use super::operands::{token_operand, window_at, ChunkRows, ChunkTabs, PerToken, TokenIn};
+use super::operands::{store_state_where, token_operand, window_at, ChunkRows, ChunkTabs, PerToken, TokenIn};
 use crate::error::{Result, TpuError};
 use crate::hlo::{Cmp, TensorType};
 use crate::lang::{Binary, Body, MatPrecision, Offset, Reduction, Ref, Unary, V};
@@ -216,7 +216,7 @@ fn forward_step(b: &mut Body, cx: &ForwardStep) -> Result<()> {
         if let Some(outs) = cx.r.terms {
             let at = [Offset::Const(0), Offset::Const(ci), Offset::Const(0), Offset::Const(0)];
             for (out, x) in outs.into_iter().zip([&a, &terms.aqk]) {
-                let x = if d.mask_dtype() == DType::F32 { x.clone() } else { b.cast(x, d.mask_dtype())? };
+                let x = b.to_dtype(x, d.mask_dtype())?;
                 let x = b.reshape(&x, &[1, 1, C, C])?;
                 b.store(out, &at, &x)?;
             }
@@ -258,7 +258,7 @@ fn chunk_local(
         // one term).
         let at = [Offset::Const(ci * C), Offset::Const(0)];
         let all = b.load(r.tokens.beta.block, &at, &[C, d.heads])?;
-        let all = if all.ty.elem == DType::F32 { all } else { b.cast(&all, DType::F32)? };
+        let all = b.to_dtype(&all, DType::F32)?;
         let picked = b.select(mine, &all, zero)?;
         b.reduce(Reduction::Sum, &picked, 1)?
     } else {
@@ -326,7 +326,7 @@ fn state_update(
         b.load_all(r.state)?
     };
     if let Some(out) = r.h {
-        let h = if d.state_dtype() == DType::F32 { s.clone() } else { b.cast(&s, d.state_dtype())? };
+        let h = b.to_dtype(&s, d.state_dtype())?;
         let h = b.reshape(&h, &[1, 1, k, v])?;
         b.store(out, &[Offset::Const(0), Offset::Const(ci), Offset::Const(0), Offset::Const(0)], &h)?;
     }
@@ -343,7 +343,7 @@ fn state_update(
             place(b, r.o, buf, &o, &tables)?;
         }
         _ => {
-            let o = if d.dtype == DType::F32 { o } else { b.cast(&o, d.dtype)? };
+            let o = b.to_dtype(&o, d.dtype)?;
             let o = b.reshape(&o, &[1, C, v])?;
             b.store(r.o, &[Offset::Const(0), Offset::Const(ci * C), Offset::Const(0)], &o)?;
         }
@@ -366,12 +366,7 @@ fn state_update(
     }
     b.store_all(r.state, &s_next)?;
     if let Some(ht) = r.ht {
-        let last = b.read_table(r.tabs.last, &c)?;
-        let at_last = b.compare(Cmp::Ne, &last, zero)?;
-        b.when(&at_last, |b| {
-            let x = b.reshape(&s_next, &[1, 1, k, v])?;
-            b.store_all(ht, &x)
-        })?;
+        store_state_where(b, (r.tabs.last, &c), zero, &s_next, ht)?;
     }
     Ok(None)
 }

@@ -232,7 +232,7 @@ pub(super) fn token_inputs(
 
 /// The chunk tables' values of a kernel of `s` read as `tokens`: `first`, `last`, the slots
 /// the kernels read ([`kernel_slots`]) and for packed tokens read in place the window tables.
-pub(super) struct TableValues {
+struct TableValues {
     first: Value,
     last: Value,
     slot: Value,
@@ -261,7 +261,7 @@ impl TableValues {
     }
 
     /// Binds the values to the kernel's tables `tabs`.
-    pub(super) fn bind(&self, args: &mut Bindings, tabs: &ChunkTabs) -> Result<()> {
+    fn bind(&self, args: &mut Bindings, tabs: &ChunkTabs) -> Result<()> {
         args.table(tabs.first, self.first)?;
         args.table(tabs.last, self.last)?;
         args.table(tabs.slot, self.slot)?;
@@ -405,18 +405,50 @@ pub(super) fn with_steps(dims: ForwardDims, s: &KernelSpec, cap: Option<i64>) ->
     ForwardDims { step_chunks: dims.steps_for(wish), ..dims }
 }
 
-/// Binds the inputs both kernels take alike: `q k v g beta` and the gate parameters.
-pub(super) fn bind_inputs(
-    args: &mut Bindings,
-    (refs, values): (&PerToken<TokenIn>, &PerToken<Value>),
-    gate: (Option<Ref>, Option<Value>),
-) -> Result<()> {
-    for (input, value) in refs.each().into_iter().zip(values.each()) {
-        input.bind(args, *value)?;
+/// What both kernels read alike, as the program's values: the chunk tables, `q k v g beta`
+/// (with the dtype of `g`) and the gate parameters of an in-kernel gate.
+pub(super) struct SharedInputs {
+    tables: TableValues,
+    tokens: PerToken<Value>,
+    gate: Option<Value>,
+    /// The dtype of `g` as the kernel reads it.
+    pub g_dtype: kda_core::DType,
+}
+
+impl SharedInputs {
+    /// The values for a kernel of `s` reading `tokens` (`what` names it in errors).
+    pub(super) fn new(
+        b: &mut FnBuilder,
+        s: &KernelSpec,
+        a: &Args,
+        tokens: Tokens,
+        what: &str,
+    ) -> Result<Self> {
+        let tables = TableValues::new(b, s, a, tokens, what)?;
+        let (tokens_in, g_dtype) = token_inputs(b, s, a, tokens)?;
+        let gate = match (kernel_gate(s, tokens) != Gate::Preactivated, a.a_log) {
+            (true, Some(al)) => Some(gate_operand(b, s, al, a.dt_bias)?),
+            _ => None,
+        };
+        Ok(SharedInputs { tables, tokens: tokens_in, gate, g_dtype })
     }
-    match gate {
-        (Some(input), Some(value)) => args.input(input, value),
-        _ => Ok(()),
+
+    /// Binds them to a kernel's tables `tabs`, per-token inputs `refs` and gate input `gate`.
+    pub(super) fn bind(
+        &self,
+        args: &mut Bindings,
+        tabs: &ChunkTabs,
+        refs: &PerToken<TokenIn>,
+        gate: Option<Ref>,
+    ) -> Result<()> {
+        self.tables.bind(args, tabs)?;
+        for (input, value) in refs.each().into_iter().zip(self.tokens.each()) {
+            input.bind(args, *value)?;
+        }
+        match (gate, self.gate) {
+            (Some(input), Some(value)) => args.input(input, value),
+            _ => Ok(()),
+        }
     }
 }
 
@@ -442,12 +474,7 @@ pub(super) fn forward_body(
     let Kept { states: keep_h, terms } = kept;
     let x = on_device(s.options.dtype);
     let tokens = tokens_of(s);
-    let tables = TableValues::new(b, s, a, tokens, "mosaic forward")?;
-    let (inputs, g_dtype) = token_inputs(b, s, a, tokens)?;
-    let gate = match (kernel_gate(s, tokens) != Gate::Preactivated, a.a_log) {
-        (true, Some(al)) => Some(gate_operand(b, s, al, a.dt_bias)?),
-        _ => None,
-    };
+    let shared = SharedInputs::new(b, s, a, tokens, "mosaic forward")?;
     let h0 = match a.h0 {
         Some(h0) => Some(prep::state_table(b, s, h0)?),
         None => None,
@@ -457,13 +484,12 @@ pub(super) fn forward_body(
         ht: s.options.final_state,
         states: keep_h,
         terms,
-        ..kernel_dims(s, tokens, g_dtype)
+        ..kernel_dims(s, tokens, shared.g_dtype)
     };
     let fk = forward_kernel(with_steps(dims, s, None), s.options.scale)?;
     let r = &fk.refs;
     let mut args = fk.kernel.bindings();
-    tables.bind(&mut args, &r.tabs)?;
-    bind_inputs(&mut args, (&r.tokens, &inputs), (r.gate, gate))?;
+    shared.bind(&mut args, &r.tabs, &r.tokens, r.gate)?;
     if let (Some(input), Some(value)) = (r.h0, h0) {
         args.input(input, value)?;
     }

@@ -188,7 +188,7 @@ impl ChunkRows {
         let block = |b: &mut Body, r: Ref| {
             let rows = [Offset::Const(0), Offset::Const(ci * C), Offset::Const(0)];
             let x = b.load(r, &rows, &[1, C, w])?;
-            let x = if x.ty.elem == DType::F32 { x } else { b.cast(&x, DType::F32)? };
+            let x = b.to_dtype(&x, DType::F32)?;
             b.reshape(&x, &[C, w])
         };
         match (&self.window, x.window) {
@@ -216,6 +216,24 @@ impl ChunkRows {
             }
         }
     }
+}
+
+/// Writes the state `x` `[K, V]` to the `[1, 1, K, V]` block `out` where `flag[c]` is set (a
+/// segment's last chunk in the forward, its first in the backward); `zero` the i32 zero.
+pub(super) fn store_state_where(
+    b: &mut Body,
+    (flag, c): (Table, &V),
+    zero: &V,
+    x: &V,
+    out: Ref,
+) -> Result<()> {
+    let set = b.read_table(flag, c)?;
+    let set = b.compare(Cmp::Ne, &set, zero)?;
+    b.when(&set, |b| {
+        let (k, v) = (x.ty.dims[0], x.ty.dims[1]);
+        let y = b.reshape(x, &[1, 1, k, v])?;
+        b.store_all(out, &y)
+    })
 }
 
 /// The window tables' entries at chunk `c`, `[lo, hi, off, len]` (what [`super::forward::place`]
