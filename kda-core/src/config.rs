@@ -100,13 +100,14 @@ pub enum BackwardStrategy {
 }
 
 impl BackwardStrategy {
-    /// Parses `saved-state` or `remat`.
+    /// Parses a name ([`BackwardStrategy::name`]), or `saved` or `rematerialize`.
     pub fn parse(s: &str) -> Option<Self> {
-        match s {
-            "saved-state" | "saved" => Some(Self::SavedState),
-            "remat" | "rematerialize" => Some(Self::Rematerialize),
-            _ => None,
-        }
+        let s = match s {
+            "saved" => "saved-state",
+            "rematerialize" => "remat",
+            s => s,
+        };
+        [Self::SavedState, Self::Rematerialize].into_iter().find(|x| x.name() == s)
     }
     /// The command-line name.
     pub fn name(self) -> &'static str {
@@ -132,14 +133,9 @@ pub enum Implementation {
 }
 
 impl Implementation {
-    /// Parses `xla`, `mosaic` or `interpret`.
+    /// Parses a name ([`Implementation::name`]: `xla`, `mosaic` or `interpret`).
     pub fn parse(s: &str) -> Option<Self> {
-        match s {
-            "xla" => Some(Self::Xla),
-            "mosaic" => Some(Self::Mosaic),
-            "interpret" => Some(Self::Interpret),
-            _ => None,
-        }
+        [Self::Xla, Self::Mosaic, Self::Interpret].into_iter().find(|x| x.name() == s)
     }
     /// The command-line name.
     pub fn name(self) -> &'static str {

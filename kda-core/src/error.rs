@@ -47,6 +47,16 @@ impl PartialEq for KdaError {
     }
 }
 
+/// Constructors `name(arg, expected, got)` of errors of one kind: `name => Kind;`.
+macro_rules! kind_constructors {
+    ($($(#[$doc:meta])* $name:ident => $kind:ident;)*) => {$(
+        $(#[$doc])*
+        pub fn $name(arg: impl Into<String>, expected: impl Into<String>, got: impl Into<String>) -> Self {
+            Self::new(ErrorKind::$kind, arg, expected, got)
+        }
+    )*};
+}
+
 impl KdaError {
     /// Builds an error of any kind.
     pub fn new(
@@ -62,21 +72,15 @@ impl KdaError {
         self.source = Some(std::sync::Arc::new(source));
         self
     }
-    /// Wrong rank or extent of `arg`.
-    pub fn shape(arg: impl Into<String>, expected: impl Into<String>, got: impl Into<String>) -> Self {
-        Self::new(ErrorKind::Shape, arg, expected, got)
-    }
-    /// Wrong dtype of `arg`.
-    pub fn dtype(arg: impl Into<String>, expected: impl Into<String>, got: impl Into<String>) -> Self {
-        Self::new(ErrorKind::DType, arg, expected, got)
-    }
-    /// A value of `arg` outside its range.
-    pub fn value(arg: impl Into<String>, expected: impl Into<String>, got: impl Into<String>) -> Self {
-        Self::new(ErrorKind::Value, arg, expected, got)
-    }
-    /// Malformed segment metadata in `arg`.
-    pub fn segments(arg: impl Into<String>, expected: impl Into<String>, got: impl Into<String>) -> Self {
-        Self::new(ErrorKind::Segments, arg, expected, got)
+    kind_constructors! {
+        /// Wrong rank or extent of `arg`.
+        shape => Shape;
+        /// Wrong dtype of `arg`.
+        dtype => DType;
+        /// A value of `arg` outside its range.
+        value => Value;
+        /// Malformed segment metadata in `arg`.
+        segments => Segments;
     }
     /// `arg` is required by `why` but was not given.
     pub fn missing(arg: impl Into<String>, why: impl Into<String>) -> Self {

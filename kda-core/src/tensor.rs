@@ -338,34 +338,23 @@ impl HostTensor {
             out
         }
         let extents: Vec<usize> = parts.iter().map(|p| p.shape[axis]).collect();
+        // Every part's elements of the first's variant (all share its dtype, checked above).
+        macro_rules! joined {
+            ($variant:ident) => {{
+                let slices: Vec<_> = parts
+                    .iter()
+                    .map(|p| match &p.data {
+                        TensorData::$variant(v) => v.as_slice(),
+                        _ => &[],
+                    })
+                    .collect();
+                TensorData::$variant(join(&slices, &extents, outer, inner))
+            }};
+        }
         let data = match &first.data {
-            TensorData::F64(_) => TensorData::F64(join(
-                &parts
-                    .iter()
-                    .map(|p| if let TensorData::F64(v) = &p.data { v.as_slice() } else { &[] })
-                    .collect::<Vec<_>>(),
-                &extents,
-                outer,
-                inner,
-            )),
-            TensorData::F32(_) => TensorData::F32(join(
-                &parts
-                    .iter()
-                    .map(|p| if let TensorData::F32(v) = &p.data { v.as_slice() } else { &[] })
-                    .collect::<Vec<_>>(),
-                &extents,
-                outer,
-                inner,
-            )),
-            TensorData::BF16(_) => TensorData::BF16(join(
-                &parts
-                    .iter()
-                    .map(|p| if let TensorData::BF16(v) = &p.data { v.as_slice() } else { &[] })
-                    .collect::<Vec<_>>(),
-                &extents,
-                outer,
-                inner,
-            )),
+            TensorData::F64(_) => joined!(F64),
+            TensorData::F32(_) => joined!(F32),
+            TensorData::BF16(_) => joined!(BF16),
         };
         HostTensor::new(&shape, data)
     }

@@ -15,7 +15,7 @@ pub fn compact_gradients<T: Copy + Default>(
     aligned: &[T],
 ) -> Result<Vec<T>> {
     let mut packed = vec![T::default(); shape.len()];
-    scatter_real_tokens(plan, shape, aligned, &mut packed)?;
+    compact_gradients_into(plan, shape, aligned, &mut packed)?;
     Ok(packed)
 }
 
@@ -26,20 +26,8 @@ pub fn compact_gradients_into<T: Copy + Default>(
     aligned: &[T],
     packed: &mut [T],
 ) -> Result<()> {
-    scatter_real_tokens(plan, shape, aligned, packed)?;
-    let mut row_end = vec![0usize; shape.b];
-    for s in plan.segments() {
-        row_end[s.row] = row_end[s.row].max(s.start + s.len);
-    }
-    for h in 0..shape.h {
-        for (b, &end) in row_end.iter().enumerate() {
-            for t in end..shape.t {
-                let dst = shape.token_offset(h, b * shape.t + t);
-                packed[dst..dst + shape.d].fill(T::default());
-            }
-        }
-    }
-    Ok(())
+    packed.fill(T::default());
+    scatter_real_tokens(plan, shape, aligned, packed)
 }
 
 /// Writes each chunk's real tokens to their packed positions; nothing else is touched.
@@ -49,28 +37,21 @@ fn scatter_real_tokens<T: Copy>(
     aligned: &[T],
     packed: &mut [T],
 ) -> Result<()> {
-    shape.check_plan(plan)?;
-    shape.check_len("packed", packed.len())?;
-    let a = shape.aligned(plan.num_chunks(), plan.chunk_size());
-    a.check_len("aligned", aligned.len())?;
-    let d = a.d;
-    for h in 0..shape.h {
-        for (ci, ch) in plan.chunks().iter().enumerate() {
-            let tok0 = ch.row * shape.t + ch.start;
-            let src0 = a.slot_offset(h, ci * a.c);
-            if shape.layout == Layout::HeadFirst {
-                let dst0 = shape.token_offset(h, tok0);
-                packed[dst0..dst0 + ch.len * d].copy_from_slice(&aligned[src0..src0 + ch.len * d]);
-            } else {
-                for i in 0..ch.len {
-                    let dst = shape.token_offset(h, tok0 + i);
-                    let src = src0 + i * d;
-                    packed[dst..dst + d].copy_from_slice(&aligned[src..src + d]);
-                }
-            }
-        }
+    let a = shape.plan_aligned(plan, packed.len(), aligned.len())?;
+    for (dst, src, n) in shape.chunk_runs(plan, a) {
+        packed[dst..dst + n].copy_from_slice(&aligned[src..src + n]);
     }
     Ok(())
+}
+
+/// The aligned shape of `shape` at the tables' capacity, once the tables, their fit to
+/// `shape` and an aligned tensor of `len` elements are checked.
+fn checked_aligned(tables: &IndexTables, shape: PackedShape, len: usize) -> Result<AlignedShape> {
+    tables.check()?;
+    shape.check_tables(tables)?;
+    let a = shape.aligned(tables.capacity, tables.c);
+    a.check_len("aligned", len)?;
+    Ok(a)
 }
 
 /// Compaction through the tables, as a device scatter does: slot `s` writes token `slot_token[s]`.
@@ -79,19 +60,11 @@ pub fn compact_with_tables<T: Copy + Default>(
     shape: PackedShape,
     aligned: &[T],
 ) -> Result<Vec<T>> {
-    tables.check()?;
-    shape.check_tables(tables)?;
-    let a = shape.aligned(tables.capacity, tables.c);
-    a.check_len("aligned", aligned.len())?;
+    let a = checked_aligned(tables, shape, aligned.len())?;
     let d = a.d;
     let mut packed = vec![T::default(); shape.len()];
-    for h in 0..shape.h {
-        for (s, &tok) in tables.slot_token.iter().enumerate() {
-            if let Ok(tok) = usize::try_from(tok) {
-                let (src, dst) = (a.slot_offset(h, s), shape.token_offset(h, tok));
-                packed[dst..dst + d].copy_from_slice(&aligned[src..src + d]);
-            }
-        }
+    for (dst, src) in shape.slot_moves(tables, a) {
+        packed[dst..dst + d].copy_from_slice(&aligned[src..src + d]);
     }
     Ok(packed)
 }
@@ -102,10 +75,7 @@ pub fn gather_gradients<T: Copy + Default>(
     shape: PackedShape,
     aligned: &[T],
 ) -> Result<Vec<T>> {
-    tables.check()?;
-    shape.check_tables(tables)?;
-    let a = shape.aligned(tables.capacity, tables.c);
-    a.check_len("aligned", aligned.len())?;
+    let a = checked_aligned(tables, shape, aligned.len())?;
     let d = a.d;
     let mut packed = vec![T::default(); shape.len()];
     for h in 0..shape.h {
@@ -123,13 +93,51 @@ pub fn gather_gradients<T: Copy + Default>(
     Ok(packed)
 }
 
+/// How an aligned tensor goes back to its packed tokens: compacted along a segment plan, or
+/// gathered through the index tables.
+#[derive(Clone, Copy)]
+enum Route<'a> {
+    Compact(&'a SegmentPlan),
+    Gather(&'a IndexTables),
+}
+
+impl Route<'_> {
+    /// Chunks, chunk size, rows and tokens per row.
+    fn sizes(&self) -> (usize, usize, usize, usize) {
+        match self {
+            Route::Compact(p) => (p.num_chunks(), p.chunk_size(), p.b(), p.t()),
+            Route::Gather(t) => (t.capacity, t.c, t.b, t.t),
+        }
+    }
+
+    fn apply<T: Copy + Default>(&self, shape: PackedShape, aligned: &[T]) -> Result<Vec<T>> {
+        match self {
+            Route::Compact(p) => compact_gradients(p, shape, aligned),
+            Route::Gather(t) => gather_gradients(t, shape, aligned),
+        }
+    }
+
+    /// An aligned `[H, NT, C, D]` tensor (or, with `like`, a scalar `[H, NT, C]` returned in the
+    /// shape `like`) at its packed tokens.
+    fn tensor(&self, layout: Layout, aligned: &HostTensor, like: Option<&[usize]>) -> Result<HostTensor> {
+        let (chunks, c, b, t) = self.sizes();
+        let a = AlignedShape::of_dims(aligned.shape(), like.is_some())?;
+        a.check_chunks(chunks, c)?;
+        let shape = match like {
+            Some(like) => scalar_target(layout, a.h, b, t, like)?,
+            None => PackedShape::new(layout, a.h, b, t, a.d),
+        };
+        let data = map_data!(aligned.data(), v => self.apply(shape, v)?);
+        match like {
+            Some(like) => HostTensor::new(like, data),
+            None => HostTensor::new(&shape.dims(), data),
+        }
+    }
+}
+
 /// Compacts an aligned `[H, NT, C, D]` tensor into `[H,B,T,D]` / `[B,T,H,D]` (same dtype).
 pub fn compact_tensor(plan: &SegmentPlan, layout: Layout, aligned: &HostTensor) -> Result<HostTensor> {
-    let a = AlignedShape::of_dims(aligned.shape(), false)?;
-    a.check_chunks(plan.num_chunks(), plan.chunk_size())?;
-    let shape = PackedShape::new(layout, a.h, plan.b(), plan.t(), a.d);
-    let data = map_data!(aligned.data(), v => compact_gradients(plan, shape, v)?);
-    HostTensor::new(&shape.dims(), data)
+    Route::Compact(plan).tensor(layout, aligned, None)
 }
 
 /// Compacts an aligned scalar `[H, NT, C]` into the caller's scalar shape `like` (e.g. beta's).
@@ -139,20 +147,12 @@ pub fn compact_scalar_tensor(
     aligned: &HostTensor,
     like: &[usize],
 ) -> Result<HostTensor> {
-    let a = AlignedShape::of_dims(aligned.shape(), true)?;
-    a.check_chunks(plan.num_chunks(), plan.chunk_size())?;
-    let shape = scalar_target(layout, a.h, plan.b(), plan.t(), like)?;
-    let data = map_data!(aligned.data(), v => compact_gradients(plan, shape, v)?);
-    HostTensor::new(like, data)
+    Route::Compact(plan).tensor(layout, aligned, Some(like))
 }
 
 /// The gather path for an aligned `[H, capacity, C, D]` tensor.
 pub fn gather_tensor(tables: &IndexTables, layout: Layout, aligned: &HostTensor) -> Result<HostTensor> {
-    let a = AlignedShape::of_dims(aligned.shape(), false)?;
-    a.check_chunks(tables.capacity, tables.c)?;
-    let shape = PackedShape::new(layout, a.h, tables.b, tables.t, a.d);
-    let data = map_data!(aligned.data(), v => gather_gradients(tables, shape, v)?);
-    HostTensor::new(&shape.dims(), data)
+    Route::Gather(tables).tensor(layout, aligned, None)
 }
 
 /// The gather path for an aligned scalar `[H, capacity, C]`, returned in the shape `like`.
@@ -162,11 +162,7 @@ pub fn gather_scalar_tensor(
     aligned: &HostTensor,
     like: &[usize],
 ) -> Result<HostTensor> {
-    let a = AlignedShape::of_dims(aligned.shape(), true)?;
-    a.check_chunks(tables.capacity, tables.c)?;
-    let shape = scalar_target(layout, a.h, tables.b, tables.t, like)?;
-    let data = map_data!(aligned.data(), v => gather_gradients(tables, shape, v)?);
-    HostTensor::new(like, data)
+    Route::Gather(tables).tensor(layout, aligned, Some(like))
 }
 
 fn scalar_target(layout: Layout, h: usize, b: usize, t: usize, like: &[usize]) -> Result<PackedShape> {

@@ -91,14 +91,55 @@ impl PackedShape {
     }
     /// `Ok` when `len` elements fill this shape.
     pub fn check_len(&self, arg: &str, len: usize) -> Result<()> {
-        if len != self.len() {
-            return Err(KdaError::shape(
-                arg,
-                format!("{} elements for {}", self.len(), fmt_shape(&self.dims())),
-                format!("{len} elements"),
-            ));
-        }
-        Ok(())
+        check_len(arg, len, &self.dims())
+    }
+    /// The aligned shape of `plan`, once the plan's fit to this shape, a packed tensor of
+    /// `packed` elements and an aligned one of `aligned` elements are checked.
+    pub(crate) fn plan_aligned(
+        &self,
+        plan: &SegmentPlan,
+        packed: usize,
+        aligned: usize,
+    ) -> Result<AlignedShape> {
+        self.check_plan(plan)?;
+        self.check_len("packed", packed)?;
+        let a = self.aligned(plan.num_chunks(), plan.chunk_size());
+        a.check_len("aligned", aligned)?;
+        Ok(a)
+    }
+
+    /// The runs `(token, slot, elements)` that carry `plan`'s real tokens between this packed
+    /// layout and the aligned one `a`, head by head, chunk by chunk: one run per chunk
+    /// head-first (its tokens are contiguous), one per token batch-first.
+    pub(crate) fn chunk_runs<'a>(
+        &'a self,
+        plan: &'a SegmentPlan,
+        a: AlignedShape,
+    ) -> impl Iterator<Item = (usize, usize, usize)> + 'a {
+        (0..self.h).flat_map(move |h| {
+            plan.chunks().iter().enumerate().flat_map(move |(ci, ch)| {
+                let (tok0, slot0) = (ch.row * self.t + ch.start, a.slot_offset(h, ci * a.c));
+                let (runs, len) = match self.layout {
+                    Layout::HeadFirst => (1, ch.len * a.d),
+                    Layout::BatchFirst => (ch.len, a.d),
+                };
+                (0..runs).map(move |i| (self.token_offset(h, tok0 + i), slot0 + i * a.d, len))
+            })
+        })
+    }
+
+    /// The element offsets `(token, slot)` of every aligned slot that holds a packed token
+    /// (`tables.slot_token`), head by head: where a device gather reads and a scatter writes.
+    pub(crate) fn slot_moves<'a>(
+        &'a self,
+        tables: &'a IndexTables,
+        a: AlignedShape,
+    ) -> impl Iterator<Item = (usize, usize)> + 'a {
+        (0..self.h).flat_map(move |h| {
+            tables.slot_token.iter().enumerate().filter_map(move |(s, &tok)| {
+                usize::try_from(tok).ok().map(|tok| (self.token_offset(h, tok), a.slot_offset(h, s)))
+            })
+        })
     }
     /// The aligned shape with `chunks` chunks of `c` slots and the same H and D.
     pub fn aligned(&self, chunks: usize, c: usize) -> AlignedShape {
@@ -143,14 +184,7 @@ impl AlignedShape {
     }
     /// `Ok` when `len` elements fill this shape.
     pub fn check_len(&self, arg: &str, len: usize) -> Result<()> {
-        if len != self.len() {
-            return Err(KdaError::shape(
-                arg,
-                format!("{} elements for {}", self.len(), fmt_shape(&self.dims())),
-                format!("{len} elements"),
-            ));
-        }
-        Ok(())
+        check_len(arg, len, &self.dims())
     }
     /// Reads an aligned tensor's shape: `[H, NT, C, D]`, or `[H, NT, C]` (and `[.., 1]`) for scalars.
     pub fn of_dims(dims: &[usize], scalar: bool) -> Result<Self> {
@@ -175,4 +209,17 @@ impl AlignedShape {
         }
         Ok(())
     }
+}
+
+/// `Ok` when `len` elements fill a tensor of `dims`, else a shape error on `arg` naming both.
+fn check_len(arg: &str, len: usize, dims: &[usize]) -> Result<()> {
+    let want: usize = dims.iter().product();
+    if len != want {
+        return Err(KdaError::shape(
+            arg,
+            format!("{want} elements for {}", fmt_shape(dims)),
+            format!("{len} elements"),
+        ));
+    }
+    Ok(())
 }

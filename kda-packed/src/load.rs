@@ -25,27 +25,10 @@ pub fn load_segments_into<T: Copy + Default>(
     packed: &[T],
     aligned: &mut [T],
 ) -> Result<()> {
-    shape.check_plan(plan)?;
-    shape.check_len("packed", packed.len())?;
-    let a = shape.aligned(plan.num_chunks(), plan.chunk_size());
-    a.check_len("aligned", aligned.len())?;
-    let (c, d) = (a.c, a.d);
-    for h in 0..shape.h {
-        for (ci, ch) in plan.chunks().iter().enumerate() {
-            let tok0 = ch.row * shape.t + ch.start;
-            let dst0 = a.slot_offset(h, ci * c);
-            if shape.layout == Layout::HeadFirst {
-                let src0 = shape.token_offset(h, tok0);
-                aligned[dst0..dst0 + ch.len * d].copy_from_slice(&packed[src0..src0 + ch.len * d]);
-            } else {
-                for i in 0..ch.len {
-                    let src = shape.token_offset(h, tok0 + i);
-                    let dst = dst0 + i * d;
-                    aligned[dst..dst + d].copy_from_slice(&packed[src..src + d]);
-                }
-            }
-            aligned[dst0 + ch.len * d..dst0 + c * d].fill(T::default());
-        }
+    let a = shape.plan_aligned(plan, packed.len(), aligned.len())?;
+    aligned.fill(T::default());
+    for (src, dst, n) in shape.chunk_runs(plan, a) {
+        aligned[dst..dst + n].copy_from_slice(&packed[src..src + n]);
     }
     Ok(())
 }
@@ -64,13 +47,8 @@ pub fn load_with_tables<T: Copy + Default>(
     let a = shape.aligned(tables.capacity, tables.c);
     let d = a.d;
     let mut aligned = vec![T::default(); a.len()];
-    for h in 0..shape.h {
-        for (s, &tok) in tables.slot_token.iter().enumerate() {
-            if let Ok(tok) = usize::try_from(tok) {
-                let (src, dst) = (shape.token_offset(h, tok), a.slot_offset(h, s));
-                aligned[dst..dst + d].copy_from_slice(&packed[src..src + d]);
-            }
-        }
+    for (src, dst) in shape.slot_moves(tables, a) {
+        aligned[dst..dst + d].copy_from_slice(&packed[src..src + d]);
     }
     Ok(aligned)
 }

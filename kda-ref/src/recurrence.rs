@@ -31,8 +31,8 @@ impl Prepared {
     }
 }
 
-/// Decay then delta-rule write; returns the residual `r = v - S_decayed^T k`.
-fn step(s: &mut [f64], tok: &Token, kd: usize, vd: usize) -> Vec<f64> {
+/// Decays `s` in place (`S <- Diag(exp g) S`) and returns the residual `r = v - S^T k`.
+fn decay_and_residual(s: &mut [f64], tok: &Token, kd: usize, vd: usize) -> Vec<f64> {
     for i in 0..kd {
         let a = tok.g[i].exp();
         s[i * vd..(i + 1) * vd].iter_mut().for_each(|x| *x *= a);
@@ -43,6 +43,12 @@ fn step(s: &mut [f64], tok: &Token, kd: usize, vd: usize) -> Vec<f64> {
             r[j] -= s[i * vd + j] * tok.k[i];
         }
     }
+    r
+}
+
+/// Decay then delta-rule write; returns the residual `r = v - S_decayed^T k`.
+fn step(s: &mut [f64], tok: &Token, kd: usize, vd: usize) -> Vec<f64> {
+    let r = decay_and_residual(s, tok, kd, vd);
     for i in 0..kd {
         let bk = tok.beta * tok.k[i];
         for j in 0..vd {
@@ -190,16 +196,7 @@ fn token_adjoint(
     let dout = &d_o[row * vd..(row + 1) * vd];
     // Recompute the decayed state, the residual and the state after the write.
     let mut sd = entering.to_vec();
-    for i in 0..kd {
-        let a = tok.g[i].exp();
-        sd[i * vd..(i + 1) * vd].iter_mut().for_each(|x| *x *= a);
-    }
-    let mut r = tok.v.to_vec();
-    for i in 0..kd {
-        for j in 0..vd {
-            r[j] -= sd[i * vd + j] * tok.k[i];
-        }
-    }
+    let r = decay_and_residual(&mut sd, &tok, kd, vd);
     // o = S^T (scale q), S = sd + beta k r^T.
     for i in 0..kd {
         let mut acc = 0.0;

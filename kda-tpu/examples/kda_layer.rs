@@ -1,5 +1,5 @@
 //! A KDA layer as ONE compiled program: the q, k, v projections of `x`, the KDA forward+VJP
-//! (a private function of the program, emitted by `kernels::compose::add_function`), a loss
+//! (a private function of the program, emitted by `op::compose::add_function`), a loss
 //! `L = sum(o * C)` and the projection weights' gradient `dW = x^T [dq | dk | dv]`, all in one
 //! `@main`. The result is checked against the f64 reference composition on the host.
 //!

@@ -327,7 +327,7 @@ fn loop_with_run_time_trip_count(#[case] trips: i32) -> Result<()> {
     Ok(())
 }
 
-// The building blocks come from `kernels::parts` (the `harness` feature).
+// The building blocks come from `op::xla::parts` (the `harness` feature).
 #[cfg(feature = "harness")]
 #[test]
 fn wy_inverse_inverts_unit_lower_chunks() -> Result<()> {
@@ -365,7 +365,7 @@ fn wy_inverse_inverts_unit_lower_chunks() -> Result<()> {
     Ok(())
 }
 
-// The building blocks come from `kernels::parts` (the `harness` feature).
+// The building blocks come from `op::xla::parts` (the `harness` feature).
 #[cfg(feature = "harness")]
 #[rstest]
 #[case::moderate_gates(-1.0)]
@@ -623,7 +623,7 @@ fn call_and_alias() -> Result<()> {
     Ok(())
 }
 
-// The building blocks come from `kernels::parts` (the `harness` feature).
+// The building blocks come from `op::xla::parts` (the `harness` feature).
 #[cfg(feature = "harness")]
 #[test]
 fn floor_products_compute_the_forward_products() -> Result<()> {

@@ -12,11 +12,19 @@ use kda_tpu::op::TPU_SLAB;
 use kda_tpu::{PjrtBackend, ProgramKind, TpuCompiler, DEFAULT_TOPOLOGY};
 use rstest::rstest;
 
-/// `spec` with its tuning changed by `f`.
-fn tuned(
-    spec: kda_tpu::KernelSpec,
+/// The spec of benchmark case `name` in bf16 as the CPU plugin `cpu` plans it (nothing runs
+/// on it: it only plans the packed capacity), taking `dht` when `dht` is asked and the case
+/// has one, tuned by `f`.
+fn bench_spec(
+    cpu: &PjrtBackend,
+    name: &str,
+    dht: bool,
     f: impl FnOnce(kda_tpu::Tuning) -> kda_tpu::Tuning,
 ) -> kda_tpu::KernelSpec {
+    let case = benchmark_cases().into_iter().find(|c| c.name == name).expect("benchmark case");
+    let data = case_data(&case, DType::BF16).expect("inputs");
+    let problem = data.inputs.validate().expect("valid inputs");
+    let spec = cpu.spec(&problem, dht && data.cotangents.dht.is_some()).expect("spec");
     let tuning = f(spec.tuning);
     spec.with_tuning(tuning)
 }
@@ -37,13 +45,8 @@ fn primary_program_compiles_for_tpu7x(
 }
 
 fn xla_program_compiles(name: &str, kind: ProgramKind, limit_mb: Option<f64>) {
-    let case = benchmark_cases().into_iter().find(|c| c.name == name).expect("benchmark case");
-    let data = case_data(&case, DType::BF16).expect("inputs");
-    let problem = data.inputs.validate().expect("valid inputs");
-    // The CPU plugin only plans the packed capacity here; nothing runs on it.
     let cpu = PjrtBackend::new().expect("PJRT CPU plugin (run `cargo xtask setup`)");
-    let spec =
-        tuned(cpu.spec(&problem, data.cotangents.dht.is_some()).expect("spec"), |t| t.with_slab(TPU_SLAB));
+    let spec = bench_spec(&cpu, name, true, |t| t.with_slab(TPU_SLAB));
     let text = kda_tpu::op::program(&spec, kind).expect("program");
     let tpu = TpuCompiler::load().unwrap_or_else(|e| panic!("no libtpu ({e}); run `cargo xtask setup`"));
     let report = tpu.compile(&text, DEFAULT_TOPOLOGY).expect("tpu7x compile");
@@ -89,13 +92,8 @@ fn mosaic_forward_compiles_for_tpu7x(
 }
 
 fn mosaic_forward_compiles(name: &str, strategy: BackwardStrategy, limit_mb: Option<f64>) {
-    let case = benchmark_cases().into_iter().find(|c| c.name == name).expect("benchmark case");
-    let data = case_data(&case, DType::BF16).expect("inputs");
-    let problem = data.inputs.validate().expect("valid inputs");
     let cpu = PjrtBackend::new().expect("PJRT CPU plugin (run `cargo xtask setup`)");
-    let spec = tuned(cpu.spec(&problem, false).expect("spec"), |t| {
-        t.with_implementation(kda_tpu::Implementation::Mosaic)
-    });
+    let spec = bench_spec(&cpu, name, false, |t| t.with_implementation(kda_tpu::Implementation::Mosaic));
     let text = kda_tpu::op::program(&spec, ProgramKind::Forward(strategy)).expect("program");
     let tpu = TpuCompiler::load().unwrap_or_else(|e| panic!("no libtpu ({e}); run `cargo xtask setup`"));
     let report = tpu.compile(&text, DEFAULT_TOPOLOGY).expect("tpu7x compile");
@@ -140,12 +138,8 @@ fn static_cycles_of_the_forward() {
     let cpu = PjrtBackend::new().expect("PJRT CPU plugin (run `cargo xtask setup`)");
     let kind = ProgramKind::Forward(S::Rematerialize);
     let count = |name: &str, implementation| {
-        let case = benchmark_cases().into_iter().find(|c| c.name == name).expect("benchmark case");
-        let data = case_data(&case, DType::BF16).expect("inputs");
-        let problem = data.inputs.validate().expect("valid inputs");
-        let spec = tuned(cpu.spec(&problem, false).expect("spec"), |t| {
-            t.with_slab(TPU_SLAB).with_implementation(implementation)
-        });
+        let spec =
+            bench_spec(&cpu, name, false, |t| t.with_slab(TPU_SLAB).with_implementation(implementation));
         let text = kda_tpu::op::program(&spec, kind).expect("program");
         let report = tpu.compile(&text, DEFAULT_TOPOLOGY).expect("tpu7x compile");
         let c = report.static_cycles.expect("a static cycle count");
@@ -190,11 +184,7 @@ fn static_cycles_and_peaks_of_the_fused_kernels() {
 fn fused_kernels_hold(name: &str, peak_mb: f64, cycles: u64) {
     let (tpu, dir) = listing_compiler();
     let cpu = PjrtBackend::new().expect("PJRT CPU plugin (run `cargo xtask setup`)");
-    let case = benchmark_cases().into_iter().find(|c| c.name == name).expect("benchmark case");
-    let data = case_data(&case, DType::BF16).expect("inputs");
-    let problem = data.inputs.validate().expect("valid inputs");
-    let spec = cpu.spec(&problem, data.cotangents.dht.is_some()).expect("spec");
-    let spec = tuned(spec, |t| t.with_implementation(kda_tpu::Implementation::Mosaic));
+    let spec = bench_spec(&cpu, name, true, |t| t.with_implementation(kda_tpu::Implementation::Mosaic));
     let text = kda_tpu::op::program(&spec, ProgramKind::Fused(S::SavedState)).expect("program");
     let report = tpu.compile(&text, DEFAULT_TOPOLOGY).expect("tpu7x compile");
     let (m, vmem) = (&report.memory, &report.kernel_vmem_bytes);

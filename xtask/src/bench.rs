@@ -249,11 +249,7 @@ pub fn parse_args(args: &[String]) -> Result<Option<BenchOptions>, String> {
     };
     let mut baseline_flag = None;
     let mut flags = cli::Flags::new(args);
-    while let Some(item) = flags.next()? {
-        let flag = match item {
-            cli::Item::Flag(flag) => flag,
-            cli::Item::Name(name) => return Err(format!("unknown argument `{name}`")),
-        };
+    while let Some(flag) = flags.next_flag()? {
         let flag = flag.as_str();
         match flag {
             "-h" | "--help" => return Ok(None),

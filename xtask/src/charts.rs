@@ -39,6 +39,19 @@ const TOKAMAX_KCYCLES: [f64; 4] = [86.7, 177.0, 186.0, 361.0];
 
 type Chart = Result<String, String>;
 
+/// The series' legend in the upper left, on a white box.
+fn legend<'a, CT: plotters::coord::CoordTranslate>(
+    chart: &mut ChartContext<'a, SVGBackend<'a>, CT>,
+) -> Result<(), String> {
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.9))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)
+}
+
 fn err(e: impl std::fmt::Display) -> String {
     format!("chart: {e}")
 }
@@ -92,13 +105,7 @@ fn bars(title: &str, y_desc: &str, groups: &[String], series: &[(String, Vec<Opt
                 .label(name.as_str())
                 .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled()));
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .background_style(WHITE.mix(0.9))
-            .border_style(BLACK)
-            .draw()
-            .map_err(err)?;
+        legend(&mut chart)?;
         root.present().map_err(err)?;
     }
     Ok(svg)
@@ -136,13 +143,7 @@ fn lines(title: &str, y_desc: &str, series: &[(String, Vec<(f64, f64)>)]) -> Cha
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 14, y)], color.stroke_width(2)));
             chart.draw_series(points.iter().map(|&p| Circle::new(p, 3, color.filled()))).map_err(err)?;
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .background_style(WHITE.mix(0.9))
-            .border_style(BLACK)
-            .draw()
-            .map_err(err)?;
+        legend(&mut chart)?;
         root.present().map_err(err)?;
     }
     Ok(svg)

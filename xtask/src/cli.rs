@@ -37,6 +37,15 @@ impl Flags {
         }
     }
 
+    /// The next flag, for commands that take no positional names (one is an error naming it).
+    pub fn next_flag(&mut self) -> Result<Option<String>, String> {
+        match self.next()? {
+            None => Ok(None),
+            Some(Item::Flag(flag)) => Ok(Some(flag)),
+            Some(Item::Name(name)) => Err(format!("unknown argument `{name}`")),
+        }
+    }
+
     /// The value of `flag`: the inline one (`--flag=v`) or the next argument.
     pub fn value(&mut self, flag: &str) -> Result<String, String> {
         match self.parser.value() {

@@ -165,11 +165,7 @@ pub fn parse_args(args: &[String]) -> Result<Option<(String, RunOptions)>, Strin
     let (mut backend, mut inputs, mut out) = (None, None, None);
     let mut opts = RunOptions::new("", "");
     let mut flags = cli::Flags::new(args);
-    while let Some(item) = flags.next()? {
-        let flag = match item {
-            cli::Item::Flag(flag) => flag,
-            cli::Item::Name(name) => return Err(format!("unknown argument `{name}`")),
-        };
+    while let Some(flag) = flags.next_flag()? {
         let flag = flag.as_str();
         let bad = |what: &str, v: &str| format!("`{flag}`: expected {what}, got `{v}`");
         let mut take_value = |flag: &str| flags.value(flag);

@@ -52,11 +52,7 @@ pub fn parse_args(args: &[String]) -> Result<Option<TpuTestOptions>, String> {
     let dashes = args.iter().position(|a| a == "--");
     let own = &args[..dashes.unwrap_or(args.len())];
     let mut flags_own = cli::Flags::new(own);
-    while let Some(item) = flags_own.next()? {
-        let flag = match item {
-            cli::Item::Flag(flag) => flag,
-            cli::Item::Name(name) => return Err(format!("unknown argument `{name}`")),
-        };
+    while let Some(flag) = flags_own.next_flag()? {
         match flag.as_str() {
             "-h" | "--help" => return Ok(None),
             "--plugin" => o.plugin = Some(PathBuf::from(flags_own.value(&flag)?)),

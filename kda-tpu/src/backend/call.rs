@@ -507,26 +507,30 @@ fn shard_dht(cs: &[DeviceCotangents], n: usize) -> Result<bool> {
     Ok(some)
 }
 
-impl CallInputs for Vec<DeviceInputs> {
-    type Outputs = Vec<DeviceOutputs>;
-    type Cotangents = [DeviceCotangents];
-    type Gradients = Vec<DeviceGradients>;
+/// A `Vec` of records calls as its slice.
+impl<T> CallInputs for Vec<T>
+where
+    [T]: CallInputs,
+{
+    type Outputs = <[T] as CallInputs>::Outputs;
+    type Cotangents = <[T] as CallInputs>::Cotangents;
+    type Gradients = <[T] as CallInputs>::Gradients;
 
     fn forward(
         b: &PjrtBackend,
         xs: &Self,
         strategy: BackwardStrategy,
-    ) -> Result<(Vec<DeviceOutputs>, PjrtResiduals)> {
-        <[DeviceInputs]>::forward(b, xs, strategy)
+    ) -> Result<(Self::Outputs, PjrtResiduals)> {
+        <[T]>::forward(b, xs, strategy)
     }
 
     fn forward_and_vjp(
         b: &PjrtBackend,
         xs: &Self,
-        cs: &[DeviceCotangents],
+        cs: &Self::Cotangents,
         strategy: BackwardStrategy,
-    ) -> Result<(Vec<DeviceOutputs>, Vec<DeviceGradients>)> {
-        <[DeviceInputs]>::forward_and_vjp(b, xs, cs, strategy)
+    ) -> Result<(Self::Outputs, Self::Gradients)> {
+        <[T]>::forward_and_vjp(b, xs, cs, strategy)
     }
 }
 
@@ -588,11 +592,15 @@ impl CallCotangents for [DeviceCotangents] {
     }
 }
 
-impl CallCotangents for Vec<DeviceCotangents> {
-    type Gradients = Vec<DeviceGradients>;
+/// A `Vec` of cotangents calls as its slice.
+impl<T> CallCotangents for Vec<T>
+where
+    [T]: CallCotangents,
+{
+    type Gradients = <[T] as CallCotangents>::Gradients;
 
-    fn backward(b: &PjrtBackend, res: &PjrtResiduals, cs: &Self) -> Result<Vec<DeviceGradients>> {
-        <[DeviceCotangents]>::backward(b, res, cs)
+    fn backward(b: &PjrtBackend, res: &PjrtResiduals, cs: &Self) -> Result<Self::Gradients> {
+        <[T]>::backward(b, res, cs)
     }
 }
 

@@ -35,6 +35,36 @@ fn check_kind(op: &str, kind: Kind, v: &Value) -> Result<()> {
     }
 }
 
+/// Methods `name(a, b)` of binary elementwise ops: `name => "stablehlo.op", Kind;`.
+macro_rules! binary_ops {
+    ($($(#[$doc:meta])* $name:ident => $mlir:literal, $kind:ident;)*) => {$(
+        $(#[$doc])*
+        pub fn $name(&mut self, a: Value, b: Value) -> Result<Value> {
+            self.binary(stringify!($name), $mlir, Kind::$kind, a, b)
+        }
+    )*};
+}
+
+/// Methods `name(a)` of unary elementwise ops: `name => "stablehlo.op", Kind;`.
+macro_rules! unary_ops {
+    ($($(#[$doc:meta])* $name:ident => $mlir:literal, $kind:ident;)*) => {$(
+        $(#[$doc])*
+        pub fn $name(&mut self, a: Value) -> Result<Value> {
+            self.unary(stringify!($name), $mlir, Kind::$kind, a)
+        }
+    )*};
+}
+
+/// Methods `name(a, b)` of binary ops with numpy broadcasting: `name => op;`.
+macro_rules! broadcasting_ops {
+    ($($(#[$doc:meta])* $name:ident => $op:ident;)*) => {$(
+        $(#[$doc])*
+        pub fn $name(&mut self, a: Value, b: Value) -> Result<Value> {
+            self.bcast2(stringify!($name), a, b, Self::$op)
+        }
+    )*};
+}
+
 impl FnBuilder {
     /// Splat constant of a float type (`f32`/`bf16`; bf16 rounds `value` to nearest).
     pub fn constant_f32(&mut self, value: f32, ty: TensorType) -> Result<Value> {
@@ -93,85 +123,51 @@ impl FnBuilder {
         self.push_op1(op, mlir, &[a], "", a.ty())
     }
 
-    /// `a + b` (equal types).
-    pub fn add(&mut self, a: Value, b: Value) -> Result<Value> {
-        self.binary("add", "stablehlo.add", Kind::Numeric, a, b)
+    // The elementwise ops, one line each: the doc, the method, its StableHLO op and the element
+    // kinds it takes.
+    binary_ops! {
+        /// `a + b` (equal types).
+        add => "stablehlo.add", Numeric;
+        /// `a - b` (equal types).
+        sub => "stablehlo.subtract", Numeric;
+        /// `a * b` (equal types).
+        mul => "stablehlo.multiply", Numeric;
+        /// `a / b` (equal types; integer division truncates).
+        div => "stablehlo.divide", Numeric;
+        /// Elementwise maximum (equal types).
+        max => "stablehlo.maximum", Numeric;
+        /// Elementwise minimum (equal types).
+        min => "stablehlo.minimum", Numeric;
+        /// `a ^ b` for floats (equal types).
+        pow => "stablehlo.power", Float;
+        /// Logical/bitwise and (i1 or integers).
+        and => "stablehlo.and", Logical;
+        /// Logical/bitwise or (i1 or integers).
+        or => "stablehlo.or", Logical;
     }
-    /// `a - b` (equal types).
-    pub fn sub(&mut self, a: Value, b: Value) -> Result<Value> {
-        self.binary("sub", "stablehlo.subtract", Kind::Numeric, a, b)
-    }
-    /// `a * b` (equal types).
-    pub fn mul(&mut self, a: Value, b: Value) -> Result<Value> {
-        self.binary("mul", "stablehlo.multiply", Kind::Numeric, a, b)
-    }
-    /// `a / b` (equal types; integer division truncates).
-    pub fn div(&mut self, a: Value, b: Value) -> Result<Value> {
-        self.binary("div", "stablehlo.divide", Kind::Numeric, a, b)
-    }
-    /// Elementwise maximum (equal types).
-    pub fn max(&mut self, a: Value, b: Value) -> Result<Value> {
-        self.binary("max", "stablehlo.maximum", Kind::Numeric, a, b)
-    }
-    /// Elementwise minimum (equal types).
-    pub fn min(&mut self, a: Value, b: Value) -> Result<Value> {
-        self.binary("min", "stablehlo.minimum", Kind::Numeric, a, b)
-    }
-    /// `a ^ b` for floats (equal types).
-    pub fn pow(&mut self, a: Value, b: Value) -> Result<Value> {
-        self.binary("pow", "stablehlo.power", Kind::Float, a, b)
-    }
-    /// Logical/bitwise and (i1 or integers).
-    pub fn and(&mut self, a: Value, b: Value) -> Result<Value> {
-        self.binary("and", "stablehlo.and", Kind::Logical, a, b)
-    }
-    /// Logical/bitwise or (i1 or integers).
-    pub fn or(&mut self, a: Value, b: Value) -> Result<Value> {
-        self.binary("or", "stablehlo.or", Kind::Logical, a, b)
-    }
-    /// Logical/bitwise not (i1 or integers).
-    pub fn not(&mut self, a: Value) -> Result<Value> {
-        self.unary("not", "stablehlo.not", Kind::Logical, a)
-    }
-    /// `-a`.
-    pub fn neg(&mut self, a: Value) -> Result<Value> {
-        self.unary("neg", "stablehlo.negate", Kind::Signed, a)
-    }
-    /// `|a|`.
-    pub fn abs(&mut self, a: Value) -> Result<Value> {
-        self.unary("abs", "stablehlo.abs", Kind::Signed, a)
-    }
-    /// `e^a`.
-    pub fn exp(&mut self, a: Value) -> Result<Value> {
-        self.unary("exp", "stablehlo.exponential", Kind::Float, a)
-    }
-    /// `e^a - 1`, accurate near 0.
-    pub fn expm1(&mut self, a: Value) -> Result<Value> {
-        self.unary("expm1", "stablehlo.exponential_minus_one", Kind::Float, a)
-    }
-    /// Natural log.
-    pub fn log(&mut self, a: Value) -> Result<Value> {
-        self.unary("log", "stablehlo.log", Kind::Float, a)
-    }
-    /// `ln(1 + a)`, accurate near 0.
-    pub fn log1p(&mut self, a: Value) -> Result<Value> {
-        self.unary("log1p", "stablehlo.log_plus_one", Kind::Float, a)
-    }
-    /// Square root.
-    pub fn sqrt(&mut self, a: Value) -> Result<Value> {
-        self.unary("sqrt", "stablehlo.sqrt", Kind::Float, a)
-    }
-    /// `1 / sqrt(a)`.
-    pub fn rsqrt(&mut self, a: Value) -> Result<Value> {
-        self.unary("rsqrt", "stablehlo.rsqrt", Kind::Float, a)
-    }
-    /// Sigmoid `1 / (1 + e^-a)`.
-    pub fn logistic(&mut self, a: Value) -> Result<Value> {
-        self.unary("logistic", "stablehlo.logistic", Kind::Float, a)
-    }
-    /// Hyperbolic tangent.
-    pub fn tanh(&mut self, a: Value) -> Result<Value> {
-        self.unary("tanh", "stablehlo.tanh", Kind::Float, a)
+    unary_ops! {
+        /// Logical/bitwise not (i1 or integers).
+        not => "stablehlo.not", Logical;
+        /// `-a`.
+        neg => "stablehlo.negate", Signed;
+        /// `|a|`.
+        abs => "stablehlo.abs", Signed;
+        /// `e^a`.
+        exp => "stablehlo.exponential", Float;
+        /// `e^a - 1`, accurate near 0.
+        expm1 => "stablehlo.exponential_minus_one", Float;
+        /// Natural log.
+        log => "stablehlo.log", Float;
+        /// `ln(1 + a)`, accurate near 0.
+        log1p => "stablehlo.log_plus_one", Float;
+        /// Square root.
+        sqrt => "stablehlo.sqrt", Float;
+        /// `1 / sqrt(a)`.
+        rsqrt => "stablehlo.rsqrt", Float;
+        /// Sigmoid `1 / (1 + e^-a)`.
+        logistic => "stablehlo.logistic", Float;
+        /// Hyperbolic tangent.
+        tanh => "stablehlo.tanh", Float;
     }
 
     /// `compare(dir, a, b)` -> i1 of the same dims (FLOAT, SIGNED or UNSIGNED by element type).
@@ -245,29 +241,19 @@ impl FnBuilder {
         f(self, a2, b2)
     }
 
-    /// `a + b` with numpy broadcasting (trailing-aligned).
-    pub fn add_bcast(&mut self, a: Value, b: Value) -> Result<Value> {
-        self.bcast2("add_bcast", a, b, Self::add)
-    }
-    /// `a - b` with numpy broadcasting (trailing-aligned).
-    pub fn sub_bcast(&mut self, a: Value, b: Value) -> Result<Value> {
-        self.bcast2("sub_bcast", a, b, Self::sub)
-    }
-    /// `a * b` with numpy broadcasting (trailing-aligned).
-    pub fn mul_bcast(&mut self, a: Value, b: Value) -> Result<Value> {
-        self.bcast2("mul_bcast", a, b, Self::mul)
-    }
-    /// `a / b` with numpy broadcasting (trailing-aligned).
-    pub fn div_bcast(&mut self, a: Value, b: Value) -> Result<Value> {
-        self.bcast2("div_bcast", a, b, Self::div)
-    }
-    /// Elementwise max with numpy broadcasting (trailing-aligned).
-    pub fn max_bcast(&mut self, a: Value, b: Value) -> Result<Value> {
-        self.bcast2("max_bcast", a, b, Self::max)
-    }
-    /// Elementwise min with numpy broadcasting (trailing-aligned).
-    pub fn min_bcast(&mut self, a: Value, b: Value) -> Result<Value> {
-        self.bcast2("min_bcast", a, b, Self::min)
+    broadcasting_ops! {
+        /// `a + b` with numpy broadcasting (trailing-aligned).
+        add_bcast => add;
+        /// `a - b` with numpy broadcasting (trailing-aligned).
+        sub_bcast => sub;
+        /// `a * b` with numpy broadcasting (trailing-aligned).
+        mul_bcast => mul;
+        /// `a / b` with numpy broadcasting (trailing-aligned).
+        div_bcast => div;
+        /// Elementwise max with numpy broadcasting (trailing-aligned).
+        max_bcast => max;
+        /// Elementwise min with numpy broadcasting (trailing-aligned).
+        min_bcast => min;
     }
     /// Compare with numpy broadcasting (trailing-aligned).
     pub fn compare_bcast(&mut self, dir: Cmp, a: Value, b: Value) -> Result<Value> {

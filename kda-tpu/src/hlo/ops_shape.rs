@@ -4,6 +4,7 @@ use super::builder::FnBuilder;
 use super::error::{err, Result};
 use super::fmt::fmt_array;
 use super::types::{TensorType, Value};
+use crate::TpuError;
 
 /// True when `dims` lists distinct axes of a rank-`rank` tensor.
 pub(crate) fn valid_axes(dims: &[i64], rank: usize) -> bool {
@@ -77,19 +78,11 @@ impl FnBuilder {
     /// Static strided slice `[start, limit)` with `strides` (all of length rank).
     pub fn slice(&mut self, v: Value, start: &[i64], limit: &[i64], strides: &[i64]) -> Result<Value> {
         let op = "slice";
-        let r = v.rank();
         let bad =
-            || err(op, format!("start {start:?} limit {limit:?} strides {strides:?} invalid for {}", v.ty()));
-        if start.len() != r || limit.len() != r || strides.len() != r {
-            return Err(bad());
-        }
-        let mut dims = Vec::with_capacity(r);
-        for i in 0..r {
-            if start[i] < 0 || start[i] > limit[i] || limit[i] > v.dims()[i] || strides[i] < 1 {
-                return Err(bad());
-            }
-            dims.push((limit[i] - start[i] + strides[i] - 1) / strides[i]);
-        }
+            err(op, format!("start {start:?} limit {limit:?} strides {strides:?} invalid for {}", v.ty()));
+        let dims = per_dim(v.dims(), [start, limit, strides], bad, |d, [s, l, k]| {
+            (s >= 0 && s <= l && l <= d && k >= 1).then(|| (l - s + k - 1) / k)
+        })?;
         let attr = format!(
             "start_indices = {}, limit_indices = {}, strides = {}",
             fmt_array(start),
@@ -146,24 +139,14 @@ impl FnBuilder {
         interior: &[i64],
     ) -> Result<Value> {
         let op = "pad";
-        let r = v.rank();
         if pad_value.rank() != 0 || pad_value.elem() != v.elem() {
             return Err(err(op, format!("pad value {} must be a scalar of {}", pad_value.ty(), v.elem())));
         }
-        let bad =
-            || err(op, format!("low {low:?} high {high:?} interior {interior:?} invalid for {}", v.ty()));
-        if low.len() != r || high.len() != r || interior.len() != r {
-            return Err(bad());
-        }
-        let mut dims = Vec::with_capacity(r);
-        for i in 0..r {
-            let d = v.dims()[i];
-            let n = low[i] + high[i] + d + (d - 1).max(0) * interior[i];
-            if interior[i] < 0 || n < 0 {
-                return Err(bad());
-            }
-            dims.push(n);
-        }
+        let bad = err(op, format!("low {low:?} high {high:?} interior {interior:?} invalid for {}", v.ty()));
+        let dims = per_dim(v.dims(), [low, high, interior], bad, |d, [lo, hi, int]| {
+            let n = lo + hi + d + (d - 1).max(0) * int;
+            (int >= 0 && n >= 0).then_some(n)
+        })?;
         let attr = format!(
             "edge_padding_low = {}, edge_padding_high = {}, interior_padding = {}",
             fmt_array(low),
@@ -181,4 +164,21 @@ impl FnBuilder {
         let attr = format!("dimensions = {}", fmt_array(dims));
         self.push_op1("reverse", "stablehlo.reverse", &[v], &attr, v.ty())
     }
+}
+
+/// The result dims of an op given three per-dim lists `lists` over an operand of `dims`: `dim`
+/// of each dim's extent and list entries, or `bad` when a list's length is not the rank or
+/// `dim` refuses an entry.
+fn per_dim(
+    dims: &[i64],
+    lists: [&[i64]; 3],
+    bad: TpuError,
+    dim: impl Fn(i64, [i64; 3]) -> Option<i64>,
+) -> Result<Vec<i64>> {
+    if lists.iter().any(|l| l.len() != dims.len()) {
+        return Err(bad);
+    }
+    let out: Option<Vec<i64>> =
+        dims.iter().enumerate().map(|(i, &d)| dim(d, [lists[0][i], lists[1][i], lists[2][i]])).collect();
+    out.ok_or(bad)
 }

@@ -230,51 +230,6 @@ pub(super) fn token_inputs(
     Ok((PerToken { q, k, v, g, beta }, g_dtype))
 }
 
-/// The chunk tables' values of a kernel of `s` read as `tokens`: `first`, `last`, the slots
-/// the kernels read ([`kernel_slots`]) and for packed tokens read in place the window tables.
-struct TableValues {
-    first: Value,
-    last: Value,
-    slot: Value,
-    window: Option<[Value; 4]>,
-}
-
-impl TableValues {
-    /// Makes the tables' values (the slots' running maximum, the windows from `slot_token`).
-    pub(super) fn new(
-        b: &mut FnBuilder,
-        s: &KernelSpec,
-        a: &Args,
-        tokens: Tokens,
-        what: &str,
-    ) -> Result<Self> {
-        let slot = kernel_slots(b, s, a.tables.slot)?;
-        let window = if tokens.packed() {
-            let slot_token = a
-                .slot_token
-                .ok_or_else(|| crate::TpuError::builder(what, "a packed program without slot_token"))?;
-            Some(window_tables(b, s, slot_token)?)
-        } else {
-            None
-        };
-        Ok(TableValues { first: a.tables.first, last: a.tables.last, slot, window })
-    }
-
-    /// Binds the values to the kernel's tables `tabs`.
-    fn bind(&self, args: &mut Bindings, tabs: &ChunkTabs) -> Result<()> {
-        args.table(tabs.first, self.first)?;
-        args.table(tabs.last, self.last)?;
-        args.table(tabs.slot, self.slot)?;
-        if let (Some(t), Some([lo, hi, off, len])) = (tabs.window, self.window) {
-            args.table(t.lo, lo)?;
-            args.table(t.hi, hi)?;
-            args.table(t.off, off)?;
-            args.table(t.len, len)?;
-        }
-        Ok(())
-    }
-}
-
 /// Whether results of `width` lanes per packed token fit [`Tuning::packed_result_bytes`](crate::op::Tuning::packed_result_bytes).
 pub(super) fn packed_fits(s: &KernelSpec, width: usize) -> bool {
     2 * 4 * s.dims.b * s.dims.t * width <= s.tuning.packed_result_bytes
@@ -405,10 +360,14 @@ pub(super) fn with_steps(dims: ForwardDims, s: &KernelSpec, cap: Option<i64>) ->
     ForwardDims { step_chunks: dims.steps_for(wish), ..dims }
 }
 
-/// What both kernels read alike, as the program's values: the chunk tables, `q k v g beta`
-/// (with the dtype of `g`) and the gate parameters of an in-kernel gate.
+/// What both kernels read alike, as the program's values: the chunk tables (`first`, `last`,
+/// the slots, for packed tokens read in place the window tables), `q k v g beta` (with the
+/// dtype of `g`) and the gate parameters of an in-kernel gate.
 pub(super) struct SharedInputs {
-    tables: TableValues,
+    first: Value,
+    last: Value,
+    slot: Value,
+    window: Option<[Value; 4]>,
     tokens: PerToken<Value>,
     gate: Option<Value>,
     /// The dtype of `g` as the kernel reads it.
@@ -416,7 +375,9 @@ pub(super) struct SharedInputs {
 }
 
 impl SharedInputs {
-    /// The values for a kernel of `s` reading `tokens` (`what` names it in errors).
+    /// The values for a kernel of `s` reading `tokens` (`what` names it in errors): the slots
+    /// the kernels read ([`kernel_slots`]), the window tables from `slot_token`, the per-token
+    /// inputs, the gate parameters.
     pub(super) fn new(
         b: &mut FnBuilder,
         s: &KernelSpec,
@@ -424,13 +385,22 @@ impl SharedInputs {
         tokens: Tokens,
         what: &str,
     ) -> Result<Self> {
-        let tables = TableValues::new(b, s, a, tokens, what)?;
+        let slot = kernel_slots(b, s, a.tables.slot)?;
+        let window = if tokens.packed() {
+            let slot_token = a
+                .slot_token
+                .ok_or_else(|| crate::TpuError::builder(what, "a packed program without slot_token"))?;
+            Some(window_tables(b, s, slot_token)?)
+        } else {
+            None
+        };
         let (tokens_in, g_dtype) = token_inputs(b, s, a, tokens)?;
         let gate = match (kernel_gate(s, tokens) != Gate::Preactivated, a.a_log) {
             (true, Some(al)) => Some(gate_operand(b, s, al, a.dt_bias)?),
             _ => None,
         };
-        Ok(SharedInputs { tables, tokens: tokens_in, gate, g_dtype })
+        let (first, last) = (a.tables.first, a.tables.last);
+        Ok(SharedInputs { first, last, slot, window, tokens: tokens_in, gate, g_dtype })
     }
 
     /// Binds them to a kernel's tables `tabs`, per-token inputs `refs` and gate input `gate`.
@@ -441,7 +411,15 @@ impl SharedInputs {
         refs: &PerToken<TokenIn>,
         gate: Option<Ref>,
     ) -> Result<()> {
-        self.tables.bind(args, tabs)?;
+        args.table(tabs.first, self.first)?;
+        args.table(tabs.last, self.last)?;
+        args.table(tabs.slot, self.slot)?;
+        if let (Some(t), Some([lo, hi, off, len])) = (tabs.window, self.window) {
+            args.table(t.lo, lo)?;
+            args.table(t.hi, hi)?;
+            args.table(t.off, off)?;
+            args.table(t.len, len)?;
+        }
         for (input, value) in refs.each().into_iter().zip(self.tokens.each()) {
             input.bind(args, *value)?;
         }
