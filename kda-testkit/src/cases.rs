@@ -331,13 +331,42 @@ pub fn benchmark_cases() -> Vec<Case> {
         Case { t: 8192, ..Case { name: "bench_scaling_t8192", ..primary.clone() } },
         Case { t: 16384, ..Case { name: "bench_scaling_t16384", ..primary.clone() } },
         Case { t: 32768, ..Case { name: "bench_scaling_t32768", ..primary.clone() } },
+        // Long rows at the primary width: fixed, 100 balanced documents, 1,000 short ones.
+        Case { t: LONG_T, ..Case { name: "bench_long", ..primary.clone() } },
+        Case {
+            t: LONG_T,
+            segments: CaseSegments::Lengths(vec![balanced(LONG_T, 100)]),
+            ..Case { name: "bench_long_packed", ..primary.clone() }
+        },
+        Case {
+            t: LONG_T,
+            segments: CaseSegments::Lengths(vec![short_documents(1000)]),
+            ..Case { name: "bench_long_short_segments", ..primary }
+        },
     ]
+}
+
+/// Tokens per row of the long benchmark rows.
+const LONG_T: usize = 32768;
+
+/// `n` documents of 1 to 64 tokens, a fixed spread (`1 + 37 i mod 64`): each length about equally
+/// often, neighbours far apart.
+fn short_documents(n: usize) -> Vec<usize> {
+    (0..n).map(|i| 1 + (37 * i) % 64).collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::balanced;
     use rstest::rstest;
+
+    #[test]
+    fn short_documents_fit_the_long_row() {
+        let d = super::short_documents(1000);
+        assert!(d.iter().all(|&l| (1..=64).contains(&l)));
+        assert!(d.iter().sum::<usize>() <= super::LONG_T, "{}", d.iter().sum::<usize>());
+        assert_eq!((d.iter().min(), d.iter().max()), (Some(&1), Some(&64)));
+    }
 
     #[rstest]
     #[case::even_split(12, 3, vec![4, 4, 4])]

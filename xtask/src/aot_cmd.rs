@@ -18,8 +18,10 @@ options:
   --program LIST       forward, forward-saved-state, fused-saved-state, fused-remat,
                        backward-saved-state, backward-remat, or all (default all);
                        comma-separated lists work
-  --shape LIST         primary, primary-packed, secondary, secondary-packed, or all
-                       (default primary); docs/kda.md, Benchmarks
+  --shape LIST         primary, primary-packed, secondary, secondary-packed, long,
+                       long-packed, long-short-segments, or all (default primary);
+                       docs/kda.md, Benchmarks; long: H=8, T=32,768 fixed, with 100
+                       balanced segments, with 1,000 segments of 1 to 64 tokens
   --dtype f32|bf16|both  input dtype (default bf16)
   --implementation xla|mosaic|interpret
                        what runs the programs' chunk loops (default xla): mosaic compiles
@@ -43,7 +45,11 @@ options:
                        programs with sha256sum)
   --json PATH          also write one JSON record per compile (program, implementation,
                        shape, dtype, devices, h, b, t, k, v, segments, peak_bytes,
-                       temp_bytes, code_bytes, kernel_vmem_bytes, gflop)
+                       temp_bytes, code_bytes, kernel_vmem_bytes, static_cycles,
+                       kernel_cycles, unknown_trip_loops, dma_bytes, gflop, and kernels:
+                       per Mosaic kernel its name, bundles, dma_bytes, model_us (the
+                       calibrated model of TPU_CYCLES.md: 2.2 G bundles/s) and hbm_us (its
+                       DMA bytes at 3.7 TB/s))
   --libtpu PATH        libtpu to load (default $KDA_LIBTPU, else the one setup installed)
   -h, --help           show this text
 
@@ -110,12 +116,25 @@ pub enum Shape {
     Secondary,
     /// The same, 25 balanced segments.
     SecondaryPacked,
+    /// The primary width at T=32,768, fixed.
+    Long,
+    /// The same, 100 balanced segments.
+    LongPacked,
+    /// The same, 1,000 segments of 1 to 64 tokens.
+    LongShortSegments,
 }
 
 impl Shape {
     /// Every shape, in print order.
-    pub const ALL: [Shape; 4] =
-        [Shape::Primary, Shape::PrimaryPacked, Shape::Secondary, Shape::SecondaryPacked];
+    pub const ALL: [Shape; 7] = [
+        Shape::Primary,
+        Shape::PrimaryPacked,
+        Shape::Secondary,
+        Shape::SecondaryPacked,
+        Shape::Long,
+        Shape::LongPacked,
+        Shape::LongShortSegments,
+    ];
     /// The flag value.
     pub fn name(self) -> &'static str {
         match self {
@@ -123,6 +142,9 @@ impl Shape {
             Shape::PrimaryPacked => "primary-packed",
             Shape::Secondary => "secondary",
             Shape::SecondaryPacked => "secondary-packed",
+            Shape::Long => "long",
+            Shape::LongPacked => "long-packed",
+            Shape::LongShortSegments => "long-short-segments",
         }
     }
     /// Parses a flag value.
@@ -136,6 +158,9 @@ impl Shape {
             Shape::PrimaryPacked => "bench_primary_packed",
             Shape::Secondary => "bench_secondary",
             Shape::SecondaryPacked => "bench_secondary_packed",
+            Shape::Long => "bench_long",
+            Shape::LongPacked => "bench_long_packed",
+            Shape::LongShortSegments => "bench_long_short_segments",
         };
         kda_testkit::benchmark_cases()
             .into_iter()
@@ -231,7 +256,8 @@ pub fn parse_args(args: &[String]) -> Result<Option<AotOptions>, String> {
             }
             "--shape" => {
                 let v = flags.value(flag)?;
-                let names = "primary, primary-packed, secondary or secondary-packed";
+                let names = "primary, primary-packed, secondary, secondary-packed, long, long-packed or \
+                             long-short-segments";
                 o.shapes = cli::list(flag, &v, &Shape::ALL, Shape::parse, names)?;
             }
             "--dtype" => o.dtypes = cli::dtypes(flag, &flags.value(flag)?)?,
@@ -381,7 +407,8 @@ mod tests {
     fn every_shape_has_a_case() {
         for s in Shape::ALL {
             let c = s.case();
-            assert_eq!(c.is_packed(), s.name().ends_with("-packed"), "{s:?}");
+            let packed = s.name().ends_with("-packed") || s.name().ends_with("-segments");
+            assert_eq!(c.is_packed(), packed, "{s:?}");
         }
         assert_eq!(parse_args(&args("--help")), Ok(None));
     }

@@ -7,7 +7,7 @@
 //! reported. Predicated regions count in full (the longest path). A model, not a time: stalls
 //! are not in it.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use crate::error::{Result, TpuError};
@@ -22,7 +22,7 @@ pub fn listing_flags(dir: &Path) -> String {
 }
 
 /// A program's static cycle count.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct StaticCycles {
     /// Bundles along the executed path, loops times their trip counts.
     pub total: u64,
@@ -30,13 +30,35 @@ pub struct StaticCycles {
     pub kernels: u64,
     /// Loops whose trip count is unknown statically (counted once).
     pub unknown_loops: usize,
+    /// Bytes the DMAs along the path move (`size_in_granules` x 32 per DMA issued), kernels and
+    /// XLA ops alike. Predicated DMAs count in full on every step (a result block's write-back,
+    /// issued only when its block index changes, counts on each): an upper bound.
+    pub dma_bytes: u64,
+    /// Each Mosaic kernel's share, by its module name (`module @name` of its body).
+    pub per_kernel: BTreeMap<String, KernelShare>,
 }
+
+/// One Mosaic kernel's share of a program's count, over all its calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct KernelShare {
+    /// Bundles along the path.
+    pub bundles: u64,
+    /// Bytes its DMAs move.
+    pub dma_bytes: u64,
+    /// Times it runs.
+    pub calls: u64,
+}
+
+/// The bytes of one DMA granule.
+const GRANULE_BYTES: u64 = 32;
 
 #[derive(Debug)]
 struct Bundle {
     depth: usize,
     loop_body: bool,
     exit_trips: Option<u64>,
+    /// Bytes the bundle's DMAs move.
+    dma_bytes: u64,
     /// The callee (`inlined_call`).
     call: Option<String>,
 }
@@ -47,7 +69,8 @@ fn bundles(text: &str) -> Vec<Bundle> {
     for line in text.lines() {
         match bundle_head(line) {
             Some((depth, loop_body)) => {
-                out.push((Bundle { depth, loop_body, exit_trips: None, call: None }, line.to_string()))
+                let b = Bundle { depth, loop_body, exit_trips: None, dma_bytes: 0, call: None };
+                out.push((b, line.to_string()))
             }
             None => {
                 if let Some((_, t)) = out.last_mut() {
@@ -72,6 +95,7 @@ fn bundles(text: &str) -> Vec<Bundle> {
     out.into_iter()
         .map(|(mut b, t)| {
             b.exit_trips = exit_trips(&t);
+            b.dma_bytes = dma_bytes(&t);
             b.call = call(&t);
             b
         })
@@ -110,6 +134,15 @@ fn exit_trips(t: &str) -> Option<u64> {
     n.parse().ok()
 }
 
+/// The bytes a bundle's DMAs move: `/*size_in_granules=*/N` granules each.
+fn dma_bytes(t: &str) -> u64 {
+    t.split("/*size_in_granules=*/")
+        .skip(1)
+        .filter_map(|r| r.split(|c: char| !c.is_ascii_digit()).next()?.parse::<u64>().ok())
+        .map(|g| g * GRANULE_BYTES)
+        .sum()
+}
+
 fn call(t: &str) -> Option<String> {
     let at = t.find("= inlined_call")?;
     let rest = &t[at + "= inlined_call".len()..];
@@ -128,8 +161,8 @@ fn call(t: &str) -> Option<String> {
 struct Hlo {
     computation_of: HashMap<String, String>,
     trips_of_body: HashMap<String, Option<u64>>,
-    /// The Mosaic kernels (`custom_call_target="tpu_custom_call"`).
-    kernels: std::collections::HashSet<String>,
+    /// The Mosaic kernels (`custom_call_target="tpu_custom_call"`) and their module names.
+    kernels: HashMap<String, String>,
 }
 
 fn hlo(text: &str) -> Hlo {
@@ -147,7 +180,7 @@ fn hlo(text: &str) -> Hlo {
         let Some(name) = s.strip_prefix('%').and_then(|r| r.split(' ').next()) else { continue };
         h.computation_of.insert(name.to_string(), current.clone());
         if s.contains("custom_call_target=\"tpu_custom_call\"") {
-            h.kernels.insert(name.to_string());
+            h.kernels.insert(name.to_string(), kernel_name(s).unwrap_or_else(|| name.to_string()));
         }
         conditions.entry(current.clone()).or_default().push(s.to_string());
         if s.contains(" while(") {
@@ -176,6 +209,35 @@ fn hlo(text: &str) -> Hlo {
     h
 }
 
+/// The module name of a Mosaic custom call (`module @name` at the start of its base64 body).
+fn kernel_name(instruction: &str) -> Option<String> {
+    let at = instruction.find("\"body\":\"")? + "\"body\":\"".len();
+    let head: String = instruction[at..].chars().take_while(|c| *c != '"').take(96).collect();
+    let text = decode_base64(&head[..head.len() / 4 * 4])?;
+    let rest = text.strip_prefix("module @")?;
+    Some(rest.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).next()?.to_string())
+}
+
+/// Standard base64 (RFC 4648) without padding handling beyond `=`, as text.
+fn decode_base64(s: &str) -> Option<String> {
+    let value = |c: u8| match c {
+        b'A'..=b'Z' => Some(c - b'A'),
+        b'a'..=b'z' => Some(c - b'a' + 26),
+        b'0'..=b'9' => Some(c - b'0' + 52),
+        b'+' => Some(62),
+        b'/' => Some(63),
+        _ => None,
+    };
+    let mut out = Vec::new();
+    for quad in s.as_bytes().chunks(4) {
+        let digits: Vec<u8> =
+            quad.iter().take_while(|&&c| c != b'=').map(|&c| value(c)).collect::<Option<_>>()?;
+        let bits = digits.iter().fold(0u32, |acc, &d| acc << 6 | u32::from(d)) << (6 * (4 - digits.len()));
+        out.extend(bits.to_be_bytes()[1..].iter().take(digits.len().saturating_sub(1)));
+    }
+    String::from_utf8(out).ok()
+}
+
 struct Listings {
     files: HashMap<String, PathBuf>,
     alias: HashMap<String, String>,
@@ -184,10 +246,10 @@ struct Listings {
 }
 
 impl Listings {
-    fn cycles_of(&mut self, name: &str, kernel: bool) -> Result<StaticCycles> {
+    fn cycles_of(&mut self, name: &str, kernel: Option<&str>) -> Result<StaticCycles> {
         let key = self.alias.get(name).cloned().unwrap_or_else(|| name.to_string());
         if let Some(c) = self.memo.get(&key) {
-            return Ok(*c);
+            return Ok(c.clone());
         }
         let Some(path) = self.files.get(&key).cloned() else {
             // A callee without a listing (an empty region): no bundles of its own.
@@ -196,10 +258,12 @@ impl Listings {
         let text = std::fs::read_to_string(&path).map_err(|e| io(&path, e))?;
         let b = bundles(&text);
         let mut c = self.region(&b, 0, b.len(), 0, key == "TLP")?;
-        if kernel {
+        if let Some(module) = kernel {
             c.kernels = c.total;
+            let share = KernelShare { bundles: c.total, dma_bytes: c.dma_bytes, calls: 1 };
+            c.per_kernel = BTreeMap::from([(module.to_string(), share)]);
         }
-        self.memo.insert(key, c);
+        self.memo.insert(key, c.clone());
         Ok(c)
     }
 
@@ -217,10 +281,11 @@ impl Listings {
         while i < to {
             if b[i].depth <= depth {
                 c.total += 1;
+                c.dma_bytes += b[i].dma_bytes;
                 if let Some(name) = &b[i].call {
-                    let kernel = self.hlo.kernels.contains(name);
+                    let kernel = self.hlo.kernels.get(name).cloned();
                     let name = name.clone();
-                    add(&mut c, self.cycles_of(&name, kernel)?, 1);
+                    add(&mut c, &self.cycles_of(&name, kernel.as_deref())?, 1);
                 }
                 i += 1;
                 continue;
@@ -237,7 +302,7 @@ impl Listings {
             if trips.is_none() {
                 c.unknown_loops += 1;
             }
-            add(&mut c, body, trips.unwrap_or(1));
+            add(&mut c, &body, trips.unwrap_or(1));
             i = j;
         }
         Ok(c)
@@ -251,10 +316,17 @@ impl Listings {
     }
 }
 
-fn add(c: &mut StaticCycles, x: StaticCycles, times: u64) {
+fn add(c: &mut StaticCycles, x: &StaticCycles, times: u64) {
     c.total += x.total * times;
     c.kernels += x.kernels * times;
     c.unknown_loops += x.unknown_loops;
+    c.dma_bytes += x.dma_bytes * times;
+    for (name, k) in &x.per_kernel {
+        let e = c.per_kernel.entry(name.clone()).or_default();
+        e.bundles += k.bundles * times;
+        e.dma_bytes += k.dma_bytes * times;
+        e.calls += k.calls * times;
+    }
 }
 
 fn io(path: &Path, e: std::io::Error) -> TpuError {
@@ -296,7 +368,7 @@ pub fn count(files: &[PathBuf]) -> Result<StaticCycles> {
                 .to_string(),
         });
     }
-    l.cycles_of("TLP", false)
+    l.cycles_of("TLP", None)
 }
 
 #[cfg(test)]
@@ -319,16 +391,17 @@ mod tests {
         c
     }
 
-    /// A top-level program with a call, a `while` of 4 trips (from the HLO) and a kernel whose
-    /// grid loop of 3 bundles exits after 10: 3 + 4 * (2 + fusion 2) + kernel (1 + 10 * 3).
+    /// A top-level program with a call, a `while` of 4 trips (from the HLO) and a kernel
+    /// (`module @kda_k`) whose grid loop of 3 bundles, one a DMA of 2 granules, exits after 10:
+    /// 3 + 4 * (2 + fusion 2) + kernel (1 + 10 * 3) bundles, 10 DMAs of 64 bytes.
     #[test]
     fn counts_loops_calls_and_kernels() {
         let dir = std::env::temp_dir().join(format!("kda-cycles-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("dir");
         let tlp = "header\n     0   :  { %1 = sld }\n   0x1 LB: > { %2 = inlined_call %s1 /* %fusion.3 = fusion(%a) */ }\n   0x2   : > { %3 = sadd }\n   0x3   :  { %4 = inlined_call %s2 /* %k.1 = custom-call(%b), custom_call_target=\"tpu_custom_call\" */ }\n   0x4   :  { %5 = inlined_call /* <late-finalization> */ }\n";
         let fusion = "     0   :  { %1 = vld }\n   0x1   :  { %2 = vst\n   multi-line comment */ }\n";
-        let kernel = "     0   :  { %1 = inlined_call_operand.vmem [shape: s32[16]] }\n   0x1 LB: > { %2 = vld }\n   0x2   : > { %3 = vmatmul }\n   0x3   : > { %p = scmp.ge.s32.totalorder %s9, 10 /* loop exit test */ }\n";
-        let hlo = "ENTRY %main (a: f32[]) -> f32[] {\n  %w = (s32[]) while(%t), condition=%cond, body=%body\n  %k.1 = f32[8]{0} custom-call(%b), custom_call_target=\"tpu_custom_call\"\n}\n\n%body (p: (s32[])) -> (s32[]) {\n  %fusion.3 = f32[] fusion(%a), kind=kLoop\n}\n\n%cond (p: (s32[])) -> pred[] {\n  %constant.1 = s32[]{:T(128)} constant(4)\n  ROOT %compare.2 = pred[] compare(%g, %constant.1), direction=LT\n}\n";
+        let kernel = "     0   :  { %1 = inlined_call_operand.vmem [shape: s32[16]] }\n   0x1 LB: > { %2 = vld }\n   0x2   : > { %3 = dma.hbm_to_vmem /*hbm=*/%s1, /*size_in_granules=*/2, /*vmem=*/%s2 }\n   0x3   : > { %p = scmp.ge.s32.totalorder %s9, 10 /* loop exit test */ }\n";
+        let hlo = "ENTRY %main (a: f32[]) -> f32[] {\n  %w = (s32[]) while(%t), condition=%cond, body=%body\n  %k.1 = f32[8]{0} custom-call(%b), custom_call_target=\"tpu_custom_call\", backend_config={\"custom_call_config\":{\"body\":\"bW9kdWxlIEBrZGFfayB7\"}}\n}\n\n%body (p: (s32[])) -> (s32[]) {\n  %fusion.3 = f32[] fusion(%a), kind=kLoop\n}\n\n%cond (p: (s32[])) -> pred[] {\n  %constant.1 = s32[]{:T(128)} constant(4)\n  ROOT %compare.2 = pred[] compare(%g, %constant.1), direction=LT\n}\n";
         let files = vec![
             write(&dir, "11-TLP-02-final_bundles.txt", tlp),
             write(&dir, "12-fusion.9-01-final_bundles.txt", fusion),
@@ -343,7 +416,15 @@ mod tests {
         ];
         let c = count(&files).expect("counted");
         std::fs::remove_dir_all(&dir).ok();
-        assert_eq!(c, StaticCycles { total: 3 + 4 * (2 + 2) + (1 + 10 * 3), kernels: 31, unknown_loops: 0 });
+        let share = KernelShare { bundles: 31, dma_bytes: 10 * 2 * 32, calls: 1 };
+        let want = StaticCycles {
+            total: 3 + 4 * (2 + 2) + (1 + 10 * 3),
+            kernels: 31,
+            unknown_loops: 0,
+            dma_bytes: 10 * 2 * 32,
+            per_kernel: BTreeMap::from([("kda_k".to_string(), share)]),
+        };
+        assert_eq!(c, want);
     }
 
     /// Empty bundles inside a loop (delay slots, no nesting marks) stay in the loop; those after
@@ -353,14 +434,17 @@ mod tests {
         let tlp = "     0   :  { %1 = sld }\n   0x1 LB: > { %2 = sadd }\n   0x2   :  {}\n   0x3   : > { %3 = sadd }\n   0x4   : > { %p = scmp.ge.s32.totalorder %s9, 10 /* loop exit test */ }\n   0x5   :  { %4 = sbr.rel }\n   0x6   :  {}\n";
         assert_eq!(
             count_top_level("empty", tlp),
-            StaticCycles { total: 1 + 4 * 10 + 2, kernels: 0, unknown_loops: 0 }
+            StaticCycles { total: 1 + 4 * 10 + 2, ..Default::default() }
         );
     }
 
     #[test]
     fn a_loop_without_a_count_is_counted_once_and_reported() {
         let tlp = "     0   :  { %1 = sld }\n   0x1 LB: > { %2 = sadd }\n   0x2   : > { %3 = sbr.rel }\n";
-        assert_eq!(count_top_level("unknown", tlp), StaticCycles { total: 3, kernels: 0, unknown_loops: 1 });
+        assert_eq!(
+            count_top_level("unknown", tlp),
+            StaticCycles { total: 3, unknown_loops: 1, ..Default::default() }
+        );
         assert!(count(&[]).is_err());
     }
 }

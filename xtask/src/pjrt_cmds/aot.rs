@@ -187,6 +187,16 @@ pub fn run(o: &AotOptions) -> Result<(), String> {
                     );
                 }
                 println!("  static cycles: {}", cycles_line(&r));
+                for k in &r.per_kernel {
+                    println!(
+                        "    kernel {}: {} bundles (model {:.1} us), {:.2} MB of DMA (HBM time {:.1} us at 3.7 TB/s)",
+                        k.name,
+                        k.bundles,
+                        k.model_us(),
+                        k.dma_bytes as f64 / 1e6,
+                        k.hbm_us()
+                    );
+                }
                 println!(
                     "  cost:   {:.3} GFLOP, {:.3} GB accessed (optimal_seconds {:.3e}: not \
                      meaningful for programs with while loops)",
@@ -217,6 +227,14 @@ pub fn run(o: &AotOptions) -> Result<(), String> {
                     "static_cycles": r.cycles,
                     "kernel_cycles": r.kernel_cycles,
                     "unknown_trip_loops": r.unknown_loops,
+                    "dma_bytes": r.dma_bytes,
+                    "kernels": r.per_kernel.iter().map(|k| serde_json::json!({
+                        "name": k.name,
+                        "bundles": k.bundles,
+                        "dma_bytes": k.dma_bytes,
+                        "model_us": k.model_us(),
+                        "hbm_us": k.hbm_us(),
+                    })).collect::<Vec<_>>(),
                     "gflop": r.flops / 1e9,
                 }));
                 rows.push(Row {

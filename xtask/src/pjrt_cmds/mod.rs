@@ -47,8 +47,38 @@ pub fn memory(m: &MemoryStats) -> Memory {
     }
 }
 
+/// One Mosaic kernel's share of a compiled program's static count.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KernelFigures {
+    /// The kernel's module name.
+    pub name: String,
+    /// Bundles along the path, over all its calls.
+    pub bundles: i64,
+    /// Bytes its DMAs move along the path.
+    pub dma_bytes: i64,
+}
+
+/// Issue rate of Mosaic kernel bundles in the calibrated model of `shared/docs/TPU_CYCLES.md`
+/// (a model, not a time: tpu7x, fitted on libtpu 0.0.44.1, reliable to about 2x).
+pub const MODEL_KERNEL_BUNDLES_PER_US: f64 = 2.2e3;
+
+/// HBM bandwidth of a tpu7x TensorCore the DMA time is figured at, bytes per microsecond
+/// (3.7 TB/s).
+pub const HBM_BYTES_PER_US: f64 = 3.7e6;
+
+impl KernelFigures {
+    /// The calibrated model's time for the kernel's bundles, in microseconds.
+    pub fn model_us(&self) -> f64 {
+        self.bundles as f64 / MODEL_KERNEL_BUNDLES_PER_US
+    }
+    /// The time its DMA bytes need at [`HBM_BYTES_PER_US`], in microseconds.
+    pub fn hbm_us(&self) -> f64 {
+        self.dma_bytes as f64 / HBM_BYTES_PER_US
+    }
+}
+
 /// What a deviceless TPU compile reports, as the commands use it.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct AotFigures {
     /// Memory statistics.
     pub memory: Memory,
@@ -70,11 +100,17 @@ pub struct AotFigures {
     pub kernel_cycles: i64,
     /// Loops whose trip count is unknown statically (counted once in `cycles`).
     pub unknown_loops: i64,
+    /// Bytes the DMAs along the path move.
+    pub dma_bytes: i64,
+    /// Each Mosaic kernel's share, by name.
+    pub per_kernel: Vec<KernelFigures>,
     /// Whether the figures came from the cache.
     pub cached: bool,
 }
 
-const CACHE_FIELDS: [&str; 15] = [
+/// The cache file's fixed lines, in order; then one `kernel NAME BUNDLES DMA_BYTES` line per
+/// Mosaic kernel.
+const CACHE_FIELDS: [&str; 16] = [
     "argument",
     "output",
     "alias",
@@ -90,6 +126,7 @@ const CACHE_FIELDS: [&str; 15] = [
     "cycles",
     "kernel_cycles",
     "unknown_loops",
+    "dma_bytes",
 ];
 
 /// FNV-1a, 64 bit: a hash that stays the same across Rust versions.
@@ -140,9 +177,18 @@ pub fn compile_aot_replicas(
         compile_ms: ms(r.compile_time),
         kernel_vmem: r.kernel_vmem_bytes.iter().sum::<u64>() as i64,
         kernels: r.kernel_vmem_bytes.len() as i64,
-        cycles: r.static_cycles.map_or(-1, |c| c.total as i64),
-        kernel_cycles: r.static_cycles.map_or(-1, |c| c.kernels as i64),
-        unknown_loops: r.static_cycles.map_or(-1, |c| c.unknown_loops as i64),
+        cycles: r.static_cycles.as_ref().map_or(-1, |c| c.total as i64),
+        kernel_cycles: r.static_cycles.as_ref().map_or(-1, |c| c.kernels as i64),
+        unknown_loops: r.static_cycles.as_ref().map_or(-1, |c| c.unknown_loops as i64),
+        dma_bytes: r.static_cycles.as_ref().map_or(-1, |c| c.dma_bytes as i64),
+        per_kernel: r.static_cycles.as_ref().map_or(Vec::new(), |c| {
+            let share = |(name, k): (&String, &kda_tpu::aot::cycles::KernelShare)| KernelFigures {
+                name: name.clone(),
+                bundles: k.bundles as i64,
+                dma_bytes: k.dma_bytes as i64,
+            };
+            c.per_kernel.iter().map(share).collect()
+        }),
         cached: false,
     };
     let m = f.memory;
@@ -162,8 +208,12 @@ pub fn compile_aot_replicas(
         f.cycles as f64,
         f.kernel_cycles as f64,
         f.unknown_loops as f64,
+        f.dma_bytes as f64,
     ];
-    let body: String = CACHE_FIELDS.iter().zip(values).map(|(k, v)| format!("{k} {v:?}\n")).collect();
+    let mut body: String = CACHE_FIELDS.iter().zip(values).map(|(k, v)| format!("{k} {v:?}\n")).collect();
+    for k in &f.per_kernel {
+        body += &format!("kernel {} {} {}\n", k.name, k.bundles, k.dma_bytes);
+    }
     // Best effort: a cache that cannot be written only costs the next run a compile.
     let _ = std::fs::create_dir_all(cache_dir()).and_then(|()| std::fs::write(&file, body));
     Ok(f)
@@ -201,35 +251,46 @@ fn cache_dir() -> PathBuf {
 
 fn parse_cached(s: &str) -> Option<AotFigures> {
     let mut v = [0f64; CACHE_FIELDS.len()];
-    for (slot, (line, want)) in v.iter_mut().zip(s.lines().zip(CACHE_FIELDS)) {
-        let (k, x) = line.split_once(' ')?;
+    let mut lines = s.lines();
+    for (slot, want) in v.iter_mut().zip(CACHE_FIELDS) {
+        let (k, x) = lines.next()?.split_once(' ')?;
         if k != want {
             return None;
         }
         *slot = x.parse().ok()?;
     }
-    if s.lines().count() != CACHE_FIELDS.len() {
-        return None;
+    let mut per_kernel = Vec::new();
+    for line in lines {
+        let mut w = line.split(' ');
+        let (Some("kernel"), Some(name), Some(b), Some(d), None) =
+            (w.next(), w.next(), w.next(), w.next(), w.next())
+        else {
+            return None;
+        };
+        per_kernel.push(KernelFigures {
+            name: name.to_string(),
+            bundles: b.parse().ok()?,
+            dma_bytes: d.parse().ok()?,
+        });
     }
-    let i = |x: f64| x as i64;
+    let [argument, output, alias, temp, code, peak] = [v[0], v[1], v[2], v[3], v[4], v[5]].map(|x| x as i64);
+    let [kernel_vmem, kernels, cycles, kernel_cycles, unknown_loops, dma_bytes] =
+        [v[10], v[11], v[12], v[13], v[14], v[15]].map(|x| x as i64);
+    let memory = Memory { argument, output, alias, temp, code, peak };
+    let (flops, bytes_accessed, optimal_seconds, compile_ms) = (v[6], v[7], v[8], v[9]);
     Some(AotFigures {
-        memory: Memory {
-            argument: i(v[0]),
-            output: i(v[1]),
-            alias: i(v[2]),
-            temp: i(v[3]),
-            code: i(v[4]),
-            peak: i(v[5]),
-        },
-        flops: v[6],
-        bytes_accessed: v[7],
-        optimal_seconds: v[8],
-        compile_ms: v[9],
-        kernel_vmem: i(v[10]),
-        kernels: i(v[11]),
-        cycles: i(v[12]),
-        kernel_cycles: i(v[13]),
-        unknown_loops: i(v[14]),
+        memory,
+        flops,
+        bytes_accessed,
+        optimal_seconds,
+        compile_ms,
+        kernel_vmem,
+        kernels,
+        cycles,
+        kernel_cycles,
+        unknown_loops,
+        dma_bytes,
+        per_kernel,
         cached: true,
     })
 }
@@ -348,6 +409,15 @@ mod tests {
         assert_eq!((f.memory.argument, f.memory.peak, f.flops, f.compile_ms), (0, 7, 9.0, 13.5));
         assert_eq!(parse_cached(&body.replace("peak", "top")), None);
         assert_eq!(parse_cached("argument 1\n"), None);
+        let with_kernels = body.clone() + "kernel kda_forward 72494 2230272\nkernel kda_term_masks 224 0\n";
+        let k = parse_cached(&with_kernels).unwrap().per_kernel;
+        assert_eq!(k.len(), 2);
+        assert_eq!((k[0].name.as_str(), k[0].bundles, k[0].dma_bytes), ("kda_forward", 72494, 2230272));
+        assert!(
+            (k[0].model_us() - 72494.0 / 2200.0).abs() < 1e-9
+                && (k[0].hbm_us() - 2230272.0 / 3.7e6).abs() < 1e-9
+        );
+        assert_eq!(parse_cached(&(body + "kernel kda_forward 1\n")), None);
         assert_ne!(fnv1a(&[b"ab", b"c"]), fnv1a(&[b"a", b"bc"]));
     }
 
