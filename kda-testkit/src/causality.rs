@@ -38,6 +38,9 @@ pub enum Rows {
     Fixed,
     /// Packed rows of four segments and trailing padding.
     Packed,
+    /// The packed rows without initial states (the kernels read these as whole blocks, the
+    /// boundaries inside chunks as masks).
+    PackedNoStates,
 }
 
 /// One configuration: rows, dtype, strategy and path.
@@ -124,7 +127,7 @@ fn inputs(d: &Draw, h0: &[f64], setup: &Setup) -> Result<KdaInputs, String> {
     });
     let slots = match setup.rows {
         Rows::Fixed => 1,
-        Rows::Packed => {
+        Rows::Packed | Rows::PackedNoStates => {
             let mut cu = vec![0i64];
             for l in PACKED_LENGTHS {
                 cu.push(cu[cu.len() - 1] + l as i64);
@@ -133,6 +136,9 @@ fn inputs(d: &Draw, h0: &[f64], setup: &Setup) -> Result<KdaInputs, String> {
             PACKED_LENGTHS.len()
         }
     };
+    if setup.rows == Rows::PackedNoStates {
+        return Ok(inputs);
+    }
     let state = [b, slots, HEADS, WIDTH, WIDTH];
     Ok(inputs.with_initial_state(tensor(&state, &h0[..state.iter().product()], DType::F32)?))
 }

@@ -695,6 +695,24 @@ mod interpret {
         }
     }
 
+    /// Packed segments without per-segment states, which the kernels read as one row of whole
+    /// blocks with the boundaries inside a chunk as masks (`Tuning::packed_blocks`): the rows of
+    /// [`packed_in_place`], or with trailing padding (row 0 of 30, 40 and 10 tokens, row 1 of
+    /// 50, 0 and 30).
+    fn packed_blocks(layout: Layout, k: usize, v: usize, padding: bool) -> Case {
+        let rows = if padding {
+            vec![vec![30, 40, 10], vec![50, 0, 30]]
+        } else {
+            vec![vec![30, 40, 26], vec![50, 0, 46]]
+        };
+        Case {
+            initial_state: false,
+            final_state: false,
+            segments: CaseSegments::Lengths(rows),
+            ..packed_in_place(layout, k, v)
+        }
+    }
+
     /// Changing the tokens of one segment (row 0's second, tokens `30 .. end`) leaves every
     /// other token's output and every other segment's final state bitwise equal: through lanes
     /// (`packed_rows_differ`) and read in place.
@@ -713,6 +731,26 @@ mod interpret {
         assert_ne!(tokens(&a.o, &case, &inside), tokens(&b.o, &case, &inside));
         let (fa, fb) = (a.final_state.expect("final states"), b.final_state.expect("final states"));
         only_slot_changed(&fa, &fb, case.b * 3, 1, "final state");
+    }
+
+    /// As `the_kernel_forward_isolates_segments` on packed rows read as whole blocks (the
+    /// changed segment's boundaries inside chunks; no final states), with padding tokens' `o`
+    /// exactly 0 whatever they hold.
+    #[rstest]
+    #[case::head_first(packed_blocks(Layout::HeadFirst, 16, 24, false))]
+    #[case::batch_first_padded(packed_blocks(Layout::BatchFirst, 128, 128, true))]
+    fn the_block_forward_isolates_segments(#[case] case: Case) {
+        let inside = |r: usize, t: usize| r == 0 && (30..70).contains(&t);
+        let (case, [a, b]) = forward_twice(case, &inside);
+        let outside = |r: usize, t: usize| !inside(r, t);
+        assert_eq!(
+            tokens(&a.o, &case, &outside),
+            tokens(&b.o, &case, &outside),
+            "outputs outside the segment"
+        );
+        assert_ne!(tokens(&a.o, &case, &inside), tokens(&b.o, &case, &inside));
+        let pad = padding(&case, &a.o);
+        assert!(pad.iter().all(|&x| x.to_bits() == 0), "o at padding tokens");
     }
 
     /// `x` and `y` (`[B, N, H, K, V]` states of `slots` slots) differ in slot `changed` and
@@ -807,6 +845,22 @@ mod interpret {
         only_slot_changed(&a.dh0.expect("dh0"), &b.dh0.expect("dh0"), case.b * 3, 1, "dh0");
     }
 
+    /// As `the_kernel_backward_isolates_segments` on packed rows read as whole blocks, with
+    /// padding tokens' gradients exactly 0 whatever they and their `do` hold.
+    #[rstest]
+    #[case::head_first_padded(packed_blocks(Layout::HeadFirst, 16, 24, true))]
+    #[case::batch_first(packed_blocks(Layout::BatchFirst, 128, 128, false))]
+    fn the_block_backward_isolates_segments(#[case] case: Case) {
+        let inside = |r: usize, t: usize| r == 0 && (30..70).contains(&t);
+        let [a, b] = vjp_twice(&case, &inside, true);
+        let outside = |r: usize, t: usize| !inside(r, t);
+        assert_eq!(grad_tokens(&a, &case, &outside), grad_tokens(&b, &case, &outside), "gradients outside");
+        assert_ne!(grad_tokens(&a, &case, &inside)[0], grad_tokens(&b, &case, &inside)[0]);
+        for (what, x) in [("dq", &a.dq), ("dk", &a.dk), ("dv", &a.dv), ("dg", &a.dg), ("dbeta", &a.dbeta)] {
+            assert!(padding(&case, x).iter().all(|&x| x.to_bits() == 0), "{what} at padding tokens");
+        }
+    }
+
     /// Fixed-length rows of whole chunks and packed rows of whole 64-token blocks, which the
     /// kernel reads in place (head-first, and batch-first with 128-lane heads) and whose gate
     /// and L2 norm it applies itself.
@@ -817,6 +871,8 @@ mod interpret {
     #[case::batch_first_preactivated_bf16(Case { layout: Layout::BatchFirst, ..Case::base("kernel_in_place_batch_first_pre", 2, 1, 128, 128, 128) }, BF16)]
     #[case::packed_head_first_softplus_f32(Case { gate: CaseGate::Softplus, ..packed_in_place(Layout::HeadFirst, 16, 24) }, F32)]
     #[case::packed_batch_first_lower_bound_l2norm_bf16(Case { gate: CaseGate::LowerBound(-5.0), l2norm: true, ..packed_in_place(Layout::BatchFirst, 128, 128) }, BF16)]
+    #[case::blocks_head_first_softplus_f32(Case { gate: CaseGate::Softplus, ..packed_blocks(Layout::HeadFirst, 16, 24, false) }, F32)]
+    #[case::blocks_padded_batch_first_lower_bound_l2norm_bf16(Case { gate: CaseGate::LowerBound(-5.0), l2norm: true, ..packed_blocks(Layout::BatchFirst, 128, 128, true) }, BF16)]
     fn in_place_forward_meets_the_reference(#[case] case: Case, #[case] dtype: DType) {
         run(kda_testkit::conformance::forward_case(&backend(), &case, dtype));
     }
@@ -851,6 +907,15 @@ mod interpret {
     #[case::batch_first_lower_bound_l2norm_f32(Case { gate: CaseGate::LowerBound(-5.0), l2norm: true, layout: Layout::BatchFirst, ..Case::base("kernel_in_place_batch_first", 2, 2, 128, 128, 128) }, F32, Rematerialize, Fused)]
     #[case::packed_head_first_softplus_f32(Case { gate: CaseGate::Softplus, ..packed_in_place(Layout::HeadFirst, 16, 24) }, F32, SavedState, Fused)]
     #[case::packed_batch_first_lower_bound_l2norm_bf16(Case { gate: CaseGate::LowerBound(-5.0), l2norm: true, ..packed_in_place(Layout::BatchFirst, 128, 128) }, BF16, Rematerialize, Split)]
+    #[case::blocks_padded_head_first_softplus_f32(Case { gate: CaseGate::Softplus, ..packed_blocks(Layout::HeadFirst, 16, 24, true) }, F32, SavedState, Split)]
+    #[case::blocks_head_first_preactivated_f32(
+        packed_blocks(Layout::HeadFirst, 16, 24, false),
+        F32,
+        SavedState,
+        Fused
+    )]
+    #[case::blocks_batch_first_lower_bound_l2norm_bf16(Case { gate: CaseGate::LowerBound(-5.0), l2norm: true, ..packed_blocks(Layout::BatchFirst, 128, 128, false) }, BF16, Rematerialize, Fused)]
+    #[case::blocks_padded_batch_first_lower_bound_l2norm_f32(Case { gate: CaseGate::LowerBound(-5.0), l2norm: true, ..packed_blocks(Layout::BatchFirst, 128, 128, true) }, F32, Rematerialize, Split)]
     fn in_place_backward_meets_the_reference(
         #[case] case: Case,
         #[case] dtype: DType,
@@ -1036,6 +1101,7 @@ mod full {
         #[values(
             (crate::causality::Place::InPlace, kda_testkit::causality::Rows::Fixed),
             (crate::causality::Place::InPlace, kda_testkit::causality::Rows::Packed),
+            (crate::causality::Place::InPlace, kda_testkit::causality::Rows::PackedNoStates),
             (crate::causality::Place::Lanes, kda_testkit::causality::Rows::Packed)
         )]
         rows: (crate::causality::Place, kda_testkit::causality::Rows),
@@ -1064,7 +1130,8 @@ mod full {
 /// change with the inputs from `t0` on (nor `dh0`), and the gradients from `t0` on do not
 /// change with `do` before `t0` ([`kda_testkit::causality`]). Gates in [-6, 0] with three hard
 /// resets in a row inside one 4-token block; packed rows with segment boundaries inside 4-token
-/// blocks, read in place by the kernels or through lanes (`packed_result_bytes` 0).
+/// blocks, read in place by the kernels (through windows with initial states, as whole blocks
+/// without), or through lanes (`packed_result_bytes` 0).
 mod causality {
     use kda_core::{BackwardStrategy, DType};
     use kda_testkit::causality::{Rows, Setup};
@@ -1075,7 +1142,7 @@ mod causality {
     use BackwardStrategy::{Rematerialize as Remat, SavedState as Saved};
     use DType::{BF16, F32};
     use Path::{Fused, Split as Staged};
-    use Rows::{Fixed, Packed};
+    use Rows::{Fixed, Packed, PackedNoStates};
 
     /// Where packed rows go on the kernels: read in place, or through lanes.
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1123,6 +1190,8 @@ mod causality {
     #[case::in_place_f32_remat_split(Place::InPlace, Packed, F32, Remat, Staged)]
     #[case::lanes_f32_remat_fused(Place::Lanes, Packed, F32, Remat, Fused)]
     #[case::lanes_bf16_saved_split(Place::Lanes, Packed, BF16, Saved, Staged)]
+    #[case::blocks_bf16_saved_split(Place::InPlace, PackedNoStates, BF16, Saved, Staged)]
+    #[case::blocks_f32_remat_fused(Place::InPlace, PackedNoStates, F32, Remat, Fused)]
     fn interpret(
         #[case] place: Place,
         #[case] rows: Rows,

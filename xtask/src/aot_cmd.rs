@@ -39,6 +39,9 @@ options:
                        the VMEM a packed kernel program may give a head's resident results
                        to read packed tokens in place (default the library's 12 MiB; 0: the
                        tokens go through chunk-aligned lanes)
+  --packed-windows     packed rows without per-segment states read through per-chunk windows
+                       (the route of rows with states) instead of as whole blocks with
+                       segment masks
   --emit DIR           write each program's StableHLO text to
                        DIR/<program>.<shape>.<dtype>.<implementation>[.d<devices>].mlir
                        instead of compiling it (no libtpu needed; compare two commits'
@@ -203,6 +206,8 @@ pub struct AotOptions {
     /// The packed kernel programs' VMEM budget for reading tokens in place (`None`: the
     /// library's default).
     pub packed_result_bytes: Option<usize>,
+    /// Packed rows without per-segment states through windows (`Tuning::packed_blocks` false).
+    pub packed_windows: bool,
     /// Write the program texts here instead of compiling them.
     pub emit: Option<String>,
 }
@@ -225,6 +230,7 @@ impl Default for AotOptions {
             json: None,
             implementation: kda_core::Implementation::Xla,
             packed_result_bytes: None,
+            packed_windows: false,
             emit: None,
         }
     }
@@ -274,6 +280,7 @@ pub fn parse_args(args: &[String]) -> Result<Option<AotOptions>, String> {
             }
             "--json" => o.json = Some(flags.value(flag)?),
             "--emit" => o.emit = Some(flags.value(flag)?),
+            "--packed-windows" => o.packed_windows = true,
             "--packed-result-bytes" => {
                 let v = flags.value(flag)?;
                 o.packed_result_bytes =

@@ -29,6 +29,7 @@ pub(crate) struct Args {
     pub(crate) tables: ChunkTables,
     pub(crate) slot_token: Option<Value>,
     pub(crate) token_slot: Option<Value>,
+    pub(crate) token_segment: Option<Value>,
 }
 
 /// Every argument of a program, declared in the order and with the types of its
@@ -58,7 +59,7 @@ impl Declared {
     }
 
     /// The forward inputs: `q k v g beta [h0] [a_log] [dt_bias] first last slot
-    /// [slot_token token_slot]`.
+    /// [slot_token token_slot token_segment]`.
     pub(crate) fn args(&self) -> Result<Args> {
         Ok(Args {
             q: self.need("q")?,
@@ -77,6 +78,7 @@ impl Declared {
             },
             slot_token: self.get("slot_token"),
             token_slot: self.get("token_slot"),
+            token_segment: self.get("token_segment"),
         })
     }
 }

@@ -7,7 +7,7 @@
 //!
 //! The signature (argument order, dtypes, dims) is documented in [`super::interface`]: the
 //! per-token inputs `q k v g beta` in the spec's layout and dtype, the optional `h0 a_log
-//! dt_bias`, the index tables `chunk_first chunk_last chunk_slot [slot_token token_slot]`
+//! dt_bias`, the index tables `chunk_first chunk_last chunk_slot [slot_token token_slot token_segment]`
 //! (host-built by [`index_tables`](super::interface::index_tables)), then for backward and fused
 //! programs `[h] do [dht]`. The index tables are ordinary arguments: a caller passes them
 //! through from its own `@main`'s arguments (or builds them as constants).

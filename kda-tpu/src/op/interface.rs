@@ -20,6 +20,7 @@
 //! | `chunk_first`, `chunk_last`, `chunk_slot` | i32 | `[NT]` | always |
 //! | `slot_token` | i32 | `[NT*64]` | packed |
 //! | `token_slot` | i32 | `[B*T]` | packed |
+//! | `token_segment` | i32 | `[B*T]` | packed |
 //! | `h` | f32 | `[L, NT, K, V]` | `Backward(SavedState)` |
 //! | `do` | `dtype` | `token_dims(V)` | backward and fused |
 //! | `dht` | f32 | `[B, N, H, K, V]` | backward and fused with `has_dht` |
@@ -38,11 +39,13 @@
 //! elements, the form a projection returns and the one a TPU reads a head's tokens from without
 //! a relayout).
 //!
-//! The five index tables (`chunk_first` .. `token_slot`) come from [`index_tables`]: for fixed
+//! The six index tables (`chunk_first` .. `token_segment`) come from [`index_tables`]: for fixed
 //! length `chunk_first = [1, 0, ..]`, `chunk_last = [.., 0, 1]` and `chunk_slot = 0`; for packed
 //! segments `kda-packed`'s static plan at the spec's capacity, with its `SENTINEL` entries
 //! replaced by values the programs read as "nothing here" (segment 0, token `B*T`, slot
-//! `NT*64`, one past the end).
+//! `NT*64`, one past the end), and `token_segment`, each token's segment slot (its chunk's
+//! `chunk_slot`; -1 for padding tokens), what kernels reading packed rows as whole blocks
+//! compare.
 
 use kda_core::{BackwardStrategy, DType, SegmentTable, Segments};
 use kda_packed::{StaticCapacity, SENTINEL};
@@ -126,6 +129,7 @@ impl ProgramSignature {
         if s.packed_chunks.is_some() {
             args.push(port("slot_token", i32, &[nt * CHUNK as i64]));
             args.push(port("token_slot", i32, &[(s.dims.b * s.dims.t) as i64]));
+            args.push(port("token_segment", i32, &[(s.dims.b * s.dims.t) as i64]));
         }
         // Per-token results are 2-D (and `dbeta` `[H*B*T]`): the row-major bytes of the
         // caller's shapes (a 4-D result with a unit axis made XLA copy it once more).
@@ -202,7 +206,7 @@ impl ProgramSignature {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IndexTable {
     /// The argument it fills (`chunk_first`, `chunk_last`, `chunk_slot`, `slot_token`,
-    /// `token_slot`).
+    /// `token_slot`, `token_segment`).
     pub name: &'static str,
     /// Its dims (as in [`ProgramSignature::of`]).
     pub dims: Vec<i64>,
@@ -212,7 +216,7 @@ pub struct IndexTable {
 
 /// The index tables of `spec`'s programs, in signature order: `chunk_first chunk_last
 /// chunk_slot` for fixed length (where `segments` is not read and may be `None`), and
-/// `slot_token token_slot` after them for a packed spec (whose `segments` must be given, with
+/// `slot_token token_slot token_segment` after them for a packed spec (whose `segments` must be given, with
 /// `B` rows of `T` tokens and at most `N` segments each).
 pub fn index_tables(spec: &KernelSpec, segments: Option<&Segments>) -> Result<Vec<IndexTable>> {
     let nt = spec.chunks();
@@ -269,11 +273,24 @@ fn packed_tables(spec: &KernelSpec, cap: usize, seg_table: &SegmentTable) -> Res
     let fix = |v: &[i32], sentinel: i32| -> Vec<i32> {
         v.iter().map(|&x| if x == SENTINEL { sentinel } else { x }).collect()
     };
+    let chunk_slot = fix(&tables.chunk_segment, 0);
+    let token_segment = token_segments(&tables.token_slot, &chunk_slot);
     Ok(vec![
         table("chunk_first", &[nt], tables.chunk_first.clone()),
         table("chunk_last", &[nt], tables.chunk_last.clone()),
-        table("chunk_slot", &[nt], fix(&tables.chunk_segment, 0)),
+        table("chunk_slot", &[nt], chunk_slot),
         table("slot_token", &[nt * CHUNK], fix(&tables.slot_token, (b * t) as i32)),
         table("token_slot", &[b * t], fix(&tables.token_slot, (nt * CHUNK) as i32)),
+        table("token_segment", &[b * t], token_segment),
     ])
+}
+
+/// Each packed token's segment slot: the `chunk_slot` of the chunk its slot lies in, -1 for a
+/// padding token (`SENTINEL` in `token_slot`).
+pub(crate) fn token_segments(token_slot: &[i32], chunk_slot: &[i32]) -> Vec<i32> {
+    let of = |slot: i32| {
+        let chunk = usize::try_from(slot).ok()? / CHUNK;
+        chunk_slot.get(chunk).copied()
+    };
+    token_slot.iter().map(|&s| if s == SENTINEL { -1 } else { of(s).unwrap_or(-1) }).collect()
 }

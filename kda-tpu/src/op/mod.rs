@@ -33,7 +33,8 @@ pub use spec::{
 pub use xla::parts;
 
 /// The names of the host-built index-table arguments, in signature order.
-pub const TABLE_NAMES: [&str; 5] = ["chunk_first", "chunk_last", "chunk_slot", "slot_token", "token_slot"];
+pub const TABLE_NAMES: [&str; 6] =
+    ["chunk_first", "chunk_last", "chunk_slot", "slot_token", "token_slot", "token_segment"];
 
 /// The signature of program `kind` of `spec` as the backend runs it on `devices` replicas:
 /// [`ProgramSignature::of`], or in the context-parallel form

@@ -92,6 +92,11 @@ pub struct Tuning {
     /// The VMEM packed kernel programs may give a head's resident results (f32,
     /// double-buffered) to read packed tokens in place; above it they go through lanes.
     pub packed_result_bytes: usize,
+    /// Whether the kernels read packed rows of whole 64-token blocks without per-segment states
+    /// as one row of blocks, several chunks a step, with the segment boundaries inside a chunk
+    /// as masks (true, the default: what a fixed row of the same tokens costs, at any length);
+    /// else through per-chunk windows, as rows with `h0` or final states always are.
+    pub packed_blocks: bool,
 }
 
 impl Default for Tuning {
@@ -102,6 +107,7 @@ impl Default for Tuning {
             slab: 0,
             step_chunks: 0,
             packed_result_bytes: PACKED_RESULT_BYTES,
+            packed_blocks: true,
         }
     }
 }
@@ -134,6 +140,12 @@ impl Tuning {
     /// above it, or with 0, XLA gathers chunk-aligned lanes and compacts the results.
     pub fn with_packed_result_bytes(self, bytes: usize) -> Self {
         Tuning { packed_result_bytes: bytes, ..self }
+    }
+    /// Packed rows without per-segment states read as whole blocks with segment masks (true,
+    /// the default) or through per-chunk windows (false; [`Tuning::packed_blocks`]). With
+    /// [`Tuning::with_packed_result_bytes`] 0 every packed row goes through lanes.
+    pub fn with_packed_blocks(self, blocks: bool) -> Self {
+        Tuning { packed_blocks: blocks, ..self }
     }
 }
 

@@ -157,6 +157,7 @@ fn signature_names_and_optional_ports() {
             "chunk_slot",
             "slot_token",
             "token_slot",
+            "token_segment",
             "h",
             "do",
             "dht"
@@ -239,6 +240,13 @@ fn backend_tables(inputs: &KdaInputs, spec: &KernelSpec) -> Vec<(Vec<i32>, Vec<i
         out.push((fix(&tables.chunk_segment, 0), vec![nt as i64]));
         out.push((fix(&tables.slot_token, (d.b * d.t) as i32), vec![(nt * CHUNK) as i64]));
         out.push((fix(&tables.token_slot, (nt * CHUNK) as i32), vec![(d.b * d.t) as i64]));
+        // Each token's segment slot, read from its chunk (-1 for padding tokens), spelled out.
+        let segment: Vec<i32> = tables
+            .token_slot
+            .iter()
+            .map(|&s| if s == SENTINEL { -1 } else { tables.chunk_segment[s as usize / CHUNK] })
+            .collect();
+        out.push((segment, vec![(d.b * d.t) as i64]));
     } else {
         let mut first = vec![0; nt];
         let mut last = vec![0; nt];
@@ -288,7 +296,9 @@ fn index_tables_match_the_backend() {
             let port = &sig.args[sig.arg_index(table.name).unwrap()];
             assert_eq!(port.ty, TensorType::new(DType::I32, dims), "{}", table.name);
             assert_eq!(table.data.len() as i64, dims.iter().product::<i64>());
-            assert!(table.data.iter().all(|&v| v >= 0), "{}: no sentinel left", table.name);
+            // No sentinel left (`token_segment` marks padding tokens -1).
+            let least = if table.name == "token_segment" { -1 } else { 0 };
+            assert!(table.data.iter().all(|&v| v >= least), "{}: no sentinel left", table.name);
         }
         // Index tables stand in signature order, right after the per-token inputs.
         let first = sig.arg_index("chunk_first").unwrap();

@@ -54,12 +54,13 @@ fn program_text(
     program: crate::aot_cmd::Program,
 ) -> Result<String, String> {
     let slab = kda_tpu::op::TPU_SLAB;
-    let budget = |s: kda_tpu::KernelSpec| match o.packed_result_bytes {
-        Some(bytes) => {
-            let tuning = s.tuning.with_packed_result_bytes(bytes);
-            s.with_tuning(tuning)
-        }
-        None => s,
+    let budget = |s: kda_tpu::KernelSpec| {
+        let tuning = match o.packed_result_bytes {
+            Some(bytes) => s.tuning.with_packed_result_bytes(bytes),
+            None => s.tuning,
+        };
+        let tuning = if o.packed_windows { tuning.with_packed_blocks(false) } else { tuning };
+        s.with_tuning(tuning)
     };
     if o.devices > 1 {
         let tuning = kda_tpu::Tuning::default().with_slab(slab).with_implementation(o.implementation);

@@ -27,7 +27,10 @@ use super::blocks::{
 };
 use super::dims::{ForwardDims, Gate, Tokens, C, FLOOR};
 use super::forward::{activate, gate_params, l2_normalise_with_scale, place};
-use super::operands::{store_state_where, token_operand, window_at, ChunkRows, ChunkTabs, PerToken, TokenIn};
+use super::operands::{
+    reset_where, store_state_where, token_operand, window_at, ChunkRows, ChunkSegments, ChunkTabs, PerToken,
+    SegmentRows, TokenIn,
+};
 use crate::error::{Result, TpuError};
 use crate::hlo::{Cmp, TensorType};
 use crate::lang::{Binary, Body, MatPrecision, Offset, Reduction, Ref, Unary, V};
@@ -109,16 +112,23 @@ fn declare_backward(d: &ForwardDims) -> Result<(KernelBuilder, BackwardRefs)> {
     // Grid step `i` holds the chunks of block `nt / n - 1 - i`, walked from its last.
     let rev = || Index::Const(nt / n - 1) + g2.clone() * -1;
     let ty = |dt: DType, dims: &[i64]| TensorType::new(dt, dims);
-    let (mut kb, tabs) = d.builder("kda_backward");
+    let (mut kb, tabs) = d.builder("kda_backward", true);
     let slot = || vec![lane(), Index::table(tabs.slot, rev() * n), Index::Const(0), Index::Const(0)];
     let (dh, sums) = (kb.scratch("dh", ty(DType::F32, &[k, v])), kb.scratch("sums", ty(DType::F32, &[C, k])));
     let tokens = d.declare_tokens(&mut kb, &tabs, true)?;
     let gate = d.declare_gate(&mut kb);
     let chunks_at = || vec![lane(), rev(), Index::Const(0), Index::Const(0)];
-    let hs = kb.input(Operand::blocked("h", ty(d.state_dtype(), &[l, nt, k, v]), &[1, n, k, v], chunks_at()));
+    let saved = d.saved_chunks;
+    let hs =
+        kb.input(Operand::blocked("h", ty(d.state_dtype(), &[l, saved, k, v]), &[1, n, k, v], chunks_at()));
     let terms = d.terms.then(|| {
         ["a", "aqk"].map(|name| {
-            kb.input(Operand::blocked(name, ty(d.mask_dtype(), &[l, nt, C, C]), &[1, n, C, C], chunks_at()))
+            kb.input(Operand::blocked(
+                name,
+                ty(d.mask_dtype(), &[l, saved, C, C]),
+                &[1, n, C, C],
+                chunks_at(),
+            ))
         })
     });
     let d_o = d.token_in(&mut kb, &tabs, "do", v, |t| token_operand("do", d, d.tokens, x, v, t, true))?;
@@ -271,6 +281,8 @@ fn backward_step(b: &mut Body, cx: &BackwardStep) -> Result<()> {
             Some(dh) => dh,
             None => b.load_all(r.dh)?,
         };
+        // Segments: no gradient leaves a chunk whose last row ends a segment.
+        let dh = if d.segments { reset_where(b, (r.tabs.last, &c), &dh)? } else { dh };
         let chunk = ChunkAt { ci, c, zero: zero.clone() };
         carried = backward_chunk(b, cx, &chunk, dh)?;
     }
@@ -320,6 +332,8 @@ fn chunk_inputs(b: &mut Body, cx: &BackwardStep, rows: &ChunkRows) -> Result<Chu
     let t = &r.tokens;
     let (q_in, k_in) = (rows.read(b, &t.q, k)?, rows.read(b, &t.k, k)?);
     let (vv, gx) = (rows.read(b, &t.v, v)?, rows.read(b, &t.g, k)?);
+    // Padding tokens' inputs may hold anything: zero, so that every product stays finite.
+    let (q_in, gx) = (rows.real(b, &q_in)?, rows.real(b, &gx)?);
     let d_o = rows.read(b, &r.d_o, v)?;
     let (k_in, vv, beta, d_o) =
         (rows.keep(b, &k_in)?, rows.keep(b, &vv)?, rows.keep(b, &beta)?, rows.keep(b, &d_o)?);
@@ -343,8 +357,20 @@ struct ChunkState {
 
 /// The chunk's forward again from its saved state (`A` and `Aqk` as the forward kernel saved
 /// them, or formed again), `dv_new = Aqk^T dO + kg dh` and the gradient of the state before
-/// it, `dh_prev = e^(G_C) dh + scale qg^T dO - w^T dv_new`.
-fn chunk_state(b: &mut Body, cx: &BackwardStep, ci: i64, x: &ChunkInputs, dh: &V) -> Result<(ChunkState, V)> {
+/// it, `dh_prev = e^(G_C) dh + scale qg^T dO - w^T dv_new`; with segments `segs`, the entering
+/// state's terms on the first segment's rows, the leaving state's on the last's.
+fn chunk_state(
+    b: &mut Body,
+    cx: &BackwardStep,
+    ci: i64,
+    x: &ChunkInputs,
+    dh: &V,
+    segs: Option<&ChunkSegments>,
+) -> Result<(ChunkState, V)> {
+    let rows_of = |b: &mut Body, x: &V, rows: SegmentRows| match segs {
+        Some(s) => s.keep(b, x, rows),
+        None => Ok(x.clone()),
+    };
     let (d, r, p) = (cx.d, cx.r, cx.p);
     let (k, v) = (d.k, d.v);
     let scratch = TermScratch::of_kernel([r.masks[0], r.masks[1]], r.sums);
@@ -359,7 +385,10 @@ fn chunk_state(b: &mut Body, cx: &BackwardStep, ci: i64, x: &ChunkInputs, dh: &V
             (f, a?, aqk?)
         }
         None => {
-            let t = chunk_terms(b, &x.q, &x.kk, &x.g, &x.beta, cx.scale, scratch, p, cx.g_passes)?;
+            let mut t = chunk_terms(b, &x.q, &x.kk, &x.g, &x.beta, cx.scale, scratch, p, cx.g_passes)?;
+            if let Some(s) = segs {
+                s.within_terms(b, &mut t)?;
+            }
             let a = unit_lower_inverse_of_parts(b, &t.l_blocks, &t.l_rest, &t.f.eye, p)?;
             (t.f, a, t.aqk)
         }
@@ -372,12 +401,14 @@ fn chunk_state(b: &mut Body, cx: &BackwardStep, ci: i64, x: &ChunkInputs, dh: &V
     let s0 = b.to_dtype(&s0, DType::F32)?;
     let s0 = b.reshape(&s0, &[k, v])?;
     let ws = b.matmul(&w, &s0, (1, 0), p)?;
+    let ws = rows_of(b, &ws, SegmentRows::First)?;
     let vn = b.binary(Binary::Sub, &u, &ws)?;
     let dvn = {
         // One product: [Aqk^T, kg] [dO; dh].
         let op = aqk.ty.elem;
         let at = b.transpose(&aqk)?;
-        let kg = b.to_dtype(&t.kg, op)?;
+        let kg = rows_of(b, &t.kg, SegmentRows::Last)?;
+        let kg = b.to_dtype(&kg, op)?;
         let lhs = b.concat(&[at, kg], 1)?;
         let d_o_op = b.to_dtype(&x.d_o, op)?;
         let dh_op = b.to_dtype(dh, op)?;
@@ -390,8 +421,13 @@ fn chunk_state(b: &mut Body, cx: &BackwardStep, ci: i64, x: &ChunkInputs, dh: &V
         let decay = b.reshape(&t.eg_last, &[k, 1])?;
         let decay = b.broadcast(&decay, &[k, v])?;
         let kept = b.binary(Binary::Mul, dh, &decay)?;
+        let kept = match segs {
+            Some(s) => s.if_whole(b, &kept)?,
+            None => kept,
+        };
         // Both products as one over the stacked tokens: [qg; w]^T [scale dO; -dv_new].
-        let lhs = b.concat(&[t.qg.clone(), w.clone()], 0)?;
+        let (qg, w) = (rows_of(b, &t.qg, SegmentRows::First)?, rows_of(b, &w, SegmentRows::First)?);
+        let lhs = b.concat(&[qg, w], 0)?;
         let ndvn = b.unary(Unary::Neg, &dvn)?;
         let rhs = b.concat(&[sd_o.clone(), ndvn], 0)?;
         let y = b.matmul(&lhs, &rhs, (0, 0), p)?;
@@ -411,10 +447,11 @@ fn backward_chunk(b: &mut Body, cx: &BackwardStep, chunk: &ChunkAt, dh: V) -> Re
         Some(t) => Some(window_at(b, &t, c)?),
         None => None,
     };
-    let rows =
-        ChunkRows { ci: *ci, window: window.as_ref().map(|[_, _, off, len]| (off.clone(), len.clone())) };
+    let off_len = window.as_ref().map(|[_, _, off, len]| (off.clone(), len.clone()));
+    let rows = ChunkRows::new(b, *ci, off_len, r.tabs.segments)?;
     let x = chunk_inputs(b, cx, &rows)?;
-    let (st, dh_prev) = chunk_state(b, cx, *ci, &x, &dh)?;
+    let segs = rows.segments.as_ref();
+    let (st, dh_prev) = chunk_state(b, cx, *ci, &x, &dh, segs)?;
     let carried = if cx.one_block() && *ci > 0 {
         Some(dh_prev.clone())
     } else {
@@ -428,15 +465,7 @@ fn backward_chunk(b: &mut Body, cx: &BackwardStep, chunk: &ChunkAt, dh: V) -> Re
         let y = b.reshape(&dh_prev, &[1, 1, k, v])?;
         b.store_all(dh0, &y)?;
     }
-    let grads = chunk_grads(
-        b,
-        d,
-        [&x.q, &x.kk, &x.vv, &x.beta],
-        &st.t,
-        [&st.a, &st.vn],
-        [&st.s0, &dh, &st.dvn, &st.sd_o],
-        r.masks[2],
-    )?;
+    let grads = chunk_grads(b, d, [&x.q, &x.kk, &x.vv, &x.beta], &st, &dh, segs, r.masks[2])?;
     let results = chunk_results(b, cx, &rows, &x, grads)?;
     write_grads(b, cx, chunk, &results, &st.t.eye, window.as_ref())?;
     // Else `dh0` at each segment's first chunk, written last (a branch there would split the
@@ -494,7 +523,13 @@ fn chunk_results(
         Some(rs) => l2_backward(b, &grads.dk, &x.kk, rs)?,
         None => grads.dk,
     };
-    Ok(PerToken { q: dq, k: dk, v: grads.dv, g: dx, beta: grads.dbeta })
+    let (dv, dbeta) = (grads.dv, grads.dbeta);
+    if rows.segments.is_none() {
+        return Ok(PerToken { q: dq, k: dk, v: dv, g: dx, beta: dbeta });
+    }
+    // Padding tokens' gradients exactly zero.
+    let [q, k, v, g, beta] = [dq, dk, dv, dx, dbeta].map(|y| rows.real(b, &y));
+    Ok(PerToken { q: q?, k: k?, v: v?, g: g?, beta: beta? })
 }
 
 /// Writes a chunk's gradients `dq dk dv dg dbeta`: at its rows of the step's blocks in their
@@ -649,15 +684,22 @@ struct Grads {
     d_last: V,
 }
 
+/// With segments `segs`, the entering state's terms on the first segment's rows, the leaving
+/// state's on the last's, the cotangents of `Aqk` and `L` on each segment's pairs.
 fn chunk_grads(
     b: &mut Body,
     d: &ForwardDims,
     [q, k, v, beta]: [&V; 4],
-    t: &ChunkFactors,
-    [a, vn]: [&V; 2],
-    [s0, dh, dvn, sd_o]: [&V; 4],
+    st: &ChunkState,
+    dh: &V,
+    segs: Option<&ChunkSegments>,
     masks_t: Ref,
 ) -> Result<Grads> {
+    let ChunkState { t, a, s0, vn, dvn, sd_o } = st;
+    let rows_of = |b: &mut Body, x: V, rows: SegmentRows| match segs {
+        Some(s) => s.keep(b, &x, rows),
+        None => Ok(x),
+    };
     let (kd, vd) = (d.k, d.v);
     let p = d.precision();
     let mul = |b: &mut Body, x: &V, y: &V| b.binary(Binary::Mul, x, y);
@@ -674,16 +716,23 @@ fn chunk_grads(
         b.matmul(&lhs, s0, (1, 1), p)?
     };
     let dqg = b.slice(&both, &[0, 0], &[C, kd])?;
+    let dqg = rows_of(b, dqg, SegmentRows::First)?;
     let nw = b.slice(&both, &[C, 0], &[C, kd])?;
+    let nw = rows_of(b, nw, SegmentRows::First)?;
     let mut dq = mul(b, &dqg, &t.egc)?;
     let mut d_g = mul(b, &dqg, &t.qg)?;
     let dkg = b.matmul(vn, dh, (1, 1), p)?;
+    let dkg = rows_of(b, dkg, SegmentRows::Last)?;
     let mut dk = mul(b, &dkg, &t.egs)?;
     let d_suffix = mul(b, &dkg, &t.kg)?;
     let sd = mul(b, s0, dh)?;
     let hd = b.reduce(Reduction::Sum, &sd, 1)?;
     let hd = b.reshape(&hd, &[1, kd])?;
     let d_last = mul(b, &hd, &t.eg_last)?;
+    let d_last = match segs {
+        Some(s) => s.if_whole(b, &d_last)?,
+        None => d_last,
+    };
     let wide_v = b.broadcast(beta, &[C, vd])?;
     let dv = mul(b, &xu, &wide_v)?;
     // Through `w = A (beta k e^G)`: `nw e^G` to `dk` (times beta) and to `dg` (times
@@ -700,6 +749,15 @@ fn chunk_grads(
     let nxu = b.unary(Unary::Neg, &xu)?;
     let lhs = b.concat(&[sd_o.clone(), nxu], 0)?;
     let m = b.matmul(&lhs, vn, (1, 1), p)?;
+    let m = match segs {
+        Some(s) => {
+            let halves = [b.slice(&m, &[0, 0], &[C, C])?, b.slice(&m, &[C, 0], &[C, C])?];
+            let kept = halves.map(|x| s.within(b, &x));
+            let [x, y] = kept;
+            b.concat(&[x?, y?], 0)?
+        }
+        None => m,
+    };
     let m1 = b.slice(&m, &[0, 0], &[C, C])?;
     // Aqk's diagonal, scale q_t . k_t with no decay: its cotangent goes to dq and dk directly.
     let diag = rowdot(b, &m1, &t.eye)?;

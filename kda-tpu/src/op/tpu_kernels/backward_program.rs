@@ -56,12 +56,17 @@ pub(super) fn grads(
         Some(d) => Some(prep::state_table(b, s, d)?),
         None => None,
     };
+    let dims = kernel_dims(s, tokens, shared.g_dtype);
+    // States from the same program's forward kernel (with its chunk terms) come at the kernel's
+    // own chunks; a saved-state backward's `h` at the signature's.
+    let saved_chunks = if terms.is_some() { dims.chunks } else { dims.saved_chunks };
     let dims = ForwardDims {
         h0: s.options.has_h0,
         ht: dht_tab.is_some(),
         states: true,
         terms: terms.is_some(),
-        ..kernel_dims(s, tokens, shared.g_dtype)
+        saved_chunks,
+        ..dims
     };
     let bk = backward_kernel(with_steps(dims, s, Some(BACKWARD_STEP_CHUNKS)), s.options.scale)?;
     let r = &bk.refs;

@@ -80,6 +80,18 @@ pub struct ForwardDims {
     pub tokens: Tokens,
     /// Packed tokens `P` of [`Tokens::packed`] operands (a multiple of 64; else unused).
     pub packed_tokens: i64,
+    /// Whether one row of whole 64-token blocks holds packed segments, read as a fixed-length
+    /// row ([`Tokens::HeadFirst`] or [`Tokens::BatchFirst`], `rows = 1`): an operand `segments`
+    /// `[NT, 1, 64]` f32 names each token's segment (negative for padding tokens), and
+    /// the boundaries inside a chunk are masks (terms only within a segment, the entering state
+    /// only for the chunk's first segment, the leaving state only from its last) with the state
+    /// reset where the `first` table marks a segment's first token at a chunk's first row. No
+    /// per-segment `h0` or `ht` (those rows take the windows of [`Tokens::PackedHeadFirst`]).
+    pub segments: bool,
+    /// Chunk entries of the saved states `h` and chunk terms (their operands' second dim):
+    /// `chunks`, or with [`ForwardDims::segments`] the packed plan's chunk count (the programs'
+    /// signature), of which the first `chunks` are written.
+    pub saved_chunks: i64,
     /// Whether the kernel L2-normalises q and k over K.
     pub l2norm: bool,
     /// The gate applied to `g`.
@@ -133,6 +145,28 @@ impl ForwardDims {
                 ),
             ));
         }
+        let segments_ok = self.fixed_rows()
+            && self.rows == 1
+            && !self.h0
+            && !self.ht
+            && self.slots == 1
+            && self.chunks * C < SEGMENT_ID_LIMIT;
+        if self.segments && !segments_ok {
+            return Err(TpuError::unsupported(
+                what,
+                format!(
+                    "segments read as one row of whole blocks without per-segment states, under \
+                     {SEGMENT_ID_LIMIT} tokens ({self:?})"
+                ),
+            ));
+        }
+        let saved = self.states || self.terms;
+        if self.saved_chunks < self.chunks || (saved && self.saved_chunks % n != 0) {
+            return Err(TpuError::unsupported(
+                what,
+                format!("saved chunk entries for every chunk, whole steps of them ({self:?})"),
+            ));
+        }
         let t = self.packed_tokens;
         if self.tokens.packed() && (self.rows != 1 || t < C || t % C != 0) {
             return Err(TpuError::unsupported(
@@ -182,14 +216,17 @@ impl ForwardDims {
     }
 
     /// The chunks per grid step for a wish of `at_most`: the largest power of two up to it that
-    /// divides the chunk count, for fixed-length rows read in place ([`ForwardDims::fixed_rows`]);
-    /// one otherwise (packed windows).
+    /// divides the chunk count (and, with saved states or terms, their chunk entries
+    /// [`ForwardDims::saved_chunks`]), for fixed-length rows read in place
+    /// ([`ForwardDims::fixed_rows`]); one otherwise (packed windows).
     pub fn steps_for(&self, at_most: i64) -> i64 {
         if !self.fixed_rows() {
             return 1;
         }
+        let saved = self.states || self.terms;
+        let divides = |m: i64| self.chunks % m == 0 && (!saved || self.saved_chunks % m == 0);
         let mut n = 1;
-        while n * 2 <= at_most.max(1) && self.chunks % (n * 2) == 0 {
+        while n * 2 <= at_most.max(1) && divides(n * 2) {
             n *= 2;
         }
         n
@@ -267,6 +304,10 @@ pub const STREAMED_STEP_CHUNKS: i64 = 16;
 /// The bound on one grid step's double-buffered per-token blocks (and saved states) that
 /// [`ForwardDims::default_step_chunks`] keeps to, well inside the default scoped VMEM.
 pub const STEP_BLOCK_BYTES: i64 = 8 << 20;
+
+/// Tokens of a row read with segment ids ([`ForwardDims::segments`]): the ids are f32, exact
+/// below 2^24.
+pub const SEGMENT_ID_LIMIT: i64 = 1 << 24;
 
 /// The largest key or value width of the kernel (docs/kda.md, Shapes).
 pub const MAX_WIDTH: i64 = 256;

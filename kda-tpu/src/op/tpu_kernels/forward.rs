@@ -21,7 +21,10 @@ use kda_core::DType;
 
 use super::blocks::{chunk_terms, unit_lower_inverse_of_parts, ChunkTerms, TermScratch};
 use super::dims::{ForwardDims, Gate, Tokens, C, FLOOR};
-use super::operands::{store_state_where, token_operand, window_at, ChunkRows, ChunkTabs, PerToken, TokenIn};
+use super::operands::{
+    reset_where, store_state_where, token_operand, window_at, ChunkRows, ChunkSegments, ChunkTabs, PerToken,
+    SegmentRows, TokenIn,
+};
 use crate::error::{Result, TpuError};
 use crate::hlo::{Cmp, TensorType};
 use crate::lang::{Binary, Body, MatPrecision, Offset, Reduction, Ref, Unary, V};
@@ -80,11 +83,11 @@ pub(super) fn forward_kernel(d: ForwardDims, scale: f64) -> Result<ForwardKernel
 
 /// The forward kernel's builder and its operands (in the order [`forward_kernel`] lists).
 fn declare_forward(d: &ForwardDims) -> Result<(KernelBuilder, ForwardRefs)> {
-    let (l, nt, k, v, x, n) = (d.lanes(), d.chunks, d.k, d.v, d.dtype, d.chunks_per_step());
+    let (l, k, v, x, n) = (d.lanes(), d.k, d.v, d.dtype, d.chunks_per_step());
     let (g0, g1, g2) = (Index::Grid(0), Index::Grid(1), Index::Grid(2));
     let lane = || g0.clone() * d.rows + g1.clone();
     let ty = |dt: DType, dims: &[i64]| TensorType::new(dt, dims);
-    let (mut kb, tabs) = d.builder("kda_forward");
+    let (mut kb, tabs) = d.builder("kda_forward", false);
     // A step's state slot is its first chunk's (steps of several chunks are fixed-length rows,
     // one slot per lane).
     let slot = || vec![lane(), Index::table(tabs.slot, g2.clone() * n), Index::Const(0), Index::Const(0)];
@@ -117,11 +120,13 @@ fn declare_forward(d: &ForwardDims) -> Result<(KernelBuilder, ForwardRefs)> {
     });
     let chunks_at = || vec![lane(), g2.clone(), Index::Const(0), Index::Const(0)];
     let h = d.states.then(|| {
-        kb.output(Operand::blocked("h", ty(d.state_dtype(), &[l, nt, k, v]), &[1, n, k, v], chunks_at()))
+        let dims = [l, d.saved_chunks, k, v];
+        kb.output(Operand::blocked("h", ty(d.state_dtype(), &dims), &[1, n, k, v], chunks_at()))
     });
     let terms = d.terms.then(|| {
         ["a", "aqk"].map(|name| {
-            kb.output(Operand::blocked(name, ty(d.mask_dtype(), &[l, nt, C, C]), &[1, n, C, C], chunks_at()))
+            let dims = [l, d.saved_chunks, C, C];
+            kb.output(Operand::blocked(name, ty(d.mask_dtype(), &dims), &[1, n, C, C], chunks_at()))
         })
     });
     // The rows a packed chunk places around its `o`.
@@ -177,13 +182,23 @@ impl ForwardStep<'_> {
 }
 
 /// A chunk of a grid step between its chunk-local terms and its state update: its index `c`,
-/// its terms, `u = A (beta v)` and `w = A (beta k e^G)`.
+/// its terms, `u = A (beta v)` and `w = A (beta k e^G)`, and its segment ids
+/// ([`ForwardDims::segments`]).
 struct ChunkWork {
     ci: i64,
     c: V,
     terms: ChunkTerms,
     u: V,
     w: V,
+    segs: Option<ChunkSegments>,
+}
+
+/// A chunk's index, terms, `beta v` and segment ids, before its inverse.
+struct ChunkLocal {
+    c: V,
+    terms: ChunkTerms,
+    bv: V,
+    segs: Option<ChunkSegments>,
 }
 
 /// One grid step: first every chunk's loads and chunk-local terms (no stores yet, so that the
@@ -209,10 +224,10 @@ fn forward_step(b: &mut Body, cx: &ForwardStep) -> Result<()> {
     }
     let inverses = local
         .iter()
-        .map(|(_, t, _)| unit_lower_inverse_of_parts(b, &t.l_blocks, &t.l_rest, &t.f.eye, cx.p))
+        .map(|x| unit_lower_inverse_of_parts(b, &x.terms.l_blocks, &x.terms.l_rest, &x.terms.f.eye, cx.p))
         .collect::<Result<Vec<_>>>()?;
     let mut work = Vec::new();
-    for (ci, ((c, terms, bv), a)) in (0..n).zip(local.into_iter().zip(inverses)) {
+    for (ci, (ChunkLocal { c, terms, bv, segs }, a)) in (0..n).zip(local.into_iter().zip(inverses)) {
         if let Some(outs) = cx.r.terms {
             let at = [Offset::Const(0), Offset::Const(ci), Offset::Const(0), Offset::Const(0)];
             for (out, x) in outs.into_iter().zip([&a, &terms.aqk]) {
@@ -223,7 +238,7 @@ fn forward_step(b: &mut Body, cx: &ForwardStep) -> Result<()> {
         }
         let u = b.matmul(&a, &bv, (1, 0), cx.p)?;
         let w = b.matmul(&a, &terms.f.kbg, (1, 0), cx.p)?;
-        work.push(ChunkWork { ci, c, terms, u, w });
+        work.push(ChunkWork { ci, c, terms, u, w, segs });
     }
     let mut carried: Option<V> = None;
     for chunk in work {
@@ -232,14 +247,15 @@ fn forward_step(b: &mut Body, cx: &ForwardStep) -> Result<()> {
     Ok(())
 }
 
-/// Chunk `ci` of the step: its index `c`, its chunk terms and `beta v`.
+/// Chunk `ci` of the step: its index `c`, its chunk terms (with segments, on each segment's
+/// pairs alone), `beta v` and its segment ids.
 fn chunk_local(
     b: &mut Body,
     cx: &ForwardStep,
     ci: i64,
     step: &V,
     head_column: Option<&(V, V)>,
-) -> Result<(V, ChunkTerms, V)> {
+) -> Result<ChunkLocal> {
     let (d, r, n) = (cx.d, cx.r, cx.d.chunks_per_step());
     let c = if n == 1 {
         step.clone()
@@ -252,7 +268,7 @@ fn chunk_local(
         Some(t) => Some((b.read_table(t.off, &c)?, b.read_table(t.len, &c)?)),
         None => None,
     };
-    let rows = ChunkRows { ci, window };
+    let rows = ChunkRows::new(b, ci, window, r.tabs.segments)?;
     let beta = if let Some((mine, zero)) = head_column {
         // Head `h`'s column of the rows `[64, H]`: the others zeroed, then a lane sum (exact:
         // one term).
@@ -274,13 +290,19 @@ fn chunk_local(
     // Rows past a packed chunk's tokens: k, v, beta and the activated g zero (no part in the
     // state, a decay of 1); q as read (each row of q reaches only its own row of `o`, and those
     // rows are dropped).
+    // Padding tokens' inputs may hold anything: zero, so that every product stays finite.
+    let q = rows.real(b, &q)?;
     let (kk, vv, beta) = (rows.keep(b, &kk)?, rows.keep(b, &vv)?, rows.keep(b, &beta)?);
     let g = activate(b, &g, d.gate, r.gate)?;
     let g = rows.keep(b, &g)?;
-    let terms = chunk_terms(b, &q, &kk, &g, &beta, cx.scale, cx.term_scratch(), cx.p, cx.g_passes)?;
+    let segs = rows.segments;
+    let mut terms = chunk_terms(b, &q, &kk, &g, &beta, cx.scale, cx.term_scratch(), cx.p, cx.g_passes)?;
+    if let Some(s) = &segs {
+        s.within_terms(b, &mut terms)?;
+    }
     let bv = b.broadcast(&beta, &[C, d.v])?;
     let bv = b.binary(Binary::Mul, &vv, &bv)?;
-    Ok((c, terms, bv))
+    Ok(ChunkLocal { c, terms, bv, segs })
 }
 
 /// A chunk's state update after the state `carried` from the step's previous chunk (fixed-length
@@ -295,7 +317,7 @@ fn state_update(
 ) -> Result<Option<V>> {
     let (d, r, p) = (cx.d, cx.r, cx.p);
     let (k, v) = (d.k, d.v);
-    let ChunkWork { ci, c, terms, u, w } = chunk;
+    let ChunkWork { ci, c, terms, u, w, segs } = chunk;
     let start = |b: &mut Body| match r.h0 {
         Some(h0) => {
             let h0 = b.load_all(h0)?;
@@ -309,7 +331,11 @@ fn state_update(
     // no branch, so that a step's chunks schedule as one block); segments reset it under a
     // branch.
     let s = if let Some(prev) = carried {
-        prev
+        // Segments: the state resets where a segment starts at the chunk's first row.
+        match segs {
+            Some(_) => reset_where(b, (r.tabs.first, &c), &prev)?,
+            None => prev,
+        }
     } else if d.fixed_rows() {
         let prev = b.load_all(r.state)?;
         let h0 = start(b)?;
@@ -330,13 +356,24 @@ fn state_update(
         let h = b.reshape(&h, &[1, 1, k, v])?;
         b.store(out, &[Offset::Const(0), Offset::Const(ci), Offset::Const(0), Offset::Const(0)], &h)?;
     }
+    // With segments the entering state reaches the chunk's first segment alone.
+    let first_rows = |b: &mut Body, x: V| match &segs {
+        Some(sg) => sg.keep(b, &x, SegmentRows::First),
+        None => Ok(x),
+    };
     let ws = b.matmul(&w, &s, (1, 0), p)?;
+    let ws = first_rows(b, ws)?;
     let v_new = b.binary(Binary::Sub, &u, &ws)?;
     let inter = b.matmul(&terms.f.qg, &s, (1, 0), p)?;
+    let inter = first_rows(b, inter)?;
     let sc = b.splat(cx.scale, DType::F32, &[C, v])?;
     let inter = b.binary(Binary::Mul, &inter, &sc)?;
     let intra = b.matmul(&terms.aqk, &v_new, (1, 0), p)?;
     let o = b.binary(Binary::Add, &inter, &intra)?;
+    let o = match &segs {
+        Some(sg) => sg.keep(b, &o, SegmentRows::Real)?,
+        None => o,
+    };
     match (r.tabs.window, r.place_o) {
         (Some(t), Some(buf)) => {
             let tables = window_at(b, &t, &c)?;
@@ -351,7 +388,13 @@ fn state_update(
     let decay = b.reshape(&terms.f.eg_last, &[k, 1])?;
     let decay = b.broadcast(&decay, &[k, v])?;
     let kept = b.binary(Binary::Mul, &s, &decay)?;
-    let add = b.matmul(&terms.f.kg, &v_new, (0, 0), p)?;
+    // With segments the leaving state is the chunk's last segment's: the entering one only if
+    // no segment starts inside the chunk, and only the last segment's tokens.
+    let (kept, kg) = match &segs {
+        Some(sg) => (sg.if_whole(b, &kept)?, sg.keep(b, &terms.f.kg, SegmentRows::Last)?),
+        None => (kept, terms.f.kg.clone()),
+    };
+    let add = b.matmul(&kg, &v_new, (0, 0), p)?;
     let s_next = b.binary(Binary::Add, &kept, &add)?;
     if d.fixed_rows() {
         // A row's final state: its last chunk's, the last write to its `ht` block.

@@ -98,12 +98,34 @@ fn ended(b: &mut FnBuilder, s: &KernelSpec, last: Value, slot: Value) -> Result<
     b.compare(Cmp::Gt, any, zero)
 }
 
+/// Whether the kernels read a packed spec's rows as one row of whole 64-token blocks with
+/// segment ids ([`ForwardDims::segments`]): packed tokens filling whole blocks, no per-segment
+/// states in or out, the tuning's [`Tuning::packed_blocks`](crate::op::Tuning::packed_blocks)
+/// and a nonzero result budget (0 sends every packed row through lanes).
+pub(super) fn segment_blocks(s: &KernelSpec) -> bool {
+    let p = s.dims.b * s.dims.t;
+    let states = s.options.has_h0 || s.options.final_state || s.options.has_dht;
+    s.packed_chunks.is_some()
+        && s.tuning.packed_blocks
+        && s.tuning.packed_result_bytes > 0
+        && !states
+        && p.is_multiple_of(CHUNK)
+        && (p as i64) < super::dims::SEGMENT_ID_LIMIT
+}
+
 /// How the kernel reads the caller's tokens: in place when rows have a fixed length of whole
-/// chunks, or are packed into whole 64-token blocks (batch-first only when each head's K and V
-/// lanes are whole 128-lane tiles, or H = 1), else through lanes that XLA makes (padded to whole
-/// chunks).
+/// chunks, or are packed into whole 64-token blocks (as one fixed row with segment ids,
+/// [`segment_blocks`], or through windows); batch-first only when each head's K and V lanes are
+/// whole 128-lane tiles, or H = 1; else through lanes that XLA makes (padded to whole chunks).
 pub(super) fn tokens_of(s: &KernelSpec) -> Tokens {
     let tiles = s.dims.h == 1 || (s.dims.k.is_multiple_of(128) && s.dims.v.is_multiple_of(128));
+    if segment_blocks(s) {
+        match (s.options.layout, tiles) {
+            (Layout::HeadFirst, _) => return Tokens::HeadFirst,
+            (Layout::BatchFirst, true) => return Tokens::BatchFirst,
+            _ => {}
+        }
+    }
     if s.packed_chunks.is_some() {
         // A head's `o` stays in VMEM (f32, double-buffered) while its chunks place their rows.
         if !packed_fits(s, s.dims.v) {
@@ -132,15 +154,58 @@ pub(super) fn kernel_input(
     d: i64,
 ) -> Result<Value> {
     let (h, bb, t) = (s.dims.h as i64, s.dims.b as i64, s.dims.t as i64);
+    let (rows, per_row) = if s.packed_chunks.is_some() { (1, bb * t) } else { (bb, t) };
     match tokens {
         Tokens::HeadFirst | Tokens::PackedHeadFirst => b.reshape(x, &[h, bb * t, d]),
-        Tokens::BatchFirst => b.reshape(x, &[bb, t, h * d]),
+        Tokens::BatchFirst => b.reshape(x, &[rows, per_row, h * d]),
         Tokens::PackedBatchFirst => b.reshape(x, &[1, bb * t, h * d]),
         Tokens::Lanes => {
             let x = lanes_first(b, s, x)?;
             kernel_tokens(b, s, x, slot_token)
         }
     }
+}
+
+/// The tables of a packed row read as whole blocks ([`segment_blocks`]), `[first, last, slot,
+/// segments]`: per 64-token block whether a segment starts at its first token and whether one
+/// ends at its last (i32 `[P / 64]`), the slots (zeros: no per-segment states), and each
+/// token's segment id (f32 `[P / 64, 1, 64]`: `token_segment`, and `-1 - p` for padding token `p`, so
+/// that each is a segment of its own).
+pub(super) fn segment_tables(b: &mut FnBuilder, s: &KernelSpec, a: &Args) -> Result<[Value; 4]> {
+    let (c, p) = (CHUNK as i64, (s.dims.b * s.dims.t) as i64);
+    let blocks = p / c;
+    let segment = a.token_segment.ok_or_else(|| {
+        crate::TpuError::builder("mosaic kernels", "a packed program without token_segment")
+    })?;
+    let zero = b.constant_i32(0, i32t(&[p]))?;
+    let real = b.compare(Cmp::Ge, segment, zero)?;
+    let own = b.iota(i32t(&[p]), 0)?;
+    let minus_one = b.constant_i32(-1, i32t(&[p]))?;
+    let own = b.sub(minus_one, own)?;
+    let id = b.select(real, segment, own)?;
+    // Per block: its first and last tokens' ids against its neighbours'.
+    let rows = b.reshape(id, &[blocks, c])?;
+    let head = b.slice(rows, &[0, 0], &[blocks, 1], &[1, 1])?;
+    let head = b.reshape(head, &[blocks])?;
+    let tail = b.slice(rows, &[0, c - 1], &[blocks, c], &[1, 1])?;
+    let tail = b.reshape(tail, &[blocks])?;
+    let edge = b.constant_i32(i32::MIN, i32t(&[1]))?;
+    let before = b.slice(tail, &[0], &[blocks - 1], &[1])?;
+    let before = b.concatenate(&[edge, before], 0)?;
+    let after = b.slice(head, &[1], &[blocks], &[1])?;
+    let after = b.concatenate(&[after, edge], 0)?;
+    let flag = |b: &mut FnBuilder, x: Value, y: Value| -> Result<Value> {
+        let differ = b.compare(Cmp::Ne, x, y)?;
+        let one = b.constant_i32(1, i32t(&[blocks]))?;
+        let zero = b.constant_i32(0, i32t(&[blocks]))?;
+        b.select(differ, one, zero)
+    };
+    let first = flag(b, head, before)?;
+    let last = flag(b, tail, after)?;
+    let slot = b.constant_i32(0, i32t(&[blocks]))?;
+    let ids = b.convert(id, kda_core::DType::F32)?;
+    let ids = b.reshape(ids, &[blocks, 1, c])?;
+    Ok([first, last, slot, ids])
 }
 
 /// The window tables of a packed kernel ([`super::operands::WindowTables`]) from `slot_token`
@@ -268,11 +333,20 @@ pub(super) fn packed_result(
 /// operands or results: the caller sets those).
 pub(super) fn kernel_dims(s: &KernelSpec, tokens: Tokens, g_dtype: kda_core::DType) -> ForwardDims {
     let x = on_device(s.options.dtype);
+    // Segment ids: one row of the packed tokens' blocks, no state slots.
+    let segments = tokens != Tokens::Lanes && !tokens.packed() && s.packed_chunks.is_some();
+    let (chunks, slots) = if segments {
+        (((s.dims.b * s.dims.t) / CHUNK) as i64, 1)
+    } else {
+        (s.chunks() as i64, s.slots() as i64)
+    };
     ForwardDims {
         heads: s.dims.h as i64,
         rows: (s.lanes() / s.dims.h) as i64,
-        chunks: s.chunks() as i64,
-        slots: s.slots() as i64,
+        chunks,
+        slots,
+        segments,
+        saved_chunks: s.chunks() as i64,
         k: s.dims.k as i64,
         v: s.dims.v as i64,
         qk: x,
@@ -368,6 +442,7 @@ pub(super) struct SharedInputs {
     last: Value,
     slot: Value,
     window: Option<[Value; 4]>,
+    segments: Option<Value>,
     tokens: PerToken<Value>,
     gate: Option<Value>,
     /// The dtype of `g` as the kernel reads it.
@@ -376,8 +451,8 @@ pub(super) struct SharedInputs {
 
 impl SharedInputs {
     /// The values for a kernel of `s` reading `tokens` (`what` names it in errors): the slots
-    /// the kernels read ([`kernel_slots`]), the window tables from `slot_token`, the per-token
-    /// inputs, the gate parameters.
+    /// the kernels read ([`kernel_slots`]), the window tables from `slot_token` (or the tables
+    /// of [`segment_tables`]), the per-token inputs, the gate parameters.
     pub(super) fn new(
         b: &mut FnBuilder,
         s: &KernelSpec,
@@ -385,7 +460,12 @@ impl SharedInputs {
         tokens: Tokens,
         what: &str,
     ) -> Result<Self> {
-        let slot = kernel_slots(b, s, a.tables.slot)?;
+        let (first, last, slot, segments) = if kernel_dims(s, tokens, s.options.dtype).segments {
+            let [first, last, slot, ids] = segment_tables(b, s, a)?;
+            (first, last, slot, Some(ids))
+        } else {
+            (a.tables.first, a.tables.last, kernel_slots(b, s, a.tables.slot)?, None)
+        };
         let window = if tokens.packed() {
             let slot_token = a
                 .slot_token
@@ -399,8 +479,7 @@ impl SharedInputs {
             (true, Some(al)) => Some(gate_operand(b, s, al, a.dt_bias)?),
             _ => None,
         };
-        let (first, last) = (a.tables.first, a.tables.last);
-        Ok(SharedInputs { first, last, slot, window, tokens: tokens_in, gate, g_dtype })
+        Ok(SharedInputs { first, last, slot, window, segments, tokens: tokens_in, gate, g_dtype })
     }
 
     /// Binds them to a kernel's tables `tabs`, per-token inputs `refs` and gate input `gate`.
@@ -419,6 +498,9 @@ impl SharedInputs {
             args.table(t.hi, hi)?;
             args.table(t.off, off)?;
             args.table(t.len, len)?;
+        }
+        if let (Some(input), Some(value)) = (tabs.segments, self.segments) {
+            args.input(input, value)?;
         }
         for (input, value) in refs.each().into_iter().zip(self.tokens.each()) {
             input.bind(args, *value)?;
@@ -457,12 +539,17 @@ pub(super) fn forward_body(
         Some(h0) => Some(prep::state_table(b, s, h0)?),
         None => None,
     };
+    let dims = kernel_dims(s, tokens, shared.g_dtype);
+    // States kept for a backward in the same program (with the chunk terms) take the kernel's
+    // own chunks; a saved-state forward's `h` has the signature's.
+    let saved_chunks = if terms { dims.chunks } else { dims.saved_chunks };
     let dims = ForwardDims {
         h0: h0.is_some(),
         ht: s.options.final_state,
         states: keep_h,
         terms,
-        ..kernel_dims(s, tokens, shared.g_dtype)
+        saved_chunks,
+        ..dims
     };
     let fk = forward_kernel(with_steps(dims, s, None), s.options.scale)?;
     let r = &fk.refs;

@@ -12,13 +12,15 @@ use crate::lang::{Bindings, Body, Index, KernelBuilder, Offset, Operand, Ref, Se
 
 /// The chunk tables of a kernel (`[NT]` i32 each): `first` and `last` mark a segment's first
 /// and last chunk, `slot` its state slot; a packed kernel reads its tokens in place through
-/// [`WindowTables`].
+/// [`WindowTables`], or as whole blocks with the per-token segment ids `segments`
+/// ([`ForwardDims::segments`]).
 #[derive(Clone, Copy, Debug)]
 pub(super) struct ChunkTabs {
     pub first: Table,
     pub last: Table,
     pub slot: Table,
     pub window: Option<WindowTables>,
+    pub segments: Option<Ref>,
 }
 
 /// The tables with which a packed kernel ([`super::forward::Tokens::packed`]) finds chunk
@@ -81,8 +83,9 @@ impl TokenIn {
 impl ForwardDims {
     /// The builder both kernels start from, and its chunk tables: the grid (heads, rows, then
     /// the sequential steps of `chunks_per_step` chunks) and the scalar-prefetched tables
-    /// (`first`, `last`, `slot`, and for packed tokens read in place the window tables).
-    pub(super) fn builder(&self, name: &str) -> (KernelBuilder, ChunkTabs) {
+    /// (`first`, `last`, `slot`, and for packed tokens read in place the window tables), or the
+    /// segment ids of [`ForwardDims::segments`] (read in the backward's order with `reverse`).
+    pub(super) fn builder(&self, name: &str, reverse: bool) -> (KernelBuilder, ChunkTabs) {
         let nt = self.chunks;
         let mut kb = KernelBuilder::new(name);
         kb.grid(self.heads, Semantics::Parallel)
@@ -95,7 +98,20 @@ impl ForwardDims {
             off: kb.table("off", nt),
             len: kb.table("len", nt),
         });
-        (kb, ChunkTabs { first, last, slot, window })
+        // A chunk's ids a lane-dense row each (`[1, T, 1]` would take XLA a relayout to 128
+        // lanes a token).
+        let segments = self.segments.then(|| {
+            let n = self.chunks_per_step();
+            let step = if reverse { Index::Const(nt / n - 1) + Index::Grid(2) * -1 } else { Index::Grid(2) };
+            let ty = TensorType::new(DType::F32, &[nt, 1, C]);
+            kb.input(Operand::blocked(
+                "segments",
+                ty,
+                &[n, 1, C],
+                vec![step, Index::Const(0), Index::Const(0)],
+            ))
+        });
+        (kb, ChunkTabs { first, last, slot, window, segments })
     }
 
     /// Declares a per-token input of width `w` whose block `operand(table)` makes: one block,
@@ -174,11 +190,14 @@ impl ForwardDims {
 }
 
 /// Where chunk `ci` of a grid step finds its tokens: rows `64 ci` of its blocks, or (packed)
-/// rows `off .. off + 64` of its window's two blocks, the rows from `len` on not its own.
+/// rows `off .. off + 64` of its window's two blocks, the rows from `len` on not its own; with
+/// [`ForwardDims::segments`], its segment ids.
 pub(super) struct ChunkRows {
     pub ci: i64,
     /// `off` and `len` of a packed chunk.
     pub window: Option<(V, V)>,
+    /// The segment ids of a chunk of [`ForwardDims::segments`].
+    pub segments: Option<ChunkSegments>,
 }
 
 impl ChunkRows {
@@ -203,8 +222,30 @@ impl ChunkRows {
         }
     }
 
-    /// `x` with the rows from a packed chunk's `len` on zero (the next segment's tokens).
+    /// Chunk `ci`'s rows: in its window (`off`, `len`), or with the segment ids of `segments`.
+    pub fn new(b: &mut Body, ci: i64, window: Option<(V, V)>, segments: Option<Ref>) -> Result<Self> {
+        let segments = match segments {
+            Some(ids) => Some(ChunkSegments::read(b, ids, ci)?),
+            None => None,
+        };
+        Ok(ChunkRows { ci, window, segments })
+    }
+
+    /// `x` with padding tokens' rows zero (segment ids; a window's rows past `len` are another
+    /// segment's tokens, finite, which [`ChunkRows::keep`] drops where it matters).
+    pub fn real(&self, b: &mut Body, x: &V) -> Result<V> {
+        match &self.segments {
+            Some(s) => s.keep(b, x, SegmentRows::Real),
+            None => Ok(x.clone()),
+        }
+    }
+
+    /// `x` with the rows from a packed chunk's `len` on zero (the next segment's tokens), or
+    /// padding tokens' rows zero (segment ids).
     pub fn keep(&self, b: &mut Body, x: &V) -> Result<V> {
+        if self.segments.is_some() {
+            return self.real(b, x);
+        }
         match &self.window {
             None => Ok(x.clone()),
             Some((_, len)) => {
@@ -216,6 +257,120 @@ impl ChunkRows {
             }
         }
     }
+}
+
+/// Which rows of a chunk of [`ForwardDims::segments`] a mask keeps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum SegmentRows {
+    /// Tokens (not padding).
+    Real,
+    /// The chunk's first segment's, the one the entering state belongs to.
+    First,
+    /// The chunk's last segment's, the one the leaving state belongs to.
+    Last,
+}
+
+/// A chunk's segment ids ([`ForwardDims::segments`]) and the masks made of them: every
+/// boundary inside the chunk is a select, so a segment's results read only its own tokens,
+/// bitwise.
+pub(super) struct ChunkSegments {
+    /// Token `t`'s id in row `t`, `[64, 1]` f32.
+    ids: V,
+    /// `[64, 64]`: row `t` holds token `t`'s id throughout; its transpose `cols`.
+    rows: V,
+    cols: V,
+    /// The row masks made so far, by rows and width (each made once a chunk).
+    masks: std::cell::RefCell<Vec<((SegmentRows, i64), V)>>,
+}
+
+impl ChunkSegments {
+    /// Chunk `ci`'s ids from the step's block of `segments` (`[n, 1, 64]`, one lane-dense row
+    /// a chunk).
+    pub fn read(b: &mut Body, segments: Ref, ci: i64) -> Result<Self> {
+        let x = b.load(segments, &[Offset::Const(ci), Offset::Const(0), Offset::Const(0)], &[1, 1, C])?;
+        let x = b.reshape(&x, &[1, C])?;
+        let cols = b.broadcast(&x, &[C, C])?;
+        let ids = b.reshape(&x, &[C, 1])?;
+        let rows = b.broadcast(&ids, &[C, C])?;
+        Ok(ChunkSegments { ids, rows, cols, masks: Default::default() })
+    }
+
+    /// Row `r`'s id broadcast to `dims`.
+    fn id_of_row(&self, b: &mut Body, r: i64, dims: &[i64]) -> Result<V> {
+        let x = b.slice(&self.ids, &[r, 0], &[1, 1])?;
+        b.broadcast(&x, dims)
+    }
+
+    /// `x` `[64, w]` with the rows outside `rows` zero (a select: the rows dropped may hold
+    /// anything, padding tokens' inputs included).
+    pub fn keep(&self, b: &mut Body, x: &V, rows: SegmentRows) -> Result<V> {
+        let dims = x.ty.dims.clone();
+        let inside = self.mask(b, rows, &dims)?;
+        let zero = b.splat(0.0, DType::F32, &dims)?;
+        b.select(&inside, x, &zero)
+    }
+
+    /// The i1 mask `[64, w]` of `rows`, made on first use.
+    fn mask(&self, b: &mut Body, rows: SegmentRows, dims: &[i64]) -> Result<V> {
+        let key = (rows, dims[1]);
+        if let Some((_, m)) = self.masks.borrow().iter().find(|(k, _)| *k == key) {
+            return Ok(m.clone());
+        }
+        let ids = b.broadcast(&self.ids, dims)?;
+        let inside = match rows {
+            SegmentRows::Real => {
+                let zero = b.splat(0.0, DType::F32, dims)?;
+                b.compare(Cmp::Ge, &ids, &zero)?
+            }
+            SegmentRows::First | SegmentRows::Last => {
+                let r = if rows == SegmentRows::First { 0 } else { C - 1 };
+                let id = self.id_of_row(b, r, dims)?;
+                b.compare(Cmp::Eq, &ids, &id)?
+            }
+        };
+        self.masks.borrow_mut().push((key, inside.clone()));
+        Ok(inside)
+    }
+
+    /// `x` `[64, 64]` on the pairs of tokens of one segment, zero elsewhere.
+    pub fn within(&self, b: &mut Body, x: &V) -> Result<V> {
+        let same = b.compare(Cmp::Eq, &self.rows, &self.cols)?;
+        let zero = b.splat(0.0, DType::F32, &[C, C])?;
+        b.select(&same, x, &zero)
+    }
+
+    /// The chunk terms `Aqk` and `L` (both parts) on each segment's pairs alone: the inverse of
+    /// `I + L` then holds no pair of two segments either.
+    pub fn within_terms(&self, b: &mut Body, t: &mut super::blocks::ChunkTerms) -> Result<()> {
+        t.aqk = self.within(b, &t.aqk)?;
+        t.l_blocks = self.within(b, &t.l_blocks)?;
+        t.l_rest = self.within(b, &t.l_rest)?;
+        t.l = self.within(b, &t.l)?;
+        Ok(())
+    }
+
+    /// `x` (a state, or the chunk's decay) where the chunk is one segment throughout, else
+    /// zero: a boundary inside the chunk ends the entering state's segment there.
+    pub fn if_whole(&self, b: &mut Body, x: &V) -> Result<V> {
+        let dims = x.ty.dims.clone();
+        let (first, last) = (self.id_of_row(b, 0, &dims)?, self.id_of_row(b, C - 1, &dims)?);
+        let whole = b.compare(Cmp::Eq, &first, &last)?;
+        let zero = b.splat(0.0, DType::F32, &dims)?;
+        b.select(&whole, x, &zero)
+    }
+}
+
+/// `x` (a state `[K, V]`) where table `flag` is 0 at chunk `c`, else zero: the state entering
+/// a segment's first chunk (forward, `first`) or leaving its last (backward, `last`) without
+/// `h0` or `dht`. A select, so that a step's chunks schedule as one block.
+pub(super) fn reset_where(b: &mut Body, (flag, c): (Table, &V), x: &V) -> Result<V> {
+    let dims = x.ty.dims.clone();
+    let set = b.read_table(flag, c)?;
+    let set = b.broadcast(&set, &dims)?;
+    let no = b.splat(0.0, DType::I32, &dims)?;
+    let keep = b.compare(Cmp::Eq, &set, &no)?;
+    let zero = b.splat(0.0, DType::F32, &dims)?;
+    b.select(&keep, x, &zero)
 }
 
 /// Writes the state `x` `[K, V]` to the `[1, 1, K, V]` block `out` where `flag[c]` is set (a
