@@ -1113,6 +1113,26 @@ mod full {
         super::causality::holds(implementation, devices, rows.0, setup);
     }
 
+    /// The interpret lowering on every packed case of the table without per-segment states
+    /// (those whose tokens fill whole 64-token blocks the kernels read as whole blocks with
+    /// segment masks, the rest through lanes): both strategies, split and fused, f32 and bf16.
+    #[rstest]
+    fn interpret_packed_cases_without_states(
+        #[values(BackwardStrategy::SavedState, BackwardStrategy::Rematerialize)] strategy: BackwardStrategy,
+        #[values(Path::Fused, Path::Split)] path: Path,
+        #[values(DType::F32, DType::BF16)] dtype: DType,
+    ) {
+        use kda_testkit::cases::CaseSegments;
+        let be = super::interpret::backend();
+        let failures: Vec<String> = kda_testkit::cases::all_cases()
+            .into_iter()
+            .filter(|c| !matches!(c.segments, CaseSegments::Fixed))
+            .map(|c| kda_testkit::Case { initial_state: false, final_state: false, ..c })
+            .filter_map(|c| backward_case(&be, &c, dtype, strategy, path).err())
+            .collect();
+        assert!(failures.is_empty(), "{} cases failed:\n{}", failures.len(), failures.join("\n"));
+    }
+
     #[rstest]
     fn interpret_forward_every_case(#[values(DType::F32, DType::BF16)] dtype: DType) {
         let be = super::interpret::backend();
