@@ -260,47 +260,18 @@ mod full {
         xla_program_compiles(name, kind, limit_mb);
     }
 
-    #[rstest]
-    #[case::secondary_forward_fixed("bench_secondary", S::Rematerialize)]
-    #[case::secondary_forward_packed("bench_secondary_packed", S::Rematerialize)]
-    fn mosaic_forward_compiles_for_tpu7x(#[case] name: &str, #[case] strategy: BackwardStrategy) {
-        mosaic_forward_compiles(name, strategy, None);
-    }
-
-    #[rstest]
-    #[case::secondary_forward(
-        "bench_secondary",
-        "bench_secondary_packed",
-        ProgramKind::Forward(S::Rematerialize),
-        1.15
-    )]
-    #[case::secondary_fused(
-        "bench_secondary",
-        "bench_secondary_packed",
-        ProgramKind::Fused(S::SavedState),
-        1.15
-    )]
-    #[case::long_forward("bench_long", "bench_long_packed", ProgramKind::Forward(S::Rematerialize), 1.15)]
-    #[case::long_fused("bench_long", "bench_long_packed", ProgramKind::Fused(S::SavedState), 1.15)]
-    #[case::short_segments_forward(
-        "bench_long",
-        "bench_long_short_segments",
-        ProgramKind::Forward(S::Rematerialize),
-        1.5
-    )]
-    #[case::short_segments_fused(
-        "bench_long",
-        "bench_long_short_segments",
-        ProgramKind::Fused(S::SavedState),
-        1.5
-    )]
-    fn packed_rows_cost_what_fixed_rows_cost(
-        #[case] fixed: &str,
-        #[case] packed: &str,
-        #[case] kind: ProgramKind,
-        #[case] ratio: f64,
-    ) {
-        packed_within(fixed, packed, kind, ratio);
+    #[test]
+    fn packed_rows_cost_what_fixed_rows_cost_at_length() {
+        let (fwd, fused) = (ProgramKind::Forward(S::Rematerialize), ProgramKind::Fused(S::SavedState));
+        for (fixed, packed, ratio) in [
+            ("bench_secondary", "bench_secondary_packed", 1.15),
+            ("bench_long", "bench_long_packed", 1.15),
+            ("bench_long", "bench_long_short_segments", 1.5),
+        ] {
+            for kind in [fwd, fused] {
+                packed_within(fixed, packed, kind, ratio);
+            }
+        }
     }
 
     /// The fused forward+VJP on the kernels at H=32, T=8192: at most tokamax's Pallas peak
