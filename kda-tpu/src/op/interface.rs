@@ -30,7 +30,10 @@
 //! `final_state`) and `[h]` (f32 `[L, NT, K, V]`, `Forward(SavedState)`); the backward `dq dk dv dg
 //! dbeta [dh0] [da_log] [ddt_bias]` (each in its input's element type; `dh0` like `h0`,
 //! `da_log` and `ddt_bias` f32); the fused program the forward's `o [final_state]` and then the
-//! backward's results. Per-token results are 2-D: `o dq dk dv dg` are
+//! backward's results. `h` is the state entering every chunk of the plan; where the Mosaic
+//! kernels read packed rows as whole 64-token blocks (no per-segment states), the state
+//! entering each block, in its first `B*T/64` entries (the rest unused), which the same
+//! implementation's backward reads. Per-token results are 2-D: `o dq dk dv dg` are
 //! [`KernelSpec::result_token_dims`] (`[H*B*T, D]`, or `[B*T, H*D]` batch-first in a kernel
 //! forward) and `dbeta` `[H*B*T]`, holding the row-major elements of the caller's shape
 //! (`token_dims(D)`, `beta_dims()`): a reshape gives that shape back. A forward run by a kernel
