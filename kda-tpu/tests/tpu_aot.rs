@@ -129,8 +129,8 @@ fn listing_compiler() -> (TpuCompiler, std::path::PathBuf) {
 /// forward's count at the primary shape agrees within 5% with the independent count of the same
 /// method (496 k bundles, libtpu 0.0.52; docs/performance.md), and the Mosaic forward's counts
 /// come with their kernels' share and are at most tokamax's Mosaic forward's counted the same
-/// way (docs/kda.md, Benchmarks): 86.7 k at the primary shape, 177 k with four segments, 2.61 M
-/// at H=32, T=8192.
+/// way (docs/kda.md, Benchmarks): 86.7 k at the primary shape, 2.61 M at H=32, T=8192, and with
+/// four segments two thirds of its 177 k (118 k: packed rows read as whole blocks).
 #[test]
 fn static_cycles_of_the_forward() {
     use kda_tpu::Implementation::{Mosaic, Xla};
@@ -150,16 +150,12 @@ fn static_cycles_of_the_forward() {
     let off = (xla.total as f64 / 496e3 - 1.0).abs();
     assert!(off <= 0.05, "XLA forward: {} cycles, {:.1}% off 496 k", xla.total, off * 100.0);
     assert_eq!(xla.kernels, 0);
-    for (name, tokamax) in
-        [("bench_primary", 86_700), ("bench_primary_packed", 177_000), ("bench_secondary", 2_610_000)]
+    for (name, limit) in
+        [("bench_primary", 86_700), ("bench_primary_packed", 118_000), ("bench_secondary", 2_610_000)]
     {
         let mosaic = count(name, Mosaic);
         assert!(mosaic.kernels > 0 && mosaic.kernels <= mosaic.total, "{mosaic:?}");
-        assert!(
-            mosaic.total <= tokamax,
-            "{name} Mosaic forward: {} cycles, over tokamax's {tokamax}",
-            mosaic.total
-        );
+        assert!(mosaic.total <= limit, "{name} Mosaic forward: {} cycles, over {limit}", mosaic.total);
     }
     std::fs::remove_dir_all(&dir).ok();
 }
@@ -168,12 +164,12 @@ fn static_cycles_of_the_forward() {
 /// segments): three kernels (the forward, the backward, the masks they share) within the
 /// default scoped VMEM; the peak below the XLA fused programs' (49.2 MB fixed, 60.5 MB packed,
 /// remat: the lower of the two strategies) and so below the seed's 64.0 / 97.7 MB; static
-/// cycles at most tokamax's Mosaic forward+VJP counted the same way with four segments (361 k),
-/// and within 2% of it fixed (189.1 k against 186 k: the one product per chunk that forms
+/// cycles at most two thirds of tokamax's Mosaic forward+VJP counted the same way with four
+/// segments (240 k of its 361 k: packed rows read as whole blocks), and within 2% of it fixed (189.1 k against 186 k: the one product per chunk that forms
 /// `Aqk`'s diagonal for bitwise causality, docs/design.md). H=32, T=8192 in `full`.
 #[test]
 fn static_cycles_and_peaks_of_the_fused_kernels() {
-    for (name, peak_mb, cycles) in [("bench_primary", 49.2, 189_100), ("bench_primary_packed", 60.5, 361_000)]
+    for (name, peak_mb, cycles) in [("bench_primary", 49.2, 189_100), ("bench_primary_packed", 60.5, 240_000)]
     {
         fused_kernels_hold(name, peak_mb, cycles);
     }
