@@ -28,8 +28,8 @@ use super::blocks::{
 use super::dims::{ForwardDims, Gate, Tokens, C, FLOOR};
 use super::forward::{activate, gate_params, l2_normalise_with_scale, place};
 use super::operands::{
-    reset_where, store_state_where, token_operand, window_at, ChunkRows, ChunkSegments, ChunkTabs, PerToken,
-    SegmentRows, TokenIn,
+    if_whole, reset_where, segment_rows, store_state_where, token_operand, window_at, ChunkRows,
+    ChunkSegments, ChunkTabs, PerToken, SegmentRows, TokenIn,
 };
 use crate::error::{Result, TpuError};
 use crate::hlo::{Cmp, TensorType};
@@ -367,10 +367,6 @@ fn chunk_state(
     dh: &V,
     segs: Option<&ChunkSegments>,
 ) -> Result<(ChunkState, V)> {
-    let rows_of = |b: &mut Body, x: &V, rows: SegmentRows| match segs {
-        Some(s) => s.keep(b, x, rows),
-        None => Ok(x.clone()),
-    };
     let (d, r, p) = (cx.d, cx.r, cx.p);
     let (k, v) = (d.k, d.v);
     let scratch = TermScratch::of_kernel([r.masks[0], r.masks[1]], r.sums);
@@ -401,13 +397,13 @@ fn chunk_state(
     let s0 = b.to_dtype(&s0, DType::F32)?;
     let s0 = b.reshape(&s0, &[k, v])?;
     let ws = b.matmul(&w, &s0, (1, 0), p)?;
-    let ws = rows_of(b, &ws, SegmentRows::First)?;
+    let ws = segment_rows(b, segs, &ws, SegmentRows::First)?;
     let vn = b.binary(Binary::Sub, &u, &ws)?;
     let dvn = {
         // One product: [Aqk^T, kg] [dO; dh].
         let op = aqk.ty.elem;
         let at = b.transpose(&aqk)?;
-        let kg = rows_of(b, &t.kg, SegmentRows::Last)?;
+        let kg = segment_rows(b, segs, &t.kg, SegmentRows::Last)?;
         let kg = b.to_dtype(&kg, op)?;
         let lhs = b.concat(&[at, kg], 1)?;
         let d_o_op = b.to_dtype(&x.d_o, op)?;
@@ -421,12 +417,12 @@ fn chunk_state(
         let decay = b.reshape(&t.eg_last, &[k, 1])?;
         let decay = b.broadcast(&decay, &[k, v])?;
         let kept = b.binary(Binary::Mul, dh, &decay)?;
-        let kept = match segs {
-            Some(s) => s.if_whole(b, &kept)?,
-            None => kept,
-        };
+        let kept = if_whole(b, segs, &kept)?;
         // Both products as one over the stacked tokens: [qg; w]^T [scale dO; -dv_new].
-        let (qg, w) = (rows_of(b, &t.qg, SegmentRows::First)?, rows_of(b, &w, SegmentRows::First)?);
+        let (qg, w) = (
+            segment_rows(b, segs, &t.qg, SegmentRows::First)?,
+            segment_rows(b, segs, &w, SegmentRows::First)?,
+        );
         let lhs = b.concat(&[qg, w], 0)?;
         let ndvn = b.unary(Unary::Neg, &dvn)?;
         let rhs = b.concat(&[sd_o.clone(), ndvn], 0)?;
@@ -696,10 +692,6 @@ fn chunk_grads(
     masks_t: Ref,
 ) -> Result<Grads> {
     let ChunkState { t, a, s0, vn, dvn, sd_o } = st;
-    let rows_of = |b: &mut Body, x: V, rows: SegmentRows| match segs {
-        Some(s) => s.keep(b, &x, rows),
-        None => Ok(x),
-    };
     let (kd, vd) = (d.k, d.v);
     let p = d.precision();
     let mul = |b: &mut Body, x: &V, y: &V| b.binary(Binary::Mul, x, y);
@@ -716,23 +708,20 @@ fn chunk_grads(
         b.matmul(&lhs, s0, (1, 1), p)?
     };
     let dqg = b.slice(&both, &[0, 0], &[C, kd])?;
-    let dqg = rows_of(b, dqg, SegmentRows::First)?;
+    let dqg = segment_rows(b, segs, &dqg, SegmentRows::First)?;
     let nw = b.slice(&both, &[C, 0], &[C, kd])?;
-    let nw = rows_of(b, nw, SegmentRows::First)?;
+    let nw = segment_rows(b, segs, &nw, SegmentRows::First)?;
     let mut dq = mul(b, &dqg, &t.egc)?;
     let mut d_g = mul(b, &dqg, &t.qg)?;
     let dkg = b.matmul(vn, dh, (1, 1), p)?;
-    let dkg = rows_of(b, dkg, SegmentRows::Last)?;
+    let dkg = segment_rows(b, segs, &dkg, SegmentRows::Last)?;
     let mut dk = mul(b, &dkg, &t.egs)?;
     let d_suffix = mul(b, &dkg, &t.kg)?;
     let sd = mul(b, s0, dh)?;
     let hd = b.reduce(Reduction::Sum, &sd, 1)?;
     let hd = b.reshape(&hd, &[1, kd])?;
     let d_last = mul(b, &hd, &t.eg_last)?;
-    let d_last = match segs {
-        Some(s) => s.if_whole(b, &d_last)?,
-        None => d_last,
-    };
+    let d_last = if_whole(b, segs, &d_last)?;
     let wide_v = b.broadcast(beta, &[C, vd])?;
     let dv = mul(b, &xu, &wide_v)?;
     // Through `w = A (beta k e^G)`: `nw e^G` to `dk` (times beta) and to `dg` (times

@@ -22,8 +22,8 @@ use kda_core::DType;
 use super::blocks::{chunk_terms, unit_lower_inverse_of_parts, ChunkTerms, TermScratch};
 use super::dims::{ForwardDims, Gate, Tokens, C, FLOOR};
 use super::operands::{
-    reset_where, store_state_where, token_operand, window_at, ChunkRows, ChunkSegments, ChunkTabs, PerToken,
-    SegmentRows, TokenIn,
+    if_whole, reset_where, segment_rows, store_state_where, token_operand, window_at, ChunkRows,
+    ChunkSegments, ChunkTabs, PerToken, SegmentRows, TokenIn,
 };
 use crate::error::{Result, TpuError};
 use crate::hlo::{Cmp, TensorType};
@@ -357,23 +357,17 @@ fn state_update(
         b.store(out, &[Offset::Const(0), Offset::Const(ci), Offset::Const(0), Offset::Const(0)], &h)?;
     }
     // With segments the entering state reaches the chunk's first segment alone.
-    let first_rows = |b: &mut Body, x: V| match &segs {
-        Some(sg) => sg.keep(b, &x, SegmentRows::First),
-        None => Ok(x),
-    };
+    let segs = segs.as_ref();
     let ws = b.matmul(&w, &s, (1, 0), p)?;
-    let ws = first_rows(b, ws)?;
+    let ws = segment_rows(b, segs, &ws, SegmentRows::First)?;
     let v_new = b.binary(Binary::Sub, &u, &ws)?;
     let inter = b.matmul(&terms.f.qg, &s, (1, 0), p)?;
-    let inter = first_rows(b, inter)?;
+    let inter = segment_rows(b, segs, &inter, SegmentRows::First)?;
     let sc = b.splat(cx.scale, DType::F32, &[C, v])?;
     let inter = b.binary(Binary::Mul, &inter, &sc)?;
     let intra = b.matmul(&terms.aqk, &v_new, (1, 0), p)?;
     let o = b.binary(Binary::Add, &inter, &intra)?;
-    let o = match &segs {
-        Some(sg) => sg.keep(b, &o, SegmentRows::Real)?,
-        None => o,
-    };
+    let o = segment_rows(b, segs, &o, SegmentRows::Real)?;
     match (r.tabs.window, r.place_o) {
         (Some(t), Some(buf)) => {
             let tables = window_at(b, &t, &c)?;
@@ -390,10 +384,8 @@ fn state_update(
     let kept = b.binary(Binary::Mul, &s, &decay)?;
     // With segments the leaving state is the chunk's last segment's: the entering one only if
     // no segment starts inside the chunk, and only the last segment's tokens.
-    let (kept, kg) = match &segs {
-        Some(sg) => (sg.if_whole(b, &kept)?, sg.keep(b, &terms.f.kg, SegmentRows::Last)?),
-        None => (kept, terms.f.kg.clone()),
-    };
+    let kept = if_whole(b, segs, &kept)?;
+    let kg = segment_rows(b, segs, &terms.f.kg, SegmentRows::Last)?;
     let add = b.matmul(&kg, &v_new, (0, 0), p)?;
     let s_next = b.binary(Binary::Add, &kept, &add)?;
     if d.fixed_rows() {

@@ -234,10 +234,7 @@ impl ChunkRows {
     /// `x` with padding tokens' rows zero (segment ids; a window's rows past `len` are another
     /// segment's tokens, finite, which [`ChunkRows::keep`] drops where it matters).
     pub fn real(&self, b: &mut Body, x: &V) -> Result<V> {
-        match &self.segments {
-            Some(s) => s.keep(b, x, SegmentRows::Real),
-            None => Ok(x.clone()),
-        }
+        segment_rows(b, self.segments.as_ref(), x, SegmentRows::Real)
     }
 
     /// `x` with the rows from a packed chunk's `len` on zero (the next segment's tokens), or
@@ -357,6 +354,29 @@ impl ChunkSegments {
         let whole = b.compare(Cmp::Eq, &first, &last)?;
         let zero = b.splat(0.0, DType::F32, &dims)?;
         b.select(&whole, x, &zero)
+    }
+}
+
+/// `x` with the rows outside `rows` zero for a chunk with segment ids `segs`
+/// ([`ChunkSegments::keep`]); `x` as it is without them.
+pub(super) fn segment_rows(
+    b: &mut Body,
+    segs: Option<&ChunkSegments>,
+    x: &V,
+    rows: SegmentRows,
+) -> Result<V> {
+    match segs {
+        Some(s) => s.keep(b, x, rows),
+        None => Ok(x.clone()),
+    }
+}
+
+/// `x` where a chunk with segment ids `segs` is one segment throughout, else zero
+/// ([`ChunkSegments::if_whole`]); `x` as it is without them.
+pub(super) fn if_whole(b: &mut Body, segs: Option<&ChunkSegments>, x: &V) -> Result<V> {
+    match segs {
+        Some(s) => s.if_whole(b, x),
+        None => Ok(x.clone()),
     }
 }
 
