@@ -1,6 +1,7 @@
-//! The Mosaic kernel layer, op by op and feature by feature: each kernel's interpret lowering
-//! runs on the CPU plugin and matches a host computation, and its Mosaic lowering compiles for
-//! `tpu7x:2x2x1` through the setup's libtpu. `cargo xtask test` runs every test in its own
+//! The kernel language, op by op and feature by feature: each kernel's interpret lowering
+//! runs on the CPU plugin and matches a host computation, its Mosaic lowering compiles for
+//! `tpu7x:2x2x1` through the setup's libtpu, and its Triton lowering compiles for the H200
+//! through the setup's CUDA plugin (or is refused, naming why). `cargo xtask test` runs every test in its own
 //! process (nextest), so a libtpu crash on a new op shape fails that test, not the suite.
 
 // The shared runner of builder programs; this binary reads float results only.
@@ -11,10 +12,11 @@ mod hlo_support;
 use half::bf16;
 use hlo_support::{assert_close, rand_vec, In};
 use kda_core::DType;
+use kda_tpu::aot::{GpuCompiler, H200};
 use kda_tpu::hlo::{Cmp, TensorType};
 use kda_tpu::lang::{
-    Binary, Cost, Index, Kernel, KernelBuilder, Lowering, MatPrecision, Offset, Operand, Reduction, Ref,
-    Semantics, Unary,
+    Binary, Cost, Feature, Index, Kernel, KernelBuilder, Lowering, MatPrecision, Offset, Operand, Reduction,
+    Ref, Semantics, Unary,
 };
 use kda_tpu::op::tpu_kernels::blocks::{TermMasks, TermScratch};
 use kda_tpu::{Result, TpuCompiler, DEFAULT_TOPOLOGY};
@@ -591,6 +593,34 @@ fn chunk_terms() -> Result<Case> {
     Ok(Case { kernel, inputs, want: vec![aqk, l, qg, kg, kbg, eg_last], tol: 1e-5 })
 }
 
+/// Widths Triton pads: bf16 `x [64, 96] x y [96, 160]` (K = 96 contracted, V = 160 kept) plus
+/// a one-token f32 row `t [1, 160]`, and the row sums over the 160 lanes.
+fn padded_widths() -> Result<Case> {
+    let round = |v: Vec<f32>| v.into_iter().map(bf16::from_f32).collect::<Vec<_>>();
+    let wide = |v: &[bf16]| v.iter().map(|x| x.to_f32()).collect::<Vec<_>>();
+    let (x, y) = (round(rand_vec(64 * 96, 22, -1.0, 1.0)), round(rand_vec(96 * 160, 23, -1.0, 1.0)));
+    let tail = rand_vec(160, 24, -1.0, 1.0);
+    let kernel = whole_kernel(
+        "padded_widths",
+        &[t(DType::BF16, &[64, 96]), t(DType::BF16, &[96, 160]), t(DType::F32, &[1, 160])],
+        &[t(DType::F32, &[64, 160]), t(DType::F32, &[64, 1])],
+        |b, ins, outs| {
+            let (a, c, r) = (b.load_all(ins[0])?, b.load_all(ins[1])?, b.load_all(ins[2])?);
+            let p = b.matmul(&a, &c, (1, 0), MatPrecision::Default)?;
+            let r = b.broadcast(&r, &[64, 160])?;
+            let o = b.binary(Binary::Add, &p, &r)?;
+            b.store_all(outs[0], &o)?;
+            let s = b.reduce(Reduction::Sum, &o, 1)?;
+            b.store_all(outs[1], &s)
+        },
+    )?;
+    let p = matmul(&wide(&x), &wide(&y), 64, 96, 160);
+    let o: Vec<f32> = p.iter().enumerate().map(|(i, v)| v + tail[i % 160]).collect();
+    let sums = o.chunks(160).map(|r| r.iter().map(|&v| f64::from(v)).sum::<f64>() as f32).collect();
+    let inputs = vec![In::Bf16(x, vec![64, 96]), In::Bf16(y, vec![96, 160]), In::F32(tail, vec![1, 160])];
+    Ok(Case { kernel, inputs, want: vec![o, sums], tol: 1e-4 })
+}
+
 fn case(name: &str) -> Case {
     let built = match name {
         "matmul_f32" => matmul_f32(),
@@ -608,6 +638,7 @@ fn case(name: &str) -> Case {
         "for_loop" => for_loop(),
         "unit_lower_inverse" => unit_lower_inverse(),
         "chunk_terms" => chunk_terms(),
+        "padded_widths" => padded_widths(),
         other => panic!("no case {other}"),
     };
     built.unwrap_or_else(|e| panic!("{name}: {e}"))
@@ -631,6 +662,7 @@ fn case(name: &str) -> Case {
 #[case::for_loop("for_loop")]
 #[case::unit_lower_inverse("unit_lower_inverse")]
 #[case::chunk_terms("chunk_terms")]
+#[case::padded_widths("padded_widths")]
 fn mosaic_kernel_interprets_and_compiles(#[case] name: &str) -> Result<()> {
     let c = case(name);
 
@@ -703,5 +735,52 @@ fn the_cost_estimate_reaches_the_compiler() -> Result<()> {
     assert_eq!(with(Some(cost))?, cost.flops);
     let guessed = with(None)?;
     assert_ne!(guessed, cost.flops, "without the estimate XLA counts the kernel otherwise ({guessed})");
+    Ok(())
+}
+
+/// Each kernel's Triton lowering compiles deviceless for the H200 through the CUDA plugin (one
+/// kernel launch of its parallel grid, registers and spills read by `ptxas`), or is refused
+/// before any text is written, naming the feature Triton has no form for.
+#[rstest]
+#[case::matmul_f32("matmul_f32", None)]
+#[case::matmul_kt_v("matmul_kt_v", None)]
+#[case::matmul_bf16("matmul_bf16", None)]
+#[case::elementwise("elementwise", None)]
+#[case::causal_mask("causal_mask", None)]
+#[case::reduce_broadcast("reduce_broadcast", None)]
+#[case::cast_transpose("cast_transpose", None)]
+#[case::blocked_grid("blocked_grid", None)]
+#[case::scalar_prefetch("scalar_prefetch", None)]
+#[case::scratch_state("scratch_state", None)]
+#[case::slice_concat("slice_concat", None)]
+#[case::unaligned_window("unaligned_window", Some(Feature::ScratchWindow))]
+#[case::for_loop("for_loop", None)]
+#[case::unit_lower_inverse("unit_lower_inverse", None)]
+#[case::chunk_terms("chunk_terms", Some(Feature::ScratchWindow))]
+#[case::padded_widths("padded_widths", None)]
+fn kernel_compiles_for_the_h200_or_is_refused(
+    #[case] name: &str,
+    #[case] refused: Option<Feature>,
+) -> Result<()> {
+    let c = case(name);
+    let lowered = c.kernel.module(Lowering::Triton);
+    if let Some(feature) = refused {
+        let e = lowered.expect_err("refused");
+        assert!(matches!(e, kda_tpu::TpuError::Unsupported { .. }), "{name}: {e}");
+        assert!(e.to_string().contains(feature.describe()), "{name}: {e}");
+        return Ok(());
+    }
+    let text = lowered?;
+    let gpu = GpuCompiler::load()
+        .unwrap_or_else(|e| panic!("no CUDA plugin ({e}); run `cargo xtask setup`"))
+        .with_figures(std::env::temp_dir().join("kda-triton-dumps"));
+    let report = gpu.compile(&text, &H200).map_err(|e| c.kernel.explain_triton(e))?;
+    eprintln!("{name} on {}: {:?}", H200.name, report.kernels);
+    let [k] = report.kernels.as_slice() else { panic!("{name}: one launch, not {:?}", report.kernels) };
+    assert_eq!(k.name, name);
+    let parallel = c.kernel.launch_grid();
+    assert_eq!(k.grid.map(|g| g as i64), parallel, "{name}: the parallel axes are the launch grid");
+    assert_eq!(k.threads, [128, 1, 1], "{name}: four warps");
+    assert!(k.registers.is_some_and(|r| r <= 255), "{name}: ptxas read the kernel: {k:?}");
     Ok(())
 }

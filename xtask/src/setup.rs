@@ -1,5 +1,6 @@
 //! `cargo xtask setup`: installs what the PJRT backend needs into `<workspace>/.kda` (or `$KDA_HOME`):
-//! pjrt-sys's build tools, a PJRT C API header new enough for today's plugins, the CPU plugin and libtpu.
+//! pjrt-sys's build tools, a PJRT C API header new enough for today's plugins, the CPU plugin, libtpu,
+//! and XLA's CUDA plugin with the CUDA tools it compiles Triton kernels with (`ptxas`, libdevice).
 //!
 //! Idempotent: each wheel leaves a stamp (`NAME==VER`) next to its files, so a finished setup costs a
 //! few `stat`s and one `dpkg -s`. Progress goes to stderr so that `eval "$(cargo xtask env)"` stays clean.
@@ -19,6 +20,9 @@ pub struct Paths {
     pub cpu_plugin: PathBuf,
     /// libtpu, for deviceless ahead-of-time TPU compiles (PJRT API 0.117).
     pub libtpu: PathBuf,
+    /// XLA's CUDA plugin, for deviceless GPU compiles and GPU runs (PJRT API 0.115); `ptxas`
+    /// and libdevice sit in `nvidia/cu13` of the same folder.
+    pub cuda_plugin: PathBuf,
 }
 
 /// One pinned PyPI wheel and the file setup needs from it.
@@ -29,6 +33,8 @@ struct Wheel {
     size: &'static str,
     /// The file we need, relative to the wheel's install folder.
     file: &'static str,
+    /// Other pinned wheels installed into the same folder.
+    with: &'static [&'static str],
 }
 
 /// Ships `pjrt_c_api.h` at API 0.81 (the header pjrt-sys 0.2.0 bundles is 0.54, too old).
@@ -37,15 +43,27 @@ const HEADER_WHEEL: Wheel = Wheel {
     version: "0.0.1",
     size: "64 MB",
     file: "xla_plugins/xla_cpu_pjrt/include/pjrt_c_api.h",
+    with: &[],
 };
 const CPU_WHEEL: Wheel = Wheel {
     name: "lammps-jax-pjrt-cpu",
     version: "0.11.2",
     size: "63 MB",
     file: "lammps_jax_pjrt_cpu/pjrt_c_api_cpu_plugin.so",
+    with: &[],
 };
 const TPU_WHEEL: Wheel =
-    Wheel { name: "libtpu", version: "0.0.52", size: "137 MB", file: "libtpu/libtpu.so" };
+    Wheel { name: "libtpu", version: "0.0.52", size: "137 MB", file: "libtpu/libtpu.so", with: &[] };
+/// The CUDA plugin the lent H200 machine runs (so the Triton it bundles parses the kernels the
+/// same way here and there), with `ptxas` (nvcc's wheel) and libdevice (nvvm's) in
+/// `nvidia/cu13` beside it: deviceless compiles need both, and no GPU or driver.
+const CUDA_WHEEL: Wheel = Wheel {
+    name: "jax-cuda13-pjrt",
+    version: "0.11.2",
+    size: "233 MB",
+    file: "jax_plugins/xla_cuda13/xla_cuda_plugin.so",
+    with: &["nvidia-cuda-nvcc==13.0.88", "nvidia-nvvm==13.0.88"],
+};
 
 /// Debian packages pjrt-sys's build script needs (bindgen -> libclang, prost-build -> protoc and
 /// the well-known types its protos import, `google/protobuf/any.proto` and the like, which
@@ -81,6 +99,7 @@ pub fn paths_in(home: &Path) -> Paths {
         include_dir: home.join("include"),
         cpu_plugin: home.join("plugins/cpu").join(CPU_WHEEL.file),
         libtpu: home.join("plugins/tpu").join(TPU_WHEEL.file),
+        cuda_plugin: home.join("plugins/cuda").join(CUDA_WHEEL.file),
     }
 }
 
@@ -111,6 +130,7 @@ pub fn ensure(verbose: bool) -> Result<Paths, String> {
     for (kind, wheel, what, file) in [
         ("cpu", &CPU_WHEEL, "CPU PJRT plugin", &paths.cpu_plugin),
         ("tpu", &TPU_WHEEL, "libtpu", &paths.libtpu),
+        ("cuda", &CUDA_WHEEL, "CUDA PJRT plugin, ptxas and libdevice", &paths.cuda_plugin),
     ] {
         let dir = home.join("pip").join(wheel.name);
         let fresh = !stamped(&dir, wheel);
@@ -123,7 +143,7 @@ pub fn ensure(verbose: bool) -> Result<Paths, String> {
             eprintln!("setup: {what} present: {}", file.display());
         }
     }
-    for f in [&header, &paths.cpu_plugin, &paths.libtpu] {
+    for f in [&header, &paths.cpu_plugin, &paths.libtpu, &paths.cuda_plugin] {
         if !f.is_file() {
             return Err(format!(
                 "setup finished but {} is missing; delete {} and retry",
@@ -163,7 +183,8 @@ fn sh_quote(s: &str) -> String {
 }
 
 /// Points `<home>/plugins/<kind>` at `../pip/<wheel>` (a relative directory link: the .so keeps its
-/// siblings, and the runtime's fixed paths `plugins/cpu/...`, `plugins/tpu/libtpu/libtpu.so` hold).
+/// siblings, and the runtime's fixed paths `plugins/cpu/...`, `plugins/tpu/libtpu/libtpu.so`,
+/// `plugins/cuda/jax_plugins/...` hold).
 fn link_plugin_dir(home: &Path, kind: &str, wheel: &Wheel) -> Result<(), String> {
     let plugins = home.join("plugins");
     fs::create_dir_all(&plugins).map_err(|e| format!("create {}: {e}", plugins.display()))?;
@@ -186,8 +207,12 @@ fn stamped(dir: &Path, wheel: &Wheel) -> bool {
         && dir.join(wheel.file).is_file()
 }
 
+/// The pip specs of `wheel` and its companions, space-separated (also the stamp).
 fn spec(wheel: &Wheel) -> String {
-    format!("{}=={}", wheel.name, wheel.version)
+    std::iter::once(format!("{}=={}", wheel.name, wheel.version))
+        .chain(wheel.with.iter().map(|w| w.to_string()))
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// `python3 -m pip install --no-deps --target DIR NAME==VER` into a fresh folder, then the stamp.
@@ -209,7 +234,7 @@ fn install_wheel(dir: &Path, wheel: &Wheel, what: &str) -> Result<(), String> {
     let out = run(Command::new("python3")
         .args(["-m", "pip", "install", "--no-deps", "--disable-pip-version-check", "--quiet", "--target"])
         .arg(dir)
-        .arg(&spec))?;
+        .args(spec.split(' ')))?;
     if !out.status.success() {
         let _ = fs::remove_dir_all(dir);
         let err = tail(&String::from_utf8_lossy(&out.stderr), 8);

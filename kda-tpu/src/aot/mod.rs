@@ -3,12 +3,14 @@
 //! Nothing runs: numbers of record come from the CPU plugin.
 
 pub mod cycles;
+pub mod gpu;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 pub use cycles::StaticCycles;
+pub use gpu::{GpuAotReport, GpuCompiler, GpuKernelFigures, GpuTarget, H200};
 
 use crate::error::{Result, TpuError};
 use crate::runtime::guard::guarded;

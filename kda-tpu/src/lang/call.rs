@@ -107,6 +107,7 @@ impl Kernel {
         match lowering {
             Lowering::Mosaic => self.call_mosaic(f, operands),
             Lowering::Interpret => self.call_interpret(f, operands),
+            Lowering::Triton => self.call_triton(f, operands),
         }
     }
 }

@@ -126,7 +126,25 @@ pub struct Cost {
     pub bytes: f64,
 }
 
-/// A checked kernel: what both lowerings read.
+/// How a kernel launches on a GPU (the Triton lowering): warps per program and software
+/// pipeline stages of its loops.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GpuLaunch {
+    /// Warps per program: 1, 2, 4, 8, 16 or 32 (`wgmma` needs 4 or more).
+    pub num_warps: u32,
+    /// Pipeline stages of the loads in loops: 1 to 5 (each stage holds its loads in shared
+    /// memory).
+    pub num_stages: u32,
+}
+
+impl Default for GpuLaunch {
+    /// Four warps (one warp group, the smallest that issues `wgmma`), two stages.
+    fn default() -> Self {
+        GpuLaunch { num_warps: 4, num_stages: 2 }
+    }
+}
+
+/// A checked kernel: what every lowering reads.
 #[derive(Clone, Debug)]
 pub struct Kernel {
     pub(crate) tag: u32,
@@ -138,6 +156,7 @@ pub struct Kernel {
     pub(crate) scratch: Vec<(String, TensorType)>,
     pub(crate) body: Vec<Op>,
     pub(crate) cost: Option<Cost>,
+    pub(crate) gpu: GpuLaunch,
 }
 
 /// The parts of a kernel before its body. Each part added returns its handle ([`Table`],
@@ -152,6 +171,7 @@ pub struct KernelBuilder {
     outputs: Vec<Operand>,
     scratch: Vec<(String, TensorType)>,
     cost: Option<Cost>,
+    gpu: GpuLaunch,
 }
 
 fn err(what: &str, message: impl Into<String>) -> TpuError {
@@ -179,6 +199,7 @@ impl KernelBuilder {
             outputs: Vec::new(),
             scratch: Vec::new(),
             cost: None,
+            gpu: GpuLaunch::default(),
         }
     }
     /// Adds a grid axis of `steps` steps.
@@ -209,6 +230,11 @@ impl KernelBuilder {
     pub fn scratch(&mut self, name: &str, ty: TensorType) -> Ref {
         self.scratch.push((name.to_string(), TensorType::new(ty.elem, &ty.dims)));
         Ref { kernel: self.tag, place: Place::Scratch(self.scratch.len() - 1) }
+    }
+    /// Sets how the kernel launches on a GPU (the Triton lowering; others ignore it).
+    pub fn gpu_launch(&mut self, launch: GpuLaunch) -> &mut Self {
+        self.gpu = launch;
+        self
     }
     /// Sets the analytic cost.
     pub fn cost(&mut self, cost: Cost) -> &mut Self {
@@ -286,6 +312,14 @@ impl KernelBuilder {
                 return Err(err(&format!("scratch {name}"), format!("{t:?}: an f32, bf16 or i32 array")));
             }
         }
+        // Other warp counts abort the CUDA plugin's process rather than fail the compile.
+        let GpuLaunch { num_warps, num_stages } = self.gpu;
+        if !matches!(num_warps, 1 | 2 | 4 | 8 | 16 | 32) || !(1..=5).contains(&num_stages) {
+            return Err(err(
+                "gpu launch",
+                format!("{num_warps} warps, {num_stages} stages: warps 1, 2, 4, 8, 16 or 32, stages 1 to 5"),
+            ));
+        }
         if self.tables.iter().any(|(_, n)| *n < 1) {
             return Err(err("tables", "each table holds one entry or more"));
         }
@@ -309,6 +343,7 @@ impl KernelBuilder {
             scratch: self.scratch,
             body: b.finish()?,
             cost: self.cost,
+            gpu: self.gpu,
         })
     }
 }

@@ -1,17 +1,20 @@
 //! The kernel language: kernels written once in Rust, in the spirit of Pallas, and lowered
-//! either way. Nothing in it is KDA's (the KDA kernels are `crate::op::tpu_kernels`).
+//! three ways. Nothing in it is KDA's (the KDA kernels are `crate::op::tpu_kernels`).
 //!
 //! A [`KernelBuilder`] takes a grid (each axis [`Semantics::Parallel`] or
 //! [`Semantics::Arbitrary`]), scalar-prefetch tables, operands and results cut into blocks by
 //! [`Index`] maps, and VMEM scratch kept across grid steps; its body is built op by op on a
-//! [`Body`], which checks every op's shapes and dtypes. The checked [`Kernel`] then lowers
-//! either way:
+//! [`Body`], which checks every op's shapes and dtypes. The checked [`Kernel`] then lowers:
 //!
 //! - [`Lowering::Mosaic`]: the Mosaic MLIR text ([`Kernel::mosaic_text`]) inside a
 //!   `tpu_custom_call` of a StableHLO function, which libtpu compiles for a TPU;
 //! - [`Lowering::Interpret`]: plain StableHLO (the grid as loops, blocks as dynamic slices,
 //!   scratch carried), which any plugin runs; on the CPU plugin it checks the kernel against
-//!   a host computation.
+//!   a host computation;
+//! - [`Lowering::Triton`]: Triton IR text ([`Kernel::triton_text`]) inside a
+//!   `__gpu$xla.gpu.triton` custom call, which XLA's CUDA plugin compiles for an NVIDIA GPU
+//!   (parallel axes as program ids, arbitrary ones as loops, scratch as values). What it has
+//!   no form for is refused by name ([`Feature`], [`Kernel::check_lowering`]).
 //!
 //! Every part a builder adds returns its handle: a [`Table`] for a scalar-prefetch table, a
 //! [`Ref`] for an input, a result or a scratch buffer. The body reads and writes through
@@ -23,30 +26,24 @@
 //! let r = kda_tpu::lang::Ref::Input(0);
 //! ```
 //!
-//! What the CPU verifies is the interpret lowering of the same ops libtpu compiles; only a TPU
-//! run verifies the Mosaic lowering's numbers.
+//! What the CPU verifies is the interpret lowering of the same ops libtpu and the CUDA plugin
+//! compile; only a TPU run verifies the Mosaic lowering's numbers, a GPU run the Triton one's.
 
 mod body;
 mod call;
 mod interpret;
 mod kernel;
+mod lowering;
 mod mosaic;
+mod triton;
 
 pub use body::{Binary, Body, MatPrecision, Offset, Reduction, Ref, Table, Unary, V};
 pub use call::{Bindings, Returned};
-pub use kernel::{Cost, Index, Kernel, KernelBuilder, Operand, Semantics};
+pub use kernel::{Cost, GpuLaunch, Index, Kernel, KernelBuilder, Operand, Semantics};
+pub use lowering::{Feature, Lowering};
 
 use crate::error::{Result, TpuError};
 use crate::hlo::{FnBuilder, Module};
-
-/// How a kernel is lowered: to Mosaic (for libtpu) or to plain StableHLO (any plugin).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Lowering {
-    /// A `tpu_custom_call` holding the Mosaic text.
-    Mosaic,
-    /// The interpret lowering.
-    Interpret,
-}
 
 impl Kernel {
     /// A module whose public `@main` takes the kernel's operands (tables, then inputs) and
@@ -59,6 +56,30 @@ impl Kernel {
         let mut m = Module::new();
         m.add(f)?;
         Ok(m.to_text())
+    }
+
+    /// A compile error of this kernel's Triton module with the TTIR line the compiler points
+    /// at (`-:LINE:COL: error`) quoted.
+    pub fn explain_triton(&self, e: TpuError) -> TpuError {
+        let TpuError::Compile { mut message } = e else { return e };
+        // The plugin appends the whole module; the quoted line says where.
+        if let Some(at) = message.find("\ninput ir:") {
+            message.truncate(at);
+        }
+        let line =
+            message.find("-:").and_then(|at| message[at + 2..].split(':').next()?.parse::<usize>().ok());
+        let quoted = match (line, self.triton_text()) {
+            (Some(n), Ok(text)) => {
+                text.lines().nth(n.saturating_sub(1)).map(|l| format!("line {n}: {}", l.trim()))
+            }
+            _ => None,
+        };
+        match quoted {
+            Some(line) => {
+                TpuError::Compile { message: format!("{message}\n  kernel {} TTIR {line}", self.name) }
+            }
+            None => TpuError::Compile { message },
+        }
     }
 
     /// A compile error of this kernel's Mosaic module with the body line the compiler points
@@ -85,7 +106,7 @@ pub fn quote_line(body: &str, message: &str) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::{Binary, Index, KernelBuilder, Lowering, Operand, Ref, Semantics, V};
+    use super::{Binary, Feature, GpuLaunch, Index, KernelBuilder, Lowering, Operand, Ref, Semantics, V};
     use crate::hlo::TensorType;
     use kda_core::DType;
 
@@ -209,6 +230,125 @@ mod tests {
         let outs = kernel.call(&mut f, Lowering::Interpret, args)?;
         assert!(outs.get(x).is_err(), "an input is not a result");
         assert_eq!(outs.get(o)?.ty(), TensorType::new(DType::F32, &[8, 128]));
+        Ok(())
+    }
+
+    /// A one-step kernel of an `[8, 128]` f32 input and result and an `[8, 128]` scratch,
+    /// with `grid` parallel axes, running `body` on (input, result, scratch).
+    fn triton_kernel(
+        grid: &[i64],
+        body: impl FnOnce(&mut super::Body, Ref, Ref, Ref) -> crate::Result<()>,
+    ) -> crate::Result<super::Kernel> {
+        let ty = TensorType::new(DType::F32, &[8, 128]);
+        let mut k = KernelBuilder::new("k");
+        for &n in grid {
+            k.grid(n, Semantics::Parallel);
+        }
+        let (x, o) = (k.input(Operand::whole("x", ty.clone())), k.output(Operand::whole("o", ty.clone())));
+        let s = k.scratch("s", ty);
+        k.build(|b| body(b, x, o, s))
+    }
+
+    #[rstest::rstest]
+    #[case::scratch_window(Feature::ScratchWindow, &[1])]
+    #[case::result_read(Feature::ResultRead, &[1])]
+    #[case::input_write(Feature::InputWrite, &[1])]
+    #[case::padded_reshape(Feature::PaddedReshape, &[1])]
+    #[case::unaligned_slice(Feature::UnalignedPart, &[1])]
+    #[case::four_parallel_axes(Feature::WideGrid, &[1, 1, 1, 1])]
+    #[case::tall_second_axis(Feature::WideGrid, &[1, 65_536])]
+    fn triton_refuses_what_it_has_no_form_for(
+        #[case] feature: Feature,
+        #[case] grid: &[i64],
+    ) -> crate::Result<()> {
+        let kernel = triton_kernel(grid, |b, x, o, s| {
+            let v = b.load_all(x)?;
+            match feature {
+                Feature::ScratchWindow => {
+                    let half = b.slice(&v, &[0, 0], &[4, 128])?;
+                    b.store(s, &[super::Offset::Const(4), super::Offset::Const(0)], &half)?;
+                }
+                Feature::ResultRead => {
+                    b.store_all(o, &v)?;
+                    let back = b.load_all(o)?;
+                    b.store_all(s, &back)?;
+                }
+                Feature::InputWrite => b.store_all(x, &v)?,
+                Feature::PaddedReshape => {
+                    let zero = super::Offset::Const(0);
+                    let part = b.load(x, &[zero.clone(), zero], &[8, 96])?;
+                    b.reshape(&part, &[96, 8])?;
+                }
+                Feature::UnalignedPart => {
+                    b.slice(&v, &[0, 32], &[8, 64])?;
+                }
+                Feature::WideGrid | Feature::HugeArray => {}
+            }
+            b.store_all(o, &v)
+        })?;
+        assert!(Lowering::Mosaic.takes(feature) && Lowering::Interpret.takes(feature));
+        assert!(!Lowering::Triton.takes(feature));
+        assert_eq!(kernel.features().first().map(|f| f.0), Some(feature));
+        let e = kernel.module(Lowering::Triton).expect_err("refused");
+        assert!(matches!(e, crate::TpuError::Unsupported { .. }), "{e}");
+        assert!(e.to_string().contains(feature.describe()), "{e}");
+        kernel.module(Lowering::Interpret)?;
+        Ok(())
+    }
+
+    #[test]
+    fn triton_refuses_arrays_past_i32_offsets() -> crate::Result<()> {
+        let mut k = KernelBuilder::new("huge");
+        k.grid(1 << 16, Semantics::Parallel);
+        let rows = vec![Index::Grid(0), Index::Const(0)];
+        k.output(Operand::blocked("o", TensorType::new(DType::BF16, &[1 << 23, 256]), &[128, 256], rows));
+        let kernel = k.build(|_| Ok(()))?;
+        let e = kernel.check_lowering(Lowering::Triton).expect_err("2^31 elements");
+        assert!(e.to_string().contains(Feature::HugeArray.describe()), "{e}");
+        Ok(())
+    }
+
+    #[rstest::rstest]
+    #[case::three_warps(3, 2)]
+    #[case::no_stages(4, 0)]
+    #[case::six_stages(4, 6)]
+    fn gpu_launches_take_what_the_plugin_takes(#[case] num_warps: u32, #[case] num_stages: u32) {
+        let mut k = KernelBuilder::new("k");
+        k.grid(1, Semantics::Parallel).gpu_launch(GpuLaunch { num_warps, num_stages });
+        k.output(Operand::whole("o", TensorType::new(DType::F32, &[8, 128])));
+        let e = k.build(|_| Ok(())).expect_err("refused");
+        assert!(e.to_string().contains("warps 1, 2, 4, 8, 16 or 32, stages 1 to 5"), "{e}");
+    }
+
+    #[test]
+    fn triton_text_has_one_pointer_per_buffer() -> crate::Result<()> {
+        let kernel = triton_kernel(&[2, 3], |b, x, o, s| {
+            let v = b.load_all(x)?;
+            b.store_all(s, &v)?;
+            let w = b.load_all(s)?;
+            b.store_all(o, &w)
+        })?;
+        let text = kernel.triton_text()?;
+        let signature = text.lines().find(|l| l.contains("tt.func public @k(")).expect("the kernel function");
+        assert_eq!(signature.matches("!tt.ptr<f32>").count(), 2, "{signature}");
+        assert!(text.contains("tt.get_program_id y : i32"), "two parallel axes: x and y");
+        assert_eq!(kernel.launch_grid(), [2, 3, 1]);
+        Ok(())
+    }
+
+    #[test]
+    fn a_triton_error_quotes_its_ttir_line() -> crate::Result<()> {
+        let kernel = triton_kernel(&[1], |b, x, o, _| {
+            let v = b.load_all(x)?;
+            b.store_all(o, &v)
+        })?;
+        let e = crate::TpuError::Compile {
+            message: "Failed to parse Triton module: -:2:5: error: expected '->'\ninput ir: \"module {..."
+                .into(),
+        };
+        let explained = kernel.explain_triton(e).to_string();
+        assert!(explained.contains("TTIR line 2: tt.func public @k("), "{explained}");
+        assert!(!explained.contains("input ir"), "the module text is cut: {explained}");
         Ok(())
     }
 

@@ -29,7 +29,7 @@ fn memref(dims: &[i64], dtype: DType, space: &str) -> String {
 
 /// An MLIR literal of `value` in `dtype`: a decimal with a point, or the bit pattern for
 /// infinities and NaN.
-fn literal(value: f64, dtype: DType) -> String {
+pub(super) fn literal(value: f64, dtype: DType) -> String {
     match dtype {
         DType::I32 | DType::I1 | DType::U16 => format!("{}", value as i64),
         DType::BF16 if !value.is_finite() => format!("0x{:04X}", half::bf16::from_f64(value).to_bits()),

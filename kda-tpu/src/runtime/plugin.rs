@@ -32,6 +32,9 @@ pub const HOME_ENV: &str = "KDA_HOME";
 /// Env var with the path of libtpu for ahead-of-time TPU compiles.
 pub const LIBTPU_ENV: &str = "KDA_LIBTPU";
 
+/// Env var with the path of XLA's CUDA plugin for deviceless GPU compiles (and GPU runs).
+pub const CUDA_PLUGIN_ENV: &str = "KDA_CUDA_PLUGIN";
+
 /// The setup folder, `$KDA_HOME`, if set.
 pub fn kda_home() -> Option<PathBuf> {
     std::env::var_os(HOME_ENV).filter(|v| !v.is_empty()).map(PathBuf::from)
@@ -45,6 +48,18 @@ pub fn setup_cpu_plugin(home: &Path) -> PathBuf {
 /// libtpu inside a setup folder.
 pub fn setup_libtpu(home: &Path) -> PathBuf {
     home.join("plugins/tpu/libtpu/libtpu.so")
+}
+
+/// XLA's CUDA plugin inside a setup folder (`jax-cuda13-pjrt`).
+pub fn setup_cuda_plugin(home: &Path) -> PathBuf {
+    home.join("plugins/cuda/jax_plugins/xla_cuda13/xla_cuda_plugin.so")
+}
+
+/// The CUDA tools folder for the plugin at `plugin` (`.../jax_plugins/xla_cuda13/*.so`): the
+/// `nvidia/cu13` folder of the same install (`bin/ptxas`, `nvvm/libdevice/libdevice.10.bc`).
+pub fn cuda_tools_for(plugin: &Path) -> PathBuf {
+    let install = plugin.ancestors().nth(3).unwrap_or(Path::new("."));
+    install.join("nvidia/cu13")
 }
 
 /// Where a plugin path came from, for the not-found message.
@@ -67,6 +82,11 @@ pub fn default_plugin() -> PluginLocation {
 /// libtpu: `$KDA_LIBTPU`, else `$KDA_HOME`'s copy.
 pub fn default_libtpu() -> PluginLocation {
     locate(LIBTPU_ENV, setup_libtpu, "libtpu")
+}
+
+/// XLA's CUDA plugin: `$KDA_CUDA_PLUGIN`, else `$KDA_HOME`'s copy.
+pub fn default_cuda_plugin() -> PluginLocation {
+    locate(CUDA_PLUGIN_ENV, setup_cuda_plugin, "CUDA PJRT plugin")
 }
 
 fn locate(var: &str, in_home: fn(&Path) -> PathBuf, what: &'static str) -> PluginLocation {

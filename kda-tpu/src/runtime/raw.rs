@@ -311,12 +311,39 @@ impl RawApi {
         compile_options: &[u8],
         f: impl FnOnce(&Self, *mut PJRT_Executable) -> Result<T>,
     ) -> Result<T> {
+        self.compile_deviceless(topology, &[], mlir, compile_options, f)
+    }
+
+    /// Deviceless compile of MLIR text for the topology named `topology` and described by the
+    /// string create options `described` (the CUDA plugin's `topology` and `target_config`).
+    pub(crate) fn compile_deviceless<T>(
+        &self,
+        topology: &str,
+        described: &[(&str, &str)],
+        mlir: &str,
+        compile_options: &[u8],
+        f: impl FnOnce(&Self, *mut PJRT_Executable) -> Result<T>,
+    ) -> Result<T> {
+        let named: Vec<PJRT_NamedValue> = described
+            .iter()
+            .map(|(name, value)| {
+                let mut v = PJRT_NamedValue::new();
+                v.name = name.as_ptr() as *const c_char;
+                v.name_size = name.len();
+                v.type_ = PJRT_NamedValue_Type_PJRT_NamedValue_kString;
+                v.__bindgen_anon_1.string_value = value.as_ptr() as *const c_char;
+                v.value_size = value.len();
+                v
+            })
+            .collect();
         let mut t = PJRT_TopologyDescription_Create_Args::new();
         t.topology_name = topology.as_ptr() as *const c_char;
         t.topology_name_size = topology.len();
+        t.create_options = named.as_ptr();
+        t.num_options = named.len();
         call!(self, PJRT_TopologyDescription_Create, &mut t).map_err(|e| match e {
             TpuError::Execute { message } => {
-                TpuError::unsupported(format!("TPU topology `{topology}`"), message)
+                TpuError::unsupported(format!("deviceless topology `{topology}`"), message)
             }
             other => other,
         })?;

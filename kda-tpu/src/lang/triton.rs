@@ -1,0 +1,909 @@
+//! The Triton lowering: a [`Kernel`] as Triton IR (TTIR) text inside a
+//! `stablehlo.custom_call @"__gpu$xla.gpu.triton"`, which XLA's CUDA plugin compiles (the
+//! contract: `docs/design.md`, Triton kernels).
+//!
+//! - Parallel grid axes are program ids (`x`, `y`, `z`, in order); arbitrary axes are counted
+//!   loops inside each program, in their declared order, carrying the scratch buffers.
+//! - Scratch buffers are values (zero at the start), read and written whole.
+//! - Blocks are pointer loads and stores: each operand's block at the step's block indices,
+//!   each window inside it at its offsets; tables are i32 operands read through pointers.
+//! - Triton tensors have power-of-two dims: a value of other dims lives in the next power of
+//!   two up, its padding zero after a load and undefined after other ops; reductions and
+//!   contractions over a padded dim mask it first, and stores mask it out.
+//! - `matmul` is `tt.dot` with f32 accumulation: bf16 operands in one pass, f32 ones at
+//!   `Highest` in full precision (`ieee`), at `Default` rounded to bf16 first (as Mosaic does).
+//! - `exp`, `log`, `log1p`, `rsqrt` and `tanh` of f32 call libdevice (correctly rounded to a few
+//!   ulp, where `math.exp` would be the approximate `ex2`).
+//!
+//! What has no TTIR form is refused before any text is written ([`Kernel::check_lowering`]).
+
+use std::collections::{BTreeSet, HashMap};
+use std::fmt::Write;
+
+use kda_core::DType;
+
+use super::body::{Binary, MatPrecision, Offset, Op, Place, Reduction, Ref, Unary, V};
+use super::kernel::{Index, Kernel, Semantics};
+use super::lowering::{padded, Lowering};
+use super::mosaic::literal;
+use crate::error::{Result, TpuError};
+use crate::hlo::{Cmp, FnBuilder, TensorType, Value};
+
+fn err(message: impl Into<String>) -> TpuError {
+    TpuError::builder("triton lowering", message)
+}
+
+fn elem(d: DType) -> &'static str {
+    d.name()
+}
+
+/// `tensor<AxBxE>` of `dims` (padded by the caller), or the scalar type for no dims.
+fn tty(dims: &[i64], e: &str) -> String {
+    if dims.is_empty() {
+        return e.to_string();
+    }
+    let d: Vec<String> = dims.iter().map(i64::to_string).collect();
+    format!("tensor<{}x{e}>", d.join("x"))
+}
+
+/// The Triton type of value `v`.
+fn vty(v: &V) -> String {
+    tty(&padded(&v.ty.dims), elem(v.ty.elem))
+}
+
+/// Row-major strides of `dims`.
+fn strides(dims: &[i64]) -> Vec<i64> {
+    let mut s = vec![1; dims.len()];
+    for i in (0..dims.len().saturating_sub(1)).rev() {
+        s[i] = s[i + 1] * dims[i + 1];
+    }
+    s
+}
+
+/// The scratch buffers `ops` store to, at any depth.
+fn written(ops: &[Op], into: &mut BTreeSet<usize>) {
+    for op in ops {
+        match op {
+            Op::Store { to: Ref { place: Place::Scratch(i), .. }, .. } => {
+                into.insert(*i);
+            }
+            Op::If { then, .. } => written(then, into),
+            Op::For { body, .. } => written(body, into),
+            _ => {}
+        }
+    }
+}
+
+struct Emitter<'k> {
+    k: &'k Kernel,
+    out: String,
+    names: HashMap<u32, String>,
+    /// The current value of each scratch buffer.
+    scratch: Vec<String>,
+    /// The current step's element offset of each operand's block (inputs, then outputs).
+    bases: Vec<String>,
+    /// The name of each grid axis's index.
+    grid: Vec<String>,
+    temps: u32,
+    depth: usize,
+}
+
+impl<'k> Emitter<'k> {
+    fn line(&mut self, s: &str) {
+        for _ in 0..self.depth {
+            self.out.push_str("  ");
+        }
+        self.out.push_str(s);
+        self.out.push('\n');
+    }
+    fn temp(&mut self) -> String {
+        self.temps += 1;
+        format!("%t{}", self.temps)
+    }
+    fn name(&self, v: &V) -> Result<String> {
+        self.names.get(&v.id).cloned().ok_or_else(|| err(format!("value {} used outside its region", v.id)))
+    }
+    fn def(&mut self, v: &V) -> String {
+        let n = format!("%v{}", v.id);
+        self.names.insert(v.id, n.clone());
+        n
+    }
+    /// `t = rhs`, returning `t`.
+    fn let_(&mut self, rhs: &str) -> String {
+        let t = self.temp();
+        self.line(&format!("{t} = {rhs}"));
+        t
+    }
+    fn i32_const(&mut self, c: i64) -> String {
+        self.let_(&format!("arith.constant {c} : i32"))
+    }
+
+    /// An i32 tensor of `dims` (padded) holding each element's index along `d`.
+    fn iota(&mut self, dims: &[i64], d: usize) -> String {
+        let n = dims[d];
+        let mut cur =
+            self.let_(&format!("tt.make_range {{end = {n} : i32, start = 0 : i32}} : tensor<{n}xi32>"));
+        let mut shape = vec![n];
+        for _ in 0..d {
+            let next: Vec<i64> = std::iter::once(1).chain(shape.iter().copied()).collect();
+            cur = self.let_(&format!(
+                "tt.expand_dims {cur} {{axis = 0 : i32}} : {} -> {}",
+                tty(&shape, "i32"),
+                tty(&next, "i32")
+            ));
+            shape = next;
+        }
+        while shape.len() < dims.len() {
+            let mut next = shape.clone();
+            next.push(1);
+            cur = self.let_(&format!(
+                "tt.expand_dims {cur} {{axis = {} : i32}} : {} -> {}",
+                shape.len(),
+                tty(&shape, "i32"),
+                tty(&next, "i32")
+            ));
+            shape = next;
+        }
+        if shape != dims {
+            cur = self.let_(&format!("tt.broadcast {cur} : {} -> {}", tty(&shape, "i32"), tty(dims, "i32")));
+        }
+        cur
+    }
+
+    /// An i1 tensor of `dims` (padded): index along `d` `cmp` `n`.
+    fn index_test(&mut self, dims: &[i64], d: usize, pred: &str, n: i64) -> String {
+        let i = self.iota(dims, d);
+        let c = self.let_(&format!("arith.constant dense<{n}> : {}", tty(dims, "i32")));
+        self.let_(&format!("arith.cmpi {pred}, {i}, {c} : {}", tty(dims, "i32")))
+    }
+
+    /// The elements of a value of logical `dims` inside them (None when nothing is padded).
+    fn inside(&mut self, dims: &[i64]) -> Option<String> {
+        let p = padded(dims);
+        let mut mask: Option<String> = None;
+        for d in 0..dims.len() {
+            if p[d] != dims[d] {
+                let m = self.index_test(&p, d, "slt", dims[d]);
+                mask = Some(match mask {
+                    None => m,
+                    Some(prev) => self.let_(&format!("arith.andi {prev}, {m} : {}", tty(&p, "i1"))),
+                });
+            }
+        }
+        mask
+    }
+
+    /// `x` (of logical `dims`, type `e`) with its padding along `d` replaced by `fill`.
+    fn fill_padding(&mut self, x: &str, dims: &[i64], e: DType, d: usize, fill: f64) -> String {
+        let p = padded(dims);
+        if p[d] == dims[d] {
+            return x.to_string();
+        }
+        let m = self.index_test(&p, d, "slt", dims[d]);
+        let f = self.let_(&format!("arith.constant dense<{}> : {}", literal(fill, e), tty(&p, elem(e))));
+        self.let_(&format!("arith.select {m}, {x}, {f} : {}, {}", tty(&p, "i1"), tty(&p, elem(e))))
+    }
+
+    /// The pointers of a `dims` window of reference `r` at `offsets` inside the step's block,
+    /// and the mask of its padding (None when nothing is padded).
+    fn window(
+        &mut self,
+        r: Ref,
+        offsets: &[Offset],
+        dims: &[i64],
+    ) -> Result<(String, String, Option<String>)> {
+        let (slot, arg, array) = match r.place {
+            Place::Input(i) => (i, format!("%in{i}"), &self.k.inputs[i]),
+            Place::Output(i) => (self.k.inputs.len() + i, format!("%out{i}"), &self.k.outputs[i]),
+            Place::Scratch(_) => return Err(err("a scratch buffer has no pointers")),
+        };
+        let e = elem(array.ty.elem);
+        let st = strides(&array.ty.dims);
+        let mut base = self.bases[slot].clone();
+        for (d, o) in offsets.iter().enumerate() {
+            let add = match o {
+                Offset::Const(0) => continue,
+                Offset::Const(c) => self.i32_const(c * st[d]),
+                Offset::Dyn(v, _) => {
+                    let n = self.name(v)?;
+                    let s = self.i32_const(st[d]);
+                    self.let_(&format!("arith.muli {n}, {s} : i32"))
+                }
+            };
+            base = self.let_(&format!("arith.addi {base}, {add} : i32"));
+        }
+        let p = padded(dims);
+        let ptr = format!("!tt.ptr<{e}>");
+        let moved = self.let_(&format!("tt.addptr {arg}, {base} : {ptr}, i32"));
+        let mut offs: Option<String> = None;
+        for d in 0..p.len() {
+            if p[d] == 1 {
+                continue;
+            }
+            let i = self.iota(&p, d);
+            let term = if st[d] == 1 {
+                i
+            } else {
+                let s = self.let_(&format!("arith.constant dense<{}> : {}", st[d], tty(&p, "i32")));
+                self.let_(&format!("arith.muli {i}, {s} : {}", tty(&p, "i32")))
+            };
+            offs = Some(match offs {
+                None => term,
+                Some(prev) => self.let_(&format!("arith.addi {prev}, {term} : {}", tty(&p, "i32"))),
+            });
+        }
+        let offs = match offs {
+            Some(o) => o,
+            None => self.let_(&format!("arith.constant dense<0> : {}", tty(&p, "i32"))),
+        };
+        let ptrs_ty = tty(&p, &ptr);
+        let splat = self.let_(&format!("tt.splat {moved} : {ptr} -> {ptrs_ty}"));
+        let ptrs = self.let_(&format!("tt.addptr {splat}, {offs} : {ptrs_ty}, {}", tty(&p, "i32")));
+        let mask = self.inside(dims);
+        Ok((ptrs, ptrs_ty, mask))
+    }
+
+    /// The scalar `e` of an index map, as i32.
+    fn index(&mut self, e: &Index) -> String {
+        match e {
+            Index::Grid(a) => self.grid[*a].clone(),
+            Index::Const(c) => self.i32_const(*c),
+            Index::Add(a, b) => {
+                let (a, b) = (self.index(a), self.index(b));
+                self.let_(&format!("arith.addi {a}, {b} : i32"))
+            }
+            Index::Mul(a, k) => {
+                let a = self.index(a);
+                let c = self.i32_const(*k);
+                self.let_(&format!("arith.muli {a}, {c} : i32"))
+            }
+            Index::Table(tab, at) => {
+                let at = self.index(at);
+                let p = self.let_(&format!("tt.addptr %tab{}, {at} : !tt.ptr<i32>, i32", tab.index));
+                self.let_(&format!("tt.load {p} : !tt.ptr<i32>"))
+            }
+        }
+    }
+
+    /// The element offset of every operand's block at this step.
+    fn step_bases(&mut self) {
+        let k = self.k;
+        let mut bases = Vec::new();
+        for o in k.inputs.iter().chain(&k.outputs) {
+            let st = strides(&o.ty.dims);
+            let mut acc = self.i32_const(0);
+            for (d, m) in o.map.iter().enumerate() {
+                if matches!(m, Index::Const(0)) {
+                    continue;
+                }
+                let i = self.index(m);
+                let s = self.i32_const(o.block[d] * st[d]);
+                let t = self.let_(&format!("arith.muli {i}, {s} : i32"));
+                acc = self.let_(&format!("arith.addi {acc}, {t} : i32"));
+            }
+            bases.push(acc);
+        }
+        self.bases = bases;
+    }
+
+    fn ops(&mut self, ops: &[Op]) -> Result<()> {
+        for op in ops {
+            self.op(op)?;
+        }
+        Ok(())
+    }
+
+    fn unary_f32(&mut self, op: Unary, x: &str, t: &str) -> String {
+        let lib = |s: &str| {
+            format!("tt.extern_elementwise {x} {{libname = \"libdevice\", libpath = \"\", pure = true, symbol = \"{s}\"}} : ({t}) -> {t}")
+        };
+        match op {
+            Unary::Exp => self.let_(&lib("__nv_expf")),
+            Unary::Log => self.let_(&lib("__nv_logf")),
+            Unary::Log1p => self.let_(&lib("__nv_log1pf")),
+            Unary::Rsqrt => self.let_(&lib("__nv_rsqrtf")),
+            Unary::Tanh => self.let_(&lib("__nv_tanhf")),
+            Unary::Neg => self.let_(&format!("arith.negf {x} : {t}")),
+        }
+    }
+
+    fn op(&mut self, op: &Op) -> Result<()> {
+        match op {
+            Op::ProgramId { out, axis } => {
+                let g = self.grid[*axis].clone();
+                self.names.insert(out.id, g);
+            }
+            Op::IndexConst { out, value } => {
+                let n = self.def(out);
+                self.line(&format!("{n} = arith.constant {value} : i32"));
+            }
+            Op::IndexBinary { out, op, a, b } => {
+                let (a, b) = (self.name(a)?, self.name(b)?);
+                let n = self.def(out);
+                self.line(&format!("{n} = arith.{} {a}, {b} : i32", int_op(*op)));
+            }
+            Op::ReadTable { out, table, index } => {
+                let i = self.name(index)?;
+                let p = self.let_(&format!("tt.addptr %tab{table}, {i} : !tt.ptr<i32>, i32"));
+                let n = self.def(out);
+                self.line(&format!("{n} = tt.load {p} : !tt.ptr<i32>"));
+            }
+            Op::Splat { out, value } => {
+                let n = self.def(out);
+                self.line(&format!(
+                    "{n} = arith.constant dense<{}> : {}",
+                    literal(*value, out.ty.elem),
+                    vty(out)
+                ));
+            }
+            Op::Load { out, from, offsets } => match from.place {
+                Place::Scratch(i) => {
+                    let s = self.scratch[i].clone();
+                    self.names.insert(out.id, s);
+                }
+                _ => {
+                    let (ptrs, pty, mask) = self.window(*from, offsets, &out.ty.dims)?;
+                    let n = self.def(out);
+                    match mask {
+                        None => self.line(&format!("{n} = tt.load {ptrs} : {pty}")),
+                        Some(m) => {
+                            let z = self.let_(&format!(
+                                "arith.constant dense<{}> : {}",
+                                literal(0.0, out.ty.elem),
+                                vty(out)
+                            ));
+                            self.line(&format!("{n} = tt.load {ptrs}, {m}, {z} : {pty}"));
+                        }
+                    }
+                }
+            },
+            Op::Store { to, offsets, value } => {
+                let v = self.name(value)?;
+                match to.place {
+                    Place::Scratch(i) => self.scratch[i] = v,
+                    _ => {
+                        let (ptrs, pty, mask) = self.window(*to, offsets, &value.ty.dims)?;
+                        match mask {
+                            None => self.line(&format!("tt.store {ptrs}, {v} : {pty}")),
+                            Some(m) => self.line(&format!("tt.store {ptrs}, {v}, {m} : {pty}")),
+                        }
+                    }
+                }
+            }
+            Op::Matmul { out, a, b, contract, precision } => {
+                let (mut an, mut bn) = (self.name(a)?, self.name(b)?);
+                let (mut ad, mut bd) = (a.ty.dims.clone(), b.ty.dims.clone());
+                let e = a.ty.elem;
+                // Contracting dim padded: zero it on both sides.
+                an = self.fill_padding(&an, &ad, e, contract.0, 0.0);
+                bn = self.fill_padding(&bn, &bd, e, contract.1, 0.0);
+                if contract.0 == 0 {
+                    let (from, to) = (tty(&padded(&ad), elem(e)), tty(&padded(&[ad[1], ad[0]]), elem(e)));
+                    an = self.let_(&format!("tt.trans {an} {{order = array<i32: 1, 0>}} : {from} -> {to}"));
+                    ad = vec![ad[1], ad[0]];
+                }
+                if contract.1 == 1 {
+                    let (from, to) = (tty(&padded(&bd), elem(e)), tty(&padded(&[bd[1], bd[0]]), elem(e)));
+                    bn = self.let_(&format!("tt.trans {bn} {{order = array<i32: 1, 0>}} : {from} -> {to}"));
+                    bd = vec![bd[1], bd[0]];
+                }
+                let mut oe = e;
+                if e == DType::F32 && *precision == MatPrecision::Default {
+                    let (f, h) = (tty(&padded(&ad), "f32"), tty(&padded(&ad), "bf16"));
+                    an = self.let_(&format!("arith.truncf {an} : {f} to {h}"));
+                    let (f, h) = (tty(&padded(&bd), "f32"), tty(&padded(&bd), "bf16"));
+                    bn = self.let_(&format!("arith.truncf {bn} : {f} to {h}"));
+                    oe = DType::BF16;
+                }
+                let acc = self.let_(&format!("arith.constant dense<0.000000000e+00> : {}", vty(out)));
+                let p = if oe == DType::F32 { ", inputPrecision = ieee" } else { "" };
+                let (at, bt) = (tty(&padded(&ad), elem(oe)), tty(&padded(&bd), elem(oe)));
+                let n = self.def(out);
+                self.line(&format!("{n} = tt.dot {an}, {bn}, {acc}{p} : {at} * {bt} -> {}", vty(out)));
+            }
+            Op::Binary { out, op, a, b } => {
+                let (an, bn) = (self.name(a)?, self.name(b)?);
+                let name = if a.ty.elem.is_float() { float_op(*op) } else { int_op(*op) };
+                let n = self.def(out);
+                self.line(&format!("{n} = arith.{name} {an}, {bn} : {}", vty(out)));
+            }
+            Op::Unary { out, op, a } => {
+                let an = self.name(a)?;
+                let r = if a.ty.elem == DType::F32 || *op == Unary::Neg {
+                    self.unary_f32(*op, &an, &vty(a))
+                } else {
+                    let p = padded(&a.ty.dims);
+                    let (h, f) = (vty(a), tty(&p, "f32"));
+                    let wide = self.let_(&format!("arith.extf {an} : {h} to {f}"));
+                    let r = self.unary_f32(*op, &wide, &f);
+                    self.let_(&format!("arith.truncf {r} : {f} to {h}"))
+                };
+                self.names.insert(out.id, r);
+            }
+            Op::Iota { out, dim } => {
+                let r = self.iota(&padded(&out.ty.dims), *dim);
+                self.names.insert(out.id, r);
+            }
+            Op::Compare { out, cmp, a, b } => {
+                let (an, bn) = (self.name(a)?, self.name(b)?);
+                let (f, i) = predicate(*cmp);
+                let (op, pred) = if a.ty.elem.is_float() { ("cmpf", f) } else { ("cmpi", i) };
+                let n = self.def(out);
+                self.line(&format!("{n} = arith.{op} {pred}, {an}, {bn} : {}", vty(a)));
+            }
+            Op::Select { out, cond, a, b } => {
+                let (c, an, bn) = (self.name(cond)?, self.name(a)?, self.name(b)?);
+                let n = self.def(out);
+                self.line(&format!("{n} = arith.select {c}, {an}, {bn} : {}, {}", vty(cond), vty(out)));
+            }
+            Op::Reduce { out, op, a, axis } => {
+                let an = self.name(a)?;
+                let (kind, init) = match op {
+                    Reduction::Sum => ("arith.addf", 0.0),
+                    Reduction::Max => ("arith.maximumf", f64::NEG_INFINITY),
+                };
+                let x = self.fill_padding(&an, &a.ty.dims, DType::F32, *axis, init);
+                let p = padded(&a.ty.dims);
+                let mut reduced = p.clone();
+                reduced.remove(*axis);
+                let r = self.reduce(&x, &p, *axis, "f32", kind);
+                let n = self.def(out);
+                self.line(&format!(
+                    "{n} = tt.expand_dims {r} {{axis = {axis} : i32}} : {} -> {}",
+                    tty(&reduced, "f32"),
+                    vty(out)
+                ));
+            }
+            Op::Broadcast { out, a } => {
+                let an = self.name(a)?;
+                let to = padded(&out.ty.dims);
+                let e = elem(a.ty.elem);
+                let r = if a.ty.dims.is_empty() {
+                    self.let_(&format!("tt.splat {an} : {e} -> {}", tty(&to, e)))
+                } else {
+                    let mut cur = an;
+                    let mut shape = padded(&a.ty.dims);
+                    while shape.len() < to.len() {
+                        let next: Vec<i64> = std::iter::once(1).chain(shape.iter().copied()).collect();
+                        cur = self.let_(&format!(
+                            "tt.expand_dims {cur} {{axis = 0 : i32}} : {} -> {}",
+                            tty(&shape, e),
+                            tty(&next, e)
+                        ));
+                        shape = next;
+                    }
+                    if shape != to {
+                        cur =
+                            self.let_(&format!("tt.broadcast {cur} : {} -> {}", tty(&shape, e), tty(&to, e)));
+                    }
+                    cur
+                };
+                self.names.insert(out.id, r);
+            }
+            Op::Cast { out, a } => {
+                let op = match (a.ty.elem, out.ty.elem) {
+                    (DType::F32, DType::BF16) => "arith.truncf",
+                    (DType::BF16, DType::F32) => "arith.extf",
+                    (DType::I32, _) => "arith.sitofp",
+                    _ => "arith.fptosi",
+                };
+                let an = self.name(a)?;
+                let n = self.def(out);
+                self.line(&format!("{n} = {op} {an} : {} to {}", vty(a), vty(out)));
+            }
+            Op::Transpose { out, a } => {
+                let an = self.name(a)?;
+                let n = self.def(out);
+                self.line(&format!(
+                    "{n} = tt.trans {an} {{order = array<i32: 1, 0>}} : {} -> {}",
+                    vty(a),
+                    vty(out)
+                ));
+            }
+            Op::Reshape { out, a } => {
+                let an = self.name(a)?;
+                let n = self.def(out);
+                self.line(&format!("{n} = tt.reshape {an} : {} -> {}", vty(a), vty(out)));
+            }
+            Op::Slice { out, a, starts } => {
+                let mut cur = self.name(a)?;
+                let mut dims = padded(&a.ty.dims);
+                let e = a.ty.elem;
+                for d in 0..dims.len() {
+                    let s = out.ty.dims[d];
+                    if s == a.ty.dims[d] {
+                        continue;
+                    }
+                    // [.., D, ..] -> [.., D/s, s, ..], keep block starts[d]/s of the new axis.
+                    let mut split = dims.clone();
+                    split[d] = dims[d] / s;
+                    split.insert(d + 1, s);
+                    let (from, to) = (tty(&dims, elem(e)), tty(&split, elem(e)));
+                    let r = self.let_(&format!("tt.reshape {cur} : {from} -> {to}"));
+                    cur = self.pick(&r, &split, d, starts[d] / s, e);
+                    dims[d] = s;
+                }
+                self.names.insert(out.id, cur);
+            }
+            Op::Concat { out, parts, dim } => {
+                let e = out.ty.elem;
+                let d = *dim;
+                let pd = padded(&parts[0].ty.dims);
+                let n = parts.len() as i64;
+                let mut stacked = pd.clone();
+                stacked.insert(d, n);
+                let st = tty(&stacked, elem(e));
+                let mut acc = self.let_(&format!("arith.constant dense<{}> : {st}", literal(0.0, e)));
+                for (j, part) in parts.iter().enumerate() {
+                    let pn = self.name(part)?;
+                    let mut one = pd.clone();
+                    one.insert(d, 1);
+                    let x = self.let_(&format!(
+                        "tt.expand_dims {pn} {{axis = {d} : i32}} : {} -> {}",
+                        tty(&pd, elem(e)),
+                        tty(&one, elem(e))
+                    ));
+                    let x = self.let_(&format!("tt.broadcast {x} : {} -> {st}", tty(&one, elem(e))));
+                    let m = self.index_test(&stacked, d, "eq", j as i64);
+                    acc = self.let_(&format!("arith.select {m}, {x}, {acc} : {}, {st}", tty(&stacked, "i1")));
+                }
+                let r = self.let_(&format!("tt.reshape {acc} : {st} -> {}", vty(out)));
+                self.names.insert(out.id, r);
+            }
+            Op::If { cond, then } => {
+                let c = self.name(cond)?;
+                let mut w = BTreeSet::new();
+                written(then, &mut w);
+                let w: Vec<usize> = w.into_iter().collect();
+                let before = self.scratch.clone();
+                let types: Vec<String> = w.iter().map(|&i| self.scratch_type(i)).collect();
+                let r = self.temp();
+                if w.is_empty() {
+                    self.line(&format!("scf.if {c} {{"));
+                } else {
+                    let lhs = if w.len() == 1 { r.clone() } else { format!("{r}:{}", w.len()) };
+                    self.line(&format!("{lhs} = scf.if {c} -> ({}) {{", types.join(", ")));
+                }
+                self.depth += 1;
+                let saved = self.names.clone();
+                self.ops(then)?;
+                self.names = saved;
+                if !w.is_empty() {
+                    let ys: Vec<String> = w.iter().map(|&i| self.scratch[i].clone()).collect();
+                    self.line(&format!("scf.yield {} : {}", ys.join(", "), types.join(", ")));
+                    self.depth -= 1;
+                    self.line("} else {");
+                    self.depth += 1;
+                    let olds: Vec<String> = w.iter().map(|&i| before[i].clone()).collect();
+                    self.line(&format!("scf.yield {} : {}", olds.join(", "), types.join(", ")));
+                }
+                self.depth -= 1;
+                self.line("}");
+                self.scratch = before;
+                for (k, &i) in w.iter().enumerate() {
+                    self.scratch[i] = if w.len() == 1 { r.clone() } else { format!("{r}#{k}") };
+                }
+            }
+            Op::For { lo, hi, index, init, args, body, yields, outs } => {
+                let mut w = BTreeSet::new();
+                written(body, &mut w);
+                let w: Vec<usize> = w.into_iter().collect();
+                let inits = init.iter().map(|v| self.name(v)).collect::<Result<Vec<_>>>()?;
+                let saved = self.names.clone();
+                let arg_names: Vec<String> = args.iter().map(|a| self.def(a)).collect();
+                let i = self.def(index);
+                let yields_outs = self.counted_loop(
+                    *lo,
+                    *hi,
+                    &i,
+                    &inits,
+                    &arg_names,
+                    &init.iter().map(vty).collect::<Vec<_>>(),
+                    &w,
+                    |e| {
+                        e.ops(body)?;
+                        yields.iter().map(|v| e.name(v)).collect()
+                    },
+                )?;
+                self.names = saved;
+                for (o, name) in outs.iter().zip(yields_outs) {
+                    self.names.insert(o.id, name);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn scratch_type(&self, i: usize) -> String {
+        let t = &self.k.scratch[i].1;
+        tty(&padded(&t.dims), elem(t.elem))
+    }
+
+    /// `scf.for i in lo..hi` carrying `values` (named `args` inside, of `types`) and the
+    /// scratch buffers `carried`; `body` emits the step and returns the next values. Returns
+    /// the loop's values after the last step (the scratch names are updated in place).
+    #[allow(clippy::too_many_arguments)]
+    fn counted_loop(
+        &mut self,
+        lo: i64,
+        hi: i64,
+        index: &str,
+        values: &[String],
+        args: &[String],
+        types: &[String],
+        carried: &[usize],
+        body: impl FnOnce(&mut Self) -> Result<Vec<String>>,
+    ) -> Result<Vec<String>> {
+        let (l, h, one) = (self.i32_const(lo), self.i32_const(hi), self.i32_const(1));
+        let mut all_types: Vec<String> = types.to_vec();
+        all_types.extend(carried.iter().map(|&i| self.scratch_type(i)));
+        let mut inits: Vec<String> = values.to_vec();
+        inits.extend(carried.iter().map(|&i| self.scratch[i].clone()));
+        let mut arg_names: Vec<String> = args.to_vec();
+        let scratch_args: Vec<String> = carried.iter().map(|_| self.temp()).collect();
+        arg_names.extend(scratch_args.iter().cloned());
+        let n = all_types.len();
+        let r = self.temp();
+        let lhs = match n {
+            0 => String::new(),
+            1 => format!("{r} = "),
+            n => format!("{r}:{n} = "),
+        };
+        let iter: Vec<String> = arg_names.iter().zip(&inits).map(|(a, v)| format!("{a} = {v}")).collect();
+        let carry = match n {
+            0 => String::new(),
+            _ => format!(" iter_args({}) -> ({})", iter.join(", "), all_types.join(", ")),
+        };
+        self.line(&format!("{lhs}scf.for {index} = {l} to {h} step {one}{carry} : i32 {{"));
+        self.depth += 1;
+        for (&i, a) in carried.iter().zip(&scratch_args) {
+            self.scratch[i] = a.clone();
+        }
+        let mut ys = body(self)?;
+        ys.extend(carried.iter().map(|&i| self.scratch[i].clone()));
+        if n > 0 {
+            self.line(&format!("scf.yield {} : {}", ys.join(", "), all_types.join(", ")));
+        }
+        self.depth -= 1;
+        self.line("}");
+        let outs: Vec<String> = (0..n).map(|k| if n == 1 { r.clone() } else { format!("{r}#{k}") }).collect();
+        for (k, &i) in carried.iter().enumerate() {
+            self.scratch[i] = outs[values.len() + k].clone();
+        }
+        Ok(outs[..values.len()].to_vec())
+    }
+
+    /// `x` of `dims` reduced over `axis` with the combiner `kind` (an `arith` op of `e`).
+    fn reduce(&mut self, x: &str, dims: &[i64], axis: usize, e: &str, kind: &str) -> String {
+        let mut reduced = dims.to_vec();
+        reduced.remove(axis);
+        let (a, b, c) = (self.temp(), self.temp(), self.temp());
+        let r = self.temp();
+        self.line(&format!("{r} = \"tt.reduce\"({x}) <{{axis = {axis} : i32}}> ({{"));
+        self.line(&format!("^bb0({a}: {e}, {b}: {e}):"));
+        self.depth += 1;
+        self.line(&format!("{c} = {kind} {a}, {b} : {e}"));
+        self.line(&format!("tt.reduce.return {c} : {e}"));
+        self.depth -= 1;
+        self.line(&format!("}}) : ({}) -> {}", tty(dims, e), tty(&reduced, e)));
+        r
+    }
+
+    /// Entry `j` of axis `d` of `x` (of `dims`, element `e`), the axis dropped: the other
+    /// entries masked to the combiner's identity and reduced away (exact).
+    fn pick(&mut self, x: &str, dims: &[i64], d: usize, j: i64, e: DType) -> String {
+        let m = self.index_test(dims, d, "eq", j);
+        let (fill, kind) =
+            if e.is_float() { (f64::NEG_INFINITY, "arith.maximumf") } else { (0.0, "arith.addi") };
+        let f = self.let_(&format!("arith.constant dense<{}> : {}", literal(fill, e), tty(dims, elem(e))));
+        let s =
+            self.let_(&format!("arith.select {m}, {x}, {f} : {}, {}", tty(dims, "i1"), tty(dims, elem(e))));
+        self.reduce(&s, dims, d, elem(e), kind)
+    }
+}
+
+fn int_op(op: Binary) -> &'static str {
+    match op {
+        Binary::Add => "addi",
+        Binary::Sub => "subi",
+        Binary::Mul => "muli",
+        Binary::Div => "divsi",
+        Binary::Max => "maxsi",
+        Binary::Min => "minsi",
+    }
+}
+
+fn float_op(op: Binary) -> &'static str {
+    match op {
+        Binary::Add => "addf",
+        Binary::Sub => "subf",
+        Binary::Mul => "mulf",
+        Binary::Div => "divf",
+        Binary::Max => "maximumf",
+        Binary::Min => "minimumf",
+    }
+}
+
+fn predicate(cmp: Cmp) -> (&'static str, &'static str) {
+    match cmp {
+        Cmp::Eq => ("oeq", "eq"),
+        Cmp::Ne => ("une", "ne"),
+        Cmp::Lt => ("olt", "slt"),
+        Cmp::Le => ("ole", "sle"),
+        Cmp::Gt => ("ogt", "sgt"),
+        Cmp::Ge => ("oge", "sge"),
+    }
+}
+
+/// Escapes TTIR text for the `ir` string of the custom call's config dictionary.
+fn escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + text.len() / 8);
+    for c in text.chars() {
+        match c {
+            '"' => out.push_str("\\22"),
+            '\\' => out.push_str("\\5C"),
+            '\n' => out.push_str("\\0A"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+impl Kernel {
+    /// The parallel axes as the GPU launch grid `[x, y, z]` (1 where there are fewer).
+    pub fn launch_grid(&self) -> [i64; 3] {
+        let mut g = [1; 3];
+        for (slot, (n, _)) in self.grid.iter().filter(|(_, s)| *s == Semantics::Parallel).enumerate() {
+            if let Some(x) = g.get_mut(slot) {
+                *x = *n;
+            }
+        }
+        g
+    }
+
+    /// The kernel as Triton IR text: one public `tt.func` whose pointer arguments are the
+    /// tables, the inputs and the results, in that order.
+    pub fn triton_text(&self) -> Result<String> {
+        self.check_lowering(Lowering::Triton)?;
+        let mut e = Emitter {
+            k: self,
+            out: String::new(),
+            names: HashMap::new(),
+            scratch: Vec::new(),
+            bases: Vec::new(),
+            grid: Vec::new(),
+            temps: 0,
+            depth: 0,
+        };
+        let mut args: Vec<String> = (0..self.tables.len())
+            .map(|t| format!("%tab{t}: !tt.ptr<i32> {{tt.divisibility = 16 : i32}}"))
+            .collect();
+        for (i, o) in self.inputs.iter().enumerate() {
+            args.push(format!("%in{i}: !tt.ptr<{}> {{tt.divisibility = 16 : i32}}", elem(o.ty.elem)));
+        }
+        for (i, o) in self.outputs.iter().enumerate() {
+            args.push(format!("%out{i}: !tt.ptr<{}> {{tt.divisibility = 16 : i32}}", elem(o.ty.elem)));
+        }
+        let _ = writeln!(e.out, "module {{");
+        e.depth = 1;
+        e.line(&format!("tt.func public @{}({}) {{", self.name, args.join(", ")));
+        e.depth = 2;
+        let axes = ["x", "y", "z"];
+        let mut parallel = 0;
+        for (n, s) in &self.grid {
+            let _ = n;
+            if *s == Semantics::Parallel {
+                let g = e.let_(&format!("tt.get_program_id {} : i32", axes[parallel]));
+                e.grid.push(g);
+                parallel += 1;
+            } else {
+                e.grid.push(String::new());
+            }
+        }
+        for (_, t) in &self.scratch {
+            let z = e.let_(&format!(
+                "arith.constant dense<{}> : {}",
+                literal(0.0, t.elem),
+                tty(&padded(&t.dims), elem(t.elem))
+            ));
+            e.scratch.push(z);
+        }
+        let loops: Vec<(usize, i64)> = self
+            .grid
+            .iter()
+            .enumerate()
+            .filter(|(_, (_, s))| *s == Semantics::Arbitrary)
+            .map(|(a, (n, _))| (a, *n))
+            .collect();
+        let mut carried = BTreeSet::new();
+        written(&self.body, &mut carried);
+        let carried: Vec<usize> = carried.into_iter().collect();
+        e.arbitrary_steps(&loops, &carried)?;
+        e.line("tt.return");
+        e.depth = 1;
+        e.line("}");
+        e.out.push_str("}\n");
+        Ok(e.out)
+    }
+
+    /// The kernel called from `b` on `operands` (the tables, then the inputs): a
+    /// `__gpu$xla.gpu.triton` custom call that XLA's CUDA plugin compiles.
+    pub(super) fn call_triton(&self, b: &mut FnBuilder, operands: &[Value]) -> Result<Vec<Value>> {
+        let want = self.operand_types();
+        let got: Vec<TensorType> = operands.iter().map(Value::ty).collect();
+        if got != want {
+            return Err(TpuError::builder(
+                format!("triton call {}", self.name),
+                format!("operands {got:?}, the kernel takes {want:?}"),
+            ));
+        }
+        let layout = |t: &TensorType| {
+            let r = t.dims.len();
+            let order: Vec<String> = (0..r).rev().map(|d| d.to_string()).collect();
+            format!("dense<[{}]> : tensor<{r}xindex>", order.join(", "))
+        };
+        let results = self.result_types();
+        let text = self.triton_text()?;
+        // The plugin does not compare the kernel's pointer arguments with the call's buffers
+        // (a wrong count compiles and runs on garbage): count them in the text.
+        let signature = text.lines().find(|l| l.trim_start().starts_with("tt.func")).unwrap_or_default();
+        let pointers = signature.matches("!tt.ptr<").count();
+        if pointers != operands.len() + results.len() {
+            return Err(err(format!(
+                "kernel {} takes {pointers} pointers for {} operands and {} results",
+                self.name,
+                operands.len(),
+                results.len()
+            )));
+        }
+        let [gx, gy, gz] = self.launch_grid();
+        let config = format!(
+            "{{name = \"{}\", ir = \"{}\", num_stages = {} : i32, num_warps = {} : i32, grid_x = {gx} : i32, grid_y = {gy} : i32, grid_z = {gz} : i32, debug = false}}",
+            self.name,
+            escape(&text),
+            self.gpu.num_stages,
+            self.gpu.num_warps,
+        );
+        let attrs = format!(
+            "call_target_name = \"__gpu$xla.gpu.triton\", api_version = 4 : i32, backend_config = {config}, operand_layouts = [{}], result_layouts = [{}]",
+            want.iter().map(layout).collect::<Vec<_>>().join(", "),
+            results.iter().map(layout).collect::<Vec<_>>().join(", ")
+        );
+        b.custom_call(&format!("triton {}", self.name), operands, &results, &attrs)
+    }
+}
+
+impl Emitter<'_> {
+    /// The nest of arbitrary axes `loops` (each a counted loop carrying `carried`), the step's
+    /// block offsets and the body innermost.
+    fn arbitrary_steps(&mut self, loops: &[(usize, i64)], carried: &[usize]) -> Result<()> {
+        let Some(&(axis, n)) = loops.first() else {
+            self.step_bases();
+            let body = &self.k.body;
+            return self.ops(body);
+        };
+        let i = self.temp();
+        self.grid[axis] = i.clone();
+        self.counted_loop(0, n, &i, &[], &[], &[], carried, |e| {
+            e.arbitrary_steps(&loops[1..], carried)?;
+            Ok(Vec::new())
+        })?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[rstest::rstest]
+    #[case::pow2(&[64, 128], &[64, 128])]
+    #[case::k96(&[64, 96], &[64, 128])]
+    #[case::tail(&[1, 160], &[1, 256])]
+    fn values_live_in_power_of_two_tensors(#[case] dims: &[i64], #[case] want: &[i64]) {
+        assert_eq!(super::padded(dims), want);
+    }
+
+    #[test]
+    fn config_strings_escape_quotes_and_newlines() {
+        assert_eq!(super::escape("a \"b\"\nc\\"), "a \\22b\\22\\0Ac\\5C");
+    }
+}
