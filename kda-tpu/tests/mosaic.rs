@@ -784,3 +784,42 @@ fn kernel_compiles_for_the_h200_or_is_refused(
     assert!(k.registers.is_some_and(|r| r <= 255), "{name}: ptxas read the kernel: {k:?}");
     Ok(())
 }
+
+/// On a GPU host only (`cargo xtask gpu-check` stages this binary and runs this tier with the
+/// CUDA plugin as `KDA_PJRT_PLUGIN`; the default and `--full` runs leave it out).
+mod gpu {
+    use super::*;
+
+    /// Each kernel's Triton lowering runs on the GPU and matches the host computation at the
+    /// tolerance its interpret lowering meets on the CPU.
+    #[rstest]
+    #[case::matmul_f32("matmul_f32")]
+    #[case::matmul_kt_v("matmul_kt_v")]
+    #[case::matmul_bf16("matmul_bf16")]
+    #[case::elementwise("elementwise")]
+    #[case::causal_mask("causal_mask")]
+    #[case::reduce_broadcast("reduce_broadcast")]
+    #[case::cast_transpose("cast_transpose")]
+    #[case::blocked_grid("blocked_grid")]
+    #[case::scalar_prefetch("scalar_prefetch")]
+    #[case::scratch_state("scratch_state")]
+    #[case::slice_concat("slice_concat")]
+    #[case::for_loop("for_loop")]
+    #[case::unit_lower_inverse("unit_lower_inverse")]
+    #[case::padded_widths("padded_widths")]
+    fn kernel_runs_through_triton(#[case] name: &str) -> Result<()> {
+        let platform = kda_tpu::Runtime::new()?.platform().to_lowercase();
+        assert!(
+            platform.contains("cuda"),
+            "the gpu:: tier runs on a GPU (`cargo xtask gpu-check`), not on {platform}"
+        );
+        let c = case(name);
+        let text = c.kernel.module(Lowering::Triton)?;
+        let outs = run!(&text, c.inputs);
+        assert_eq!(outs.len(), c.want.len());
+        for (i, (got, want)) in outs.iter().zip(&c.want).enumerate() {
+            assert_close(&format!("{name} result {i} through Triton"), &got.f32s(), want, c.tol);
+        }
+        Ok(())
+    }
+}

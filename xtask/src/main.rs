@@ -16,6 +16,7 @@ mod cli;
 mod commands;
 #[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
 mod demo;
+mod gpu_check;
 #[cfg(test)]
 mod imports;
 #[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
@@ -43,6 +44,9 @@ commands:
   ci                  fmt check, clippy -D warnings, then test
   tpu-test [--plugin PATH] [--full] [--shard i/n]
                       kda-tpu's conformance suite on a PJRT plugin (default: setup's CPU plugin)
+  gpu-check [--dir DIR]
+                      stage the gpu:: tier's test binaries and run.sh for a GPU host without
+                      cargo (see `cargo xtask gpu-check --help`)
   run --backend ref|pjrt --inputs DIR --out DIR [...]
                       run a backend on .npy tensors (see `cargo xtask run --help`)
   demo [--ref-only]   forward+VJP at the primary benchmark shape: the f64 reference, then the
@@ -65,6 +69,7 @@ fn dispatch(cmd: &str, rest: &[String]) -> Result<(), String> {
         "test" => test_cmd::test(rest),
         "ci" => test_cmd::ci(rest),
         "tpu-test" => tpu_test::tpu_test(rest),
+        "gpu-check" => gpu_check::gpu_check(rest),
         "run" => run_cmd::run(rest),
         "demo" => commands::demo(rest),
         "bench" => commands::bench(rest),

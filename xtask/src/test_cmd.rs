@@ -97,8 +97,9 @@ pub fn runner_args(opts: &TestOptions, nextest: bool) -> Result<Vec<String>, Str
     if nextest {
         a.extend(["nextest", "run", "--workspace", "--all-features", "--no-fail-fast"].map(String::from));
         if opts.full {
-            // The `full::` tier is kept out by the default filter of .config/nextest.toml.
-            a.push("--ignore-default-filter".into());
+            // The `full::` tier is kept out by the default filter of .config/nextest.toml; the
+            // `gpu::` tier stays out (it needs a GPU: `cargo xtask gpu-check`).
+            a.extend(["--ignore-default-filter", "-E", "not test(/^gpu::/)"].map(String::from));
         }
         if let Some(s) = opts.shard {
             a.extend(["--partition".to_string(), format!("count:{}/{}", s.index, s.count)]);
@@ -113,6 +114,7 @@ pub fn runner_args(opts: &TestOptions, nextest: bool) -> Result<Vec<String>, Str
         if !opts.full {
             a.extend(["--skip".to_string(), "full::".to_string()]);
         }
+        a.extend(["--skip".to_string(), "gpu::".to_string()]);
     }
     Ok(a)
 }
@@ -446,10 +448,18 @@ mod tests {
     #[case::full_nextest(
         "--full --shard 1/4 conformance",
         true,
-        "nextest run --workspace --all-features --no-fail-fast --ignore-default-filter --partition count:1/4 conformance"
+        "nextest run --workspace --all-features --no-fail-fast --ignore-default-filter -E not test(/^gpu::/) --partition count:1/4 conformance"
     )]
-    #[case::default_cargo_test("", false, "test --workspace --all-features --no-fail-fast -- --skip full::")]
-    #[case::full_cargo_test("--full sweep", false, "test --workspace --all-features --no-fail-fast -- sweep")]
+    #[case::default_cargo_test(
+        "",
+        false,
+        "test --workspace --all-features --no-fail-fast -- --skip full:: --skip gpu::"
+    )]
+    #[case::full_cargo_test(
+        "--full sweep",
+        false,
+        "test --workspace --all-features --no-fail-fast -- sweep --skip gpu::"
+    )]
     fn builds_runner_lines(#[case] line: &str, #[case] nextest: bool, #[case] want: &str) {
         let o = parse_args(&args(line)).unwrap().unwrap();
         assert_eq!(runner_args(&o, nextest).unwrap().join(" "), want);

@@ -1,0 +1,187 @@
+//! `cargo xtask gpu-check`: stages what a GPU host without cargo runs in one go: the test
+//! binaries of the `gpu::` tier and a script that runs them on the host's CUDA plugin.
+
+use crate::cargo_cmd::{cargo, root};
+use crate::cli;
+use crate::setup;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+
+/// The usage text.
+pub const USAGE: &str = "\
+usage: cargo xtask gpu-check [--dir DIR]
+
+Builds the test binaries of the `gpu::` tier (each kernel of the kernel language's op tests
+through its Triton lowering on a GPU, against the host computation) and stages them with
+run.sh in DIR (default target/gpu-check, at most 64 MiB), for a GPU host that has jax 0.11.2
+with jax-cuda13-pjrt 0.11.2 installed and no cargo (x86-64 Linux, like this machine). There:
+
+  bash target/gpu-check/run.sh     # results under $OUT (else DIR/out); exits non-zero on a failure
+
+It finds the CUDA plugin through Python (or $KDA_CUDA_PLUGIN), and ptxas and libdevice in the
+site-packages' nvidia/cu13 (or $KDA_CUDA_DIR); prints the GPU (nvidia-smi) and each test.
+
+options:
+  --dir DIR    where to stage (default target/gpu-check)
+  -h, --help   show this text";
+
+/// The test binaries the GPU host runs, each with the filter of its `gpu::` tests.
+const BINARIES: [(&str, &str, &str); 1] = [("kda-tpu", "mosaic", "gpu::")];
+
+/// Parsed flags: the staging folder; `None` means help was asked for.
+pub fn parse_args(args: &[String]) -> Result<Option<PathBuf>, String> {
+    let mut dir = root().canonicalize().unwrap_or_else(|_| root()).join("target/gpu-check");
+    let mut flags = cli::Flags::new(args);
+    while let Some(flag) = flags.next_flag()? {
+        match flag.as_str() {
+            "-h" | "--help" => return Ok(None),
+            "--dir" => dir = PathBuf::from(flags.value(&flag)?),
+            _ => return Err(format!("unknown argument `{flag}`")),
+        }
+    }
+    Ok(Some(dir))
+}
+
+/// The entry point of `cargo xtask gpu-check`; `args` are the arguments after `gpu-check`.
+pub fn gpu_check(args: &[String]) -> Result<(), String> {
+    let Some(dir) = parse_args(args).map_err(|e| format!("xtask gpu-check: {e}\n\n{USAGE}"))? else {
+        println!("{USAGE}");
+        return Ok(());
+    };
+    let paths = setup::ensure(false)?;
+    let bin = dir.join("bin");
+    if dir.exists() {
+        fs::remove_dir_all(&dir).map_err(|e| format!("remove {}: {e}", dir.display()))?;
+    }
+    fs::create_dir_all(&bin).map_err(|e| format!("create {}: {e}", bin.display()))?;
+    let mut total = 0;
+    for (package, test, _) in BINARIES {
+        let exe = build_test(&paths, package, test)?;
+        let to = bin.join(test);
+        fs::copy(&exe, &to).map_err(|e| format!("copy {} -> {}: {e}", exe.display(), to.display()))?;
+        total += fs::metadata(&to).map(|m| m.len()).unwrap_or(0);
+        eprintln!("gpu-check: staged {} ({:.1} MiB)", to.display(), mib(&to));
+    }
+    if total > 64 << 20 {
+        return Err(format!(
+            "gpu-check: {:.1} MiB staged, over the 64 MiB a device run carries",
+            total as f64 / 1048576.0
+        ));
+    }
+    let script = dir.join("run.sh");
+    fs::write(&script, run_script()).map_err(|e| format!("write {}: {e}", script.display()))?;
+    println!(
+        "gpu-check: staged in {} ({:.1} MiB); on the GPU host: bash {}",
+        dir.display(),
+        total as f64 / 1048576.0,
+        script.display()
+    );
+    Ok(())
+}
+
+fn mib(p: &Path) -> f64 {
+    fs::metadata(p).map(|m| m.len() as f64 / 1048576.0).unwrap_or(0.0)
+}
+
+/// Builds `package`'s test `test` with every feature (the test profile) and returns its
+/// executable, read from cargo's JSON messages.
+fn build_test(paths: &setup::Paths, package: &str, test: &str) -> Result<PathBuf, String> {
+    let args = ["test", "-p", package, "--all-features", "--test", test, "--no-run", "--message-format=json"];
+    let out = cargo(paths, &args)
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|e| format!("cargo {}: {e}", args.join(" ")))?;
+    if !out.status.success() {
+        return Err(format!("cargo {} failed ({})", args.join(" "), out.status));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    executable(&text, test).ok_or_else(|| format!("cargo built no executable for test `{test}`"))
+}
+
+/// The `"executable"` of the compiler-artifact message of test target `test`.
+fn executable(messages: &str, test: &str) -> Option<PathBuf> {
+    let target = format!("\"name\":\"{test}\"");
+    messages
+        .lines()
+        .filter(|l| l.contains("\"reason\":\"compiler-artifact\"") && l.contains(&target))
+        .find_map(|l| {
+            let at = l.find("\"executable\":\"")? + "\"executable\":\"".len();
+            let rest = &l[at..];
+            Some(PathBuf::from(&rest[..rest.find('"')?]))
+        })
+}
+
+/// The script the GPU host runs (bash, no cargo): each staged binary's `gpu::` tests, one at a
+/// time, with the CUDA plugin and its CUDA tools found there.
+fn run_script() -> String {
+    let mut runs = String::new();
+    for (_, test, filter) in BINARIES {
+        runs.push_str(&format!("run_tests {test} \"$here/bin/{test}\" {filter}\n"));
+    }
+    format!(
+        r#"#!/usr/bin/env bash
+# Written by `cargo xtask gpu-check`: runs the gpu:: tier of the staged test binaries on this
+# host's GPU through the CUDA PJRT plugin. Results under $OUT (else this folder's out/).
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+out=${{OUT:-$here/out}}
+mkdir -p "$out"
+plugin=${{KDA_CUDA_PLUGIN:-$(python3 -c 'import os, jax_plugins.xla_cuda13 as m; print(os.path.join(m.__path__[0], "xla_cuda_plugin.so"))' 2>/dev/null)}}
+if [ ! -f "$plugin" ]; then echo "gpu-check: no CUDA plugin (pip install jax-cuda13-pjrt==0.11.2, or set KDA_CUDA_PLUGIN)" | tee "$out/summary.txt"; exit 2; fi
+find_cuda() {{
+  python3 - <<'PY'
+import os, sys
+for p in sys.path:
+    c = os.path.join(p, "nvidia", "cu13")
+    if os.path.isfile(os.path.join(c, "bin", "ptxas")):
+        print(c)
+        break
+PY
+}}
+cuda=${{KDA_CUDA_DIR:-$(find_cuda 2>/dev/null)}}
+export KDA_PJRT_PLUGIN="$plugin"
+if [ -n "$cuda" ]; then export XLA_FLAGS="${{XLA_FLAGS:-}} --xla_gpu_cuda_data_dir=$cuda"; fi
+{{ echo "plugin: $plugin"; echo "cuda tools: ${{cuda:-(searched by the plugin)}}"; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1; }} | tee "$out/host.txt"
+failed=0
+run_tests() {{
+  local name=$1 exe=$2 filter=$3 start=$SECONDS
+  "$exe" "$filter" --test-threads 1 2>&1 | tee "$out/$name.log"
+  local status=${{PIPESTATUS[0]}}
+  echo "$name $filter: exit $status in $((SECONDS - start)) s" | tee -a "$out/summary.txt"
+  [ "$status" -eq 0 ] || failed=1
+}}
+{runs}exit $failed
+"#
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn finds_the_test_executable_in_cargos_messages() {
+        let messages = concat!(
+            r#"{"reason":"compiler-artifact","target":{"name":"kda_tpu","kind":["lib"]},"executable":null}"#,
+            "\n",
+            r#"{"reason":"compiler-artifact","target":{"name":"mosaic","kind":["test"]},"executable":"/w/target/debug/deps/mosaic-1f"}"#,
+        );
+        assert_eq!(super::executable(messages, "mosaic"), Some("/w/target/debug/deps/mosaic-1f".into()));
+        assert_eq!(super::executable(messages, "sweep"), None);
+    }
+
+    #[test]
+    fn the_script_runs_each_binarys_gpu_tier() {
+        let s = super::run_script();
+        assert!(s.starts_with("#!/usr/bin/env bash"));
+        assert!(s.contains("run_tests mosaic \"$here/bin/mosaic\" gpu::"), "{s}");
+        assert!(s.contains("export KDA_PJRT_PLUGIN=\"$plugin\""));
+        assert!(s.contains("--xla_gpu_cuda_data_dir=$cuda"));
+    }
+
+    #[test]
+    fn takes_a_dir() {
+        let d = super::parse_args(&["--dir".to_string(), "/tmp/g".to_string()]).unwrap();
+        assert_eq!(d, Some("/tmp/g".into()));
+        assert!(super::parse_args(&["--x".to_string()]).is_err());
+    }
+}
