@@ -15,6 +15,10 @@ analysis (flops, bytes accessed). Nothing runs.
 
 options:
   --topology NAME      TPU topology (default tpu7x:2x2x1; also v6e:2x2, v5e:2x2, v5p:2x2x1)
+  --target h200        compile for a GPU instead, deviceless through the CUDA plugin (excludes
+                       --topology and --devices; xla or interpret): memory, the kernel launches
+                       of one call (XLA's thunk sequence, each loop body once) and per kernel
+                       its grid, threads, registers, spills and shared memory (ptxas)
   --program LIST       forward, forward-saved-state, fused-saved-state, fused-remat,
                        backward-saved-state, backward-remat, or all (default all);
                        comma-separated lists work
@@ -177,6 +181,8 @@ impl Shape {
 pub struct AotOptions {
     /// The TPU topology.
     pub topology: String,
+    /// A GPU target (`--target`) instead of the TPU topology.
+    pub target: Option<String>,
     /// Programs, in print order.
     pub programs: Vec<Program>,
     /// Shapes, in print order.
@@ -216,6 +222,7 @@ impl Default for AotOptions {
     fn default() -> Self {
         Self {
             topology: "tpu7x:2x2x1".to_string(),
+            target: None,
             programs: Program::ALL.to_vec(),
             shapes: vec![Shape::Primary],
             dtypes: vec![DType::BF16],
@@ -239,6 +246,7 @@ impl Default for AotOptions {
 /// Parses the arguments after `aot`; `Ok(None)` means help was asked for.
 pub fn parse_args(args: &[String]) -> Result<Option<AotOptions>, String> {
     let mut o = AotOptions::default();
+    let mut topology = false;
     let mut flags = cli::Flags::new(args);
     while let Some(flag) = flags.next_flag()? {
         let flag = flag.as_str();
@@ -250,7 +258,9 @@ pub fn parse_args(args: &[String]) -> Result<Option<AotOptions>, String> {
                     return Err("`--topology` needs a name such as tpu7x:2x2x1".to_string());
                 }
                 o.topology = v;
+                topology = true;
             }
+            "--target" => o.target = Some(flags.value(flag)?),
             "--program" => {
                 let v = flags.value(flag)?;
                 o.programs = cli::list(flag, &v, &Program::ALL, Program::parse, &program_names())?;
@@ -287,6 +297,17 @@ pub fn parse_args(args: &[String]) -> Result<Option<AotOptions>, String> {
                     Some(v.parse().map_err(|_| format!("`{flag}` needs a byte count, got `{v}`"))?);
             }
             _ => return Err(format!("unknown argument `{flag}`")),
+        }
+    }
+    if let Some(t) = &o.target {
+        if topology {
+            return Err(format!("`--target {t}` compiles for a GPU: it excludes `--topology`"));
+        }
+        if o.devices > 1 {
+            return Err(format!("`--target {t}` compiles for one GPU: it excludes `--devices`"));
+        }
+        if o.implementation == kda_core::Implementation::Mosaic {
+            return Err(format!("`--target {t}`: the Mosaic kernels are TPU kernels (use xla or interpret)"));
         }
     }
     Ok(Some(o))
@@ -394,9 +415,19 @@ mod tests {
     #[case("--topology", "`--topology` needs a value")]
     #[case("--topology=", "needs a name")]
     #[case("--peak", "unknown argument `--peak`")]
+    #[case("--target h200 --topology v6e:2x2", "excludes `--topology`")]
+    #[case("--target h200 --devices 2", "excludes `--devices`")]
+    #[case("--target h200 --implementation mosaic", "Mosaic kernels are TPU kernels")]
     fn rejects_bad_flags(#[case] line: &str, #[case] want: &str) {
         let err = parse_args(&args(line)).unwrap_err();
         assert!(err.contains(want), "{line}: {err}");
+    }
+
+    #[test]
+    fn takes_a_gpu_target() {
+        let o = parse_args(&args("--target h200 --implementation interpret")).unwrap().unwrap();
+        assert_eq!(o.target.as_deref(), Some("h200"));
+        assert_eq!(parse_args(&args("")).unwrap().unwrap().target, None);
     }
 
     #[test]

@@ -102,14 +102,113 @@ fn emit(o: &AotOptions, be: &PjrtBackend, dir: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// `--target`: every (shape, dtype, program) of `o` compiled deviceless for a GPU, with its
+/// kernel launches and each kernel's figures.
+fn run_gpu(o: &AotOptions, be: &PjrtBackend, target: &str) -> Result<(), String> {
+    let target = kda_tpu::aot::gpu::gpu_target(target).map_err(err)?;
+    crate::progress::step("aot", format_args!("loading the CUDA plugin..."));
+    let dumps = std::env::temp_dir().join(format!("kda-aot-gpu-{}", std::process::id()));
+    let gpu = kda_tpu::aot::GpuCompiler::load().map_err(err)?.with_figures(&dumps);
+    let (major, minor) = gpu.plugin_version();
+    println!(
+        "target {} ({}) | CUDA plugin PJRT API {major}.{minor} | MB = 10^6 bytes",
+        target.name, target.arch
+    );
+    let mut records = Vec::new();
+    for &shape in &o.shapes {
+        let case = o.case(shape);
+        for &dtype in &o.dtypes {
+            let (problem, cp) = pieces(o, &case, dtype)?;
+            for &program in &o.programs {
+                let text = program_text(o, be, (&case, dtype), (&problem, &cp), program)?;
+                crate::progress::step(
+                    "aot",
+                    format_args!(
+                        "compiling {} ({} {dtype}) for {}...",
+                        program.name(),
+                        shape.name(),
+                        target.name
+                    ),
+                );
+                let r = gpu
+                    .compile(&text, &target)
+                    .map_err(|e| format!("{} {} {dtype}: {}", program.name(), shape.name(), err(e)))?;
+                let m = r.memory;
+                println!(
+                    "\n{} | {} | {} (H={} B={} T={} K={} V={}) | {dtype} | compiled in {:.1} s",
+                    program.name(),
+                    o.implementation.name(),
+                    shape.name(),
+                    case.h,
+                    case.b,
+                    case.t,
+                    case.k,
+                    case.v,
+                    r.compile_time.as_secs_f64()
+                );
+                println!(
+                    "  memory: argument {}, output {}, temp {}, peak {}",
+                    mb(m.argument_bytes),
+                    mb(m.output_bytes),
+                    mb(m.temp_bytes),
+                    mb(m.peak_bytes)
+                );
+                let spills: u64 = r.kernels.iter().filter_map(|k| k.spill_store_bytes).sum();
+                let regs = r.kernels.iter().filter_map(|k| k.registers).max().unwrap_or(0);
+                println!(
+                    "  kernel launches: {} (each loop body once); most registers {regs}; spill stores {spills} B",
+                    r.kernels.len()
+                );
+                records.push(serde_json::json!({
+                    "program": program.name(),
+                    "implementation": o.implementation.name(),
+                    "shape": shape.name(),
+                    "dtype": dtype.to_string(),
+                    "target": target.name,
+                    "h": case.h,
+                    "b": case.b,
+                    "t": case.t,
+                    "k": case.k,
+                    "v": case.v,
+                    "segments": kda_testkit::inputs::slots(&case),
+                    "peak_bytes": m.peak_bytes,
+                    "temp_bytes": m.temp_bytes,
+                    "argument_bytes": m.argument_bytes,
+                    "output_bytes": m.output_bytes,
+                    "launches": r.kernels.len(),
+                    "kernels": r.kernels.iter().map(|k| serde_json::json!({
+                        "name": k.name,
+                        "grid": k.grid,
+                        "threads": k.threads,
+                        "registers": k.registers,
+                        "spill_store_bytes": k.spill_store_bytes,
+                        "spill_load_bytes": k.spill_load_bytes,
+                        "shared_memory_bytes": k.shared_memory_bytes,
+                    })).collect::<Vec<_>>(),
+                }));
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dumps);
+    if let Some(path) = &o.json {
+        let text = serde_json::to_string_pretty(&records).map_err(|e| e.to_string())?;
+        std::fs::write(path, text + "\n").map_err(|e| format!("cannot write {path}: {e}"))?;
+        println!("wrote {} records to {path}", records.len());
+    }
+    Ok(())
+}
+
 /// Compiles every (shape, dtype, program) of `o` for its topology and prints the figures.
 pub fn run(o: &AotOptions) -> Result<(), String> {
-    kda_tpu::aot::check_topology(&o.topology).map_err(err)?;
     // The CPU plugin only serves `spec()` (the packed capacity plan); nothing runs on it.
     let be = PjrtBackend::new().map_err(err)?;
     if let Some(dir) = &o.emit {
         return emit(o, &be, dir);
     }
+    if let Some(target) = &o.target {
+        return run_gpu(o, &be, target);
+    }
+    kda_tpu::aot::check_topology(&o.topology).map_err(err)?;
     crate::progress::step("aot", format_args!("loading libtpu..."));
     let tpu = super::load_tpu(o.libtpu.as_deref())?;
     let (major, minor) = tpu.plugin_version();
