@@ -15,8 +15,8 @@ use kda_core::DType;
 use kda_tpu::aot::{GpuCompiler, H200};
 use kda_tpu::hlo::{Cmp, TensorType};
 use kda_tpu::lang::{
-    Binary, Cost, Feature, Index, Kernel, KernelBuilder, Lowering, MatPrecision, Offset, Operand, Reduction,
-    Ref, Semantics, Unary,
+    Binary, Cost, F32Dot, Feature, GpuLaunch, Index, Kernel, KernelBuilder, Lowering, MatPrecision, Offset,
+    Operand, Reduction, Ref, Semantics, Unary,
 };
 use kda_tpu::op::tpu_kernels::blocks::{TermMasks, TermScratch};
 use kda_tpu::{Result, TpuCompiler, DEFAULT_TOPOLOGY};
@@ -702,9 +702,16 @@ fn kernels_refuse_blocks_off_the_tiling() {
         &[64, 96],
         vec![Index::Grid(0), Index::Const(0)],
     ));
-    kb.output(Operand::whole("o", t(DType::F32, &[64, 96])));
-    let err = kb.build(|_| Ok(())).expect_err("a 96-lane block of a 192-wide array");
+    let o = kb.output(Operand::whole("o", t(DType::F32, &[64, 96])));
+    let kernel = kb
+        .build(|b| {
+            let z = b.splat(0.0, DType::F32, &[64, 96])?;
+            b.store_all(o, &z)
+        })
+        .expect("a kernel for the other lowerings");
+    let err = kernel.module(Lowering::Mosaic).expect_err("a 96-lane block of a 192-wide array");
     assert!(err.to_string().contains("multiple of 128 or the full 192"), "{err}");
+    assert!(kernel.check_lowering(Lowering::Triton).is_ok() && kernel.module(Lowering::Interpret).is_ok());
     // libtpu refuses i1 buffers ("Unsupported bitwidth: 1"): the builder refuses them first.
     let mut kb = one_step("mask_scratch");
     kb.output(Operand::whole("o", t(DType::F32, &[8, 128])));
@@ -742,7 +749,6 @@ fn the_cost_estimate_reaches_the_compiler() -> Result<()> {
 /// kernel launch of its parallel grid, registers and spills read by `ptxas`), or is refused
 /// before any text is written, naming the feature Triton has no form for.
 #[rstest]
-#[case::matmul_f32("matmul_f32", None)]
 #[case::matmul_kt_v("matmul_kt_v", None)]
 #[case::matmul_bf16("matmul_bf16", None)]
 #[case::elementwise("elementwise", None)]
@@ -755,13 +761,29 @@ fn the_cost_estimate_reaches_the_compiler() -> Result<()> {
 #[case::slice_concat("slice_concat", None)]
 #[case::unaligned_window("unaligned_window", Some(Feature::ScratchWindow))]
 #[case::for_loop("for_loop", None)]
-#[case::unit_lower_inverse("unit_lower_inverse", None)]
 #[case::chunk_terms("chunk_terms", Some(Feature::ScratchWindow))]
 #[case::padded_widths("padded_widths", None)]
 fn kernel_compiles_for_the_h200_or_is_refused(
     #[case] name: &str,
     #[case] refused: Option<Feature>,
 ) -> Result<()> {
+    compiles_for_the_h200_or_is_refused(name, refused)
+}
+
+mod full {
+    use super::*;
+
+    /// The op tests' kernels of half a minute's compile each (f32 products on the FMA units,
+    /// `128 x 128 x 128` and ten `64 x 64 x 64` in a chain) compile for the H200.
+    #[rstest]
+    #[case::matmul_f32("matmul_f32")]
+    #[case::unit_lower_inverse("unit_lower_inverse")]
+    fn kernel_compiles_for_the_h200(#[case] name: &str) -> Result<()> {
+        compiles_for_the_h200_or_is_refused(name, None)
+    }
+}
+
+fn compiles_for_the_h200_or_is_refused(name: &str, refused: Option<Feature>) -> Result<()> {
     let c = case(name);
     let lowered = c.kernel.module(Lowering::Triton);
     if let Some(feature) = refused {
@@ -782,6 +804,19 @@ fn kernel_compiles_for_the_h200_or_is_refused(
     assert_eq!(k.grid.map(|g| g as i64), parallel, "{name}: the parallel axes are the launch grid");
     assert_eq!(k.threads, [128, 1, 1], "{name}: four warps");
     assert!(k.registers.is_some_and(|r| r <= 255), "{name}: ptxas read the kernel: {k:?}");
+    Ok(())
+}
+
+/// An f32 product at full precision in three TF32 passes (`F32Dot::Tf32x3`) compiles for the
+/// H200 (whether it meets the f32 tolerances is the GPU tier's question).
+#[test]
+fn f32_products_compile_in_three_tf32_passes() -> Result<()> {
+    let launch = GpuLaunch { f32_dot: F32Dot::Tf32x3, ..GpuLaunch::default() };
+    let kernel = case("matmul_kt_v").kernel.with_gpu_launch(launch)?;
+    let text = kernel.module(Lowering::Triton)?;
+    assert!(text.contains("inputPrecision = tf32x3"), "the product's precision");
+    let gpu = GpuCompiler::load().unwrap_or_else(|e| panic!("no CUDA plugin ({e}); run `cargo xtask setup`"));
+    gpu.compile(&text, &H200).map_err(|e| kernel.explain_triton(e))?;
     Ok(())
 }
 
@@ -819,6 +854,34 @@ mod gpu {
         assert_eq!(outs.len(), c.want.len());
         for (i, (got, want)) in outs.iter().zip(&c.want).enumerate() {
             assert_close(&format!("{name} result {i} through Triton"), &got.f32s(), want, c.tol);
+        }
+        Ok(())
+    }
+
+    /// The f32 kernels with their full-precision products in three TF32 passes: within the
+    /// tolerance the IEEE products meet, or not (what decides `GpuLaunch`'s default).
+    #[rstest]
+    #[case::matmul_f32("matmul_f32")]
+    #[case::matmul_kt_v("matmul_kt_v")]
+    #[case::scratch_state("scratch_state")]
+    #[case::for_loop("for_loop")]
+    #[case::unit_lower_inverse("unit_lower_inverse")]
+    fn f32_products_in_three_tf32_passes(#[case] name: &str) -> Result<()> {
+        let platform = kda_tpu::Runtime::new()?.platform().to_lowercase();
+        assert!(
+            platform.contains("cuda"),
+            "the gpu:: tier runs on a GPU (`cargo xtask gpu-check`), not on {platform}"
+        );
+        let c = case(name);
+        let kernel =
+            c.kernel.with_gpu_launch(GpuLaunch { f32_dot: F32Dot::Tf32x3, ..GpuLaunch::default() })?;
+        let outs = run!(&kernel.module(Lowering::Triton)?, c.inputs);
+        for (i, (got, want)) in outs.iter().zip(&c.want).enumerate() {
+            let got = got.f32s();
+            let worst =
+                got.iter().zip(want).map(|(g, w)| (g - w).abs() / w.abs().max(1.0)).fold(0f32, f32::max);
+            eprintln!("{name} result {i} in tf32x3: worst error {worst:e} (tolerance {:e})", c.tol);
+            assert_close(&format!("{name} result {i} in tf32x3"), &got, want, c.tol);
         }
         Ok(())
     }

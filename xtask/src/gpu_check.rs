@@ -13,7 +13,8 @@ pub const USAGE: &str = "\
 usage: cargo xtask gpu-check [--dir DIR]
 
 Builds the test binaries of the `gpu::` tier (each kernel of the kernel language's op tests
-through its Triton lowering on a GPU, against the host computation) and stages them with
+through its Triton lowering on a GPU against the host computation, the GPU forward kernels
+against the f64 reference) and stages them with
 run.sh in DIR (default target/gpu-check, at most 64 MiB), for a GPU host that has jax 0.11.2
 with jax-cuda13-pjrt 0.11.2 installed and no cargo (x86-64 Linux, like this machine). There:
 
@@ -27,7 +28,8 @@ options:
   -h, --help   show this text";
 
 /// The test binaries the GPU host runs, each with the filter of its `gpu::` tests.
-const BINARIES: [(&str, &str, &str); 1] = [("kda-tpu", "mosaic", "gpu::")];
+const BINARIES: [(&str, &str, &str); 2] =
+    [("kda-tpu", "mosaic", "gpu::"), ("kda-tpu", "gpu_kernels", "gpu::")];
 
 /// Parsed flags: the staging folder; `None` means help was asked for.
 pub fn parse_args(args: &[String]) -> Result<Option<PathBuf>, String> {

@@ -126,8 +126,8 @@ pub struct Cost {
     pub bytes: f64,
 }
 
-/// How a kernel launches on a GPU (the Triton lowering): warps per program and software
-/// pipeline stages of its loops.
+/// How a kernel launches on a GPU (the Triton lowering): warps per program, software
+/// pipeline stages of its loops, and how its full-precision f32 products run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GpuLaunch {
     /// Warps per program: 1, 2, 4, 8, 16 or 32 (`wgmma` needs 4 or more).
@@ -135,12 +135,26 @@ pub struct GpuLaunch {
     /// Pipeline stages of the loads in loops: 1 to 5 (each stage holds its loads in shared
     /// memory).
     pub num_stages: u32,
+    /// The `tt.dot` precision of f32 products at [`super::MatPrecision::Highest`].
+    pub f32_dot: F32Dot,
+}
+
+/// How a GPU runs an f32 product at full precision.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum F32Dot {
+    /// IEEE f32 on the FMA units (`inputPrecision = ieee`): exact f32 products, no tensor
+    /// cores; the default until a GPU run shows the alternative within the f32 tolerances.
+    Ieee,
+    /// Three TF32 tensor-core passes (`tf32x3`: the operands split into a TF32 high part and
+    /// residual), close to f32 at a fraction of the FMA time.
+    Tf32x3,
 }
 
 impl Default for GpuLaunch {
-    /// Four warps (one warp group, the smallest that issues `wgmma`), two stages.
+    /// Four warps (one warp group, the smallest that issues `wgmma`), two stages, IEEE f32
+    /// products.
     fn default() -> Self {
-        GpuLaunch { num_warps: 4, num_stages: 2 }
+        GpuLaunch { num_warps: 4, num_stages: 2, f32_dot: F32Dot::Ieee }
     }
 }
 
@@ -185,6 +199,37 @@ fn tiling(dtype: DType) -> (i64, i64) {
     } else {
         (8, 128)
     }
+}
+
+impl Operand {
+    /// Where the block breaks Mosaic's rule (each of the last two block dims a multiple of the
+    /// (8, 128) tiling of 32-bit types, (16, 128) of 16-bit ones, or the full dim), if it does.
+    pub(crate) fn off_tiling(&self) -> Option<String> {
+        let r = self.ty.dims.len();
+        let (sub, lane) = tiling(self.ty.elem);
+        let tiles = if r >= 2 { vec![(r - 2, sub), (r - 1, lane)] } else { vec![(0, lane)] };
+        tiles.into_iter().find_map(|(axis, t)| {
+            let (b, d) = (self.block[axis], self.ty.dims[axis]);
+            (b != d && b % t != 0).then(|| {
+                format!(
+                    "block {:?} of {}: dim {axis} must be a multiple of {t} or the full {d}",
+                    self.block, self.ty
+                )
+            })
+        })
+    }
+}
+
+/// Refuses launches the CUDA plugin aborts on (other warp counts) or refuses.
+fn check_launch(launch: GpuLaunch) -> Result<()> {
+    let GpuLaunch { num_warps, num_stages, .. } = launch;
+    if !matches!(num_warps, 1 | 2 | 4 | 8 | 16 | 32) || !(1..=5).contains(&num_stages) {
+        return Err(err(
+            "gpu launch",
+            format!("{num_warps} warps, {num_stages} stages: warps 1, 2, 4, 8, 16 or 32, stages 1 to 5"),
+        ));
+    }
+    Ok(())
 }
 
 impl KernelBuilder {
@@ -256,21 +301,6 @@ impl KernelBuilder {
                 return Err(err(&what, format!("block dim {i} of {b} does not divide {} ({})", d, o.ty)));
             }
         }
-        // Mosaic's rule: each of the last two block dims is a multiple of the tiling or the full dim.
-        let (sub, lane) = tiling(o.ty.elem);
-        let tiles = if r >= 2 { vec![(r - 2, sub), (r - 1, lane)] } else { vec![(0, lane)] };
-        for (axis, t) in tiles {
-            let (b, d) = (o.block[axis], o.ty.dims[axis]);
-            if b != d && b % t != 0 {
-                return Err(err(
-                    &what,
-                    format!(
-                        "block {:?} of {}: dim {axis} must be a multiple of {t} or the full {d}",
-                        o.block, o.ty
-                    ),
-                ));
-            }
-        }
         if o.map.iter().any(|m| !m.check(self.grid.len(), self.tag)) {
             return Err(err(&what, "an index names a grid axis or table the kernel lacks"));
         }
@@ -313,13 +343,7 @@ impl KernelBuilder {
             }
         }
         // Other warp counts abort the CUDA plugin's process rather than fail the compile.
-        let GpuLaunch { num_warps, num_stages } = self.gpu;
-        if !matches!(num_warps, 1 | 2 | 4 | 8 | 16 | 32) || !(1..=5).contains(&num_stages) {
-            return Err(err(
-                "gpu launch",
-                format!("{num_warps} warps, {num_stages} stages: warps 1, 2, 4, 8, 16 or 32, stages 1 to 5"),
-            ));
-        }
+        check_launch(self.gpu)?;
         if self.tables.iter().any(|(_, n)| *n < 1) {
             return Err(err("tables", "each table holds one entry or more"));
         }
@@ -349,6 +373,16 @@ impl KernelBuilder {
 }
 
 impl Kernel {
+    /// The same kernel launched as `launch` on a GPU.
+    pub fn with_gpu_launch(mut self, launch: GpuLaunch) -> Result<Kernel> {
+        check_launch(launch)?;
+        self.gpu = launch;
+        Ok(self)
+    }
+    /// How the kernel launches on a GPU.
+    pub fn gpu_launch(&self) -> GpuLaunch {
+        self.gpu
+    }
     /// The kernel's name.
     pub fn name(&self) -> &str {
         &self.name

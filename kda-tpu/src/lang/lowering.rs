@@ -41,6 +41,9 @@ pub enum Feature {
     WideGrid,
     /// An array of 2^31 elements or more (Triton offsets are i32).
     HugeArray,
+    /// A block whose last two dims are neither multiples of the TPU's (8, 128) tiling ((16,
+    /// 128) for 16-bit types) nor the full dims (Mosaic's rule).
+    OffTiling,
 }
 
 impl Feature {
@@ -58,18 +61,19 @@ impl Feature {
             }
             Feature::WideGrid => "more than 3 parallel grid axes, or over 65,535 steps on the 2nd or 3rd",
             Feature::HugeArray => "an array of 2^31 elements or more",
+            Feature::OffTiling => "a block off the TPU's tiling",
         }
     }
 }
 
 impl Lowering {
-    /// Whether this lowering takes `feature`. Mosaic and the interpret lowering take the whole
-    /// language; Triton takes none of the features above.
+    /// Whether this lowering takes `feature`. The interpret lowering takes the whole language;
+    /// Mosaic all but blocks off its tiling; Triton none but those.
     pub fn takes(self, feature: Feature) -> bool {
-        let _ = feature;
         match self {
-            Lowering::Mosaic | Lowering::Interpret => true,
-            Lowering::Triton => false,
+            Lowering::Interpret => true,
+            Lowering::Mosaic => feature != Feature::OffTiling,
+            Lowering::Triton => feature == Feature::OffTiling,
         }
     }
 }
@@ -147,6 +151,9 @@ impl Kernel {
         for o in self.inputs.iter().chain(&self.outputs) {
             if o.ty.num_elements() >= 1 << 31 {
                 out.push((Feature::HugeArray, format!("`{}` {}", o.name, o.ty)));
+            }
+            if let Some(why) = o.off_tiling() {
+                out.push((Feature::OffTiling, format!("`{}`: {why}", o.name)));
             }
         }
         used(self, &self.body, &mut out);

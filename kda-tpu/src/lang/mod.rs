@@ -39,7 +39,7 @@ mod triton;
 
 pub use body::{Binary, Body, MatPrecision, Offset, Reduction, Ref, Table, Unary, V};
 pub use call::{Bindings, Returned};
-pub use kernel::{Cost, GpuLaunch, Index, Kernel, KernelBuilder, Operand, Semantics};
+pub use kernel::{Cost, F32Dot, GpuLaunch, Index, Kernel, KernelBuilder, Operand, Semantics};
 pub use lowering::{Feature, Lowering};
 
 use crate::error::{Result, TpuError};
@@ -282,7 +282,7 @@ mod tests {
                 Feature::UnalignedPart => {
                     b.slice(&v, &[0, 32], &[8, 64])?;
                 }
-                Feature::WideGrid | Feature::HugeArray => {}
+                Feature::WideGrid | Feature::HugeArray | Feature::OffTiling => {}
             }
             b.store_all(o, &v)
         })?;
@@ -314,7 +314,11 @@ mod tests {
     #[case::six_stages(4, 6)]
     fn gpu_launches_take_what_the_plugin_takes(#[case] num_warps: u32, #[case] num_stages: u32) {
         let mut k = KernelBuilder::new("k");
-        k.grid(1, Semantics::Parallel).gpu_launch(GpuLaunch { num_warps, num_stages });
+        k.grid(1, Semantics::Parallel).gpu_launch(GpuLaunch {
+            num_warps,
+            num_stages,
+            ..GpuLaunch::default()
+        });
         k.output(Operand::whole("o", TensorType::new(DType::F32, &[8, 128])));
         let e = k.build(|_| Ok(())).expect_err("refused");
         assert!(e.to_string().contains("warps 1, 2, 4, 8, 16 or 32, stages 1 to 5"), "{e}");

@@ -447,6 +447,7 @@ impl Kernel {
     /// The kernel as the text of a Mosaic module: the kernel function and one transform
     /// function per operand and result.
     pub fn mosaic_text(&self) -> Result<String> {
+        self.check_lowering(super::Lowering::Mosaic)?;
         let mut e = Emitter { k: self, out: String::new(), names: HashMap::new(), temps: 0, depth: 0 };
         let grid_args: Vec<String> = (0..self.grid.len()).map(|a| format!("%g{a}: i32")).collect();
         let table_args: Vec<String> = self

@@ -11,7 +11,8 @@
 //!   two up, its padding zero after a load and undefined after other ops; reductions and
 //!   contractions over a padded dim mask it first, and stores mask it out.
 //! - `matmul` is `tt.dot` with f32 accumulation: bf16 operands in one pass, f32 ones at
-//!   `Highest` in full precision (`ieee`), at `Default` rounded to bf16 first (as Mosaic does).
+//!   `Highest` in full precision (`ieee`, or three TF32 passes when the kernel's
+//!   [`super::GpuLaunch`] says `Tf32x3`), at `Default` rounded to bf16 first (as Mosaic does).
 //! - `exp`, `log`, `log1p`, `rsqrt` and `tanh` of f32 call libdevice (correctly rounded to a few
 //!   ulp, where `math.exp` would be the approximate `ex2`).
 //!
@@ -23,7 +24,7 @@ use std::fmt::Write;
 use kda_core::DType;
 
 use super::body::{Binary, MatPrecision, Offset, Op, Place, Reduction, Ref, Unary, V};
-use super::kernel::{Index, Kernel, Semantics};
+use super::kernel::{F32Dot, Index, Kernel, Semantics};
 use super::lowering::{padded, Lowering};
 use super::mosaic::literal;
 use crate::error::{Result, TpuError};
@@ -396,7 +397,11 @@ impl<'k> Emitter<'k> {
                     oe = DType::BF16;
                 }
                 let acc = self.let_(&format!("arith.constant dense<0.000000000e+00> : {}", vty(out)));
-                let p = if oe == DType::F32 { ", inputPrecision = ieee" } else { "" };
+                let p = match (oe, self.k.gpu.f32_dot) {
+                    (DType::F32, F32Dot::Ieee) => ", inputPrecision = ieee",
+                    (DType::F32, F32Dot::Tf32x3) => ", inputPrecision = tf32x3",
+                    _ => "",
+                };
                 let (at, bt) = (tty(&padded(&ad), elem(oe)), tty(&padded(&bd), elem(oe)));
                 let n = self.def(out);
                 self.line(&format!("{n} = tt.dot {an}, {bn}, {acc}{p} : {at} * {bt} -> {}", vty(out)));

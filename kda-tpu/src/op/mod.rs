@@ -2,13 +2,21 @@
 //! ([`interface`]), arguments, composition into a caller's module ([`compose`]) and context
 //! parallelism ([`context_parallel`]), and the table that maps an implementation to its program
 //! builders (`api`). Beside them one folder per implementation: `xla` (the chunk loops as
-//! StableHLO, built with [`crate::hlo`]) and `tpu_kernels` (the TPU kernels written in
-//! [`crate::lang`], their building blocks and their program wiring).
+//! StableHLO, built with [`crate::hlo`]), `tpu_kernels` (the TPU kernels written in
+//! [`crate::lang`], their building blocks and their program wiring) and [`gpu_kernels`] (the
+//! GPU kernels in the same language; so far the fixed-row forward, not yet in the table).
 
 mod api;
 mod args;
 pub mod compose;
 pub mod context_parallel;
+/// The GPU kernels: public with the `harness` feature (their tests), private otherwise (not
+/// yet in the table of implementations).
+#[cfg(feature = "harness")]
+pub mod gpu_kernels;
+#[cfg(not(feature = "harness"))]
+#[allow(dead_code)]
+mod gpu_kernels;
 pub mod interface;
 mod ops;
 mod prep;

@@ -1,0 +1,125 @@
+//! The state recurrence of the GPU forward: one program per (lane, block of `BV` state columns)
+//! runs the chunks in order with its `[K, BV]` slice of the state as a value (the state split
+//! along V across programs, as fla does), from the terms kernel's per-chunk factors:
+//! `v' = u - w S`, `o = (scale q e^G) S + (scale Aqk) v'`, `S <- e^(G_C) S + (k e^(G_C - G))^T v'`.
+
+use kda_core::DType;
+
+use crate::error::Result;
+use crate::hlo::{Cmp, TensorType};
+use crate::lang::{Binary, Body, Index, Kernel, KernelBuilder, Operand, Ref, Semantics, V};
+
+use super::{ForwardShape, C};
+
+/// The recurrence kernel's operands by name.
+#[derive(Clone, Copy, Debug)]
+pub struct RecurrenceRefs {
+    /// From the terms kernel: `w`, `u`, `qg`, `kg`, `aqk`, `eg`.
+    pub w: Ref,
+    /// `u`.
+    pub u: Ref,
+    /// `qg`.
+    pub qg: Ref,
+    /// `kg`.
+    pub kg: Ref,
+    /// `aqk`.
+    pub aqk: Ref,
+    /// `eg`.
+    pub eg: Ref,
+    /// The initial state `[L, K, V]` f32, when given.
+    pub h0: Option<Ref>,
+    /// `o` `[L, T, V]` f32.
+    pub o: Ref,
+    /// The final state `[L, K, V]` f32.
+    pub ht: Ref,
+    /// The state slice, kept across the chunks.
+    pub state: Ref,
+}
+
+/// The recurrence kernel of `s`: grid (lanes, state column blocks: parallel; chunks: arbitrary).
+pub fn recurrence_kernel(s: &ForwardShape) -> Result<(Kernel, RecurrenceRefs)> {
+    let (l, t, nt, k, v, bv) = (s.lanes, s.t, s.t / C, s.k, s.v, s.bv());
+    let ty = |dims: &[i64]| TensorType::new(DType::F32, dims);
+    let (g0, g1, g2) = (Index::Grid(0), Index::Grid(1), Index::Grid(2));
+    let mut kb = KernelBuilder::new("kda_gpu_recurrence");
+    kb.grid(l, Semantics::Parallel).grid(v / bv, Semantics::Parallel).grid(nt, Semantics::Arbitrary);
+    let chunk = |kb: &mut KernelBuilder, name: &str, w: i64| {
+        kb.input(Operand::blocked(
+            name,
+            ty(&[l, t, w]),
+            &[1, C, w],
+            vec![g0.clone(), g2.clone(), Index::Const(0)],
+        ))
+    };
+    let w = chunk(&mut kb, "w", k);
+    let u = kb.input(Operand::blocked(
+        "u",
+        ty(&[l, t, v]),
+        &[1, C, bv],
+        vec![g0.clone(), g2.clone(), g1.clone()],
+    ));
+    let (qg, kg, aqk) = (chunk(&mut kb, "qg", k), chunk(&mut kb, "kg", k), chunk(&mut kb, "aqk", C));
+    let eg = kb.input(Operand::blocked(
+        "eg",
+        ty(&[l, nt, k]),
+        &[1, 1, k],
+        vec![g0.clone(), g2.clone(), Index::Const(0)],
+    ));
+    let state_at = vec![g0.clone(), Index::Const(0), g1.clone()];
+    let h0 = s.h0.then(|| kb.input(Operand::blocked("h0", ty(&[l, k, v]), &[1, k, bv], state_at.clone())));
+    let o = kb.output(Operand::blocked(
+        "o",
+        ty(&[l, t, v]),
+        &[1, C, bv],
+        vec![g0.clone(), g2.clone(), g1.clone()],
+    ));
+    let ht = kb.output(Operand::blocked("ht", ty(&[l, k, v]), &[1, k, bv], state_at));
+    let state = kb.scratch("state", ty(&[k, bv]));
+    kb.gpu_launch(s.launch);
+    let refs = RecurrenceRefs { w, u, qg, kg, aqk, eg, h0, o, ht, state };
+    let kernel = kb.build(|b| step(b, s, &refs, nt))?;
+    Ok((kernel, refs))
+}
+
+fn block(b: &mut Body, r: Ref, dims: &[i64]) -> Result<V> {
+    let x = b.load_all(r)?;
+    b.reshape(&x, dims)
+}
+
+/// One chunk of one state slice.
+fn step(b: &mut Body, s: &ForwardShape, r: &RecurrenceRefs, nt: i64) -> Result<()> {
+    let (k, bv, p) = (s.k, s.bv(), s.precision());
+    let c = b.program_id(2)?;
+    let first = b.index(0)?;
+    let at_first = b.compare(Cmp::Eq, &c, &first)?;
+    b.when(&at_first, |b| {
+        let h = match r.h0 {
+            Some(h0) => block(b, h0, &[k, bv])?,
+            None => b.splat(0.0, DType::F32, &[k, bv])?,
+        };
+        b.store_all(r.state, &h)
+    })?;
+    let state = b.load_all(r.state)?;
+    let (w, u) = (block(b, r.w, &[C, k])?, block(b, r.u, &[C, bv])?);
+    let (qg, kg, aqk) = (block(b, r.qg, &[C, k])?, block(b, r.kg, &[C, k])?, block(b, r.aqk, &[C, C])?);
+    let eg = block(b, r.eg, &[1, k])?;
+    let ws = b.matmul(&w, &state, (1, 0), p)?;
+    let vn = b.binary(Binary::Sub, &u, &ws)?;
+    let inter = b.matmul(&qg, &state, (1, 0), p)?;
+    let intra = b.matmul(&aqk, &vn, (1, 0), p)?;
+    let o = b.binary(Binary::Add, &inter, &intra)?;
+    let o = b.reshape(&o, &[1, C, bv])?;
+    b.store_all(r.o, &o)?;
+    let decay = b.transpose(&eg)?;
+    let decay = b.broadcast(&decay, &[k, bv])?;
+    let kept = b.binary(Binary::Mul, &state, &decay)?;
+    let added = b.matmul(&kg, &vn, (0, 0), p)?;
+    let next = b.binary(Binary::Add, &kept, &added)?;
+    b.store_all(r.state, &next)?;
+    let last = b.index(nt - 1)?;
+    let at_last = b.compare(Cmp::Eq, &c, &last)?;
+    b.when(&at_last, |b| {
+        let h = b.reshape(&next, &[1, k, bv])?;
+        b.store_all(r.ht, &h)
+    })
+}

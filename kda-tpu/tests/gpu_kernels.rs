@@ -1,0 +1,195 @@
+//! The GPU forward kernels (`op::gpu_kernels`): through the interpret lowering on the CPU plugin
+//! against the f64 reference at the limits of docs/kda.md, and their Triton lowering compiled
+//! deviceless for the H200 through the CUDA plugin.
+
+// The shared runner of builder programs; this binary reads float results only.
+#[allow(dead_code)]
+#[macro_use]
+mod hlo_support;
+
+use half::bf16;
+use hlo_support::In;
+use kda_core::{DType, GateMode, HostTensor, KdaConfig, KdaInputs, Layout};
+use kda_testkit::metrics::agreement;
+use kda_testkit::tolerance::{rms_limit, Quantity};
+use kda_testkit::Rng;
+use kda_tpu::aot::{GpuCompiler, H200};
+use kda_tpu::lang::Lowering;
+use kda_tpu::op::gpu_kernels::{forward_module, ForwardShape};
+use kda_tpu::Result;
+use rstest::rstest;
+
+/// Seeded inputs of `s` (q and k L2-normalised, g in [-5, 0] or with hard resets at -30,
+/// beta in [0, 1]), rounded to the shape's dtype: what the kernels and the reference both take.
+struct Data {
+    q: Vec<f64>,
+    k: Vec<f64>,
+    v: Vec<f64>,
+    g: Vec<f64>,
+    beta: Vec<f64>,
+    h0: Vec<f64>,
+}
+
+fn data(s: &ForwardShape, seed: u64, resets: bool) -> Data {
+    let (l, t, k, v) = (s.lanes as usize, s.t as usize, s.k as usize, s.v as usize);
+    let mut r = Rng::new(seed);
+    let unit = |x: Vec<f64>| -> Vec<f64> {
+        x.chunks(k)
+            .flat_map(|row| {
+                let n = row.iter().map(|a| a * a).sum::<f64>().sqrt();
+                row.iter().map(move |a| a / n).collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    let round = |x: Vec<f64>| -> Vec<f64> {
+        match s.dtype {
+            DType::BF16 => x.iter().map(|&a| f64::from(bf16::from_f64(a).to_f32())).collect(),
+            _ => x.iter().map(|&a| f64::from(a as f32)).collect(),
+        }
+    };
+    let q = round(unit(r.normal_vec(l * t * k)));
+    let kk = round(unit(r.normal_vec(l * t * k)));
+    let vv = round(r.normal_vec(l * t * v));
+    let mut g: Vec<f64> =
+        r.uniform_vec(l * t * k, -5.0, 0.0).into_iter().map(|a| f64::from(a as f32)).collect();
+    if resets {
+        // Hard resets: every gate of tokens 21, 40 and 49..52 of each lane at the floor.
+        for lane in 0..l {
+            for tok in [21, 40, 49, 50, 51, 90, 127] {
+                if tok < t {
+                    g[(lane * t + tok) * k..(lane * t + tok + 1) * k].fill(-30.0);
+                }
+            }
+        }
+    }
+    let beta = round(r.uniform_vec(l * t, 0.0, 1.0));
+    let h0: Vec<f64> = r.normal_vec(l * k * v).into_iter().map(|a| f64::from((0.1 * a) as f32)).collect();
+    Data { q, k: kk, v: vv, g, beta, h0 }
+}
+
+fn host(dtype: DType, x: &[f64], dims: &[i64]) -> In {
+    match dtype {
+        DType::BF16 => In::Bf16(x.iter().map(|&a| bf16::from_f64(a)).collect(), dims.to_vec()),
+        _ => In::F32(x.iter().map(|&a| a as f32).collect(), dims.to_vec()),
+    }
+}
+
+/// The f64 reference's `o` and final state of `d` (lanes as heads of one row, head-first).
+fn reference(s: &ForwardShape, d: &Data) -> (Vec<f64>, Vec<f64>) {
+    let (h, t, k, v) = (s.lanes as usize, s.t as usize, s.k as usize, s.v as usize);
+    let t64 = |dims: &[usize], x: &[f64]| HostTensor::from_f64(dims, x.to_vec()).expect("tensor");
+    let mut inputs = KdaInputs::new(
+        t64(&[h, 1, t, k], &d.q),
+        t64(&[h, 1, t, k], &d.k),
+        t64(&[h, 1, t, v], &d.v),
+        t64(&[h, 1, t, k], &d.g),
+        t64(&[h, 1, t], &d.beta),
+    )
+    .with_gate(GateMode::Preactivated)
+    .with_config(KdaConfig {
+        layout: Layout::HeadFirst,
+        scale: Some(s.scale),
+        use_qk_l2norm: false,
+        output_final_state: true,
+    });
+    if s.h0 {
+        inputs = inputs.with_initial_state(t64(&[1, 1, h, k, v], &d.h0));
+    }
+    let out = kda_ref::forward(&inputs).expect("the reference");
+    (out.o.to_f64_vec(), out.final_state.expect("final state").to_f64_vec())
+}
+
+/// The GPU forward through its interpret lowering meets the reference: `o` and the final state
+/// at the limits of docs/kda.md for the shape's dtype.
+#[rstest]
+#[case::f32_with_state(ForwardShape { h0: true, ..ForwardShape::new(2, 256, 128, 128, DType::F32) }, false)]
+#[case::f32_hard_resets(ForwardShape { h0: true, ..ForwardShape::new(2, 192, 128, 128, DType::F32) }, true)]
+#[case::f32_narrow_values(ForwardShape::new(1, 128, 128, 64, DType::F32), false)]
+#[case::bf16_with_state(ForwardShape { h0: true, ..ForwardShape::new(2, 128, 64, 128, DType::BF16) }, false)]
+fn gpu_forward_meets_the_reference(#[case] s: ForwardShape, #[case] resets: bool) -> Result<()> {
+    meets_the_reference(&s, resets, Lowering::Interpret)
+}
+
+/// Runs the forward of `s` lowered as `lowering` on the default plugin against the reference.
+fn meets_the_reference(s: &ForwardShape, resets: bool, lowering: Lowering) -> Result<()> {
+    let s = *s;
+    let d = data(&s, 7, resets);
+    let (want_o, want_ht) = reference(&s, &d);
+    let (l, t, k, v) = (s.lanes, s.t, s.k, s.v);
+    let mut ins = vec![
+        host(s.dtype, &d.q, &[l, t, k]),
+        host(s.dtype, &d.k, &[l, t, k]),
+        host(s.dtype, &d.v, &[l, t, v]),
+        host(DType::F32, &d.g, &[l, t, k]),
+        host(s.dtype, &d.beta, &[l, t, 1]),
+    ];
+    if s.h0 {
+        ins.push(host(DType::F32, &d.h0, &[l, k, v]));
+    }
+    let text = forward_module(&s, lowering)?;
+    let outs = run!(&text, ins);
+    for (name, got, want, q) in [
+        ("o", &outs[0], &want_o, Quantity::Output),
+        ("final state", &outs[1], &want_ht, Quantity::FinalState),
+    ] {
+        let dims: Vec<usize> = got.dims.iter().map(|&x| x as usize).collect();
+        let a = agreement(&HostTensor::from_f32(&dims, got.f32s())?, want);
+        let limit = rms_limit(q, s.dtype);
+        eprintln!("{name}: rms ratio {:.3e} (limit {limit:e}), max abs {:.3e}", a.rms_ratio, a.max_abs);
+        assert!(a.finite && a.rms_ratio <= limit, "{name}: {a:?} over {limit}");
+    }
+    Ok(())
+}
+
+/// Both GPU forward kernels compile deviceless for the H200 at the primary shape (H=8, T=1024,
+/// K=V=128, an initial state) in bf16: the terms kernel one program per lane and chunk, the
+/// recurrence one per lane and 64 state columns; their registers and spills printed
+/// (docs/design.md keeps them). f32 (two and a half minutes) is under `full::`.
+#[test]
+fn gpu_forward_compiles_for_the_h200_in_bf16() -> Result<()> {
+    compiles_for_the_h200(DType::BF16)
+}
+
+mod full {
+    use super::*;
+
+    #[test]
+    fn gpu_forward_compiles_for_the_h200_in_f32() -> Result<()> {
+        compiles_for_the_h200(DType::F32)
+    }
+}
+
+fn compiles_for_the_h200(dtype: DType) -> Result<()> {
+    let s = ForwardShape { h0: true, ..ForwardShape::new(8, 1024, 128, 128, dtype) };
+    let text = forward_module(&s, Lowering::Triton)?;
+    let gpu = GpuCompiler::load()
+        .unwrap_or_else(|e| panic!("no CUDA plugin ({e}); run `cargo xtask setup`"))
+        .with_figures(std::env::temp_dir().join("kda-gpu-kernel-dumps"));
+    let report = gpu.compile(&text, &H200)?;
+    for k in &report.kernels {
+        eprintln!("{dtype} {k:?}");
+    }
+    let grids: Vec<(&str, [u64; 3])> = report.kernels.iter().map(|k| (k.name.as_str(), k.grid)).collect();
+    assert_eq!(grids, [("kda_gpu_terms", [8, 16, 1]), ("kda_gpu_recurrence", [8, 2, 1])]);
+    assert!(report.kernels.iter().all(|k| k.threads == [256, 1, 1] && k.registers.is_some()));
+    Ok(())
+}
+
+/// On a GPU host only (`cargo xtask gpu-check`): the GPU forward through Triton meets the
+/// reference as its interpret lowering does.
+mod gpu {
+    use super::*;
+
+    #[rstest]
+    #[case::f32_with_state(ForwardShape { h0: true, ..ForwardShape::new(2, 256, 128, 128, DType::F32) }, false)]
+    #[case::f32_hard_resets(ForwardShape { h0: true, ..ForwardShape::new(2, 192, 128, 128, DType::F32) }, true)]
+    #[case::bf16_with_state(ForwardShape { h0: true, ..ForwardShape::new(2, 128, 64, 128, DType::BF16) }, false)]
+    fn forward_runs_through_triton(#[case] s: ForwardShape, #[case] resets: bool) -> Result<()> {
+        let platform = kda_tpu::Runtime::new()?.platform().to_lowercase();
+        assert!(
+            platform.contains("cuda"),
+            "the gpu:: tier runs on a GPU (`cargo xtask gpu-check`), not on {platform}"
+        );
+        meets_the_reference(&s, resets, Lowering::Triton)
+    }
+}
