@@ -8,7 +8,7 @@
 mod hlo_support;
 
 use half::bf16;
-use hlo_support::In;
+use hlo_support::{unit_rows, In};
 use kda_core::{DType, GateMode, HostTensor, KdaConfig, KdaInputs, Layout};
 use kda_testkit::metrics::agreement;
 use kda_testkit::tolerance::{rms_limit, Quantity};
@@ -34,12 +34,8 @@ fn data(s: &ForwardShape, seed: u64, resets: bool) -> Data {
     let (l, t, k, v) = (s.lanes as usize, s.t as usize, s.k as usize, s.v as usize);
     let mut r = Rng::new(seed);
     let unit = |x: Vec<f64>| -> Vec<f64> {
-        x.chunks(k)
-            .flat_map(|row| {
-                let n = row.iter().map(|a| a * a).sum::<f64>().sqrt();
-                row.iter().map(move |a| a / n).collect::<Vec<_>>()
-            })
-            .collect()
+        let narrow: Vec<f32> = x.iter().map(|&a| a as f32).collect();
+        unit_rows(narrow, k).into_iter().map(f64::from).collect()
     };
     let round = |x: Vec<f64>| -> Vec<f64> {
         match s.dtype {

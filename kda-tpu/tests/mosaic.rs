@@ -10,7 +10,7 @@
 mod hlo_support;
 
 use half::bf16;
-use hlo_support::{assert_close, rand_vec, In};
+use hlo_support::{assert_close, rand_vec, unit_rows, In};
 use kda_core::DType;
 use kda_tpu::aot::{GpuCompiler, H200};
 use kda_tpu::hlo::{Cmp, TensorType};
@@ -503,15 +503,8 @@ fn chunk_terms() -> Result<Case> {
     // alone, and three in a row inside the 4-token block 48..52, where the level-0 factors
     // reach their range (e^(+-60) beside the anchor, token 49).
     let kd = 128usize;
-    let unit = |v: Vec<f32>| -> Vec<f32> {
-        v.chunks(kd)
-            .flat_map(|r| {
-                let n = r.iter().map(|x| x * x).sum::<f32>().sqrt();
-                r.iter().map(move |x| x / n).collect::<Vec<_>>()
-            })
-            .collect()
-    };
-    let (q, k) = (unit(rand_vec(64 * kd, 18, -1.0, 1.0)), unit(rand_vec(64 * kd, 19, -1.0, 1.0)));
+    let (q, k) =
+        (unit_rows(rand_vec(64 * kd, 18, -1.0, 1.0), kd), unit_rows(rand_vec(64 * kd, 19, -1.0, 1.0), kd));
     let mut g = rand_vec(64 * kd, 20, -5.0, 0.0);
     for c in 0..kd {
         g[21 * kd + c] = -30.0;
@@ -644,6 +637,18 @@ fn case(name: &str) -> Case {
     built.unwrap_or_else(|e| panic!("{name}: {e}"))
 }
 
+/// Case `name`'s kernel lowered as `lowering` runs on the default plugin and matches the host
+/// at the case's tolerance.
+fn runs_and_matches(name: &str, c: &Case, lowering: Lowering) -> Result<()> {
+    let text = c.kernel.module(lowering)?;
+    let outs = run!(&text, c.inputs.clone());
+    assert_eq!(outs.len(), c.want.len());
+    for (i, (got, want)) in outs.iter().zip(&c.want).enumerate() {
+        assert_close(&format!("{name} result {i} ({lowering:?})"), &got.f32s(), want, c.tol);
+    }
+    Ok(())
+}
+
 /// Each kernel: its interpret lowering matches the host on the CPU plugin, and its Mosaic
 /// lowering compiles for tpu7x (one test per kernel, in the libtpu group).
 #[rstest]
@@ -665,13 +670,7 @@ fn case(name: &str) -> Case {
 #[case::padded_widths("padded_widths")]
 fn mosaic_kernel_interprets_and_compiles(#[case] name: &str) -> Result<()> {
     let c = case(name);
-
-    let text = c.kernel.module(Lowering::Interpret)?;
-    let outs = run!(&text, c.inputs);
-    assert_eq!(outs.len(), c.want.len());
-    for (i, (got, want)) in outs.iter().zip(&c.want).enumerate() {
-        assert_close(&format!("{name} result {i}"), &got.f32s(), want, c.tol);
-    }
+    runs_and_matches(name, &c, Lowering::Interpret)?;
 
     let text = c.kernel.module(Lowering::Mosaic)?;
     let tpu = TpuCompiler::load().unwrap_or_else(|e| panic!("no libtpu ({e}); run `cargo xtask setup`"));
@@ -825,37 +824,60 @@ fn f32_products_compile_in_three_tf32_passes() -> Result<()> {
 mod gpu {
     use super::*;
 
+    /// The op tests whose kernels Triton takes.
+    const RUNNABLE: [&str; 14] = [
+        "matmul_f32",
+        "matmul_kt_v",
+        "matmul_bf16",
+        "elementwise",
+        "causal_mask",
+        "reduce_broadcast",
+        "cast_transpose",
+        "blocked_grid",
+        "scalar_prefetch",
+        "scratch_state",
+        "slice_concat",
+        "for_loop",
+        "unit_lower_inverse",
+        "padded_widths",
+    ];
+
     /// Each kernel's Triton lowering runs on the GPU and matches the host computation at the
-    /// tolerance its interpret lowering meets on the CPU.
-    #[rstest]
-    #[case::matmul_f32("matmul_f32")]
-    #[case::matmul_kt_v("matmul_kt_v")]
-    #[case::matmul_bf16("matmul_bf16")]
-    #[case::elementwise("elementwise")]
-    #[case::causal_mask("causal_mask")]
-    #[case::reduce_broadcast("reduce_broadcast")]
-    #[case::cast_transpose("cast_transpose")]
-    #[case::blocked_grid("blocked_grid")]
-    #[case::scalar_prefetch("scalar_prefetch")]
-    #[case::scratch_state("scratch_state")]
-    #[case::slice_concat("slice_concat")]
-    #[case::for_loop("for_loop")]
-    #[case::unit_lower_inverse("unit_lower_inverse")]
-    #[case::padded_widths("padded_widths")]
-    fn kernel_runs_through_triton(#[case] name: &str) -> Result<()> {
+    /// tolerance its interpret lowering meets on the CPU (every kernel tried; the failures
+    /// named at the end).
+    #[test]
+    fn kernels_run_through_triton() -> Result<()> {
+        on_a_gpu()?;
+        let failed: Vec<String> = RUNNABLE
+            .iter()
+            .filter_map(|name| match std::panic::catch_unwind(|| kernel_runs_through_triton(name)) {
+                Ok(Ok(())) => None,
+                Ok(Err(e)) => Some(format!("{name}: {e}")),
+                Err(p) => {
+                    let text = p
+                        .downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
+                    Some(format!("{name}: {}", text.unwrap_or_default()))
+                }
+            })
+            .collect();
+        assert!(failed.is_empty(), "{} of {} failed:\n{}", failed.len(), RUNNABLE.len(), failed.join("\n"));
+        Ok(())
+    }
+
+    /// Refuses to run anywhere but on the CUDA plugin.
+    fn on_a_gpu() -> Result<()> {
         let platform = kda_tpu::Runtime::new()?.platform().to_lowercase();
         assert!(
             platform.contains("cuda"),
             "the gpu:: tier runs on a GPU (`cargo xtask gpu-check`), not on {platform}"
         );
-        let c = case(name);
-        let text = c.kernel.module(Lowering::Triton)?;
-        let outs = run!(&text, c.inputs);
-        assert_eq!(outs.len(), c.want.len());
-        for (i, (got, want)) in outs.iter().zip(&c.want).enumerate() {
-            assert_close(&format!("{name} result {i} through Triton"), &got.f32s(), want, c.tol);
-        }
         Ok(())
+    }
+
+    fn kernel_runs_through_triton(name: &str) -> Result<()> {
+        runs_and_matches(name, &case(name), Lowering::Triton)
     }
 
     /// The f32 kernels with their full-precision products in three TF32 passes: within the
@@ -867,11 +889,7 @@ mod gpu {
     #[case::for_loop("for_loop")]
     #[case::unit_lower_inverse("unit_lower_inverse")]
     fn f32_products_in_three_tf32_passes(#[case] name: &str) -> Result<()> {
-        let platform = kda_tpu::Runtime::new()?.platform().to_lowercase();
-        assert!(
-            platform.contains("cuda"),
-            "the gpu:: tier runs on a GPU (`cargo xtask gpu-check`), not on {platform}"
-        );
+        on_a_gpu()?;
         let c = case(name);
         let kernel =
             c.kernel.with_gpu_launch(GpuLaunch { f32_dot: F32Dot::Tf32x3, ..GpuLaunch::default() })?;

@@ -181,8 +181,6 @@ impl Shape {
 pub struct AotOptions {
     /// The TPU topology.
     pub topology: String,
-    /// A GPU target (`--target`) instead of the TPU topology.
-    pub target: Option<String>,
     /// Programs, in print order.
     pub programs: Vec<Program>,
     /// Shapes, in print order.
@@ -216,6 +214,8 @@ pub struct AotOptions {
     pub packed_windows: bool,
     /// Write the program texts here instead of compiling them.
     pub emit: Option<String>,
+    /// Compile for this GPU target (`--target`) instead of the TPU topology.
+    pub target: Option<String>,
 }
 
 impl Default for AotOptions {

@@ -37,23 +37,24 @@ struct Wheel {
     with: &'static [&'static str],
 }
 
+impl Wheel {
+    /// A wheel installed alone.
+    const fn alone(
+        name: &'static str,
+        version: &'static str,
+        size: &'static str,
+        file: &'static str,
+    ) -> Self {
+        Wheel { name, version, size, file, with: &[] }
+    }
+}
+
 /// Ships `pjrt_c_api.h` at API 0.81 (the header pjrt-sys 0.2.0 bundles is 0.54, too old).
-const HEADER_WHEEL: Wheel = Wheel {
-    name: "xla-cpu-pjrt",
-    version: "0.0.1",
-    size: "64 MB",
-    file: "xla_plugins/xla_cpu_pjrt/include/pjrt_c_api.h",
-    with: &[],
-};
-const CPU_WHEEL: Wheel = Wheel {
-    name: "lammps-jax-pjrt-cpu",
-    version: "0.11.2",
-    size: "63 MB",
-    file: "lammps_jax_pjrt_cpu/pjrt_c_api_cpu_plugin.so",
-    with: &[],
-};
-const TPU_WHEEL: Wheel =
-    Wheel { name: "libtpu", version: "0.0.52", size: "137 MB", file: "libtpu/libtpu.so", with: &[] };
+const HEADER_WHEEL: Wheel =
+    Wheel::alone("xla-cpu-pjrt", "0.0.1", "64 MB", "xla_plugins/xla_cpu_pjrt/include/pjrt_c_api.h");
+const CPU_WHEEL: Wheel =
+    Wheel::alone("lammps-jax-pjrt-cpu", "0.11.2", "63 MB", "lammps_jax_pjrt_cpu/pjrt_c_api_cpu_plugin.so");
+const TPU_WHEEL: Wheel = Wheel::alone("libtpu", "0.0.52", "137 MB", "libtpu/libtpu.so");
 /// The CUDA plugin the lent H200 machine runs (so the Triton it bundles parses the kernels the
 /// same way here and there), with `ptxas` (nvcc's wheel) and libdevice (nvvm's) in
 /// `nvidia/cu13` beside it: deviceless compiles need both, and no GPU or driver.

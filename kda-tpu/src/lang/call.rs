@@ -5,7 +5,7 @@ use super::body::{Place, Ref, Table};
 use super::kernel::Kernel;
 use super::Lowering;
 use crate::error::{Result, TpuError};
-use crate::hlo::{FnBuilder, Value};
+use crate::hlo::{FnBuilder, TensorType, Value};
 
 /// The values of one call of a kernel, each bound to the table or input it feeds.
 #[derive(Clone, Debug)]
@@ -94,6 +94,29 @@ impl Kernel {
         }
         let values = self.call_lowered(f, lowering, &operands)?;
         Ok(Returned { kernel: self.tag, name: self.name.clone(), values })
+    }
+
+    /// The row-major `operand_layouts` and `result_layouts` of a custom call of this kernel on
+    /// `operands` (checked against the kernel's operand types; `what` names the lowering).
+    pub(super) fn custom_call_layouts(&self, what: &str, operands: &[Value]) -> Result<(String, String)> {
+        let want = self.operand_types();
+        let got: Vec<TensorType> = operands.iter().map(Value::ty).collect();
+        if got != want {
+            return Err(TpuError::builder(
+                format!("{what} call {}", self.name),
+                format!("operands {got:?}, the kernel takes {want:?}"),
+            ));
+        }
+        let layout = |t: &TensorType| {
+            let r = t.dims.len();
+            let order: Vec<String> = (0..r).rev().map(|d| d.to_string()).collect();
+            match r {
+                1 => "dense<0> : tensor<1xindex>".to_string(),
+                _ => format!("dense<[{}]> : tensor<{r}xindex>", order.join(", ")),
+            }
+        };
+        let all = |ts: &[TensorType]| ts.iter().map(layout).collect::<Vec<_>>().join(", ");
+        Ok((all(&want), all(&self.result_types())))
     }
 
     /// The kernel called on `operands` in the order the lowerings take them: the tables, then

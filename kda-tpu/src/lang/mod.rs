@@ -29,6 +29,7 @@
 //! What the CPU verifies is the interpret lowering of the same ops libtpu and the CUDA plugin
 //! compile; only a TPU run verifies the Mosaic lowering's numbers, a GPU run the Triton one's.
 
+mod arith;
 mod body;
 mod call;
 mod interpret;

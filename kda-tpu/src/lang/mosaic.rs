@@ -3,15 +3,15 @@
 //! `stablehlo.custom_call @tpu_custom_call` inside a caller's StableHLO function, which libtpu
 //! compiles (the contract: `docs/design.md`, Mosaic kernels).
 
-use std::collections::HashMap;
 use std::fmt::Write;
 
 use kda_core::DType;
 
-use super::body::{Binary, MatPrecision, Offset, Op, Place, Reduction, Ref, Unary, V};
+use super::arith::{cast_op, derefs_to_text, float_op, int_op, literal, predicate, Text};
+use super::body::{MatPrecision, Offset, Op, Place, Reduction, Ref, Unary, V};
 use super::kernel::{Index, Kernel, Semantics};
-use crate::error::{Result, TpuError};
-use crate::hlo::{Cmp, FnBuilder, TensorType, Value};
+use crate::error::Result;
+use crate::hlo::{FnBuilder, TensorType, Value};
 
 fn vty(t: &TensorType) -> String {
     if t.dims.is_empty() {
@@ -25,17 +25,6 @@ fn vty(t: &TensorType) -> String {
 fn memref(dims: &[i64], dtype: DType, space: &str) -> String {
     let d: Vec<String> = dims.iter().map(i64::to_string).collect();
     format!("memref<{}x{}, #tpu.memory_space<{space}>>", d.join("x"), dtype.name())
-}
-
-/// An MLIR literal of `value` in `dtype`: a decimal with a point, or the bit pattern for
-/// infinities and NaN.
-pub(super) fn literal(value: f64, dtype: DType) -> String {
-    match dtype {
-        DType::I32 | DType::I1 | DType::U16 => format!("{}", value as i64),
-        DType::BF16 if !value.is_finite() => format!("0x{:04X}", half::bf16::from_f64(value).to_bits()),
-        _ if !value.is_finite() => format!("0x{:08X}", (value as f32).to_bits()),
-        _ => format!("{:.9e}", value),
-    }
 }
 
 /// Standard base64 (RFC 4648, with padding) of `bytes`.
@@ -57,34 +46,12 @@ pub(crate) fn base64(bytes: &[u8]) -> String {
 
 struct Emitter<'k> {
     k: &'k Kernel,
-    out: String,
-    names: HashMap<u32, String>,
-    temps: u32,
-    depth: usize,
+    t: Text,
 }
 
+derefs_to_text!(Emitter);
+
 impl<'k> Emitter<'k> {
-    fn line(&mut self, s: &str) {
-        for _ in 0..self.depth {
-            self.out.push_str("  ");
-        }
-        self.out.push_str(s);
-        self.out.push('\n');
-    }
-    fn temp(&mut self) -> String {
-        self.temps += 1;
-        format!("%t{}", self.temps)
-    }
-    fn name(&self, v: &V) -> Result<String> {
-        self.names.get(&v.id).cloned().ok_or_else(|| {
-            TpuError::builder("mosaic text", format!("value {} used outside its region", v.id))
-        })
-    }
-    fn def(&mut self, v: &V) -> String {
-        let n = format!("%v{}", v.id);
-        self.names.insert(v.id, n.clone());
-        n
-    }
     fn reference(&self, r: Ref) -> (String, String) {
         let (name, dims, dtype) = match r.place {
             Place::Input(i) => (format!("%in{i}"), self.k.inputs[i].block.clone(), self.k.inputs[i].ty.elem),
@@ -136,15 +103,8 @@ impl<'k> Emitter<'k> {
             Op::ProgramId { out, axis } => {
                 self.names.insert(out.id, format!("%g{axis}"));
             }
-            Op::IndexConst { out, value } => {
-                let n = self.def(out);
-                self.line(&format!("{n} = arith.constant {value} : i32"));
-            }
-            Op::IndexBinary { out, op, a, b } => {
-                let (a, b) = (self.name(a)?, self.name(b)?);
-                let n = self.def(out);
-                self.line(&format!("{n} = arith.{} {a}, {b} : i32", int_op(*op)));
-            }
+            Op::IndexConst { out, value } => self.index_const(out, *value),
+            Op::IndexBinary { out, op, a, b } => self.index_binary(out, *op, a, b)?,
             Op::ReadTable { out, table, index } => {
                 let (i, t) = (self.name(index)?, self.temp());
                 self.line(&format!("{t} = arith.index_cast {i} : i32 to index"));
@@ -153,12 +113,8 @@ impl<'k> Emitter<'k> {
                 self.line(&format!("{n} = memref.load %tab{table}[{t}] : {ty}"));
             }
             Op::Splat { out, value } => {
-                let n = self.def(out);
-                self.line(&format!(
-                    "{n} = arith.constant dense<{}> : {}",
-                    literal(*value, out.ty.elem),
-                    vty(&out.ty)
-                ));
+                let ty = vty(&out.ty);
+                self.splat(out, *value, &ty);
             }
             Op::Load { out, from, offsets } => {
                 let idx = self.offsets(offsets)?;
@@ -275,12 +231,7 @@ impl<'k> Emitter<'k> {
             }
             Op::Broadcast { out, a } => self.conversion("vector.broadcast", out, a)?,
             Op::Cast { out, a } => {
-                let op = match (a.ty.elem, out.ty.elem) {
-                    (DType::F32, DType::BF16) => "arith.truncf",
-                    (DType::BF16, DType::F32) => "arith.extf",
-                    (DType::I32, _) => "arith.sitofp",
-                    _ => "arith.fptosi",
-                };
+                let op = cast_op(a.ty.elem, out.ty.elem);
                 self.conversion(op, out, a)?
             }
             Op::Transpose { out, a } => {
@@ -409,46 +360,12 @@ impl<'k> Emitter<'k> {
     }
 }
 
-fn int_op(op: Binary) -> &'static str {
-    match op {
-        Binary::Add => "addi",
-        Binary::Sub => "subi",
-        Binary::Mul => "muli",
-        Binary::Div => "divsi",
-        Binary::Max => "maxsi",
-        Binary::Min => "minsi",
-    }
-}
-
-fn float_op(op: Binary) -> &'static str {
-    match op {
-        Binary::Add => "addf",
-        Binary::Sub => "subf",
-        Binary::Mul => "mulf",
-        Binary::Div => "divf",
-        Binary::Max => "maximumf",
-        Binary::Min => "minimumf",
-    }
-}
-
-/// The `arith.cmpf` and `arith.cmpi` predicates of `cmp`.
-fn predicate(cmp: Cmp) -> (&'static str, &'static str) {
-    match cmp {
-        Cmp::Eq => ("oeq", "eq"),
-        Cmp::Ne => ("une", "ne"),
-        Cmp::Lt => ("olt", "slt"),
-        Cmp::Le => ("ole", "sle"),
-        Cmp::Gt => ("ogt", "sgt"),
-        Cmp::Ge => ("oge", "sge"),
-    }
-}
-
 impl Kernel {
     /// The kernel as the text of a Mosaic module: the kernel function and one transform
     /// function per operand and result.
     pub fn mosaic_text(&self) -> Result<String> {
         self.check_lowering(super::Lowering::Mosaic)?;
-        let mut e = Emitter { k: self, out: String::new(), names: HashMap::new(), temps: 0, depth: 0 };
+        let mut e = Emitter { k: self, t: Text::new("mosaic text") };
         let grid_args: Vec<String> = (0..self.grid.len()).map(|a| format!("%g{a}: i32")).collect();
         let table_args: Vec<String> = self
             .tables
@@ -509,7 +426,7 @@ impl Kernel {
             e.line("}");
         }
         e.out.push_str("}\n");
-        Ok(e.out)
+        Ok(e.t.out)
     }
 
     /// The kernel's `window_params`: per operand and result its block and transform function.
@@ -547,31 +464,12 @@ impl Kernel {
     /// The kernel called from `b` on `operands` (the tables, then the inputs, as
     /// [`Kernel::operand_types`] lists them): a `tpu_custom_call` that libtpu compiles.
     pub(super) fn call_mosaic(&self, b: &mut FnBuilder, operands: &[Value]) -> Result<Vec<Value>> {
-        let want = self.operand_types();
-        let got: Vec<TensorType> = operands.iter().map(Value::ty).collect();
-        if got != want {
-            return Err(TpuError::builder(
-                format!("mosaic call {}", self.name),
-                format!("operands {got:?}, the kernel takes {want:?}"),
-            ));
-        }
-        let layout = |t: &TensorType| {
-            let r = t.dims.len();
-            let order: Vec<String> = (0..r).rev().map(|d| d.to_string()).collect();
-            match r {
-                1 => "dense<0> : tensor<1xindex>".to_string(),
-                _ => format!("dense<[{}]> : tensor<{r}xindex>", order.join(", ")),
-            }
-        };
-        let operand_layouts: Vec<String> = want.iter().map(layout).collect();
+        let (operand_layouts, result_layouts) = self.custom_call_layouts("mosaic", operands)?;
         let results = self.result_types();
-        let result_layouts: Vec<String> = results.iter().map(layout).collect();
         let attrs = format!(
-            "call_target_name = \"tpu_custom_call\", backend_config = \"{}\", kernel_name = \"{}\", operand_layouts = [{}], result_layouts = [{}]",
+            "call_target_name = \"tpu_custom_call\", backend_config = \"{}\", kernel_name = \"{}\", operand_layouts = [{operand_layouts}], result_layouts = [{result_layouts}]",
             self.backend_config()?,
             self.name,
-            operand_layouts.join(", "),
-            result_layouts.join(", ")
         );
         b.custom_call(&format!("mosaic {}", self.name), operands, &results, &attrs)
     }
@@ -579,8 +477,7 @@ impl Kernel {
 
 #[cfg(test)]
 mod tests {
-    use super::{base64, literal};
-    use kda_core::DType;
+    use super::base64;
 
     #[rstest::rstest]
     #[case::empty(b"", "")]
@@ -590,12 +487,5 @@ mod tests {
     #[case::six(b"foobar", "Zm9vYmFy")]
     fn base64_matches_rfc_4648(#[case] bytes: &[u8], #[case] want: &str) {
         assert_eq!(base64(bytes), want);
-    }
-
-    #[test]
-    fn literals_carry_a_point_or_bits() {
-        assert_eq!(literal(1.0, DType::F32), "1.000000000e0");
-        assert_eq!(literal(f64::NEG_INFINITY, DType::F32), "0xFF800000");
-        assert_eq!(literal(3.0, DType::I32), "3");
     }
 }

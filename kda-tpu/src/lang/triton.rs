@@ -18,17 +18,17 @@
 //!
 //! What has no TTIR form is refused before any text is written ([`Kernel::check_lowering`]).
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::fmt::Write;
 
 use kda_core::DType;
 
-use super::body::{Binary, MatPrecision, Offset, Op, Place, Reduction, Ref, Unary, V};
+use super::arith::{cast_op, derefs_to_text, float_op, int_op, literal, predicate, Text};
+use super::body::{MatPrecision, Offset, Op, Place, Reduction, Ref, Unary, V};
 use super::kernel::{F32Dot, Index, Kernel, Semantics};
 use super::lowering::{padded, Lowering};
-use super::mosaic::literal;
 use crate::error::{Result, TpuError};
-use crate::hlo::{Cmp, FnBuilder, TensorType, Value};
+use crate::hlo::{FnBuilder, Value};
 
 fn err(message: impl Into<String>) -> TpuError {
     TpuError::builder("triton lowering", message)
@@ -77,38 +77,18 @@ fn written(ops: &[Op], into: &mut BTreeSet<usize>) {
 
 struct Emitter<'k> {
     k: &'k Kernel,
-    out: String,
-    names: HashMap<u32, String>,
+    t: Text,
     /// The current value of each scratch buffer.
     scratch: Vec<String>,
     /// The current step's element offset of each operand's block (inputs, then outputs).
     bases: Vec<String>,
     /// The name of each grid axis's index.
     grid: Vec<String>,
-    temps: u32,
-    depth: usize,
 }
 
+derefs_to_text!(Emitter);
+
 impl<'k> Emitter<'k> {
-    fn line(&mut self, s: &str) {
-        for _ in 0..self.depth {
-            self.out.push_str("  ");
-        }
-        self.out.push_str(s);
-        self.out.push('\n');
-    }
-    fn temp(&mut self) -> String {
-        self.temps += 1;
-        format!("%t{}", self.temps)
-    }
-    fn name(&self, v: &V) -> Result<String> {
-        self.names.get(&v.id).cloned().ok_or_else(|| err(format!("value {} used outside its region", v.id)))
-    }
-    fn def(&mut self, v: &V) -> String {
-        let n = format!("%v{}", v.id);
-        self.names.insert(v.id, n.clone());
-        n
-    }
     /// `t = rhs`, returning `t`.
     fn let_(&mut self, rhs: &str) -> String {
         let t = self.temp();
@@ -314,15 +294,8 @@ impl<'k> Emitter<'k> {
                 let g = self.grid[*axis].clone();
                 self.names.insert(out.id, g);
             }
-            Op::IndexConst { out, value } => {
-                let n = self.def(out);
-                self.line(&format!("{n} = arith.constant {value} : i32"));
-            }
-            Op::IndexBinary { out, op, a, b } => {
-                let (a, b) = (self.name(a)?, self.name(b)?);
-                let n = self.def(out);
-                self.line(&format!("{n} = arith.{} {a}, {b} : i32", int_op(*op)));
-            }
+            Op::IndexConst { out, value } => self.index_const(out, *value),
+            Op::IndexBinary { out, op, a, b } => self.index_binary(out, *op, a, b)?,
             Op::ReadTable { out, table, index } => {
                 let i = self.name(index)?;
                 let p = self.let_(&format!("tt.addptr %tab{table}, {i} : !tt.ptr<i32>, i32"));
@@ -330,12 +303,8 @@ impl<'k> Emitter<'k> {
                 self.line(&format!("{n} = tt.load {p} : !tt.ptr<i32>"));
             }
             Op::Splat { out, value } => {
-                let n = self.def(out);
-                self.line(&format!(
-                    "{n} = arith.constant dense<{}> : {}",
-                    literal(*value, out.ty.elem),
-                    vty(out)
-                ));
+                let ty = vty(out);
+                self.splat(out, *value, &ty);
             }
             Op::Load { out, from, offsets } => match from.place {
                 Place::Scratch(i) => {
@@ -486,12 +455,7 @@ impl<'k> Emitter<'k> {
                 self.names.insert(out.id, r);
             }
             Op::Cast { out, a } => {
-                let op = match (a.ty.elem, out.ty.elem) {
-                    (DType::F32, DType::BF16) => "arith.truncf",
-                    (DType::BF16, DType::F32) => "arith.extf",
-                    (DType::I32, _) => "arith.sitofp",
-                    _ => "arith.fptosi",
-                };
+                let op = cast_op(a.ty.elem, out.ty.elem);
                 let an = self.name(a)?;
                 let n = self.def(out);
                 self.line(&format!("{n} = {op} {an} : {} to {}", vty(a), vty(out)));
@@ -707,39 +671,6 @@ impl<'k> Emitter<'k> {
     }
 }
 
-fn int_op(op: Binary) -> &'static str {
-    match op {
-        Binary::Add => "addi",
-        Binary::Sub => "subi",
-        Binary::Mul => "muli",
-        Binary::Div => "divsi",
-        Binary::Max => "maxsi",
-        Binary::Min => "minsi",
-    }
-}
-
-fn float_op(op: Binary) -> &'static str {
-    match op {
-        Binary::Add => "addf",
-        Binary::Sub => "subf",
-        Binary::Mul => "mulf",
-        Binary::Div => "divf",
-        Binary::Max => "maximumf",
-        Binary::Min => "minimumf",
-    }
-}
-
-fn predicate(cmp: Cmp) -> (&'static str, &'static str) {
-    match cmp {
-        Cmp::Eq => ("oeq", "eq"),
-        Cmp::Ne => ("une", "ne"),
-        Cmp::Lt => ("olt", "slt"),
-        Cmp::Le => ("ole", "sle"),
-        Cmp::Gt => ("ogt", "sgt"),
-        Cmp::Ge => ("oge", "sge"),
-    }
-}
-
 /// Escapes TTIR text for the `ir` string of the custom call's config dictionary.
 fn escape(text: &str) -> String {
     let mut out = String::with_capacity(text.len() + text.len() / 8);
@@ -772,13 +703,10 @@ impl Kernel {
         self.check_lowering(Lowering::Triton)?;
         let mut e = Emitter {
             k: self,
-            out: String::new(),
-            names: HashMap::new(),
+            t: Text::new("triton lowering"),
             scratch: Vec::new(),
             bases: Vec::new(),
             grid: Vec::new(),
-            temps: 0,
-            depth: 0,
         };
         let mut args: Vec<String> = (0..self.tables.len())
             .map(|t| format!("%tab{t}: !tt.ptr<i32> {{tt.divisibility = 16 : i32}}"))
@@ -828,25 +756,13 @@ impl Kernel {
         e.depth = 1;
         e.line("}");
         e.out.push_str("}\n");
-        Ok(e.out)
+        Ok(e.t.out)
     }
 
     /// The kernel called from `b` on `operands` (the tables, then the inputs): a
     /// `__gpu$xla.gpu.triton` custom call that XLA's CUDA plugin compiles.
     pub(super) fn call_triton(&self, b: &mut FnBuilder, operands: &[Value]) -> Result<Vec<Value>> {
-        let want = self.operand_types();
-        let got: Vec<TensorType> = operands.iter().map(Value::ty).collect();
-        if got != want {
-            return Err(TpuError::builder(
-                format!("triton call {}", self.name),
-                format!("operands {got:?}, the kernel takes {want:?}"),
-            ));
-        }
-        let layout = |t: &TensorType| {
-            let r = t.dims.len();
-            let order: Vec<String> = (0..r).rev().map(|d| d.to_string()).collect();
-            format!("dense<[{}]> : tensor<{r}xindex>", order.join(", "))
-        };
+        let (operand_layouts, result_layouts) = self.custom_call_layouts("triton", operands)?;
         let results = self.result_types();
         let text = self.triton_text()?;
         // The plugin does not compare the kernel's pointer arguments with the call's buffers
@@ -870,9 +786,7 @@ impl Kernel {
             self.gpu.num_warps,
         );
         let attrs = format!(
-            "call_target_name = \"__gpu$xla.gpu.triton\", api_version = 4 : i32, backend_config = {config}, operand_layouts = [{}], result_layouts = [{}]",
-            want.iter().map(layout).collect::<Vec<_>>().join(", "),
-            results.iter().map(layout).collect::<Vec<_>>().join(", ")
+            "call_target_name = \"__gpu$xla.gpu.triton\", api_version = 4 : i32, backend_config = {config}, operand_layouts = [{operand_layouts}], result_layouts = [{result_layouts}]",
         );
         b.custom_call(&format!("triton {}", self.name), operands, &results, &attrs)
     }

@@ -25,6 +25,7 @@ macro_rules! run {
 
 /// Host-side input tensor.
 #[allow(dead_code)] // only read when the programs execute
+#[derive(Clone)]
 pub enum In {
     F32(Vec<f32>, Vec<i64>),
     I32(Vec<i32>, Vec<i64>),
@@ -119,6 +120,17 @@ pub fn run_timed(text: &str, inputs: Vec<In>, iters: usize) -> (Vec<Out>, Durati
 pub fn rand_vec(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
     let mut r = kda_testkit::Rng::new(seed);
     (0..n).map(|_| r.uniform(f64::from(lo), f64::from(hi)) as f32).collect()
+}
+
+/// `v`'s rows of `k` values, each scaled to unit length.
+#[allow(dead_code)] // not every test binary normalises rows
+pub fn unit_rows(v: Vec<f32>, k: usize) -> Vec<f32> {
+    v.chunks(k)
+        .flat_map(|r| {
+            let n = r.iter().map(|x| x * x).sum::<f32>().sqrt();
+            r.iter().map(move |x| x / n).collect::<Vec<_>>()
+        })
+        .collect()
 }
 
 /// Panics at the first element that differs by more than `tol`, absolutely or relative to the

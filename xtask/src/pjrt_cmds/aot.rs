@@ -1,7 +1,7 @@
 //! The compiling side of `cargo xtask aot`.
 
 use super::{compile_aot_replicas, err, kind, problem_of};
-use crate::aot_cmd::AotOptions;
+use crate::aot_cmd::{AotOptions, Program, Shape};
 use crate::bench::Memory;
 use kda_testkit::CaseSegments;
 use kda_tpu::PjrtBackend;
@@ -79,26 +79,35 @@ fn program_text(
 fn emit(o: &AotOptions, be: &PjrtBackend, dir: &str) -> Result<(), String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {dir}: {e}"))?;
     let mut n = 0;
+    each_program(o, be, |shape, _, dtype, program, text| {
+        let devices = if o.devices > 1 { format!(".d{}", o.devices) } else { String::new() };
+        let name =
+            format!("{}.{}.{dtype}.{}{devices}.mlir", program.name(), shape.name(), o.implementation.name());
+        let path = std::path::Path::new(dir).join(name);
+        std::fs::write(&path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+        n += 1;
+        Ok(())
+    })?;
+    println!("wrote {n} program texts to {dir}");
+    Ok(())
+}
+
+/// Calls `f` on every (shape, its case, dtype, program) of `o` with the program's text.
+fn each_program(
+    o: &AotOptions,
+    be: &PjrtBackend,
+    mut f: impl FnMut(Shape, &kda_testkit::Case, kda_core::DType, Program, String) -> Result<(), String>,
+) -> Result<(), String> {
     for &shape in &o.shapes {
         let case = o.case(shape);
         for &dtype in &o.dtypes {
             let (problem, cp) = pieces(o, &case, dtype)?;
             for &program in &o.programs {
                 let text = program_text(o, be, (&case, dtype), (&problem, &cp), program)?;
-                let devices = if o.devices > 1 { format!(".d{}", o.devices) } else { String::new() };
-                let name = format!(
-                    "{}.{}.{dtype}.{}{devices}.mlir",
-                    program.name(),
-                    shape.name(),
-                    o.implementation.name()
-                );
-                let path = std::path::Path::new(dir).join(name);
-                std::fs::write(&path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
-                n += 1;
+                f(shape, &case, dtype, program, text)?;
             }
         }
     }
-    println!("wrote {n} program texts to {dir}");
     Ok(())
 }
 
@@ -115,80 +124,69 @@ fn run_gpu(o: &AotOptions, be: &PjrtBackend, target: &str) -> Result<(), String>
         target.name, target.arch
     );
     let mut records = Vec::new();
-    for &shape in &o.shapes {
-        let case = o.case(shape);
-        for &dtype in &o.dtypes {
-            let (problem, cp) = pieces(o, &case, dtype)?;
-            for &program in &o.programs {
-                let text = program_text(o, be, (&case, dtype), (&problem, &cp), program)?;
-                crate::progress::step(
-                    "aot",
-                    format_args!(
-                        "compiling {} ({} {dtype}) for {}...",
-                        program.name(),
-                        shape.name(),
-                        target.name
-                    ),
-                );
-                let r = gpu
-                    .compile(&text, &target)
-                    .map_err(|e| format!("{} {} {dtype}: {}", program.name(), shape.name(), err(e)))?;
-                let m = r.memory;
-                println!(
-                    "\n{} | {} | {} (H={} B={} T={} K={} V={}) | {dtype} | compiled in {:.1} s",
-                    program.name(),
-                    o.implementation.name(),
-                    shape.name(),
-                    case.h,
-                    case.b,
-                    case.t,
-                    case.k,
-                    case.v,
-                    r.compile_time.as_secs_f64()
-                );
-                println!(
-                    "  memory: argument {}, output {}, temp {}, peak {}",
-                    mb(m.argument_bytes),
-                    mb(m.output_bytes),
-                    mb(m.temp_bytes),
-                    mb(m.peak_bytes)
-                );
-                let spills: u64 = r.kernels.iter().filter_map(|k| k.spill_store_bytes).sum();
-                let regs = r.kernels.iter().filter_map(|k| k.registers).max().unwrap_or(0);
-                println!(
-                    "  kernel launches: {} (each loop body once); most registers {regs}; spill stores {spills} B",
-                    r.kernels.len()
-                );
-                records.push(serde_json::json!({
-                    "program": program.name(),
-                    "implementation": o.implementation.name(),
-                    "shape": shape.name(),
-                    "dtype": dtype.to_string(),
-                    "target": target.name,
-                    "h": case.h,
-                    "b": case.b,
-                    "t": case.t,
-                    "k": case.k,
-                    "v": case.v,
-                    "segments": kda_testkit::inputs::slots(&case),
-                    "peak_bytes": m.peak_bytes,
-                    "temp_bytes": m.temp_bytes,
-                    "argument_bytes": m.argument_bytes,
-                    "output_bytes": m.output_bytes,
-                    "launches": r.kernels.len(),
-                    "kernels": r.kernels.iter().map(|k| serde_json::json!({
-                        "name": k.name,
-                        "grid": k.grid,
-                        "threads": k.threads,
-                        "registers": k.registers,
-                        "spill_store_bytes": k.spill_store_bytes,
-                        "spill_load_bytes": k.spill_load_bytes,
-                        "shared_memory_bytes": k.shared_memory_bytes,
-                    })).collect::<Vec<_>>(),
-                }));
-            }
-        }
-    }
+    each_program(o, be, |shape, case, dtype, program, text| {
+        crate::progress::step(
+            "aot",
+            format_args!("compiling {} ({} {dtype}) for {}...", program.name(), shape.name(), target.name),
+        );
+        let r = gpu
+            .compile(&text, &target)
+            .map_err(|e| format!("{} {} {dtype}: {}", program.name(), shape.name(), err(e)))?;
+        let m = r.memory;
+        println!(
+            "\n{} | {} | {} (H={} B={} T={} K={} V={}) | {dtype} | compiled in {:.1} s",
+            program.name(),
+            o.implementation.name(),
+            shape.name(),
+            case.h,
+            case.b,
+            case.t,
+            case.k,
+            case.v,
+            r.compile_time.as_secs_f64()
+        );
+        println!(
+            "  memory: argument {}, output {}, temp {}, peak {}",
+            mb(m.argument_bytes),
+            mb(m.output_bytes),
+            mb(m.temp_bytes),
+            mb(m.peak_bytes)
+        );
+        let spills: u64 = r.kernels.iter().filter_map(|k| k.spill_store_bytes).sum();
+        let regs = r.kernels.iter().filter_map(|k| k.registers).max().unwrap_or(0);
+        println!(
+            "  kernel launches: {} (each loop body once); most registers {regs}; spill stores {spills} B",
+            r.kernels.len()
+        );
+        records.push(serde_json::json!({
+            "program": program.name(),
+            "implementation": o.implementation.name(),
+            "shape": shape.name(),
+            "dtype": dtype.to_string(),
+            "target": target.name,
+            "h": case.h,
+            "b": case.b,
+            "t": case.t,
+            "k": case.k,
+            "v": case.v,
+            "segments": kda_testkit::inputs::slots(case),
+            "peak_bytes": m.peak_bytes,
+            "temp_bytes": m.temp_bytes,
+            "argument_bytes": m.argument_bytes,
+            "output_bytes": m.output_bytes,
+            "launches": r.kernels.len(),
+            "kernels": r.kernels.iter().map(|k| serde_json::json!({
+                "name": k.name,
+                "grid": k.grid,
+                "threads": k.threads,
+                "registers": k.registers,
+                "spill_store_bytes": k.spill_store_bytes,
+                "spill_load_bytes": k.spill_load_bytes,
+                "shared_memory_bytes": k.shared_memory_bytes,
+            })).collect::<Vec<_>>(),
+        }));
+        Ok(())
+    })?;
     let _ = std::fs::remove_dir_all(&dumps);
     if let Some(path) = &o.json {
         let text = serde_json::to_string_pretty(&records).map_err(|e| e.to_string())?;

@@ -11,7 +11,7 @@ use kda_core::DType;
 
 use crate::error::{Result, TpuError};
 use crate::hlo::{FnBuilder, Module, TensorType};
-use crate::lang::{GpuLaunch, Lowering, MatPrecision};
+use crate::lang::{GpuLaunch, Lowering, MatPrecision, Ref};
 
 /// Tokens per chunk.
 pub const C: i64 = 64;
@@ -19,6 +19,31 @@ pub const C: i64 = 64;
 pub const SUB: i64 = 16;
 /// The widest block of state columns one recurrence program holds.
 pub const MAX_BV: i64 = 64;
+
+/// What the terms kernel hands the recurrence, each f32, per chunk: its results, the
+/// recurrence's inputs.
+#[derive(Clone, Copy, Debug)]
+pub struct Factors {
+    /// `w = A (beta k e^G)` `[L, T, K]`.
+    pub w: Ref,
+    /// `u = A (beta v)` `[L, T, V]`.
+    pub u: Ref,
+    /// `scale q e^G` `[L, T, K]`.
+    pub qg: Ref,
+    /// `k e^(G_C - G)` `[L, T, K]`.
+    pub kg: Ref,
+    /// `scale Aqk` `[L, T, C]`, each chunk's rows.
+    pub aqk: Ref,
+    /// `e^(G_C)` `[L, NT, K]`, each chunk's whole decay.
+    pub eg: Ref,
+}
+
+impl Factors {
+    /// The six, in order.
+    pub fn all(&self) -> [Ref; 6] {
+        [self.w, self.u, self.qg, self.kg, self.aqk, self.eg]
+    }
+}
 
 /// The problem the GPU forward kernels take: `lanes` (heads x rows) of `t` tokens, fixed length.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -104,9 +129,7 @@ pub fn forward_module(s: &ForwardShape, lowering: Lowering) -> Result<String> {
     let terms = tk.call(&mut f, lowering, a)?;
     let (rk, rr) = recurrence::recurrence_kernel(s)?;
     let mut a = rk.bindings();
-    for (r, from) in
-        [(rr.w, tr.w), (rr.u, tr.u), (rr.qg, tr.qg), (rr.kg, tr.kg), (rr.aqk, tr.aqk), (rr.eg, tr.eg)]
-    {
+    for (r, from) in rr.factors.all().into_iter().zip(tr.factors.all()) {
         a.input(r, terms.get(from)?)?;
     }
     if let (Some(r), Some(x)) = (rr.h0, h0) {

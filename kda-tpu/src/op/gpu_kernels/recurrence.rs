@@ -9,23 +9,13 @@ use crate::error::Result;
 use crate::hlo::{Cmp, TensorType};
 use crate::lang::{Binary, Body, Index, Kernel, KernelBuilder, Operand, Ref, Semantics, V};
 
-use super::{ForwardShape, C};
+use super::{Factors, ForwardShape, C};
 
 /// The recurrence kernel's operands by name.
 #[derive(Clone, Copy, Debug)]
 pub struct RecurrenceRefs {
-    /// From the terms kernel: `w`, `u`, `qg`, `kg`, `aqk`, `eg`.
-    pub w: Ref,
-    /// `u`.
-    pub u: Ref,
-    /// `qg`.
-    pub qg: Ref,
-    /// `kg`.
-    pub kg: Ref,
-    /// `aqk`.
-    pub aqk: Ref,
-    /// `eg`.
-    pub eg: Ref,
+    /// The terms kernel's results.
+    pub factors: Factors,
     /// The initial state `[L, K, V]` f32, when given.
     pub h0: Option<Ref>,
     /// `o` `[L, T, V]` f32.
@@ -76,7 +66,7 @@ pub fn recurrence_kernel(s: &ForwardShape) -> Result<(Kernel, RecurrenceRefs)> {
     let ht = kb.output(Operand::blocked("ht", ty(&[l, k, v]), &[1, k, bv], state_at));
     let state = kb.scratch("state", ty(&[k, bv]));
     kb.gpu_launch(s.launch);
-    let refs = RecurrenceRefs { w, u, qg, kg, aqk, eg, h0, o, ht, state };
+    let refs = RecurrenceRefs { factors: Factors { w, u, qg, kg, aqk, eg }, h0, o, ht, state };
     let kernel = kb.build(|b| step(b, s, &refs, nt))?;
     Ok((kernel, refs))
 }
@@ -100,9 +90,13 @@ fn step(b: &mut Body, s: &ForwardShape, r: &RecurrenceRefs, nt: i64) -> Result<(
         b.store_all(r.state, &h)
     })?;
     let state = b.load_all(r.state)?;
-    let (w, u) = (block(b, r.w, &[C, k])?, block(b, r.u, &[C, bv])?);
-    let (qg, kg, aqk) = (block(b, r.qg, &[C, k])?, block(b, r.kg, &[C, k])?, block(b, r.aqk, &[C, C])?);
-    let eg = block(b, r.eg, &[1, k])?;
+    let (w, u) = (block(b, r.factors.w, &[C, k])?, block(b, r.factors.u, &[C, bv])?);
+    let (qg, kg, aqk) = (
+        block(b, r.factors.qg, &[C, k])?,
+        block(b, r.factors.kg, &[C, k])?,
+        block(b, r.factors.aqk, &[C, C])?,
+    );
+    let eg = block(b, r.factors.eg, &[1, k])?;
     let ws = b.matmul(&w, &state, (1, 0), p)?;
     let vn = b.binary(Binary::Sub, &u, &ws)?;
     let inter = b.matmul(&qg, &state, (1, 0), p)?;

@@ -22,7 +22,7 @@ use crate::lang::{
 };
 use crate::op::tpu_kernels::blocks::unit_lower_inverse;
 
-use super::{ForwardShape, C, SUB};
+use super::{Factors, ForwardShape, C, SUB};
 
 /// The terms kernel's operands by name.
 #[derive(Clone, Copy, Debug)]
@@ -38,18 +38,8 @@ pub struct TermRefs {
     pub g: Ref,
     /// Write strengths.
     pub beta: Ref,
-    /// `w = A (beta k e^G)` `[L, T, K]` f32.
-    pub w: Ref,
-    /// `u = A (beta v)` `[L, T, V]` f32.
-    pub u: Ref,
-    /// `scale q e^G` `[L, T, K]` f32.
-    pub qg: Ref,
-    /// `k e^(G_C - G)` `[L, T, K]` f32.
-    pub kg: Ref,
-    /// `scale Aqk` `[L, T, C]` f32, each chunk's rows.
-    pub aqk: Ref,
-    /// `e^(G_C)` `[L, NT, K]` f32, the chunk's whole decay.
-    pub eg: Ref,
+    /// The results: what the recurrence reads.
+    pub factors: Factors,
 }
 
 /// The terms kernel of `s`: grid (lanes, chunks), both parallel.
@@ -78,7 +68,7 @@ pub fn terms_kernel(s: &ForwardShape) -> Result<(Kernel, TermRefs)> {
     );
     let eg = kb.output(Operand::blocked("eg", ty(DType::F32, &[l, nt, k]), &[1, 1, k], at()));
     kb.gpu_launch(s.launch);
-    let refs = TermRefs { q, k: kk, v: vv, g, beta, w, u, qg, kg, aqk, eg };
+    let refs = TermRefs { q, k: kk, v: vv, g, beta, factors: Factors { w, u, qg, kg, aqk, eg } };
     let kernel = kb.build(|b| chunk_terms(b, s, &refs))?;
     Ok((kernel, refs))
 }
@@ -249,26 +239,26 @@ fn chunk_terms(b: &mut Body, s: &ForwardShape, r: &TermRefs) -> Result<()> {
     let (aqk, l) = (&outs[1], &outs[2]);
     let scale = b.splat(s.scale, DType::F32, &[C, C])?;
     let aqk = mul(b, aqk, &scale)?;
-    store(b, r.aqk, &aqk)?;
+    store(b, r.factors.aqk, &aqk)?;
     let a = unit_lower_inverse(b, l, p)?;
     let egc = b.unary(Unary::Exp, &gc)?;
     let kbg = mul(b, &bk, &egc)?;
     let wv = b.matmul(&a, &kbg, (1, 0), p)?;
-    store(b, r.w, &wv)?;
+    store(b, r.factors.w, &wv)?;
     let beta_v = wide(b, &beta, &[C, v])?;
     let bv = mul(b, &vx, &beta_v)?;
     let uv = b.matmul(&a, &bv, (1, 0), p)?;
-    store(b, r.u, &uv)?;
+    store(b, r.factors.u, &uv)?;
     let sk = b.splat(s.scale, DType::F32, &[C, k])?;
     let qg = mul(b, &q, &egc)?;
     let qg = mul(b, &qg, &sk)?;
-    store(b, r.qg, &qg)?;
+    store(b, r.factors.qg, &qg)?;
     let egs = b.unary(Unary::Exp, &gs)?;
     let kg = mul(b, &kx, &egs)?;
-    store(b, r.kg, &kg)?;
+    store(b, r.factors.kg, &kg)?;
     let total = b.slice(&gc, &[C - 1, 0], &[1, k])?;
     let eg = b.unary(Unary::Exp, &total)?;
     let eg = b.reshape(&eg, &[1, 1, k])?;
-    b.store_all(r.eg, &eg)?;
+    b.store_all(r.factors.eg, &eg)?;
     Ok(())
 }
