@@ -20,8 +20,8 @@ pub const SUB: i64 = 16;
 /// The widest block of state columns one recurrence program holds.
 pub const MAX_BV: i64 = 64;
 
-/// What the terms kernel hands the recurrence, each f32, per chunk: its results, the
-/// recurrence's inputs.
+/// What the terms kernel hands the recurrence per chunk (`u` and `eg` in f32, the others in
+/// [`ForwardShape::factor_dtype`]): its results, the recurrence's inputs.
 #[derive(Clone, Copy, Debug)]
 pub struct Factors {
     /// `w = A (beta k e^G)` `[L, T, K]`.
@@ -62,15 +62,30 @@ pub struct ForwardShape {
     pub h0: bool,
     /// The query scale.
     pub scale: f64,
-    /// How both kernels launch on a GPU.
-    pub launch: GpuLaunch,
+    /// How the terms kernel launches on a GPU.
+    pub terms_launch: GpuLaunch,
+    /// How the recurrence launches on a GPU.
+    pub recurrence_launch: GpuLaunch,
 }
 
 impl ForwardShape {
     /// `lanes` of `t` tokens, `k` and `v` wide, in `dtype`, scale `k^-1/2`, no initial state.
+    /// The launches spill least at the primary shape (H200, bf16): 16 warps for a terms
+    /// program (a whole chunk's tiles), 8 for a recurrence program; one pipeline stage (two
+    /// asked 160 KiB of shared memory for the recurrence's loads and did not spill less).
     pub fn new(lanes: i64, t: i64, k: i64, v: i64, dtype: DType) -> Self {
-        let launch = GpuLaunch { num_warps: 8, num_stages: 1, ..GpuLaunch::default() };
-        ForwardShape { lanes, t, k, v, dtype, h0: false, scale: 1.0 / (k as f64).sqrt(), launch }
+        let launch = |num_warps| GpuLaunch { num_warps, num_stages: 1, ..GpuLaunch::default() };
+        ForwardShape {
+            lanes,
+            t,
+            k,
+            v,
+            dtype,
+            h0: false,
+            scale: 1.0 / (k as f64).sqrt(),
+            terms_launch: launch(16),
+            recurrence_launch: launch(8),
+        }
     }
 
     /// The products' precision: one bf16 pass for bf16 inputs, full f32 for f32 ones.
@@ -79,6 +94,13 @@ impl ForwardShape {
             DType::BF16 => MatPrecision::Default,
             _ => MatPrecision::Highest,
         }
+    }
+
+    /// The type the terms kernel hands over the factors that only feed products (`w`, `qg`,
+    /// `kg`, `aqk`): the input dtype, since a bf16 product rounds its operands to bf16 anyway
+    /// (the same bits, half the traffic and registers); `u` and `eg` stay f32.
+    pub fn factor_dtype(&self) -> DType {
+        self.dtype
     }
 
     /// State columns per recurrence program.

@@ -30,16 +30,13 @@ pub struct RecurrenceRefs {
 pub fn recurrence_kernel(s: &ForwardShape) -> Result<(Kernel, RecurrenceRefs)> {
     let (l, t, nt, k, v, bv) = (s.lanes, s.t, s.t / C, s.k, s.v, s.bv());
     let ty = |dims: &[i64]| TensorType::new(DType::F32, dims);
+    let fty = |dims: &[i64]| TensorType::new(s.factor_dtype(), dims);
     let (g0, g1, g2) = (Index::Grid(0), Index::Grid(1), Index::Grid(2));
     let mut kb = KernelBuilder::new("kda_gpu_recurrence");
     kb.grid(l, Semantics::Parallel).grid(v / bv, Semantics::Parallel).grid(nt, Semantics::Arbitrary);
     let chunk = |kb: &mut KernelBuilder, name: &str, w: i64| {
-        kb.input(Operand::blocked(
-            name,
-            ty(&[l, t, w]),
-            &[1, C, w],
-            vec![g0.clone(), g2.clone(), Index::Const(0)],
-        ))
+        let at = vec![g0.clone(), g2.clone(), Index::Const(0)];
+        kb.input(Operand::blocked(name, fty(&[l, t, w]), &[1, C, w], at))
     };
     let w = chunk(&mut kb, "w", k);
     let u = kb.input(Operand::blocked(
@@ -65,7 +62,7 @@ pub fn recurrence_kernel(s: &ForwardShape) -> Result<(Kernel, RecurrenceRefs)> {
     ));
     let ht = kb.output(Operand::blocked("ht", ty(&[l, k, v]), &[1, k, bv], state_at));
     let state = kb.scratch("state", ty(&[k, bv]));
-    kb.gpu_launch(s.launch);
+    kb.gpu_launch(s.recurrence_launch);
     let refs = RecurrenceRefs { factors: Factors { w, u, qg, kg, aqk, eg }, h0, o, ht, state };
     let kernel = kb.build(|b| step(b, s, &refs, nt))?;
     Ok((kernel, refs))
@@ -97,17 +94,21 @@ fn step(b: &mut Body, s: &ForwardShape, r: &RecurrenceRefs, nt: i64) -> Result<(
         block(b, r.factors.aqk, &[C, C])?,
     );
     let eg = block(b, r.factors.eg, &[1, k])?;
-    let ws = b.matmul(&w, &state, (1, 0), p)?;
+    // Product operands in the factors' type (bf16 products round to it anyway).
+    let fd = s.factor_dtype();
+    let st = b.to_dtype(&state, fd)?;
+    let ws = b.matmul(&w, &st, (1, 0), p)?;
     let vn = b.binary(Binary::Sub, &u, &ws)?;
-    let inter = b.matmul(&qg, &state, (1, 0), p)?;
-    let intra = b.matmul(&aqk, &vn, (1, 0), p)?;
+    let inter = b.matmul(&qg, &st, (1, 0), p)?;
+    let vnd = b.to_dtype(&vn, fd)?;
+    let intra = b.matmul(&aqk, &vnd, (1, 0), p)?;
     let o = b.binary(Binary::Add, &inter, &intra)?;
     let o = b.reshape(&o, &[1, C, bv])?;
     b.store_all(r.o, &o)?;
     let decay = b.transpose(&eg)?;
     let decay = b.broadcast(&decay, &[k, bv])?;
     let kept = b.binary(Binary::Mul, &state, &decay)?;
-    let added = b.matmul(&kg, &vn, (0, 0), p)?;
+    let added = b.matmul(&kg, &vnd, (0, 0), p)?;
     let next = b.binary(Binary::Add, &kept, &added)?;
     b.store_all(r.state, &next)?;
     let last = b.index(nt - 1)?;

@@ -56,18 +56,14 @@ pub fn terms_kernel(s: &ForwardShape) -> Result<(Kernel, TermRefs)> {
         (tok(&mut kb, "q", s.dtype, k), tok(&mut kb, "k", s.dtype, k), tok(&mut kb, "v", s.dtype, v));
     let g = tok(&mut kb, "g", DType::F32, k);
     let beta = tok(&mut kb, "beta", s.dtype, 1);
-    let res = |kb: &mut KernelBuilder, name: &str, w: i64| {
-        kb.output(Operand::blocked(name, ty(DType::F32, &[l, t, w]), &[1, C, w], at()))
+    let res = |kb: &mut KernelBuilder, name: &str, d: DType, w: i64| {
+        kb.output(Operand::blocked(name, ty(d, &[l, t, w]), &[1, C, w], at()))
     };
-    let (w, u, qg, kg, aqk) = (
-        res(&mut kb, "w", k),
-        res(&mut kb, "u", v),
-        res(&mut kb, "qg", k),
-        res(&mut kb, "kg", k),
-        res(&mut kb, "aqk", C),
-    );
+    let fd = s.factor_dtype();
+    let (w, u) = (res(&mut kb, "w", fd, k), res(&mut kb, "u", DType::F32, v));
+    let (qg, kg, aqk) = (res(&mut kb, "qg", fd, k), res(&mut kb, "kg", fd, k), res(&mut kb, "aqk", fd, C));
     let eg = kb.output(Operand::blocked("eg", ty(DType::F32, &[l, nt, k]), &[1, 1, k], at()));
-    kb.gpu_launch(s.launch);
+    kb.gpu_launch(s.terms_launch);
     let refs = TermRefs { q, k: kk, v: vv, g, beta, factors: Factors { w, u, qg, kg, aqk, eg } };
     let kernel = kb.build(|b| chunk_terms(b, s, &refs))?;
     Ok((kernel, refs))
@@ -79,9 +75,11 @@ fn f32_block(b: &mut Body, r: Ref, w: i64) -> Result<V> {
     b.to_dtype(&x, DType::F32)
 }
 
-fn store(b: &mut Body, r: Ref, x: &V) -> Result<()> {
+/// Stores the `[C, w]` tile `x` into `r`'s block, in `r`'s element type.
+fn store(b: &mut Body, r: Ref, x: &V, dtype: DType) -> Result<()> {
     let dims = x.ty.dims.clone();
-    let x = b.reshape(x, &[1, dims[0], dims[1]])?;
+    let x = b.to_dtype(x, dtype)?;
+    let x = b.reshape(&x, &[1, dims[0], dims[1]])?;
     b.store_all(r, &x)
 }
 
@@ -151,15 +149,10 @@ fn sub_row(b: &mut Body, x: &V, local: &V, idx: &V) -> Result<V> {
 /// The body: one chunk's terms, inverse, `w`, `u` and the factors the recurrence reads.
 fn chunk_terms(b: &mut Body, s: &ForwardShape, r: &TermRefs) -> Result<()> {
     let (k, v) = (s.k, s.v);
-    let p = s.precision();
+    let (p, fd) = (s.precision(), s.factor_dtype());
     let hi = MatPrecision::Highest;
-    let (q, kx, vx, g, beta) = (
-        f32_block(b, r.q, k)?,
-        f32_block(b, r.k, k)?,
-        f32_block(b, r.v, v)?,
-        f32_block(b, r.g, k)?,
-        f32_block(b, r.beta, 1)?,
-    );
+    let (q, kx, g, beta) =
+        (f32_block(b, r.q, k)?, f32_block(b, r.k, k)?, f32_block(b, r.g, k)?, f32_block(b, r.beta, 1)?);
     // Coefficient masks over (row t, column s), and their products with g: direct sums.
     let (mr, mc) = (rows_of(b, &[C, C], 0)?, rows_of(b, &[C, C], 1)?);
     let le = b.compare(Cmp::Le, &mc.token, &mr.token)?;
@@ -169,8 +162,6 @@ fn chunk_terms(b: &mut Body, s: &ForwardShape, r: &TermRefs) -> Result<()> {
         let m = indicator(b, cond)?;
         b.matmul(&m, &g, (1, 0), hi)
     };
-    let gc = sum(b, &le)?; // G_t = sum_{s <= t} g_s
-    let gs = sum(b, &gt)?; // G_C - G_t = sum_{s > t} g_s
     let within = and(b, &le, &same)?;
     let rsum = sum(b, &within)?; // sum over t's sub-chunk up to t
                                  // Pairs in different sub-chunks: rows of sub-chunk i against columns before it, through the
@@ -239,23 +230,28 @@ fn chunk_terms(b: &mut Body, s: &ForwardShape, r: &TermRefs) -> Result<()> {
     let (aqk, l) = (&outs[1], &outs[2]);
     let scale = b.splat(s.scale, DType::F32, &[C, C])?;
     let aqk = mul(b, aqk, &scale)?;
-    store(b, r.factors.aqk, &aqk)?;
+    store(b, r.factors.aqk, &aqk, fd)?;
     let a = unit_lower_inverse(b, l, p)?;
+    // The whole-chunk sums last, so that they are not held across the loop above.
+    let gc = sum(b, &le)?; // G_t = sum_{s <= t} g_s
+    let gs = sum(b, &gt)?; // G_C - G_t = sum_{s > t} g_s
+    let bk = mul(b, &kx, &wide_beta)?;
     let egc = b.unary(Unary::Exp, &gc)?;
     let kbg = mul(b, &bk, &egc)?;
     let wv = b.matmul(&a, &kbg, (1, 0), p)?;
-    store(b, r.factors.w, &wv)?;
+    store(b, r.factors.w, &wv, fd)?;
+    let vx = f32_block(b, r.v, v)?;
     let beta_v = wide(b, &beta, &[C, v])?;
     let bv = mul(b, &vx, &beta_v)?;
     let uv = b.matmul(&a, &bv, (1, 0), p)?;
-    store(b, r.factors.u, &uv)?;
+    store(b, r.factors.u, &uv, DType::F32)?;
     let sk = b.splat(s.scale, DType::F32, &[C, k])?;
     let qg = mul(b, &q, &egc)?;
     let qg = mul(b, &qg, &sk)?;
-    store(b, r.factors.qg, &qg)?;
+    store(b, r.factors.qg, &qg, fd)?;
     let egs = b.unary(Unary::Exp, &gs)?;
     let kg = mul(b, &kx, &egs)?;
-    store(b, r.factors.kg, &kg)?;
+    store(b, r.factors.kg, &kg, fd)?;
     let total = b.slice(&gc, &[C - 1, 0], &[1, k])?;
     let eg = b.unary(Unary::Exp, &total)?;
     let eg = b.reshape(&eg, &[1, 1, k])?;
