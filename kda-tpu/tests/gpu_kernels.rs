@@ -31,6 +31,11 @@ struct Data {
 }
 
 fn data(s: &ForwardShape, seed: u64, resets: bool) -> Data {
+    data_in(s, seed, -5.0, resets)
+}
+
+/// [`data`] with `g` drawn from `[g_lo, 0]`.
+fn data_in(s: &ForwardShape, seed: u64, g_lo: f64, resets: bool) -> Data {
     let (l, t, k, v) = (s.lanes as usize, s.t as usize, s.k as usize, s.v as usize);
     let mut r = Rng::new(seed);
     let unit = |x: Vec<f64>| -> Vec<f64> {
@@ -47,7 +52,7 @@ fn data(s: &ForwardShape, seed: u64, resets: bool) -> Data {
     let kk = round(unit(r.normal_vec(l * t * k)));
     let vv = round(r.normal_vec(l * t * v));
     let mut g: Vec<f64> =
-        r.uniform_vec(l * t * k, -5.0, 0.0).into_iter().map(|a| f64::from(a as f32)).collect();
+        r.uniform_vec(l * t * k, g_lo, 0.0).into_iter().map(|a| f64::from(a as f32)).collect();
     if resets {
         // Hard resets: every gate of tokens 21, 40 and 49..52 of each lane at the floor.
         for lane in 0..l {
@@ -68,6 +73,22 @@ fn host(dtype: DType, x: &[f64], dims: &[i64]) -> In {
         DType::BF16 => In::Bf16(x.iter().map(|&a| bf16::from_f64(a)).collect(), dims.to_vec()),
         _ => In::F32(x.iter().map(|&a| a as f32).collect(), dims.to_vec()),
     }
+}
+
+/// The forward's operands of `d`, in `forward_module`'s order.
+fn operands(s: &ForwardShape, d: &Data) -> Vec<In> {
+    let (l, t, k, v) = (s.lanes, s.t, s.k, s.v);
+    let mut ins = vec![
+        host(s.dtype, &d.q, &[l, t, k]),
+        host(s.dtype, &d.k, &[l, t, k]),
+        host(s.dtype, &d.v, &[l, t, v]),
+        host(DType::F32, &d.g, &[l, t, k]),
+        host(s.dtype, &d.beta, &[l, t, 1]),
+    ];
+    if s.h0 {
+        ins.push(host(DType::F32, &d.h0, &[l, k, v]));
+    }
+    ins
 }
 
 /// The f64 reference's `o` and final state of `d` (lanes as heads of one row, head-first).
@@ -111,19 +132,8 @@ fn meets_the_reference(s: &ForwardShape, resets: bool, lowering: Lowering) -> Re
     let s = *s;
     let d = data(&s, 7, resets);
     let (want_o, want_ht) = reference(&s, &d);
-    let (l, t, k, v) = (s.lanes, s.t, s.k, s.v);
-    let mut ins = vec![
-        host(s.dtype, &d.q, &[l, t, k]),
-        host(s.dtype, &d.k, &[l, t, k]),
-        host(s.dtype, &d.v, &[l, t, v]),
-        host(DType::F32, &d.g, &[l, t, k]),
-        host(s.dtype, &d.beta, &[l, t, 1]),
-    ];
-    if s.h0 {
-        ins.push(host(DType::F32, &d.h0, &[l, k, v]));
-    }
     let text = forward_module(&s, lowering)?;
-    let outs = run!(&text, ins);
+    let outs = run!(&text, operands(&s, &d));
     for (name, got, want, q) in [
         ("o", &outs[0], &want_o, Quantity::Output),
         ("final state", &outs[1], &want_ht, Quantity::FinalState),
@@ -134,6 +144,48 @@ fn meets_the_reference(s: &ForwardShape, resets: bool, lowering: Lowering) -> Re
         eprintln!("{name}: rms ratio {:.3e} (limit {limit:e}), max abs {:.3e}", a.rms_ratio, a.max_abs);
         assert!(a.finite && a.rms_ratio <= limit, "{name}: {a:?} over {limit}");
     }
+    Ok(())
+}
+
+/// The GPU forward through its interpret lowering is bitwise causal: every input of every
+/// token from `t0` on replaced by other draws leaves the outputs of the tokens before `t0` the
+/// same to the bit, on each lane. Gates in [-0.05, 0], so that no decay hides a term that reads
+/// a later token (a q-side decay over the rest of the chunk breaks this test). `t0` inside a 16-token sub-chunk,
+/// at a sub-chunk start inside a chunk, and one token into a chunk.
+#[rstest]
+#[case::inside_a_sub_chunk(DType::F32, 100)]
+#[case::at_a_sub_chunk_start(DType::F32, 80)]
+#[case::one_into_a_chunk(DType::BF16, 129)]
+fn gpu_forward_is_bitwise_causal(#[case] dtype: DType, #[case] t0: usize) -> Result<()> {
+    let s = ForwardShape { h0: true, ..ForwardShape::new(2, 192, 64, 128, dtype) };
+    let (l, t, k, v) = (s.lanes as usize, s.t as usize, s.k as usize, s.v as usize);
+    let (a, other) = (data_in(&s, 11, -0.05, false), data_in(&s, 12, -0.05, false));
+    let mut b = data_in(&s, 11, -0.05, false);
+    for lane in 0..l {
+        for (x, y, w) in [
+            (&mut b.q, &other.q, k),
+            (&mut b.k, &other.k, k),
+            (&mut b.v, &other.v, v),
+            (&mut b.g, &other.g, k),
+            (&mut b.beta, &other.beta, 1),
+        ] {
+            let from = (lane * t + t0) * w;
+            let to = (lane + 1) * t * w;
+            x[from..to].copy_from_slice(&y[from..to]);
+        }
+    }
+    let text = forward_module(&s, Lowering::Interpret)?;
+    let (oa, ob) = (run!(&text, operands(&s, &a)), run!(&text, operands(&s, &b)));
+    let (xa, xb) = (oa[0].f32s(), ob[0].f32s());
+    let mut changed_after = false;
+    for lane in 0..l {
+        let before =
+            |o: &[f32]| o[lane * t * v..(lane * t + t0) * v].iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(before(&xa), before(&xb), "lane {lane}: an output before token {t0} moved");
+        changed_after |=
+            xa[(lane * t + t0) * v..(lane + 1) * t * v] != xb[(lane * t + t0) * v..(lane + 1) * t * v];
+    }
+    assert!(changed_after, "the outputs from token {t0} on see the new inputs");
     Ok(())
 }
 
