@@ -67,14 +67,7 @@ impl Kernel {
         if let Some(at) = message.find("\ninput ir:") {
             message.truncate(at);
         }
-        let line =
-            message.find("-:").and_then(|at| message[at + 2..].split(':').next()?.parse::<usize>().ok());
-        let quoted = match (line, self.triton_text()) {
-            (Some(n), Ok(text)) => {
-                text.lines().nth(n.saturating_sub(1)).map(|l| format!("line {n}: {}", l.trim()))
-            }
-            _ => None,
-        };
+        let quoted = self.triton_text().ok().and_then(|text| quote_line(&text, &message, "-:"));
         match quoted {
             Some(line) => {
                 TpuError::Compile { message: format!("{message}\n  kernel {} TTIR {line}", self.name) }
@@ -87,7 +80,7 @@ impl Kernel {
     /// at (`loc("-":LINE:COL)`) quoted, so the message shows the op libtpu refused.
     pub fn explain(&self, e: TpuError) -> TpuError {
         let TpuError::Compile { message } = e else { return e };
-        let quoted = self.mosaic_text().ok().and_then(|text| quote_line(&text, &message));
+        let quoted = self.mosaic_text().ok().and_then(|text| quote_line(&text, &message, "loc(\"-\":"));
         match quoted {
             Some(line) => {
                 TpuError::Compile { message: format!("{message}\n  kernel {} body: {line}", self.name) }
@@ -97,9 +90,10 @@ impl Kernel {
     }
 }
 
-/// The line of `body` that `message` locates as `loc("-":LINE:COL)`, with its number.
-pub fn quote_line(body: &str, message: &str) -> Option<String> {
-    let at = message.find("loc(\"-\":")? + "loc(\"-\":".len();
+/// The line of `body` that `message` locates as `MARKER LINE:COL` (Mosaic's `loc("-":`,
+/// Triton's `-:`), with its number.
+pub fn quote_line(body: &str, message: &str, marker: &str) -> Option<String> {
+    let at = message.find(marker)? + marker.len();
     let line: usize = message[at..].split(':').next()?.parse().ok()?;
     let text = body.lines().nth(line.checked_sub(1)?)?;
     Some(format!("line {line}: {}", text.trim()))
@@ -360,9 +354,10 @@ mod tests {
     #[test]
     fn a_located_error_quotes_its_body_line() {
         let body = "module @k {\n  func.func @k() {\n    %0 = bad.op\n  }\n}\n";
-        let got = super::quote_line(body, "error: loc(\"-\":3:10): unknown op");
+        let mosaic = "loc(\"-\":";
+        let got = super::quote_line(body, "error: loc(\"-\":3:10): unknown op", mosaic);
         assert_eq!(got.as_deref(), Some("line 3: %0 = bad.op"));
-        assert_eq!(super::quote_line(body, "no location"), None);
-        assert_eq!(super::quote_line(body, "loc(\"-\":99:1)"), None);
+        assert_eq!(super::quote_line(body, "no location", mosaic), None);
+        assert_eq!(super::quote_line(body, "loc(\"-\":99:1)", mosaic), None);
     }
 }

@@ -160,9 +160,27 @@ impl<'k> Emitter<'k> {
         if p[d] == dims[d] {
             return x.to_string();
         }
-        let m = self.index_test(&p, d, "slt", dims[d]);
-        let f = self.let_(&format!("arith.constant dense<{}> : {}", literal(fill, e), tty(&p, elem(e))));
-        self.let_(&format!("arith.select {m}, {x}, {f} : {}, {}", tty(&p, "i1"), tty(&p, elem(e))))
+        self.keep_where(x, &p, e, (d, "slt", dims[d]), fill)
+    }
+
+    /// `x` (a tensor of `dims`, type `e`) where its index along `at.0` passes `at.1` against
+    /// `at.2`, else `fill`.
+    fn keep_where(&mut self, x: &str, dims: &[i64], e: DType, at: (usize, &str, i64), fill: f64) -> String {
+        let m = self.index_test(dims, at.0, at.1, at.2);
+        let f = self.let_(&format!("arith.constant dense<{}> : {}", literal(fill, e), tty(dims, elem(e))));
+        self.let_(&format!("arith.select {m}, {x}, {f} : {}, {}", tty(dims, "i1"), tty(dims, elem(e))))
+    }
+
+    /// The 2-D `x` of logical `dims` and type `e`, transposed.
+    fn trans(&mut self, x: &str, dims: &[i64], e: DType) -> String {
+        let (from, to) = (tty(&padded(dims), elem(e)), tty(&padded(&[dims[1], dims[0]]), elem(e)));
+        self.let_(&format!("tt.trans {x} {{order = array<i32: 1, 0>}} : {from} -> {to}"))
+    }
+
+    /// Entry `at` (an i32 scalar) of table `table`.
+    fn table_entry(&mut self, table: usize, at: &str) -> String {
+        let p = self.let_(&format!("tt.addptr %tab{table}, {at} : !tt.ptr<i32>, i32"));
+        self.let_(&format!("tt.load {p} : !tt.ptr<i32>"))
     }
 
     /// The pointers of a `dims` window of reference `r` at `offsets` inside the step's block,
@@ -240,8 +258,7 @@ impl<'k> Emitter<'k> {
             }
             Index::Table(tab, at) => {
                 let at = self.index(at);
-                let p = self.let_(&format!("tt.addptr %tab{}, {at} : !tt.ptr<i32>, i32", tab.index));
-                self.let_(&format!("tt.load {p} : !tt.ptr<i32>"))
+                self.table_entry(tab.index, &at)
             }
         }
     }
@@ -298,9 +315,8 @@ impl<'k> Emitter<'k> {
             Op::IndexBinary { out, op, a, b } => self.index_binary(out, *op, a, b)?,
             Op::ReadTable { out, table, index } => {
                 let i = self.name(index)?;
-                let p = self.let_(&format!("tt.addptr %tab{table}, {i} : !tt.ptr<i32>, i32"));
-                let n = self.def(out);
-                self.line(&format!("{n} = tt.load {p} : !tt.ptr<i32>"));
+                let r = self.table_entry(*table, &i);
+                self.names.insert(out.id, r);
             }
             Op::Splat { out, value } => {
                 let ty = vty(out);
@@ -347,24 +363,21 @@ impl<'k> Emitter<'k> {
                 // Contracting dim padded: zero it on both sides.
                 an = self.fill_padding(&an, &ad, e, contract.0, 0.0);
                 bn = self.fill_padding(&bn, &bd, e, contract.1, 0.0);
-                if contract.0 == 0 {
-                    let (from, to) = (tty(&padded(&ad), elem(e)), tty(&padded(&[ad[1], ad[0]]), elem(e)));
-                    an = self.let_(&format!("tt.trans {an} {{order = array<i32: 1, 0>}} : {from} -> {to}"));
-                    ad = vec![ad[1], ad[0]];
+                // Operands as tt.dot takes them, [M, K] x [K, N]; f32 at `Default` in bf16.
+                let bf16 = e == DType::F32 && *precision == MatPrecision::Default;
+                for (x, dims, transposed) in
+                    [(&mut an, &mut ad, contract.0 == 0), (&mut bn, &mut bd, contract.1 == 1)]
+                {
+                    if transposed {
+                        *x = self.trans(x, dims, e);
+                        *dims = vec![dims[1], dims[0]];
+                    }
+                    if bf16 {
+                        let (f, h) = (tty(&padded(dims), "f32"), tty(&padded(dims), "bf16"));
+                        *x = self.let_(&format!("arith.truncf {x} : {f} to {h}"));
+                    }
                 }
-                if contract.1 == 1 {
-                    let (from, to) = (tty(&padded(&bd), elem(e)), tty(&padded(&[bd[1], bd[0]]), elem(e)));
-                    bn = self.let_(&format!("tt.trans {bn} {{order = array<i32: 1, 0>}} : {from} -> {to}"));
-                    bd = vec![bd[1], bd[0]];
-                }
-                let mut oe = e;
-                if e == DType::F32 && *precision == MatPrecision::Default {
-                    let (f, h) = (tty(&padded(&ad), "f32"), tty(&padded(&ad), "bf16"));
-                    an = self.let_(&format!("arith.truncf {an} : {f} to {h}"));
-                    let (f, h) = (tty(&padded(&bd), "f32"), tty(&padded(&bd), "bf16"));
-                    bn = self.let_(&format!("arith.truncf {bn} : {f} to {h}"));
-                    oe = DType::BF16;
-                }
+                let oe = if bf16 { DType::BF16 } else { e };
                 let acc = self.let_(&format!("arith.constant dense<0.000000000e+00> : {}", vty(out)));
                 let p = match (oe, self.k.gpu.f32_dot) {
                     (DType::F32, F32Dot::Ieee) => ", inputPrecision = ieee",
@@ -462,12 +475,8 @@ impl<'k> Emitter<'k> {
             }
             Op::Transpose { out, a } => {
                 let an = self.name(a)?;
-                let n = self.def(out);
-                self.line(&format!(
-                    "{n} = tt.trans {an} {{order = array<i32: 1, 0>}} : {} -> {}",
-                    vty(a),
-                    vty(out)
-                ));
+                let r = self.trans(&an, &a.ty.dims, a.ty.elem);
+                self.names.insert(out.id, r);
             }
             Op::Reshape { out, a } => {
                 let an = self.name(a)?;
@@ -661,12 +670,9 @@ impl<'k> Emitter<'k> {
     /// Entry `j` of axis `d` of `x` (of `dims`, element `e`), the axis dropped: the other
     /// entries masked to the combiner's identity and reduced away (exact).
     fn pick(&mut self, x: &str, dims: &[i64], d: usize, j: i64, e: DType) -> String {
-        let m = self.index_test(dims, d, "eq", j);
         let (fill, kind) =
             if e.is_float() { (f64::NEG_INFINITY, "arith.maximumf") } else { (0.0, "arith.addi") };
-        let f = self.let_(&format!("arith.constant dense<{}> : {}", literal(fill, e), tty(dims, elem(e))));
-        let s =
-            self.let_(&format!("arith.select {m}, {x}, {f} : {}, {}", tty(dims, "i1"), tty(dims, elem(e))));
+        let s = self.keep_where(x, dims, e, (d, "eq", j), fill);
         self.reduce(&s, dims, d, elem(e), kind)
     }
 }

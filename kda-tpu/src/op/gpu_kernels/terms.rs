@@ -91,11 +91,6 @@ fn add(b: &mut Body, x: &V, y: &V) -> Result<V> {
     b.binary(Binary::Add, x, y)
 }
 
-/// `x` stretched over `dims` (a `[C, 1]` column over the lanes, a row over the rows).
-fn wide(b: &mut Body, x: &V, dims: &[i64]) -> Result<V> {
-    b.broadcast(x, dims)
-}
-
 /// Index grids of a `dims` tile: its rows' tokens, their sub-chunks and positions inside them.
 struct Rows {
     token: V,
@@ -168,7 +163,7 @@ fn chunk_terms(b: &mut Body, s: &ForwardShape, r: &TermRefs) -> Result<()> {
                                  // anchor a = 16 i - 1.
     let er = b.unary(Unary::Exp, &rsum)?;
     let qr = mul(b, &q, &er)?;
-    let wide_beta = wide(b, &beta, &[C, k])?;
+    let wide_beta = b.broadcast(&beta, &[C, k])?;
     let bk = mul(b, &kx, &wide_beta)?;
     let kr = mul(b, &bk, &er)?;
     let zero = b.splat(0.0, DType::F32, &[C, C])?;
@@ -219,10 +214,10 @@ fn chunk_terms(b: &mut Body, s: &ForwardShape, r: &TermRefs) -> Result<()> {
         let row_after = b.compare(Cmp::Gt, &mr.local, &js)?;
         let put_a = and(b, &col_here, &row_at)?;
         let put_l = and(b, &col_here, &row_after)?;
-        let a_wide = wide(b, &a_col, &[C, C])?;
-        let l_wide = wide(b, &l_col, &[C, C])?;
+        let a_wide = b.broadcast(&a_col, &[C, C])?;
+        let l_wide = b.broadcast(&l_col, &[C, C])?;
         let aqk = b.select(&put_a, &a_wide, &carried[1])?;
-        let bl = wide(b, &beta, &[C, C])?;
+        let bl = b.broadcast(&beta, &[C, C])?;
         let l_wide = mul(b, &l_wide, &bl)?;
         let l = b.select(&put_l, &l_wide, &carried[2])?;
         Ok(vec![d, aqk, l])
@@ -241,7 +236,7 @@ fn chunk_terms(b: &mut Body, s: &ForwardShape, r: &TermRefs) -> Result<()> {
     let wv = b.matmul(&a, &kbg, (1, 0), p)?;
     store(b, r.factors.w, &wv, fd)?;
     let vx = f32_block(b, r.v, v)?;
-    let beta_v = wide(b, &beta, &[C, v])?;
+    let beta_v = b.broadcast(&beta, &[C, v])?;
     let bv = mul(b, &vx, &beta_v)?;
     let uv = b.matmul(&a, &bv, (1, 0), p)?;
     store(b, r.factors.u, &uv, DType::F32)?;
