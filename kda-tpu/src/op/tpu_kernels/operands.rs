@@ -273,9 +273,8 @@ pub(super) enum SegmentRows {
 pub(super) struct ChunkSegments {
     /// Token `t`'s id in row `t`, `[64, 1]` f32.
     ids: V,
-    /// `[64, 64]`: row `t` holds token `t`'s id throughout; its transpose `cols`.
-    rows: V,
-    cols: V,
+    /// `[64, 64]` i1: the pairs of tokens of one segment.
+    same: V,
     /// The row masks made so far, by rows and width (each made once a chunk).
     masks: std::cell::RefCell<Vec<((SegmentRows, i64), V)>>,
 }
@@ -289,7 +288,8 @@ impl ChunkSegments {
         let cols = b.broadcast(&x, &[C, C])?;
         let ids = b.reshape(&x, &[C, 1])?;
         let rows = b.broadcast(&ids, &[C, C])?;
-        Ok(ChunkSegments { ids, rows, cols, masks: Default::default() })
+        let same = b.compare(Cmp::Eq, &rows, &cols)?;
+        Ok(ChunkSegments { ids, same, masks: Default::default() })
     }
 
     /// Row `r`'s id broadcast to `dims`.
@@ -331,9 +331,8 @@ impl ChunkSegments {
 
     /// `x` `[64, 64]` on the pairs of tokens of one segment, zero elsewhere.
     pub fn within(&self, b: &mut Body, x: &V) -> Result<V> {
-        let same = b.compare(Cmp::Eq, &self.rows, &self.cols)?;
         let zero = b.splat(0.0, DType::F32, &[C, C])?;
-        b.select(&same, x, &zero)
+        b.select(&self.same, x, &zero)
     }
 
     /// The chunk terms `Aqk` and `L` (both parts) on each segment's pairs alone: the inverse of
