@@ -158,6 +158,8 @@ fn elementwise() -> Result<Case> {
             let s = b.binary(Binary::Add, &s, &l1)?;
             let th = b.unary(Unary::Tanh, &x)?;
             let s = b.binary(Binary::Add, &s, &th)?;
+            let e2 = b.unary(Unary::Exp2, &x)?;
+            let s = b.binary(Binary::Add, &s, &e2)?;
             let s = b.binary(Binary::Sub, &s, &nx)?;
             let m = b.binary(Binary::Sub, &hi, &lo)?;
             let out = b.binary(Binary::Add, &s, &m)?;
@@ -168,7 +170,8 @@ fn elementwise() -> Result<Case> {
         .iter()
         .map(|&v| {
             let v = f64::from(v);
-            (v.exp() + v.ln() / v.sqrt() + v.ln_1p() + v.tanh() + 1.0 + (v.max(1.0) - v.min(1.0))) as f32
+            (v.exp() + v.ln() / v.sqrt() + v.ln_1p() + v.tanh() + v.exp2() + 1.0 + (v.max(1.0) - v.min(1.0)))
+                as f32
         })
         .collect();
     Ok(Case { kernel, inputs: vec![In::F32(x, vec![8, 128])], want: vec![want], tol: 1e-5 })

@@ -256,19 +256,24 @@ mod full {
         xla_program_compiles(name, kind, limit_mb);
     }
 
-    #[test]
-    fn packed_rows_cost_what_fixed_rows_cost_at_length() {
-        let (fwd, fused) = (ProgramKind::Forward(S::Rematerialize), ProgramKind::Fused(S::SavedState));
-        for (fixed, packed, ratio) in [
-            ("bench_secondary", "bench_secondary_packed", 1.15),
-            ("bench_long", "bench_long_packed", 1.15),
-            ("bench_long", "bench_long_short_segments", 1.5),
-        ] {
-            for kind in [fwd, fused] {
-                packed_within(fixed, packed, kind, ratio);
-            }
-        }
+    #[rstest]
+    #[case::secondary_forward("bench_secondary", "bench_secondary_packed", FORWARD, 1.15)]
+    #[case::secondary_fused("bench_secondary", "bench_secondary_packed", FUSED, 1.15)]
+    #[case::long_forward("bench_long", "bench_long_packed", FORWARD, 1.15)]
+    #[case::long_fused("bench_long", "bench_long_packed", FUSED, 1.15)]
+    #[case::short_segments_forward("bench_long", "bench_long_short_segments", FORWARD, 1.5)]
+    #[case::short_segments_fused("bench_long", "bench_long_short_segments", FUSED, 1.5)]
+    fn packed_rows_cost_what_fixed_rows_cost_at_length(
+        #[case] fixed: &str,
+        #[case] packed: &str,
+        #[case] kind: ProgramKind,
+        #[case] ratio: f64,
+    ) {
+        packed_within(fixed, packed, kind, ratio);
     }
+
+    const FORWARD: ProgramKind = ProgramKind::Forward(S::Rematerialize);
+    const FUSED: ProgramKind = ProgramKind::Fused(S::SavedState);
 
     /// The fused forward+VJP on the kernels at H=32, T=8192: at most tokamax's Pallas peak
     /// (2421 MB) and its Mosaic forward+VJP's static cycles (6.62 M).

@@ -76,6 +76,8 @@ pub enum Binary {
 pub enum Unary {
     /// `exp(x)`
     Exp,
+    /// `2^x` (what a TPU's transcendental unit computes: `exp(x)` costs a multiply more)
+    Exp2,
     /// `ln(x)`
     Log,
     /// `ln(1 + x)`, accurate for small `x`

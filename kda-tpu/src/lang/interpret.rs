@@ -204,6 +204,11 @@ impl Step<'_> {
                 let x = get(vals, a)?;
                 let v = match op {
                     Unary::Exp => b.exp(x)?,
+                    // StableHLO has no 2^x: e^(x ln 2).
+                    Unary::Exp2 => {
+                        let y = b.mul_const(x, std::f32::consts::LN_2)?;
+                        b.exp(y)?
+                    }
                     Unary::Log => b.log(x)?,
                     Unary::Log1p => b.log1p(x)?,
                     Unary::Rsqrt => b.rsqrt(x)?,

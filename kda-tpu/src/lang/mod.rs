@@ -36,6 +36,7 @@ mod interpret;
 mod kernel;
 mod lowering;
 mod mosaic;
+mod schedule;
 mod triton;
 
 pub use body::{Binary, Body, MatPrecision, Offset, Reduction, Ref, Table, Unary, V};

@@ -177,6 +177,7 @@ impl<'k> Emitter<'k> {
                 let an = self.name(a)?;
                 let name = match op {
                     Unary::Exp => "math.exp",
+                    Unary::Exp2 => "math.exp2",
                     Unary::Log => "math.log",
                     Unary::Log1p => "math.log1p",
                     Unary::Rsqrt => "math.rsqrt",
@@ -410,7 +411,7 @@ impl Kernel {
             windows.join(", ")
         ));
         e.depth = 2;
-        e.ops(&self.body)?;
+        e.ops(&super::schedule::schedule(&self.body))?;
         e.line("return");
         e.depth = 1;
         e.line("}");

@@ -297,6 +297,7 @@ impl<'k> Emitter<'k> {
         };
         match op {
             Unary::Exp => self.let_(&lib("__nv_expf")),
+            Unary::Exp2 => self.let_(&lib("__nv_exp2f")),
             Unary::Log => self.let_(&lib("__nv_logf")),
             Unary::Log1p => self.let_(&lib("__nv_log1pf")),
             Unary::Rsqrt => self.let_(&lib("__nv_rsqrtf")),

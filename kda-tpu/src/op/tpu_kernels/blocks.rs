@@ -97,8 +97,15 @@ pub fn unit_lower_inverse_of_parts(b: &mut Body, lb: &V, n: &V, i: &V, p: MatPre
     product(b, &x, &d, p)
 }
 
-fn exp(b: &mut Body, v: &V) -> Result<V> {
-    b.unary(crate::lang::Unary::Exp, v)
+/// `2^v`.
+fn exp2(b: &mut Body, v: &V) -> Result<V> {
+    b.unary(crate::lang::Unary::Exp2, v)
+}
+
+/// `v c` for a constant `c`.
+fn scaled(b: &mut Body, v: &V, c: f64) -> Result<V> {
+    let c = b.splat(c, DType::F32, &v.ty.dims)?;
+    b.binary(Binary::Mul, v, &c)
 }
 
 fn mul(b: &mut Body, x: &V, y: &V) -> Result<V> {
@@ -492,15 +499,19 @@ pub fn chunk_factors(
             )
         }
     };
-    // Full precision: one product per exponent array, each used as it comes (only `G` is
-    // stored, for its last row: the chunk's total). One-pass products (bf16 inputs): `G` alone,
+    // Every exponent array in base 2 (`x log2(e)`), so that each exponential is one `2^x`.
+    // Full precision: one product per exponent array of `g log2(e)`, each used as it comes
+    // (only `G` is stored, for its last row: the chunk's total). One-pass products (bf16
+    // inputs): `G` alone, from `g` as it is (a bf16 `g` is exact in one pass), scaled after,
     // the other arrays differences of its rows ([`anchored`]).
     let sums = match data {
         MatPrecision::Highest => {
-            masks.iter().map(|m| mask_sum(b, m, g, data, g_passes)).collect::<Result<Vec<_>>>()?
+            let g2 = scaled(b, g, std::f64::consts::LOG2_E)?;
+            masks.iter().map(|m| mask_sum(b, m, &g2, data, g_passes)).collect::<Result<Vec<_>>>()?
         }
         MatPrecision::Default => {
             let gc = mask_sum(b, &masks[0], g, data, g_passes)?;
+            let gc = scaled(b, &gc, std::f64::consts::LOG2_E)?;
             let mut sums = vec![gc.clone()];
             // The suffix, G_63 - G_t; the mid-anchor exponent, G_t - G_a.
             sums.push(anchored(b, &gc, |_| (C - 1, false))?);
@@ -524,20 +535,20 @@ pub fn chunk_factors(
         }
         MatPrecision::Default => b.slice(gc, &[C - 1, 0], &[1, kd])?,
     };
-    let eg_last = exp(b, &last)?;
-    let egc = exp(b, gc)?;
+    let eg_last = exp2(b, &last)?;
+    let egc = exp2(b, gc)?;
     let qg = mul(b, q, &egc)?;
     let wide_beta = b.broadcast(beta, &[C, kd])?;
     let bk = mul(b, k, &wide_beta)?;
     let kbg = mul(b, &bk, &egc)?;
-    let egs = exp(b, gs)?;
+    let egs = exp2(b, gs)?;
     let kg = mul(b, k, &egs)?;
     // Row and column factors per level: the mid anchor's pair, then one factor per level (rows
     // in second halves and columns in first halves read the same exponent array).
     let neg_mid = b.unary(crate::lang::Unary::Neg, mid)?;
-    let mut factors = vec![(exp(b, mid)?, exp(b, &neg_mid)?)];
+    let mut factors = vec![(exp2(b, mid)?, exp2(b, &neg_mid)?)];
     for x in &sums[3..] {
-        let f = exp(b, x)?;
+        let f = exp2(b, x)?;
         factors.push((f.clone(), f));
     }
     // The identity is level 0's causal mask less its strict one.

@@ -292,14 +292,16 @@ impl ForwardDims {
 pub const STREAMED_BYTES: i64 = 64 << 20;
 
 /// Chunks per grid step when the operands stay in VMEM: at the primary shape (bf16, tpu7x) the
-/// fused forward+VJP counts 196 k static cycles at two, 190 k at four and 195 k at eight (the
-/// forward alone 75.5 k and 73.8 k at two and four).
-pub const RESIDENT_STEP_CHUNKS: i64 = 4;
+/// forward counts 68.8 k static cycles at four, 64.6 k at eight and 59.5 k at sixteen (the
+/// fused forward+VJP 172.5 k, 169.9 k and 165.6 k). The Mosaic lowering's op order is what
+/// lets a long step pay (docs/design.md, The op order of the Mosaic lowering): written chunk by
+/// chunk, sixteen count 90.5 k.
+pub const RESIDENT_STEP_CHUNKS: i64 = 16;
 
 /// Chunks per grid step when the operands stream from HBM: at H=32, T=8192 (bf16, tpu7x) the
-/// static count falls from 2.94 M at two to 2.59 M at sixteen (thirty-two: a little less again,
-/// for twice the code and VMEM).
-pub const STREAMED_STEP_CHUNKS: i64 = 16;
+/// forward counts 2.09 M static cycles at eight, 1.85 M at sixteen and 1.78 M at thirty-two
+/// (with 25 segments 2.50 M, 2.23 M and 2.13 M).
+pub const STREAMED_STEP_CHUNKS: i64 = 32;
 
 /// The bound on one grid step's double-buffered per-token blocks (and saved states) that
 /// [`ForwardDims::default_step_chunks`] keeps to, well inside the default scoped VMEM.
