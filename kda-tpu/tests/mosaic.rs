@@ -747,6 +747,36 @@ fn the_cost_estimate_reaches_the_compiler() -> Result<()> {
     Ok(())
 }
 
+/// A kernel's scoped VMEM limit reaches libtpu: two double-buffered 5 MiB blocks (21 MB) are
+/// refused on v5e (16 MiB by default) and compile with a 32 MiB limit.
+#[test]
+fn a_vmem_limit_reaches_the_compiler() -> Result<()> {
+    let with = |limit: Option<i64>| -> Result<Vec<u64>> {
+        let mut k = KernelBuilder::new("wide_blocks");
+        k.grid(2, Semantics::Parallel);
+        let ty = t(DType::F32, &[2 * 1024, 1280]);
+        let block = |name: &str| {
+            Operand::blocked(name, ty.clone(), &[1024, 1280], vec![Index::Grid(0), Index::Const(0)])
+        };
+        let xs = k.input(block("x"));
+        let o = k.output(block("o"));
+        if let Some(bytes) = limit {
+            k.vmem_limit(bytes)?;
+        }
+        let k = k.build(|b| {
+            let x = b.load_all(xs)?;
+            let y = b.unary(Unary::Exp, &x)?;
+            b.store_all(o, &y)
+        })?;
+        let tpu = TpuCompiler::load().unwrap_or_else(|e| panic!("no libtpu ({e}); run `cargo xtask setup`"));
+        Ok(tpu.compile(&k.module(Lowering::Mosaic)?, "v5e:2x2")?.kernel_vmem_bytes)
+    };
+    let err = with(None).expect_err("over v5e's default scoped VMEM");
+    assert!(err.to_string().contains("ScopedVmemOom"), "{err}");
+    assert_eq!(with(Some(32 << 20))?, vec![4 * 1024 * 1280 * 4]);
+    Ok(())
+}
+
 /// Each kernel's Triton lowering compiles deviceless for the H200 through the CUDA plugin (one
 /// kernel launch of its parallel grid, registers and spills read by `ptxas`), or is refused
 /// before any text is written, naming the feature Triton has no form for.

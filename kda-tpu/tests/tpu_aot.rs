@@ -275,6 +275,22 @@ mod full {
     const FORWARD: ProgramKind = ProgramKind::Forward(S::Rematerialize);
     const FUSED: ProgramKind = ProgramKind::Fused(S::SavedState);
 
+    /// The forward on packed rows read with segment masks at H=32, T=8192 (thirty-two chunks a
+    /// step) needs more scoped VMEM than v5e's 16 MiB default; its kernel's limit lets v5e
+    /// compile it.
+    #[test]
+    fn packed_forward_compiles_for_v5e() {
+        let tpu = TpuCompiler::load().unwrap_or_else(|e| panic!("no libtpu ({e}); run `cargo xtask setup`"));
+        let cpu = PjrtBackend::new().expect("PJRT CPU plugin (run `cargo xtask setup`)");
+        let spec = bench_spec(&cpu, "bench_secondary_packed", true, |t| {
+            t.with_implementation(kda_tpu::Implementation::Mosaic)
+        });
+        let text = kda_tpu::op::program(&spec, FORWARD).expect("program");
+        let report = tpu.compile(&text, "v5e:2x2").expect("v5e compile");
+        let vmem = &report.kernel_vmem_bytes;
+        assert!(vmem.iter().any(|&b| b > 16 << 20), "kernel VMEM {vmem:?} B: within the default");
+    }
+
     /// The fused forward+VJP on the kernels at H=32, T=8192: at most tokamax's Pallas peak
     /// (2421 MB) and its Mosaic forward+VJP's static cycles (6.62 M).
     #[test]

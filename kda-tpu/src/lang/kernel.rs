@@ -170,6 +170,7 @@ pub struct Kernel {
     pub(crate) scratch: Vec<(String, TensorType)>,
     pub(crate) body: Vec<Op>,
     pub(crate) cost: Option<Cost>,
+    pub(crate) vmem_limit: Option<i64>,
     pub(crate) gpu: GpuLaunch,
 }
 
@@ -185,6 +186,7 @@ pub struct KernelBuilder {
     outputs: Vec<Operand>,
     scratch: Vec<(String, TensorType)>,
     cost: Option<Cost>,
+    vmem_limit: Option<i64>,
     gpu: GpuLaunch,
 }
 
@@ -244,6 +246,7 @@ impl KernelBuilder {
             outputs: Vec::new(),
             scratch: Vec::new(),
             cost: None,
+            vmem_limit: None,
             gpu: GpuLaunch::default(),
         }
     }
@@ -285,6 +288,16 @@ impl KernelBuilder {
     pub fn cost(&mut self, cost: Cost) -> &mut Self {
         self.cost = Some(cost);
         self
+    }
+    /// Sets the scoped VMEM the TPU compiler may give the kernel (its blocks, scratch and
+    /// spills), for a kernel that needs more than the generation's default (16 MiB on v5e, the
+    /// smallest). Only the Mosaic lowering reads it. Refused unless positive.
+    pub fn vmem_limit(&mut self, bytes: i64) -> Result<&mut Self> {
+        if bytes <= 0 {
+            return Err(err("vmem_limit", format!("{bytes} bytes")));
+        }
+        self.vmem_limit = Some(bytes);
+        Ok(self)
     }
 
     fn check_operand(&self, o: &Operand) -> Result<()> {
@@ -367,6 +380,7 @@ impl KernelBuilder {
             scratch: self.scratch,
             body: b.finish()?,
             cost: self.cost,
+            vmem_limit: self.vmem_limit,
             gpu: self.gpu,
         })
     }

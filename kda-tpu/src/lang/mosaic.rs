@@ -445,8 +445,9 @@ impl Kernel {
             .collect()
     }
 
-    /// The `backend_config` of the custom call: the base64 body, layout passes on, and the
-    /// analytic cost when the kernel has one.
+    /// The `backend_config` of the custom call: the base64 body, layout passes on, the
+    /// analytic cost when the kernel has one, and its scoped VMEM limit when it sets one
+    /// (`scoped_memory_configs`, memory space 1: VMEM).
     fn backend_config(&self) -> Result<String> {
         let body = base64(self.mosaic_text()?.as_bytes());
         let cost = self.cost.map_or(String::new(), |c| {
@@ -457,8 +458,13 @@ impl Kernel {
                 c.bytes.round() as u64
             )
         });
+        let vmem = self.vmem_limit.map_or(String::new(), |bytes| {
+            format!(
+                ", \\\"scoped_memory_configs\\\": [{{\\\"memory_space\\\": 1, \\\"offset\\\": 0, \\\"size\\\": {bytes}}}]"
+            )
+        });
         Ok(format!(
-            "{{\\\"custom_call_config\\\": {{\\\"body\\\": \\\"{body}\\\", \\\"needs_layout_passes\\\": true{cost}}}}}"
+            "{{\\\"custom_call_config\\\": {{\\\"body\\\": \\\"{body}\\\", \\\"needs_layout_passes\\\": true{cost}}}{vmem}}}"
         ))
     }
 

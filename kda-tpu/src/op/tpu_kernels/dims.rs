@@ -236,9 +236,8 @@ impl ForwardDims {
     /// per-token operands are too large for XLA to place them in VMEM (it streams them from HBM
     /// then, and each grid step pays DMA bookkeeping for every operand: at H=32, T=8192 about
     /// 140 bundles a step), while a step's double-buffered blocks stay within
-    /// [`STEP_BLOCK_BYTES`] ([`STREAMED_SEGMENT_STEP_CHUNKS`] with segment masks); else
-    /// [`RESIDENT_STEP_CHUNKS`] (a step's other chunks' terms overlap each chunk's state
-    /// update).
+    /// [`STEP_BLOCK_BYTES`]; else [`RESIDENT_STEP_CHUNKS`] (a step's other chunks' terms
+    /// overlap each chunk's state update).
     pub fn default_step_chunks(&self) -> i64 {
         let bytes = |t: DType| i64::from(t.bit_width() / 8);
         // Bytes of one token of one lane through q, k, v, g, beta and o (and one chunk's state).
@@ -249,11 +248,17 @@ impl ForwardDims {
             return RESIDENT_STEP_CHUNKS;
         }
         let chunk = C * token + if self.states { 4 * self.k * self.v } else { 0 };
-        let mut n = if self.segments { STREAMED_SEGMENT_STEP_CHUNKS } else { STREAMED_STEP_CHUNKS };
+        let mut n = STREAMED_STEP_CHUNKS;
         while n > 2 && 2 * n * chunk > STEP_BLOCK_BYTES {
             n /= 2;
         }
         n
+    }
+
+    /// The scoped VMEM the forward kernel asks for beyond the default: [`SEGMENT_VMEM_BYTES`]
+    /// for segment masks on more than sixteen chunks a step, else none.
+    pub fn vmem_limit(&self) -> Option<i64> {
+        (self.segments && self.step_chunks > 16).then_some(SEGMENT_VMEM_BYTES)
     }
 
     /// The bf16 parts the kernels' sums of `g` take ([`super::blocks::chunk_terms`]): a
@@ -304,10 +309,11 @@ pub const RESIDENT_STEP_CHUNKS: i64 = 16;
 /// (with 25 segments 2.50 M, 2.23 M and 2.13 M).
 pub const STREAMED_STEP_CHUNKS: i64 = 32;
 
-/// [`STREAMED_STEP_CHUNKS`] for packed rows read with segment masks, whose masks' live values
-/// take more of the scoped VMEM: at H=32, T=8192 with 25 segments (bf16) thirty-two chunks a
-/// step need 18.1 MB of it, over the 16 MiB default of v5e; sixteen keep within it.
-pub const STREAMED_SEGMENT_STEP_CHUNKS: i64 = 16;
+/// The scoped VMEM the forward kernel asks for on packed rows read with segment masks whose
+/// operands stream ([`ForwardDims::vmem_limit`]): their masks' live values take more of it, and
+/// at H=32, T=8192 with 25 segments (bf16) a step of [`STREAMED_STEP_CHUNKS`] needs 18.1 MB,
+/// over v5e's 16 MiB default (every TPU generation has at least 64 MiB of VMEM).
+pub const SEGMENT_VMEM_BYTES: i64 = 32 << 20;
 
 /// The bound on one grid step's double-buffered per-token blocks (and saved states) that
 /// [`ForwardDims::default_step_chunks`] keeps to, well inside the default scoped VMEM.

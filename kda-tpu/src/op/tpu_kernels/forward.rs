@@ -77,6 +77,9 @@ pub(super) fn forward_kernel(d: ForwardDims, scale: f64) -> Result<ForwardKernel
     let (mut kb, refs) = declare_forward(&d)?;
     let cx = ForwardStep { d: &d, r: &refs, scale, p: d.precision(), g_passes: d.g_passes() };
     kb.cost(forward_cost(&d));
+    if let Some(bytes) = d.vmem_limit() {
+        kb.vmem_limit(bytes)?;
+    }
     let kernel = kb.build(|b| forward_step(b, &cx))?;
     Ok(ForwardKernel { kernel, refs })
 }
