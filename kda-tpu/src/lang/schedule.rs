@@ -210,11 +210,12 @@ pub(crate) fn schedule(ops: &[Op]) -> Vec<Op> {
     let mut mxus = [0f64; 2];
     let mut done = vec![0f64; n];
     let mut missing: Vec<usize> = preds.iter().map(Vec::len).collect();
-    let mut ready: Vec<usize> = (0..n).filter(|&i| missing[i] == 0).collect();
+    // The ready ops, each with the time its inputs are ready (fixed once every predecessor is
+    // placed).
+    let mut ready: Vec<(usize, f64)> = (0..n).filter(|&i| missing[i] == 0).map(|i| (i, 0.0)).collect();
     let mut order = Vec::with_capacity(n);
     while !ready.is_empty() {
-        let start = |i: usize| {
-            let inputs = preds[i].iter().map(|&p| done[p]).fold(0.0, f64::max);
+        let start = |&(i, inputs): &(usize, f64)| {
             let unit = match costs[i].0 {
                 Unit::None => 0.0,
                 Unit::Mxu => mxus[0].min(mxus[1]),
@@ -222,12 +223,12 @@ pub(crate) fn schedule(ops: &[Op]) -> Vec<Op> {
             };
             inputs.max(unit)
         };
-        let key = |&i: &usize| (start(i), -path[i], i);
+        let key = |r: &(usize, f64)| (start(r), -path[r.0], r.0);
         let pos = (0..ready.len())
             .min_by(|&x, &y| key(&ready[x]).partial_cmp(&key(&ready[y])).unwrap_or(std::cmp::Ordering::Equal))
             .unwrap_or(0);
-        let i = ready.swap_remove(pos);
-        let s = start(i);
+        let s = start(&ready[pos]);
+        let (i, _) = ready.swap_remove(pos);
         let (unit, busy, latency) = costs[i];
         match unit {
             Unit::None => {}
@@ -244,7 +245,8 @@ pub(crate) fn schedule(ops: &[Op]) -> Vec<Op> {
         for &x in &succs[i] {
             missing[x] -= 1;
             if missing[x] == 0 {
-                ready.push(x);
+                let inputs = preds[x].iter().map(|&p| done[p]).fold(0.0, f64::max);
+                ready.push((x, inputs));
             }
         }
     }

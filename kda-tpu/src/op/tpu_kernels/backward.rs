@@ -22,7 +22,7 @@
 use kda_core::DType;
 
 use super::blocks::{
-    by_halves, chunk_factors, chunk_terms, unit_lower_inverse_of_parts, ChunkFactors, TermScratch,
+    by_halves, chunk_factors, chunk_terms, mul_const, unit_lower_inverse_of_parts, ChunkFactors, TermScratch,
     EXPONENT_ROWS, HALVES,
 };
 use super::dims::{ForwardDims, Gate, Tokens, C, FLOOR};
@@ -587,11 +587,6 @@ fn mm(b: &mut Body, x: &V, y: &V, contract: (usize, usize), p: MatPrecision) -> 
 
 fn split((y, r): (V, V)) -> (V, Option<V>) {
     (y, Some(r))
-}
-
-fn mul_const(b: &mut Body, x: &V, c: f64) -> Result<V> {
-    let s = b.splat(c, DType::F32, &x.ty.dims)?;
-    b.binary(Binary::Mul, x, &s)
 }
 
 fn wide(b: &mut Body, x: &V, dims: &[i64]) -> Result<V> {

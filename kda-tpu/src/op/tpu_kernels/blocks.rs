@@ -103,7 +103,7 @@ fn exp2(b: &mut Body, v: &V) -> Result<V> {
 }
 
 /// `v c` for a constant `c`.
-fn scaled(b: &mut Body, v: &V, c: f64) -> Result<V> {
+pub(super) fn mul_const(b: &mut Body, v: &V, c: f64) -> Result<V> {
     let c = b.splat(c, DType::F32, &v.ty.dims)?;
     b.binary(Binary::Mul, v, &c)
 }
@@ -506,12 +506,12 @@ pub fn chunk_factors(
     // the other arrays differences of its rows ([`anchored`]).
     let sums = match data {
         MatPrecision::Highest => {
-            let g2 = scaled(b, g, std::f64::consts::LOG2_E)?;
+            let g2 = mul_const(b, g, std::f64::consts::LOG2_E)?;
             masks.iter().map(|m| mask_sum(b, m, &g2, data, g_passes)).collect::<Result<Vec<_>>>()?
         }
         MatPrecision::Default => {
             let gc = mask_sum(b, &masks[0], g, data, g_passes)?;
-            let gc = scaled(b, &gc, std::f64::consts::LOG2_E)?;
+            let gc = mul_const(b, &gc, std::f64::consts::LOG2_E)?;
             let mut sums = vec![gc.clone()];
             // The suffix, G_63 - G_t; the mid-anchor exponent, G_t - G_a.
             sums.push(anchored(b, &gc, |_| (C - 1, false))?);
