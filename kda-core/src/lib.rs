@@ -27,4 +27,4 @@ pub use io::{Cotangents, KdaGradients, KdaInputs, KdaOutputs, Tensors};
 pub use problem::{validate_cotangent_shapes, InputsView, Problem, TensorMeta};
 pub use segments::{SegmentTable, Segments};
 pub use shape::{fmt_shape, shape, Layout, ProblemDims, Shape};
-pub use tensor::{ElementsMut, HostTensor, TensorData};
+pub use tensor::{ElementsMut, HostTensor, TensorData, ValueRange};

@@ -7,7 +7,7 @@ use crate::error::{KdaError, Result};
 use crate::io::{Cotangents, KdaInputs};
 use crate::segments::{SegmentTable, Segments};
 use crate::shape::{fmt_shape, Layout, ProblemDims, Shape};
-use crate::tensor::HostTensor;
+use crate::tensor::{HostTensor, ValueRange};
 
 /// A validated KDA call: sizes, options and segments, without the tensors.
 #[derive(Debug, Clone, PartialEq)]
@@ -48,10 +48,19 @@ impl Problem {
 }
 
 fn finite(arg: &str, t: &HostTensor) -> Result<()> {
-    match t.first_non_finite() {
-        Some(i) => Err(KdaError::value(arg, "finite values", format!("{} at flat index {i}", t.get_f64(i)))),
-        None => Ok(()),
-    }
+    within(arg, t, ValueRange::Finite)
+}
+
+/// One pass over `t` for `range`; a non-finite value is named as such whatever the range.
+fn within(arg: &str, t: &HostTensor, range: ValueRange) -> Result<()> {
+    let Some(i) = t.first_outside(range) else { return Ok(()) };
+    let x = t.get_f64(i);
+    let expected = if x.is_finite() {
+        "log-decays <= 0 (the pre-activated gate; a positive g grows the state by e^g a token)"
+    } else {
+        "finite values"
+    };
+    Err(KdaError::value(arg, expected, format!("{x} at flat index {i}")))
 }
 
 fn expect_shape(arg: &str, t: &impl TensorMeta, want: &[usize], what: &str) -> Result<()> {
@@ -248,13 +257,20 @@ impl KdaInputs {
         Ok(problem)
     }
 
-    /// The value rules alone (finite entries, beta in `[0, 1]`); [`KdaInputs::validate`] runs
-    /// them after the shape rules. A backend may run them while it copies the tensors.
+    /// The value rules alone (finite entries, a pre-activated `g` at most 0, beta in `[0, 1]`);
+    /// [`KdaInputs::validate`] runs them after the shape rules. A backend may run them while it
+    /// copies the tensors. Each tensor is read once: the sign rule of `g` rides on its
+    /// finiteness pass. An in-kernel gate's `g` is a pre-activation of any sign.
     pub fn check_values(&self) -> Result<()> {
-        for (arg, x) in [("q", &self.q), ("k", &self.k), ("v", &self.v), ("g", &self.g), ("beta", &self.beta)]
-        {
+        for (arg, x) in [("q", &self.q), ("k", &self.k), ("v", &self.v)] {
             finite(arg, x)?;
         }
+        let g_range = match self.gate.kind() {
+            GateKind::Preactivated => ValueRange::FiniteAtMostZero,
+            GateKind::Softplus | GateKind::LowerBound(_) => ValueRange::Finite,
+        };
+        within("g", &self.g, g_range)?;
+        finite("beta", &self.beta)?;
         for i in 0..self.beta.len() {
             let x = self.beta.get_f64(i);
             if !(0.0..=1.0).contains(&x) {

@@ -27,6 +27,15 @@ pub enum ElementsMut<'a> {
     BF16(&'a mut [bf16]),
 }
 
+/// The values a host value check accepts ([`HostTensor::first_outside`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ValueRange {
+    /// Finite values.
+    Finite,
+    /// Finite values `<= 0` (log-decays: `-0.0` and `0.0` both pass).
+    FiniteAtMostZero,
+}
+
 /// A row-major tensor in host memory.
 #[derive(Debug, Clone, PartialEq)]
 pub struct HostTensor {
@@ -221,20 +230,33 @@ impl HostTensor {
         check_len(shape, self.len())?;
         Ok(HostTensor { shape: Shape::from_slice(shape), data: self.data.clone() })
     }
-    /// Index of the first non-finite element, if any. Blocks of elements are checked without
-    /// an early exit (which vectorizes), and only a failing block is searched.
+    /// Index of the first non-finite element, if any.
     pub fn first_non_finite(&self) -> Option<usize> {
-        fn first<T: Copy>(v: &[T], finite: impl Fn(T) -> bool + Copy) -> Option<usize> {
+        self.first_outside(ValueRange::Finite)
+    }
+    /// Index of the first element outside `range`, if any. Blocks of elements are checked
+    /// without an early exit (which vectorizes), and only a failing block is searched, so a
+    /// range costs one pass whatever it adds to finiteness.
+    pub fn first_outside(&self, range: ValueRange) -> Option<usize> {
+        fn first<T: Copy>(v: &[T], inside: impl Fn(T) -> bool + Copy) -> Option<usize> {
             const BLOCK: usize = 4096;
-            let bad = v.chunks(BLOCK).position(|c| !c.iter().fold(true, |ok, &x| ok & finite(x)))?;
-            let at = v[bad * BLOCK..].iter().position(|&x| !finite(x))?;
+            let bad = v.chunks(BLOCK).position(|c| !c.iter().fold(true, |ok, &x| ok & inside(x)))?;
+            let at = v[bad * BLOCK..].iter().position(|&x| !inside(x))?;
             Some(bad * BLOCK + at)
         }
-        match &self.data {
-            TensorData::F64(v) => first(v, f64::is_finite),
-            TensorData::F32(v) => first(v, f32::is_finite),
-            // Exponent bits all ones: infinity or NaN.
-            TensorData::BF16(v) => first(v, |x: bf16| x.to_bits() & 0x7f80 != 0x7f80),
+        // bf16 by its bits: exponent all ones is infinity or NaN; at most 0 is the sign bit set
+        // or +0.
+        let bf16_finite = |x: bf16| x.to_bits() & 0x7f80 != 0x7f80;
+        let bf16_at_most_zero = |x: bf16| x.to_bits() & 0x8000 != 0 || x.to_bits() == 0;
+        match (&self.data, range) {
+            (TensorData::F64(v), ValueRange::Finite) => first(v, f64::is_finite),
+            (TensorData::F64(v), ValueRange::FiniteAtMostZero) => first(v, |x| x.is_finite() & (x <= 0.0)),
+            (TensorData::F32(v), ValueRange::Finite) => first(v, f32::is_finite),
+            (TensorData::F32(v), ValueRange::FiniteAtMostZero) => first(v, |x| x.is_finite() & (x <= 0.0)),
+            (TensorData::BF16(v), ValueRange::Finite) => first(v, bf16_finite),
+            (TensorData::BF16(v), ValueRange::FiniteAtMostZero) => {
+                first(v, |x| bf16_finite(x) & bf16_at_most_zero(x))
+            }
         }
     }
     /// Reorders the axes: result axis `i` is input axis `perm[i]`.

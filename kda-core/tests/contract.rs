@@ -53,6 +53,7 @@ fn a_log() -> HostTensor {
 #[case::beta_negative(|x: &mut KdaInputs| x.beta = set(&x.beta, 0, -0.1), ErrorKind::Value, "beta")]
 #[case::q_not_finite(|x: &mut KdaInputs| x.q = set(&x.q, 5, f64::NAN), ErrorKind::Value, "q")]
 #[case::g_infinite(|x: &mut KdaInputs| x.g = set(&x.g, 1, f64::NEG_INFINITY), ErrorKind::Value, "g")]
+#[case::g_positive_preactivated(|x: &mut KdaInputs| x.g = set(&x.g, 7, 0.5), ErrorKind::Value, "g")]
 #[case::scale_not_finite(|x: &mut KdaInputs| x.config.scale = Some(f64::NAN), ErrorKind::Value, "scale")]
 #[case::cu_seqlens_not_starting_at_zero(|x: &mut KdaInputs| {
     x.segments = Some(Segments::CuSeqlens(vec![vec![1, 6], vec![0, 6]]));
@@ -147,6 +148,11 @@ fn cotangent_violation_is_a_typed_error(
 #[case::segment_ids_rows_with_fewer_segments(|x: &mut KdaInputs| {
     x.segments = Some(Segments::SegmentIds(vec![vec![1, 1, 2, 2, 3, 0], vec![1, 1, 1, 1, 0, 0]]));
 }, 3)]
+#[case::g_zero_everywhere(|x: &mut KdaInputs| x.g = set(&filled(&[H, B, T, K], 0.0), 3, -0.0), 1)]
+#[case::positive_raw_input_of_an_in_kernel_gate(|x: &mut KdaInputs| {
+    x.g = filled(&[H, B, T, K], 2.0);
+    x.gate = GateMode::softplus(a_log(), None);
+}, 1)]
 #[case::in_kernel_gates(|x: &mut KdaInputs| {
     x.gate = GateMode::lower_bound(-5.0, a_log(), Some(filled(&[H * K], 0.0)));
     x.config = KdaConfig { use_qk_l2norm: true, ..x.config };
@@ -156,6 +162,32 @@ fn valid_inputs_are_accepted(#[case] change: fn(&mut KdaInputs), #[case] n: usiz
     change(&mut x);
     let p = x.validate().unwrap();
     assert_eq!(p.dims.n, n);
+}
+
+/// A positive pre-activated log-decay at one token of a packed row is refused in every host
+/// dtype, naming the first offending flat index and its value; a non-finite value before it is
+/// named as non-finite.
+#[rstest]
+#[case::f32(DType::F32)]
+#[case::bf16(DType::BF16)]
+#[case::f64(DType::F64)]
+fn positive_log_decay_in_a_packed_row_names_its_index(#[case] dtype: DType) {
+    let mut x = base().with_segments(Segments::CuSeqlens(vec![vec![0, 2, 6], vec![0, 3, 5]]));
+    let cast = |t: &HostTensor| t.cast(dtype).expect("float cast");
+    (x.q, x.k, x.v, x.beta) = (cast(&x.q), cast(&x.k), cast(&x.v), cast(&x.beta));
+    // Head 1, row 1, token 4 (inside the second segment), channel 2; and later a second one.
+    let at = ((B + 1) * T + 4) * K + 2;
+    x.g = cast(&set(&set(&x.g, at, 0.25), at + K, 3.0));
+    let err = x.validate().expect_err("a growing gate must be rejected");
+    assert_eq!((err.kind(), err.arg()), (ErrorKind::Value, "g"), "{err}");
+    assert_eq!(err.got(), format!("0.25 at flat index {at}"), "{err}");
+    assert!(err.expected().contains("<= 0"), "{err}");
+    x.g = cast(&set(&x.g, at - 1, f64::NAN));
+    let err = x.validate().expect_err("NaN must be rejected");
+    assert_eq!(
+        (err.expected(), err.got()),
+        ("finite values", format!("NaN at flat index {}", at - 1).as_str())
+    );
 }
 
 #[test]

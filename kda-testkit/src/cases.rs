@@ -18,6 +18,9 @@ pub enum Profile {
     /// [-8, -6]): states carry across many chunks, as on a model's slow channels. Context
     /// parallelism is checked on it, where a piece's entering state then matters.
     LongMemory,
+    /// Standard, with every pre-activated log-decay exactly 0: no forgetting, the largest
+    /// log-decay the contract allows (in-kernel gates draw their raw inputs as Standard).
+    NoDecay,
 }
 
 /// The gate mode of a case.

@@ -90,6 +90,7 @@ pub fn case_data(case: &Case, dtype: DType) -> Result<CaseData> {
             r.uniform_vec(n * k, -5.0, -4.5)
         }
         (CaseGate::Preactivated, Profile::LongMemory) => r.uniform_vec(n * k, -0.02, 0.0),
+        (CaseGate::Preactivated, Profile::NoDecay) => vec![0.0; n * k],
         (CaseGate::Preactivated, _) => r.uniform_vec(n * k, -5.0, 0.0),
         (_, Profile::LongMemory) => r.uniform_vec(n * k, -8.0, -6.0),
         // Raw gate inputs; the activation maps them into (lb, 0) or (-inf, 0).

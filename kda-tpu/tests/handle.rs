@@ -356,3 +356,47 @@ fn mosaic_needs_a_tpu_plugin() {
     assert_eq!(interpret.tuning().implementation, Implementation::Interpret);
     assert_eq!(kda_core::Backend::name(&interpret), "pjrt-cpu-interpret");
 }
+
+/// A positive pre-activated log-decay at one token of a packed row is refused by every host
+/// entry (forward, fused, upload) with its flat index, before anything runs; the same row with
+/// every log-decay exactly 0 runs and meets the reference at the limits of docs/kda.md.
+#[test]
+fn positive_log_decay_in_a_packed_row_is_refused_and_zero_runs() {
+    let be = backend();
+    let base = case("packed_rows_differ").expect("case in the table");
+    let mut d = case_data(&base, DType::F32).expect("case data");
+    // Batch-first [B, T, H, K]: row 1, token 120 (its third segment), head 1, channel 5.
+    let (t, h, k) = (base.t, base.h, base.k);
+    let at = ((t + 120) * h + 1) * k + 5;
+    let mut g = d.inputs.g.to_f64_vec();
+    g[at] = 0.5;
+    d.inputs.g = kda_core::HostTensor::from_f64_as(d.inputs.g.shape(), &g, DType::F32).expect("g");
+    let before = be.transfer_stats();
+    let errors = [
+        be.forward(&d.inputs, BackwardStrategy::SavedState).map(drop).unwrap_err(),
+        be.forward_and_vjp(&d.inputs, &d.cotangents, BackwardStrategy::Rematerialize).map(drop).unwrap_err(),
+        be.to_device(&d.inputs, 0).map(drop).unwrap_err(),
+    ];
+    for err in &errors {
+        assert_eq!((err.kind(), err.arg()), (ErrorKind::Value, "g"), "{err}");
+        assert_eq!(err.got(), format!("0.5 at flat index {at}"), "{err}");
+    }
+    assert_eq!(be.transfer_stats().since(before).to_host, 0, "nothing came back");
+
+    let no_decay = kda_testkit::Case {
+        name: "packed_rows_differ_no_decay",
+        profile: kda_testkit::Profile::NoDecay,
+        ..base
+    };
+    assert!(case_data(&no_decay, DType::F32).expect("data").inputs.g.to_f64_vec().iter().all(|&x| x == 0.0));
+    for strategy in [BackwardStrategy::SavedState, BackwardStrategy::Rematerialize] {
+        let report = kda_testkit::conformance::backward_case(
+            &be,
+            &no_decay,
+            DType::F32,
+            strategy,
+            kda_testkit::conformance::Path::Fused,
+        );
+        println!("{}", report.expect("g = 0 meets the reference"));
+    }
+}

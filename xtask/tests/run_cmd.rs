@@ -478,3 +478,32 @@ fn in_kernel_gate_reads_its_parameters_and_writes_their_gradients(
         assert_eq!(read(&f.dir.out(), name).data, NpyData::F32(want.to_f32_vec()), "{name}");
     }
 }
+
+/// A positive log-decay at one token of a packed row names g.npy, the flat index and the value;
+/// the same row with every log-decay exactly 0 runs and equals the reference.
+#[test]
+fn positive_log_decay_in_a_packed_row_names_its_index() {
+    let base = Spec::fixed(Layout::BatchFirst);
+    let spec = Spec { b: 1, t: 10, cu: Some(vec![vec![0, 3, 3, 10]]), cu_1d: true, ..base };
+    let mut f = Fixture::new(spec, 13);
+    fn set_g(f: &mut Fixture, g: Vec<f64>) {
+        let slot = f.tensors.iter_mut().find(|t| t.0 == "g").expect("g is written");
+        write(&f.dir.inputs(), "g", &slot.1, NpyData::F64(g.clone()));
+        slot.2 = g;
+    }
+    // [B, T, H, K] with H = 3, K = 4: token 7 (the third segment), head 2, channel 1.
+    let at = (7 * 3 + 2) * 4 + 1;
+    let mut g = vec![-0.5; 10 * 3 * 4];
+    g[at] = 0.75;
+    set_g(&mut f, g.clone());
+    let inp = f.dir.inputs().display().to_string();
+    let out = f.dir.out().display().to_string();
+    let args = ["--backend", "ref", "--inputs", &inp, "--out", &out];
+    let err = run_cmd::run(&args.map(String::from)).expect_err("a growing gate must be refused");
+    for needle in ["g.npy", "<= 0", &format!("0.75 at flat index {at}")] {
+        assert!(err.contains(needle), "`{err}` lacks `{needle}`");
+    }
+    assert!(!f.dir.out().exists(), "nothing is written on failure");
+    set_g(&mut f, vec![0.0; g.len()]);
+    f.check(&[], DEFAULTS);
+}

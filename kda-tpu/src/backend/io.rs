@@ -9,7 +9,9 @@ use super::tensor::DeviceTensor;
 
 /// The forward's inputs on the device: per-token tensors in `config.layout`, all of q's dtype
 /// (f32 or bf16) except `g` (f32 or bf16); states and gate parameters f32. Shapes and dtypes
-/// are checked on every call; values only by [`PjrtBackend::to_device`].
+/// are checked on every call; values (finite, `beta` in `[0, 1]`, a pre-activated `g` at most 0)
+/// only by [`PjrtBackend::to_device`] from host tensors: device memory is never read back to
+/// check it, so a tensor made on the device is the caller's to keep within the contract.
 pub type DeviceInputs = KdaInputs<DeviceTensor>;
 /// The cotangents on the device: `do` in q's dtype, `dht` f32.
 pub type DeviceCotangents = Cotangents<DeviceTensor>;

@@ -14,7 +14,8 @@ use crate::error::{Result, TpuError};
 /// per-token tensor, and the handle and device it lives on. Cloning is cheap (the device
 /// memory is shared, never copied); the memory is freed when the last clone is dropped. It can
 /// be sent to and shared between threads, and used only with the handle (or a clone of it)
-/// that made it.
+/// that made it. Calls check its shape, dtype and layout, never its values: those are checked
+/// once, on the host, by [`crate::PjrtBackend::to_device`] (docs/kda.md, Tensors).
 #[derive(Clone)]
 pub struct DeviceTensor {
     inner: Arc<Inner>,
