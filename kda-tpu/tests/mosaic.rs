@@ -15,8 +15,8 @@ use kda_core::DType;
 use kda_tpu::aot::{GpuCompiler, H200};
 use kda_tpu::hlo::{Cmp, TensorType};
 use kda_tpu::lang::{
-    Binary, Cost, F32Dot, Feature, GpuLaunch, Index, Kernel, KernelBuilder, Lowering, MatPrecision, Offset,
-    Operand, Reduction, Ref, Semantics, Unary,
+    Binary, Cost, F32Dot, Feature, Index, Kernel, KernelBuilder, Lower, Lowering, MatPrecision, Mosaic,
+    MosaicParams, Offset, Operand, Reduction, Ref, Semantics, Triton, TritonParams, Unary,
 };
 use kda_tpu::op::tpu_kernels::blocks::{TermMasks, TermScratch};
 use kda_tpu::{Result, TpuCompiler, DEFAULT_TOPOLOGY};
@@ -643,7 +643,7 @@ fn case(name: &str) -> Case {
 /// Case `name`'s kernel lowered as `lowering` runs on the default plugin and matches the host
 /// at the case's tolerance.
 fn runs_and_matches(name: &str, c: &Case, lowering: Lowering) -> Result<()> {
-    let text = c.kernel.module(lowering)?;
+    let text = c.kernel.module(&lowering)?;
     let outs = run!(&text, c.inputs.clone());
     assert_eq!(outs.len(), c.want.len());
     for (i, (got, want)) in outs.iter().zip(&c.want).enumerate() {
@@ -675,9 +675,9 @@ fn mosaic_kernel_interprets_and_compiles(#[case] name: &str) -> Result<()> {
     let c = case(name);
     runs_and_matches(name, &c, Lowering::Interpret)?;
 
-    let text = c.kernel.module(Lowering::Mosaic)?;
+    let text = c.kernel.module(&Lowering::Mosaic)?;
     let tpu = TpuCompiler::load().unwrap_or_else(|e| panic!("no libtpu ({e}); run `cargo xtask setup`"));
-    let report = tpu.compile(&text, DEFAULT_TOPOLOGY).map_err(|e| c.kernel.explain(e))?;
+    let report = tpu.compile(&text, DEFAULT_TOPOLOGY).map_err(|e| Mosaic.explain(&c.kernel, e))?;
     let m = &report.memory;
     eprintln!(
         "{name} on {DEFAULT_TOPOLOGY}: peak {} B, arguments {} B, outputs {} B, kernel VMEM {:?} B",
@@ -711,9 +711,9 @@ fn kernels_refuse_blocks_off_the_tiling() {
             b.store_all(o, &z)
         })
         .expect("a kernel for the other lowerings");
-    let err = kernel.module(Lowering::Mosaic).expect_err("a 96-lane block of a 192-wide array");
+    let err = kernel.module(&Lowering::Mosaic).expect_err("a 96-lane block of a 192-wide array");
     assert!(err.to_string().contains("multiple of 128 or the full 192"), "{err}");
-    assert!(kernel.check_lowering(Lowering::Triton).is_ok() && kernel.module(Lowering::Interpret).is_ok());
+    assert!(Triton.check(&kernel).is_ok() && kernel.module(&Lowering::Interpret).is_ok());
     // libtpu refuses i1 buffers ("Unsupported bitwidth: 1"): the builder refuses them first.
     let mut kb = one_step("mask_scratch");
     kb.output(Operand::whole("o", t(DType::F32, &[8, 128])));
@@ -739,7 +739,7 @@ fn the_cost_estimate_reaches_the_compiler() -> Result<()> {
             b.store_all(o, &e)
         })?;
         let tpu = TpuCompiler::load().unwrap_or_else(|e| panic!("no libtpu ({e}); run `cargo xtask setup`"));
-        Ok(tpu.compile(&k.module(Lowering::Mosaic)?, DEFAULT_TOPOLOGY)?.cost.flops)
+        Ok(tpu.compile(&k.module(&Lowering::Mosaic)?, DEFAULT_TOPOLOGY)?.cost.flops)
     };
     assert_eq!(with(Some(cost))?, cost.flops);
     let guessed = with(None)?;
@@ -761,7 +761,7 @@ fn a_vmem_limit_reaches_the_compiler() -> Result<()> {
         let xs = k.input(block("x"));
         let o = k.output(block("o"));
         if let Some(bytes) = limit {
-            k.vmem_limit(bytes)?;
+            k.params(MosaicParams::default().with_vmem_limit(bytes)?);
         }
         let k = k.build(|b| {
             let x = b.load_all(xs)?;
@@ -769,7 +769,7 @@ fn a_vmem_limit_reaches_the_compiler() -> Result<()> {
             b.store_all(o, &y)
         })?;
         let tpu = TpuCompiler::load().unwrap_or_else(|e| panic!("no libtpu ({e}); run `cargo xtask setup`"));
-        Ok(tpu.compile(&k.module(Lowering::Mosaic)?, "v5e:2x2")?.kernel_vmem_bytes)
+        Ok(tpu.compile(&k.module(&Lowering::Mosaic)?, "v5e:2x2")?.kernel_vmem_bytes)
     };
     let err = with(None).expect_err("over v5e's default scoped VMEM");
     assert!(err.to_string().contains("ScopedVmemOom"), "{err}");
@@ -817,7 +817,7 @@ mod full {
 
 fn compiles_for_the_h200_or_is_refused(name: &str, refused: Option<Feature>) -> Result<()> {
     let c = case(name);
-    let lowered = c.kernel.module(Lowering::Triton);
+    let lowered = c.kernel.module(&Lowering::Triton);
     if let Some(feature) = refused {
         let e = lowered.expect_err("refused");
         assert!(matches!(e, kda_tpu::TpuError::Unsupported { .. }), "{name}: {e}");
@@ -828,11 +828,11 @@ fn compiles_for_the_h200_or_is_refused(name: &str, refused: Option<Feature>) -> 
     let gpu = GpuCompiler::load()
         .unwrap_or_else(|e| panic!("no CUDA plugin ({e}); run `cargo xtask setup`"))
         .with_figures(std::env::temp_dir().join("kda-triton-dumps"));
-    let report = gpu.compile(&text, &H200).map_err(|e| c.kernel.explain_triton(e))?;
+    let report = gpu.compile(&text, &H200).map_err(|e| Triton.explain(&c.kernel, e))?;
     eprintln!("{name} on {}: {:?}", H200.name, report.kernels);
     let [k] = report.kernels.as_slice() else { panic!("{name}: one launch, not {:?}", report.kernels) };
     assert_eq!(k.name, name);
-    let parallel = c.kernel.launch_grid();
+    let parallel = kda_tpu::lang::lower::triton::launch_grid(&c.kernel);
     assert_eq!(k.grid.map(|g| g as i64), parallel, "{name}: the parallel axes are the launch grid");
     assert_eq!(k.threads, [128, 1, 1], "{name}: four warps");
     assert!(k.registers.is_some_and(|r| r <= 255), "{name}: ptxas read the kernel: {k:?}");
@@ -843,12 +843,12 @@ fn compiles_for_the_h200_or_is_refused(name: &str, refused: Option<Feature>) -> 
 /// H200 (whether it meets the f32 tolerances is the GPU tier's question).
 #[test]
 fn f32_products_compile_in_three_tf32_passes() -> Result<()> {
-    let launch = GpuLaunch { f32_dot: F32Dot::Tf32x3, ..GpuLaunch::default() };
-    let kernel = case("matmul_kt_v").kernel.with_gpu_launch(launch)?;
-    let text = kernel.module(Lowering::Triton)?;
+    let launch = TritonParams::default().with_f32_dot(F32Dot::Tf32x3);
+    let kernel = case("matmul_kt_v").kernel.with_params(launch);
+    let text = kernel.module(&Lowering::Triton)?;
     assert!(text.contains("inputPrecision = tf32x3"), "the product's precision");
     let gpu = GpuCompiler::load().unwrap_or_else(|e| panic!("no CUDA plugin ({e}); run `cargo xtask setup`"));
-    gpu.compile(&text, &H200).map_err(|e| kernel.explain_triton(e))?;
+    gpu.compile(&text, &H200).map_err(|e| Triton.explain(&kernel, e))?;
     Ok(())
 }
 
@@ -924,9 +924,8 @@ mod gpu {
     fn f32_products_in_three_tf32_passes(#[case] name: &str) -> Result<()> {
         on_a_gpu()?;
         let c = case(name);
-        let kernel =
-            c.kernel.with_gpu_launch(GpuLaunch { f32_dot: F32Dot::Tf32x3, ..GpuLaunch::default() })?;
-        let outs = run!(&kernel.module(Lowering::Triton)?, c.inputs);
+        let kernel = c.kernel.with_params(TritonParams::default().with_f32_dot(F32Dot::Tf32x3));
+        let outs = run!(&kernel.module(&Lowering::Triton)?, c.inputs);
         for (i, (got, want)) in outs.iter().zip(&c.want).enumerate() {
             let got = got.f32s();
             let worst =

@@ -1,6 +1,6 @@
 //! A kernel body: typed values and the ops on them. Every op's shape and dtype rule, and the
-//! visibility of its operands, is checked here, once, when the op is added; both lowerings ([`super::mosaic`] and
-//! [`super::interpret`]) take the checked ops as they are.
+//! visibility of its operands, is checked here, once, when the op is added; every lowering
+//! ([`super::lower`]) takes the checked ops as they are.
 
 use kda_core::DType;
 
@@ -168,8 +168,89 @@ pub enum Op {
     },
 }
 
+/// What an op of a body is, without its operands: one kind per [`Body`] method that adds an
+/// op ([`super::Kernel::walk`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
+pub enum OpKind {
+    /// A grid index ([`Body::program_id`]).
+    ProgramId,
+    /// An i32 scalar constant ([`Body::index`]).
+    IndexConst,
+    /// i32 scalar arithmetic ([`Body::index_op`]).
+    IndexBinary,
+    /// A scalar-prefetch table entry ([`Body::read_table`]).
+    ReadTable,
+    /// A vector of one value ([`Body::splat`]).
+    Splat,
+    /// A block read from a reference ([`Body::load`]).
+    Load,
+    /// A block written to a reference ([`Body::store`]).
+    Store,
+    /// A matrix product ([`Body::matmul`]).
+    Matmul,
+    /// An elementwise binary op ([`Body::binary`]).
+    Binary,
+    /// An elementwise unary op ([`Body::unary`]).
+    Unary,
+    /// Indices along a dim ([`Body::iota`]).
+    Iota,
+    /// A comparison ([`Body::compare`]).
+    Compare,
+    /// An elementwise select ([`Body::select`]).
+    Select,
+    /// A reduction over an axis ([`Body::reduce`]).
+    Reduce,
+    /// A broadcast ([`Body::broadcast`]).
+    Broadcast,
+    /// An element type conversion ([`Body::cast`]).
+    Cast,
+    /// A 2-D transpose ([`Body::transpose`]).
+    Transpose,
+    /// A reshape ([`Body::reshape`]).
+    Reshape,
+    /// A static slice ([`Body::slice`]).
+    Slice,
+    /// A concatenation ([`Body::concat`]).
+    Concat,
+    /// A conditional region ([`Body::when`]).
+    If,
+    /// A counted loop region ([`Body::for_range`]).
+    For,
+}
+
+impl Op {
+    /// The op's kind.
+    pub(crate) fn kind(&self) -> OpKind {
+        match self {
+            Op::ProgramId { .. } => OpKind::ProgramId,
+            Op::IndexConst { .. } => OpKind::IndexConst,
+            Op::IndexBinary { .. } => OpKind::IndexBinary,
+            Op::ReadTable { .. } => OpKind::ReadTable,
+            Op::Splat { .. } => OpKind::Splat,
+            Op::Load { .. } => OpKind::Load,
+            Op::Store { .. } => OpKind::Store,
+            Op::Matmul { .. } => OpKind::Matmul,
+            Op::Binary { .. } => OpKind::Binary,
+            Op::Unary { .. } => OpKind::Unary,
+            Op::Iota { .. } => OpKind::Iota,
+            Op::Compare { .. } => OpKind::Compare,
+            Op::Select { .. } => OpKind::Select,
+            Op::Reduce { .. } => OpKind::Reduce,
+            Op::Broadcast { .. } => OpKind::Broadcast,
+            Op::Cast { .. } => OpKind::Cast,
+            Op::Transpose { .. } => OpKind::Transpose,
+            Op::Reshape { .. } => OpKind::Reshape,
+            Op::Slice { .. } => OpKind::Slice,
+            Op::Concat { .. } => OpKind::Concat,
+            Op::If { .. } => OpKind::If,
+            Op::For { .. } => OpKind::For,
+        }
+    }
+}
+
 fn err(op: &str, message: impl Into<String>) -> TpuError {
-    TpuError::builder(format!("mosaic {op}"), message)
+    TpuError::builder(format!("kernel op {op}"), message)
 }
 
 /// True for non-empty dims, each at least 1.

@@ -1,11 +1,10 @@
 //! One call of a kernel from a StableHLO function: its tables and inputs bound by their
-//! handles, lowered as asked, its results read by their handles.
+//! handles, lowered by any [`super::Lower`], its results read by their handles.
 
 use super::body::{Place, Ref, Table};
 use super::kernel::Kernel;
-use super::Lowering;
 use crate::error::{Result, TpuError};
-use crate::hlo::{FnBuilder, TensorType, Value};
+use crate::hlo::Value;
 
 /// The values of one call of a kernel, each bound to the table or input it feeds.
 #[derive(Clone, Debug)]
@@ -70,67 +69,35 @@ impl Returned {
     }
 }
 
-impl Kernel {
-    /// Empty bindings for a call of this kernel.
-    pub fn bindings(&self) -> Bindings {
+impl Bindings {
+    /// Empty bindings for a call of `k`.
+    pub(super) fn of(k: &Kernel) -> Bindings {
         Bindings {
-            kernel: self.tag,
-            name: self.name.clone(),
-            tables: vec![None; self.tables.len()],
-            inputs: vec![None; self.inputs.len()],
+            kernel: k.tag,
+            name: k.name.clone(),
+            tables: vec![None; k.tables.len()],
+            inputs: vec![None; k.inputs.len()],
         }
     }
 
-    /// The kernel called from `f` on `args` (every table and input bound), lowered as
-    /// `lowering` says.
-    pub fn call(&self, f: &mut FnBuilder, lowering: Lowering, args: Bindings) -> Result<Returned> {
-        if args.kernel != self.tag {
-            return Err(err(&self.name, "bindings made for another kernel"));
+    /// The bound values in the order the lowerings take them (the tables, then the inputs),
+    /// once every one of `k`'s is bound.
+    pub(super) fn operands(self, k: &Kernel) -> Result<Vec<Value>> {
+        if self.kernel != k.tag {
+            return Err(err(&k.name, "bindings made for another kernel"));
         }
-        let names = self.tables.iter().map(|(n, _)| n).chain(self.inputs.iter().map(|o| &o.name));
+        let names = k.tables.iter().map(|(n, _)| n).chain(k.inputs.iter().map(|o| &o.name));
         let mut operands = Vec::new();
-        for (value, name) in args.tables.into_iter().chain(args.inputs).zip(names) {
-            operands.push(value.ok_or_else(|| err(&self.name, format!("`{name}` is not bound")))?);
+        for (value, name) in self.tables.into_iter().chain(self.inputs).zip(names) {
+            operands.push(value.ok_or_else(|| err(&k.name, format!("`{name}` is not bound")))?);
         }
-        let values = self.call_lowered(f, lowering, &operands)?;
-        Ok(Returned { kernel: self.tag, name: self.name.clone(), values })
+        Ok(operands)
     }
+}
 
-    /// The row-major `operand_layouts` and `result_layouts` of a custom call of this kernel on
-    /// `operands` (checked against the kernel's operand types; `what` names the lowering).
-    pub(super) fn custom_call_layouts(&self, what: &str, operands: &[Value]) -> Result<(String, String)> {
-        let want = self.operand_types();
-        let got: Vec<TensorType> = operands.iter().map(Value::ty).collect();
-        if got != want {
-            return Err(TpuError::builder(
-                format!("{what} call {}", self.name),
-                format!("operands {got:?}, the kernel takes {want:?}"),
-            ));
-        }
-        let layout = |t: &TensorType| {
-            let r = t.dims.len();
-            let order: Vec<String> = (0..r).rev().map(|d| d.to_string()).collect();
-            match r {
-                1 => "dense<0> : tensor<1xindex>".to_string(),
-                _ => format!("dense<[{}]> : tensor<{r}xindex>", order.join(", ")),
-            }
-        };
-        let all = |ts: &[TensorType]| ts.iter().map(layout).collect::<Vec<_>>().join(", ");
-        Ok((all(&want), all(&self.result_types())))
-    }
-
-    /// The kernel called on `operands` in the order the lowerings take them: the tables, then
-    /// the inputs.
-    pub(super) fn call_lowered(
-        &self,
-        f: &mut FnBuilder,
-        lowering: Lowering,
-        operands: &[Value],
-    ) -> Result<Vec<Value>> {
-        match lowering {
-            Lowering::Mosaic => self.call_mosaic(f, operands),
-            Lowering::Interpret => self.call_interpret(f, operands),
-            Lowering::Triton => self.call_triton(f, operands),
-        }
+impl Returned {
+    /// What a call of `k` returned.
+    pub(super) fn of(k: &Kernel, values: Vec<Value>) -> Returned {
+        Returned { kernel: k.tag, name: k.name.clone(), values }
     }
 }

@@ -1,13 +1,18 @@
 //! A kernel definition in the spirit of Pallas TPU: a grid whose axes are `parallel` or
 //! `arbitrary`, scalar-prefetch tables, operands and results cut into blocks by index maps,
 //! scratch buffers kept across grid steps, and a typed [`Body`]. [`Kernel::build`] checks it
-//! once; the two lowerings read the checked definition.
+//! once; every lowering reads the checked definition.
+
+use std::any::Any;
+use std::sync::Arc;
 
 use kda_core::DType;
 
-use super::body::{Body, Op, Place, Ref, Scope, Table};
+use super::body::{Body, Op, OpKind, Place, Ref, Scope, Table};
+use super::call::{Bindings, Returned};
+use super::lower::Lower;
 use crate::error::{Result, TpuError};
-use crate::hlo::TensorType;
+use crate::hlo::{FnBuilder, Module, TensorType};
 
 /// A distinct tag per kernel builder, so that a handle of one kernel is refused by another.
 static KERNELS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
@@ -126,35 +131,25 @@ pub struct Cost {
     pub bytes: f64,
 }
 
-/// How a kernel launches on a GPU (the Triton lowering): warps per program, software
-/// pipeline stages of its loops, and how its full-precision f32 products run.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct GpuLaunch {
-    /// Warps per program: 1, 2, 4, 8, 16 or 32 (`wgmma` needs 4 or more).
-    pub num_warps: u32,
-    /// Pipeline stages of the loads in loops: 1 to 5 (each stage holds its loads in shared
-    /// memory).
-    pub num_stages: u32,
-    /// The `tt.dot` precision of f32 products at [`super::MatPrecision::Highest`].
-    pub f32_dot: F32Dot,
+/// Parameters of a lowering that a kernel carries, one value per type (Pallas's compiler
+/// params): opaque to the language, read by the lowering that defines the type
+/// ([`Kernel::params`]).
+#[derive(Clone, Default)]
+pub(crate) struct ParamSet(Vec<Arc<dyn Any + Send + Sync>>);
+
+impl ParamSet {
+    fn set<P: Any + Send + Sync>(&mut self, p: P) {
+        self.0.retain(|x| !x.is::<P>());
+        self.0.push(Arc::new(p));
+    }
+    fn get<P: Any>(&self) -> Option<&P> {
+        self.0.iter().find_map(|x| x.downcast_ref::<P>())
+    }
 }
 
-/// How a GPU runs an f32 product at full precision.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum F32Dot {
-    /// IEEE f32 on the FMA units (`inputPrecision = ieee`): exact f32 products, no tensor
-    /// cores; the default until a GPU run shows the alternative within the f32 tolerances.
-    Ieee,
-    /// Three TF32 tensor-core passes (`tf32x3`: the operands split into a TF32 high part and
-    /// residual), close to f32 at a fraction of the FMA time.
-    Tf32x3,
-}
-
-impl Default for GpuLaunch {
-    /// Four warps (one warp group, the smallest that issues `wgmma`), two stages, IEEE f32
-    /// products.
-    fn default() -> Self {
-        GpuLaunch { num_warps: 4, num_stages: 2, f32_dot: F32Dot::Ieee }
+impl std::fmt::Debug for ParamSet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ParamSet({} lowering parameters)", self.0.len())
     }
 }
 
@@ -170,8 +165,7 @@ pub struct Kernel {
     pub(crate) scratch: Vec<(String, TensorType)>,
     pub(crate) body: Vec<Op>,
     pub(crate) cost: Option<Cost>,
-    pub(crate) vmem_limit: Option<i64>,
-    pub(crate) gpu: GpuLaunch,
+    pub(crate) params: ParamSet,
 }
 
 /// The parts of a kernel before its body. Each part added returns its handle ([`Table`],
@@ -186,52 +180,11 @@ pub struct KernelBuilder {
     outputs: Vec<Operand>,
     scratch: Vec<(String, TensorType)>,
     cost: Option<Cost>,
-    vmem_limit: Option<i64>,
-    gpu: GpuLaunch,
+    params: ParamSet,
 }
 
 fn err(what: &str, message: impl Into<String>) -> TpuError {
-    TpuError::builder(format!("mosaic kernel {what}"), message)
-}
-
-/// The (sublane, lane) tiling of a 32-bit or 16-bit array's last two dims.
-fn tiling(dtype: DType) -> (i64, i64) {
-    if dtype.bit_width() == 16 {
-        (16, 128)
-    } else {
-        (8, 128)
-    }
-}
-
-impl Operand {
-    /// Where the block breaks Mosaic's rule (each of the last two block dims a multiple of the
-    /// (8, 128) tiling of 32-bit types, (16, 128) of 16-bit ones, or the full dim), if it does.
-    pub(crate) fn off_tiling(&self) -> Option<String> {
-        let r = self.ty.dims.len();
-        let (sub, lane) = tiling(self.ty.elem);
-        let tiles = if r >= 2 { vec![(r - 2, sub), (r - 1, lane)] } else { vec![(0, lane)] };
-        tiles.into_iter().find_map(|(axis, t)| {
-            let (b, d) = (self.block[axis], self.ty.dims[axis]);
-            (b != d && b % t != 0).then(|| {
-                format!(
-                    "block {:?} of {}: dim {axis} must be a multiple of {t} or the full {d}",
-                    self.block, self.ty
-                )
-            })
-        })
-    }
-}
-
-/// Refuses launches the CUDA plugin aborts on (other warp counts) or refuses.
-fn check_launch(launch: GpuLaunch) -> Result<()> {
-    let GpuLaunch { num_warps, num_stages, .. } = launch;
-    if !matches!(num_warps, 1 | 2 | 4 | 8 | 16 | 32) || !(1..=5).contains(&num_stages) {
-        return Err(err(
-            "gpu launch",
-            format!("{num_warps} warps, {num_stages} stages: warps 1, 2, 4, 8, 16 or 32, stages 1 to 5"),
-        ));
-    }
-    Ok(())
+    TpuError::builder(format!("kernel {what}"), message)
 }
 
 impl KernelBuilder {
@@ -246,8 +199,7 @@ impl KernelBuilder {
             outputs: Vec::new(),
             scratch: Vec::new(),
             cost: None,
-            vmem_limit: None,
-            gpu: GpuLaunch::default(),
+            params: ParamSet::default(),
         }
     }
     /// Adds a grid axis of `steps` steps.
@@ -279,9 +231,11 @@ impl KernelBuilder {
         self.scratch.push((name.to_string(), TensorType::new(ty.elem, &ty.dims)));
         Ref { kernel: self.tag, place: Place::Scratch(self.scratch.len() - 1) }
     }
-    /// Sets how the kernel launches on a GPU (the Triton lowering; others ignore it).
-    pub fn gpu_launch(&mut self, launch: GpuLaunch) -> &mut Self {
-        self.gpu = launch;
+    /// Sets a parameter of a lowering (its own type: [`super::MosaicParams`],
+    /// [`super::TritonParams`], ...), replacing one of the same type; the lowerings that do not
+    /// define the type ignore it.
+    pub fn params<P: Any + Send + Sync>(&mut self, params: P) -> &mut Self {
+        self.params.set(params);
         self
     }
     /// Sets the analytic cost.
@@ -289,17 +243,6 @@ impl KernelBuilder {
         self.cost = Some(cost);
         self
     }
-    /// Sets the scoped VMEM the TPU compiler may give the kernel (its blocks, scratch and
-    /// spills), for a kernel that needs more than the generation's default (16 MiB on v5e, the
-    /// smallest). Only the Mosaic lowering reads it. Refused unless positive.
-    pub fn vmem_limit(&mut self, bytes: i64) -> Result<&mut Self> {
-        if bytes <= 0 {
-            return Err(err("vmem_limit", format!("{bytes} bytes")));
-        }
-        self.vmem_limit = Some(bytes);
-        Ok(self)
-    }
-
     fn check_operand(&self, o: &Operand) -> Result<()> {
         let what = format!("operand {}", o.name);
         let r = o.ty.dims.len();
@@ -355,8 +298,6 @@ impl KernelBuilder {
                 return Err(err(&format!("scratch {name}"), format!("{t:?}: an f32, bf16 or i32 array")));
             }
         }
-        // Other warp counts abort the CUDA plugin's process rather than fail the compile.
-        check_launch(self.gpu)?;
         if self.tables.iter().any(|(_, n)| *n < 1) {
             return Err(err("tables", "each table holds one entry or more"));
         }
@@ -380,22 +321,36 @@ impl KernelBuilder {
             scratch: self.scratch,
             body: b.finish()?,
             cost: self.cost,
-            vmem_limit: self.vmem_limit,
-            gpu: self.gpu,
+            params: self.params,
         })
     }
 }
 
 impl Kernel {
-    /// The same kernel launched as `launch` on a GPU.
-    pub fn with_gpu_launch(mut self, launch: GpuLaunch) -> Result<Kernel> {
-        check_launch(launch)?;
-        self.gpu = launch;
-        Ok(self)
+    /// The same kernel with a lowering's parameter set ([`KernelBuilder::params`]).
+    pub fn with_params<P: Any + Send + Sync>(mut self, params: P) -> Kernel {
+        self.params.set(params);
+        self
     }
-    /// How the kernel launches on a GPU.
-    pub fn gpu_launch(&self) -> GpuLaunch {
-        self.gpu
+    /// The kernel's parameter of type `P`, if it has one.
+    pub fn params<P: Any>(&self) -> Option<&P> {
+        self.params.get::<P>()
+    }
+    /// Calls `visit` on the kind of every op of the body, in the order they were built, a
+    /// region's ops after the op that holds them: what a lowering outside this crate can read
+    /// of a body.
+    pub fn walk(&self, visit: &mut dyn FnMut(OpKind)) {
+        fn go(ops: &[Op], visit: &mut dyn FnMut(OpKind)) {
+            for op in ops {
+                visit(op.kind());
+                match op {
+                    Op::If { then, .. } => go(then, visit),
+                    Op::For { body, .. } => go(body, visit),
+                    _ => {}
+                }
+            }
+        }
+        go(&self.body, visit);
     }
     /// The kernel's name.
     pub fn name(&self) -> &str {
@@ -409,5 +364,31 @@ impl Kernel {
     pub fn operand_types(&self) -> Vec<TensorType> {
         let tables = self.tables.iter().map(|(_, n)| TensorType::new(DType::I32, &[*n]));
         tables.chain(self.inputs.iter().map(|o| o.ty.clone())).collect()
+    }
+
+    /// Empty bindings for a call of this kernel.
+    pub fn bindings(&self) -> Bindings {
+        Bindings::of(self)
+    }
+
+    /// The kernel called from `f` on `args` (every table and input bound), lowered by
+    /// `lowering` once it has accepted the kernel ([`Lower::check`]).
+    pub fn call(&self, f: &mut FnBuilder, lowering: &dyn Lower, args: Bindings) -> Result<Returned> {
+        let operands = args.operands(self)?;
+        lowering.check(self)?;
+        Ok(Returned::of(self, lowering.call(self, f, &operands)?))
+    }
+
+    /// A module whose public `@main` takes the kernel's operands (tables, then inputs) and
+    /// returns its results, lowered by `lowering` once it has accepted the kernel.
+    pub fn module(&self, lowering: &dyn Lower) -> Result<String> {
+        lowering.check(self)?;
+        let mut f = FnBuilder::new("main", true);
+        let args = self.operand_types().into_iter().map(|t| f.arg(t)).collect::<Result<Vec<_>>>()?;
+        let outs = lowering.call(self, &mut f, &args)?;
+        f.ret(&outs)?;
+        let mut m = Module::new();
+        m.add(f)?;
+        Ok(m.to_text())
     }
 }

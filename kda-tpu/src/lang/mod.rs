@@ -1,20 +1,24 @@
 //! The kernel language: kernels written once in Rust, in the spirit of Pallas, and lowered
-//! three ways. Nothing in it is KDA's (the KDA kernels are `crate::op::tpu_kernels`).
+//! several ways. Nothing in it is KDA's (the KDA kernels are `crate::op::tpu_kernels`), and
+//! its core names no target.
 //!
 //! A [`KernelBuilder`] takes a grid (each axis [`Semantics::Parallel`] or
 //! [`Semantics::Arbitrary`]), scalar-prefetch tables, operands and results cut into blocks by
-//! [`Index`] maps, and VMEM scratch kept across grid steps; its body is built op by op on a
-//! [`Body`], which checks every op's shapes and dtypes. The checked [`Kernel`] then lowers:
+//! [`Index`] maps, scratch buffers kept across grid steps, and the parameters of any lowering
+//! ([`KernelBuilder::params`]); its body is built op by op on a [`Body`], which checks every
+//! op's shapes and dtypes. The checked [`Kernel`] then lowers through any [`Lower`]
+//! ([`Kernel::module`], [`Kernel::call`]); the built-in ones ([`lower`], [`Lowering`]):
 //!
-//! - [`Lowering::Mosaic`]: the Mosaic MLIR text ([`Kernel::mosaic_text`]) inside a
-//!   `tpu_custom_call` of a StableHLO function, which libtpu compiles for a TPU;
-//! - [`Lowering::Interpret`]: plain StableHLO (the grid as loops, blocks as dynamic slices,
-//!   scratch carried), which any plugin runs; on the CPU plugin it checks the kernel against
-//!   a host computation;
-//! - [`Lowering::Triton`]: Triton IR text ([`Kernel::triton_text`]) inside a
-//!   `__gpu$xla.gpu.triton` custom call, which XLA's CUDA plugin compiles for an NVIDIA GPU
-//!   (parallel axes as program ids, arbitrary ones as loops, scratch as values). What it has
-//!   no form for is refused by name ([`Feature`], [`Kernel::check_lowering`]).
+//! - [`Mosaic`]: the Mosaic MLIR text inside a `tpu_custom_call` of a StableHLO function, which
+//!   libtpu compiles for a TPU ([`MosaicParams`]: scoped VMEM, tiling rule, op order);
+//! - [`Interpret`]: plain StableHLO (the grid as loops, blocks as dynamic slices, scratch
+//!   carried), which any plugin runs; on the CPU plugin it checks the kernel against a host
+//!   computation, with the numerics its [`InterpretParams`] state;
+//! - [`Triton`]: Triton IR text inside a `__gpu$xla.gpu.triton` custom call, which XLA's CUDA
+//!   plugin compiles for an NVIDIA GPU (parallel axes as program ids, arbitrary ones as loops,
+//!   scratch as values; [`TritonParams`]: warps, stages, f32 products).
+//!
+//! Each lowering refuses what it has no form for in its own [`Lower::check`], naming itself.
 //!
 //! Every part a builder adds returns its handle: a [`Table`] for a scalar-prefetch table, a
 //! [`Ref`] for an input, a result or a scratch buffer. The body reads and writes through
@@ -29,85 +33,33 @@
 //! What the CPU verifies is the interpret lowering of the same ops libtpu and the CUDA plugin
 //! compile; only a TPU run verifies the Mosaic lowering's numbers, a GPU run the Triton one's.
 
-mod arith;
 mod body;
 mod call;
-mod interpret;
 mod kernel;
-mod lowering;
-mod mosaic;
-mod schedule;
-mod triton;
+pub mod lower;
 
-pub use body::{Binary, Body, MatPrecision, Offset, Reduction, Ref, Table, Unary, V};
+pub use body::{Binary, Body, MatPrecision, Offset, OpKind, Reduction, Ref, Table, Unary, V};
 pub use call::{Bindings, Returned};
-pub use kernel::{Cost, F32Dot, GpuLaunch, Index, Kernel, KernelBuilder, Operand, Semantics};
-pub use lowering::{Feature, Lowering};
-
-use crate::error::{Result, TpuError};
-use crate::hlo::{FnBuilder, Module};
-
-impl Kernel {
-    /// A module whose public `@main` takes the kernel's operands (tables, then inputs) and
-    /// returns its results, lowered as `lowering` says.
-    pub fn module(&self, lowering: Lowering) -> Result<String> {
-        let mut f = FnBuilder::new("main", true);
-        let args = self.operand_types().into_iter().map(|t| f.arg(t)).collect::<Result<Vec<_>>>()?;
-        let outs = self.call_lowered(&mut f, lowering, &args)?;
-        f.ret(&outs)?;
-        let mut m = Module::new();
-        m.add(f)?;
-        Ok(m.to_text())
-    }
-
-    /// A compile error of this kernel's Triton module with the TTIR line the compiler points
-    /// at (`-:LINE:COL: error`) quoted.
-    pub fn explain_triton(&self, e: TpuError) -> TpuError {
-        let TpuError::Compile { mut message } = e else { return e };
-        // The plugin appends the whole module; the quoted line says where.
-        if let Some(at) = message.find("\ninput ir:") {
-            message.truncate(at);
-        }
-        let quoted = self.triton_text().ok().and_then(|text| quote_line(&text, &message, "-:"));
-        match quoted {
-            Some(line) => {
-                TpuError::Compile { message: format!("{message}\n  kernel {} TTIR {line}", self.name) }
-            }
-            None => TpuError::Compile { message },
-        }
-    }
-
-    /// A compile error of this kernel's Mosaic module with the body line the compiler points
-    /// at (`loc("-":LINE:COL)`) quoted, so the message shows the op libtpu refused.
-    pub fn explain(&self, e: TpuError) -> TpuError {
-        let TpuError::Compile { message } = e else { return e };
-        let quoted = self.mosaic_text().ok().and_then(|text| quote_line(&text, &message, "loc(\"-\":"));
-        match quoted {
-            Some(line) => {
-                TpuError::Compile { message: format!("{message}\n  kernel {} body: {line}", self.name) }
-            }
-            None => TpuError::Compile { message },
-        }
-    }
-}
-
-/// The line of `body` that `message` locates as `MARKER LINE:COL` (Mosaic's `loc("-":`,
-/// Triton's `-:`), with its number.
-pub fn quote_line(body: &str, message: &str, marker: &str) -> Option<String> {
-    let at = message.find(marker)? + marker.len();
-    let line: usize = message[at..].split(':').next()?.parse().ok()?;
-    let text = body.lines().nth(line.checked_sub(1)?)?;
-    Some(format!("line {line}: {}", text.trim()))
-}
+pub use kernel::{Cost, Index, Kernel, KernelBuilder, Operand, Semantics};
+pub use lower::renamed::*;
+pub use lower::{
+    quote_line, F32Dot, Feature, Interpret, InterpretParams, Lower, Lowering, Mosaic, MosaicParams, Numerics,
+    Schedule, Tiling, Triton, TritonParams,
+};
 
 #[cfg(test)]
 mod tests {
-    use super::{Binary, Feature, GpuLaunch, Index, KernelBuilder, Lowering, Operand, Ref, Semantics, V};
+    use super::{
+        Binary, Feature, Index, KernelBuilder, Lower, Lowering, Operand, Ref, Semantics, Triton,
+        TritonParams, V,
+    };
     use crate::hlo::TensorType;
     use kda_core::DType;
 
     /// A two-step kernel of one `[8, 128]` f32 result, running `body` on it.
-    fn kernel(body: impl FnOnce(&mut super::Body, Ref) -> crate::Result<()>) -> crate::Result<super::Kernel> {
+    fn kernel<F: FnOnce(&mut super::Body, Ref) -> crate::Result<()>>(
+        body: F,
+    ) -> crate::Result<super::Kernel> {
         let mut k = KernelBuilder::new("k");
         k.grid(2, Semantics::Parallel);
         let o = k.output(Operand::whole("o", TensorType::new(DType::F32, &[8, 128])));
@@ -216,14 +168,14 @@ mod tests {
         })?;
         let mut f = crate::hlo::FnBuilder::new("main", true);
         let arg = f.arg(ty)?;
-        let unbound = kernel.call(&mut f, Lowering::Interpret, kernel.bindings()).expect_err("x unbound");
+        let unbound = kernel.call(&mut f, &Lowering::Interpret, kernel.bindings()).expect_err("x unbound");
         assert!(unbound.to_string().contains("`x` is not bound"), "{unbound}");
         let mut args = kernel.bindings();
         assert!(args.input(o, arg).is_err(), "a result is not an input");
         args.input(x, arg)?;
         let twice = args.input(x, arg).expect_err("bound twice");
         assert!(twice.to_string().contains("bound twice"), "{twice}");
-        let outs = kernel.call(&mut f, Lowering::Interpret, args)?;
+        let outs = kernel.call(&mut f, &Lowering::Interpret, args)?;
         assert!(outs.get(x).is_err(), "an input is not a result");
         assert_eq!(outs.get(o)?.ty(), TensorType::new(DType::F32, &[8, 128]));
         Ok(())
@@ -278,17 +230,16 @@ mod tests {
                 Feature::UnalignedPart => {
                     b.slice(&v, &[0, 32], &[8, 64])?;
                 }
-                Feature::WideGrid | Feature::HugeArray | Feature::OffTiling => {}
+                Feature::WideGrid | Feature::HugeArray => {}
             }
             b.store_all(o, &v)
         })?;
-        assert!(Lowering::Mosaic.takes(feature) && Lowering::Interpret.takes(feature));
-        assert!(!Lowering::Triton.takes(feature));
-        assert_eq!(kernel.features().first().map(|f| f.0), Some(feature));
-        let e = kernel.module(Lowering::Triton).expect_err("refused");
+        assert_eq!(super::lower::triton::features(&kernel).first().map(|f| f.0), Some(feature));
+        let e = kernel.module(&Triton).expect_err("refused");
         assert!(matches!(e, crate::TpuError::Unsupported { .. }), "{e}");
         assert!(e.to_string().contains(feature.describe()), "{e}");
-        kernel.module(Lowering::Interpret)?;
+        assert!(e.to_string().contains("triton lowering of kernel k"), "{e}");
+        kernel.module(&Lowering::Interpret)?;
         Ok(())
     }
 
@@ -299,7 +250,7 @@ mod tests {
         let rows = vec![Index::Grid(0), Index::Const(0)];
         k.output(Operand::blocked("o", TensorType::new(DType::BF16, &[1 << 23, 256]), &[128, 256], rows));
         let kernel = k.build(|_| Ok(()))?;
-        let e = kernel.check_lowering(Lowering::Triton).expect_err("2^31 elements");
+        let e = Triton.check(&kernel).expect_err("2^31 elements");
         assert!(e.to_string().contains(Feature::HugeArray.describe()), "{e}");
         Ok(())
     }
@@ -309,15 +260,20 @@ mod tests {
     #[case::no_stages(4, 0)]
     #[case::six_stages(4, 6)]
     fn gpu_launches_take_what_the_plugin_takes(#[case] num_warps: u32, #[case] num_stages: u32) {
+        let e = TritonParams::new(num_warps, num_stages).expect_err("refused");
+        assert!(e.to_string().contains("warps 1, 2, 4, 8, 16 or 32, stages 1 to 5"), "{e}");
+        // Set on a kernel without the constructor, the Triton lowering refuses it by name.
         let mut k = KernelBuilder::new("k");
-        k.grid(1, Semantics::Parallel).gpu_launch(GpuLaunch {
+        k.grid(1, Semantics::Parallel).params(TritonParams {
             num_warps,
             num_stages,
-            ..GpuLaunch::default()
+            ..TritonParams::default()
         });
         k.output(Operand::whole("o", TensorType::new(DType::F32, &[8, 128])));
-        let e = k.build(|_| Ok(())).expect_err("refused");
-        assert!(e.to_string().contains("warps 1, 2, 4, 8, 16 or 32, stages 1 to 5"), "{e}");
+        let kernel = k.build(|_| Ok(())).expect("the language takes any parameters");
+        let e = kernel.module(&Triton).expect_err("refused");
+        assert!(e.to_string().contains("triton lowering of kernel k"), "{e}");
+        assert!(kernel.module(&Lowering::Interpret).is_ok(), "other lowerings ignore them");
     }
 
     #[test]
@@ -328,11 +284,11 @@ mod tests {
             let w = b.load_all(s)?;
             b.store_all(o, &w)
         })?;
-        let text = kernel.triton_text()?;
+        let text = Triton.text(&kernel)?;
         let signature = text.lines().find(|l| l.contains("tt.func public @k(")).expect("the kernel function");
         assert_eq!(signature.matches("!tt.ptr<f32>").count(), 2, "{signature}");
         assert!(text.contains("tt.get_program_id y : i32"), "two parallel axes: x and y");
-        assert_eq!(kernel.launch_grid(), [2, 3, 1]);
+        assert_eq!(super::lower::triton::launch_grid(&kernel), [2, 3, 1]);
         Ok(())
     }
 
@@ -346,7 +302,7 @@ mod tests {
             message: "Failed to parse Triton module: -:2:5: error: expected '->'\ninput ir: \"module {..."
                 .into(),
         };
-        let explained = kernel.explain_triton(e).to_string();
+        let explained = Triton.explain(&kernel, e).to_string();
         assert!(explained.contains("TTIR line 2: tt.func public @k("), "{explained}");
         assert!(!explained.contains("input ir"), "the module text is cut: {explained}");
         Ok(())

@@ -8,7 +8,7 @@ use super::interface::{ProgramKind, ProgramSignature};
 use super::spec::{Implementation, KernelSpec};
 use super::{tpu_kernels, xla};
 use crate::hlo::{FnBuilder, Module, TensorType, Value};
-use crate::lang::Lowering;
+use crate::lang::{Lower, Lowering};
 use crate::Result;
 use kda_core::BackwardStrategy;
 
@@ -38,8 +38,15 @@ fn family(implementation: Implementation) -> Result<Family> {
 }
 
 /// The results of program `kind` of `s` from its declared arguments `d`, by the builders of
-/// `s.tuning.implementation`'s row.
-fn body(f: &mut FnBuilder, s: &KernelSpec, d: &Declared, kind: ProgramKind) -> Result<Vec<Value>> {
+/// `s.tuning.implementation`'s row; a TPU-kernel row's kernels lowered by `lowering` when one is
+/// given.
+fn body(
+    f: &mut FnBuilder,
+    s: &KernelSpec,
+    d: &Declared,
+    kind: ProgramKind,
+    lowering: Option<&dyn Lower>,
+) -> Result<Vec<Value>> {
     let a = d.args()?;
     let saved = |strategy: BackwardStrategy| -> Result<Option<Value>> {
         match strategy {
@@ -49,17 +56,30 @@ fn body(f: &mut FnBuilder, s: &KernelSpec, d: &Declared, kind: ProgramKind) -> R
     };
     let cotangents = || -> Result<(Value, Option<Value>)> { Ok((d.need("do")?, d.get("dht"))) };
     let keep_h = |strategy: BackwardStrategy| strategy == BackwardStrategy::SavedState;
-    match (family(s.tuning.implementation)?, kind) {
-        (Family::Xla, ProgramKind::Forward(st)) => xla::forward(f, s, &a, keep_h(st)),
-        (Family::Xla, ProgramKind::Backward(st)) => xla::backward(f, s, &a, saved(st)?, cotangents()?),
-        (Family::Xla, ProgramKind::Fused(st)) => xla::fused(f, s, &a, st, cotangents()?),
-        (Family::TpuKernels(l), ProgramKind::Forward(st)) => tpu_kernels::forward(f, s, &a, keep_h(st), l),
-        (Family::TpuKernels(l), ProgramKind::Backward(st)) => {
-            tpu_kernels::backward(f, s, &a, saved(st)?, cotangents()?, l)
+    match family(s.tuning.implementation)? {
+        Family::Xla => {
+            if let Some(l) = lowering {
+                return Err(crate::TpuError::unsupported(
+                    format!("{} lowering", l.name()),
+                    "the kernels of a TPU-kernel implementation (mosaic or interpret); xla has none",
+                ));
+            }
+            match kind {
+                ProgramKind::Forward(st) => xla::forward(f, s, &a, keep_h(st)),
+                ProgramKind::Backward(st) => xla::backward(f, s, &a, saved(st)?, cotangents()?),
+                ProgramKind::Fused(st) => xla::fused(f, s, &a, st, cotangents()?),
+            }
         }
-        // Both strategies are one program on the kernels: the forward's states are in the
-        // executable anyway (docs/design.md, the Mosaic backward kernel).
-        (Family::TpuKernels(l), ProgramKind::Fused(_)) => tpu_kernels::fused(f, s, &a, cotangents()?, l),
+        Family::TpuKernels(built_in) => {
+            let l = lowering.unwrap_or(&built_in);
+            match kind {
+                ProgramKind::Forward(st) => tpu_kernels::forward(f, s, &a, keep_h(st), l),
+                ProgramKind::Backward(st) => tpu_kernels::backward(f, s, &a, saved(st)?, cotangents()?, l),
+                // Both strategies are one program on the kernels: the forward's states are in
+                // the executable anyway (docs/design.md, the Mosaic backward kernel).
+                ProgramKind::Fused(_) => tpu_kernels::fused(f, s, &a, cotangents()?, l),
+            }
+        }
     }
 }
 
@@ -71,10 +91,21 @@ pub(crate) fn build(
     s: &KernelSpec,
     kind: ProgramKind,
 ) -> Result<(FnBuilder, ProgramSignature)> {
+    build_lowered(name, public, s, kind, None)
+}
+
+/// [`build`] with a TPU-kernel row's kernels lowered by `lowering` when one is given.
+fn build_lowered(
+    name: &str,
+    public: bool,
+    s: &KernelSpec,
+    kind: ProgramKind,
+    lowering: Option<&dyn Lower>,
+) -> Result<(FnBuilder, ProgramSignature)> {
     let mut f = FnBuilder::new(name, public);
     f.set_dot_precision(crate::hlo::Precision::Highest);
     let d = Declared::new(&mut f, s, kind)?;
-    let outs = body(&mut f, s, &d, kind)?;
+    let outs = body(&mut f, s, &d, kind, lowering)?;
     let got: Vec<TensorType> = outs.iter().map(Value::ty).collect();
     if got != d.sig.result_types() {
         let names: Vec<&str> = d.sig.results.iter().map(|p| p.name).collect();
@@ -95,6 +126,16 @@ pub(crate) fn build(
 /// The text of a module holding program `kind` of `s` as its public `@main`.
 pub fn program(s: &KernelSpec, kind: ProgramKind) -> Result<String> {
     let (f, _) = build("main", true, s, kind)?;
+    let mut m = Module::new();
+    m.add(f)?;
+    Ok(m.to_text())
+}
+
+/// [`program`] with the kernels of a TPU-kernel implementation (`s.tuning`'s row: mosaic or
+/// interpret) lowered by `lowering`, a lowering of the kernel language from outside this crate
+/// or a built-in one with other parameters; an `Unsupported` error for the xla row.
+pub fn program_lowered_by(s: &KernelSpec, kind: ProgramKind, lowering: &dyn Lower) -> Result<String> {
+    let (f, _) = build_lowered("main", true, s, kind, Some(lowering))?;
     let mut m = Module::new();
     m.add(f)?;
     Ok(m.to_text())

@@ -30,7 +30,9 @@ pub mod tpu_kernels;
 mod tpu_kernels;
 mod xla;
 
-pub use api::{backward_program, data_parallel_program, forward_program, fused_program, program};
+pub use api::{
+    backward_program, data_parallel_program, forward_program, fused_program, program, program_lowered_by,
+};
 pub use args::GATE_FLOOR;
 pub use interface::{index_tables, index_tables_for, IndexTable, Port, ProgramKind, ProgramSignature};
 pub(crate) use spec::CHUNK;

@@ -11,7 +11,7 @@ use kda_core::DType;
 
 use crate::error::{Result, TpuError};
 use crate::hlo::{FnBuilder, Module, TensorType};
-use crate::lang::{GpuLaunch, Lowering, MatPrecision, Ref};
+use crate::lang::{Lowering, MatPrecision, Ref, TritonParams};
 
 /// Tokens per chunk.
 pub const C: i64 = 64;
@@ -63,9 +63,9 @@ pub struct ForwardShape {
     /// The query scale.
     pub scale: f64,
     /// How the terms kernel launches on a GPU.
-    pub terms_launch: GpuLaunch,
+    pub terms_launch: TritonParams,
     /// How the recurrence launches on a GPU.
-    pub recurrence_launch: GpuLaunch,
+    pub recurrence_launch: TritonParams,
 }
 
 impl ForwardShape {
@@ -74,7 +74,7 @@ impl ForwardShape {
     /// program (a whole chunk's tiles), 8 for a recurrence program; one pipeline stage (two
     /// asked 160 KiB of shared memory for the recurrence's loads and did not spill less).
     pub fn new(lanes: i64, t: i64, k: i64, v: i64, dtype: DType) -> Self {
-        let launch = |num_warps| GpuLaunch { num_warps, num_stages: 1, ..GpuLaunch::default() };
+        let launch = |num_warps| TritonParams { num_warps, num_stages: 1, ..TritonParams::default() };
         ForwardShape {
             lanes,
             t,
@@ -148,7 +148,7 @@ pub fn forward_module(s: &ForwardShape, lowering: Lowering) -> Result<String> {
     for (r, x) in [(tr.q, q), (tr.k, kk), (tr.v, vv), (tr.g, g), (tr.beta, beta)] {
         a.input(r, x)?;
     }
-    let terms = tk.call(&mut f, lowering, a)?;
+    let terms = tk.call(&mut f, &lowering, a)?;
     let (rk, rr) = recurrence::recurrence_kernel(s)?;
     let mut a = rk.bindings();
     for (r, from) in rr.factors.all().into_iter().zip(tr.factors.all()) {
@@ -157,7 +157,7 @@ pub fn forward_module(s: &ForwardShape, lowering: Lowering) -> Result<String> {
     if let (Some(r), Some(x)) = (rr.h0, h0) {
         a.input(r, x)?;
     }
-    let out = rk.call(&mut f, lowering, a)?;
+    let out = rk.call(&mut f, &lowering, a)?;
     f.ret(&[out.get(rr.o)?, out.get(rr.ht)?])?;
     let mut m = Module::new();
     m.add(f)?;

@@ -62,7 +62,7 @@ pub fn recurrence_kernel(s: &ForwardShape) -> Result<(Kernel, RecurrenceRefs)> {
     ));
     let ht = kb.output(Operand::blocked("ht", ty(&[l, k, v]), &[1, k, bv], state_at));
     let state = kb.scratch("state", ty(&[k, bv]));
-    kb.gpu_launch(s.recurrence_launch);
+    kb.params(s.recurrence_launch);
     let refs = RecurrenceRefs { factors: Factors { w, u, qg, kg, aqk, eg }, h0, o, ht, state };
     let kernel = kb.build(|b| step(b, s, &refs, nt))?;
     Ok((kernel, refs))

@@ -63,7 +63,7 @@ pub fn terms_kernel(s: &ForwardShape) -> Result<(Kernel, TermRefs)> {
     let (w, u) = (res(&mut kb, "w", fd, k), res(&mut kb, "u", DType::F32, v));
     let (qg, kg, aqk) = (res(&mut kb, "qg", fd, k), res(&mut kb, "kg", fd, k), res(&mut kb, "aqk", fd, C));
     let eg = kb.output(Operand::blocked("eg", ty(DType::F32, &[l, nt, k]), &[1, 1, k], at()));
-    kb.gpu_launch(s.terms_launch);
+    kb.params(s.terms_launch);
     let refs = TermRefs { q, k: kk, v: vv, g, beta, factors: Factors { w, u, qg, kg, aqk, eg } };
     let kernel = kb.build(|b| chunk_terms(b, s, &refs))?;
     Ok((kernel, refs))

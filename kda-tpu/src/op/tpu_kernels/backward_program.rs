@@ -16,7 +16,7 @@ use super::forward_program::{
     packed_slots, tokens_of, with_steps, Kept, KernelCalls, MaskReaders, SharedInputs,
 };
 use crate::hlo::{FnBuilder, Value};
-use crate::lang::Lowering;
+use crate::lang::Lower;
 use crate::op::args::Args;
 use crate::op::prep;
 use crate::op::spec::{on_device, KernelSpec, CHUNK};
@@ -177,7 +177,7 @@ pub(in crate::op) fn fused(
     s: &KernelSpec,
     a: &Args,
     cotangents: (Value, Option<Value>),
-    lowering: Lowering,
+    lowering: &dyn Lower,
 ) -> Result<Vec<Value>> {
     let calls = kernel_calls(b, s, MaskReaders::ForwardAndBackward, lowering)?;
     let mut outs = forward_body(b, s, a, Kept { states: true, terms: true }, &calls)?;
@@ -202,7 +202,7 @@ pub(in crate::op) fn backward(
     a: &Args,
     saved: Option<Value>,
     cotangents: (Value, Option<Value>),
-    lowering: Lowering,
+    lowering: &dyn Lower,
 ) -> Result<Vec<Value>> {
     let calls = kernel_calls(b, s, MaskReaders::ForwardAndBackward, lowering)?;
     let saved = match saved {

@@ -28,7 +28,7 @@ use super::operands::{
 use crate::error::{Result, TpuError};
 use crate::hlo::{Cmp, TensorType};
 use crate::lang::{Binary, Body, MatPrecision, Offset, Reduction, Ref, Unary, V};
-use crate::lang::{Cost, Index, Kernel, KernelBuilder, Operand};
+use crate::lang::{Cost, Index, Kernel, KernelBuilder, MosaicParams, Operand};
 
 /// The forward kernel's operands, results and scratch by name: what its body reads and writes
 /// and what the program around it binds and takes.
@@ -78,7 +78,7 @@ pub(super) fn forward_kernel(d: ForwardDims, scale: f64) -> Result<ForwardKernel
     let cx = ForwardStep { d: &d, r: &refs, scale, p: d.precision(), g_passes: d.g_passes() };
     kb.cost(forward_cost(&d));
     if let Some(bytes) = d.vmem_limit() {
-        kb.vmem_limit(bytes)?;
+        kb.params(MosaicParams::default().with_vmem_limit(bytes)?);
     }
     let kernel = kb.build(|b| forward_step(b, &cx))?;
     Ok(ForwardKernel { kernel, refs })

@@ -14,7 +14,7 @@ use super::dims::{ForwardDims, Gate, Tokens};
 use super::forward::forward_kernel;
 use super::operands::{ChunkTabs, PerToken, TokenIn};
 use crate::hlo::{Cmp, FnBuilder, Value};
-use crate::lang::{Bindings, Lowering, Ref};
+use crate::lang::{Bindings, Lower, Ref};
 use crate::op::args::{state_tab, Args, ChunkTables};
 use crate::op::ops::{i32t, splat};
 use crate::op::prep;
@@ -378,9 +378,9 @@ pub(super) fn kernel_gate(s: &KernelSpec, tokens: Tokens) -> Gate {
 
 /// The chunk terms' constant masks ([`super::blocks::term_masks_kernel`]'s results)
 /// and how the program's kernels are lowered: what every kernel call of a program shares.
-pub(super) struct KernelCalls {
+pub(super) struct KernelCalls<'l> {
     /// How the kernels are lowered.
-    pub lowering: Lowering,
+    pub lowering: &'l dyn Lower,
     /// The exponent masks.
     pub exponents: Value,
     /// The level masks.
@@ -401,12 +401,12 @@ pub(super) enum MaskReaders {
 /// The masks for the kernels of `s`, made once by their own one-step kernel; for the backward
 /// kernel also the exponent masks' transposes (a program with both kernels makes them once and
 /// hands the first two to the forward kernel).
-pub(super) fn kernel_calls(
+pub(super) fn kernel_calls<'l>(
     b: &mut FnBuilder,
     s: &KernelSpec,
     readers: MaskReaders,
-    lowering: Lowering,
-) -> Result<KernelCalls> {
+    lowering: &'l dyn Lower,
+) -> Result<KernelCalls<'l>> {
     // The masks' dtype follows the kernels' products, whatever the gate's dtype.
     let dtype = kernel_dims(s, tokens_of(s), on_device(s.options.dtype)).mask_dtype();
     let transposed = readers == MaskReaders::ForwardAndBackward;
@@ -600,7 +600,7 @@ pub(in crate::op) fn forward(
     s: &KernelSpec,
     a: &Args,
     keep_h: bool,
-    lowering: Lowering,
+    lowering: &dyn Lower,
 ) -> Result<Vec<Value>> {
     let calls = kernel_calls(f, s, MaskReaders::Forward, lowering)?;
     let kept = Kept { states: keep_h, terms: false };

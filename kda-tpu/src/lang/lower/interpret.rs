@@ -13,13 +13,68 @@ use std::collections::HashMap;
 
 use kda_core::DType;
 
-use super::body::{Binary, MatPrecision, Offset, Op, Place, Reduction, Ref, Unary, V};
-use super::kernel::{Index, Kernel};
+use super::Lower;
 use crate::error::{Result, TpuError};
 use crate::hlo::{FnBuilder, Precision, TensorType, Value};
+use crate::lang::body::{Binary, MatPrecision, Offset, Op, Place, Reduction, Ref, Unary, V};
+use crate::lang::kernel::{Index, Kernel};
 
 fn err(message: impl Into<String>) -> TpuError {
-    TpuError::builder("mosaic interpret", message)
+    TpuError::builder("interpret lowering", message)
+}
+
+/// The interpret lowering: a kernel as plain StableHLO that any plugin runs, with the
+/// numerics its [`InterpretParams`] state.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Interpret {
+    /// Its parameters.
+    pub params: InterpretParams,
+}
+
+/// The interpret lowering's parameters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct InterpretParams {
+    /// Whose numerics the lowering reproduces.
+    pub numerics: Numerics,
+}
+
+/// Whose numerics the interpret lowering reproduces, so that a CPU run checks what that
+/// target computes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Numerics {
+    /// A TPU's under Mosaic: products at [`MatPrecision::Default`] in one bf16 pass (f32
+    /// operands rounded to bf16, exact products, f32 sums), at `Highest` in f32; everything
+    /// else in the values' own dtypes.
+    #[default]
+    Mosaic,
+}
+
+impl Interpret {
+    /// The interpret lowering with a TPU's numerics under Mosaic.
+    pub const MOSAIC_NUMERICS: Interpret =
+        Interpret { params: InterpretParams { numerics: Numerics::Mosaic } };
+}
+
+impl Lower for Interpret {
+    fn name(&self) -> &str {
+        "interpret"
+    }
+    /// Takes the whole language.
+    fn check(&self, _kernel: &Kernel) -> Result<()> {
+        Ok(())
+    }
+    /// A module whose `@main` runs the kernel.
+    fn text(&self, kernel: &Kernel) -> Result<String> {
+        kernel.module(self)
+    }
+    /// The grid as nested loops around each step's blocks and body.
+    fn call(&self, kernel: &Kernel, f: &mut FnBuilder, operands: &[Value]) -> Result<Vec<Value>> {
+        match self.params.numerics {
+            Numerics::Mosaic => call(kernel, f, operands),
+        }
+    }
 }
 
 fn tensor(t: &TensorType) -> TensorType {
@@ -328,111 +383,106 @@ fn binary(b: &mut FnBuilder, op: Binary, x: Value, y: Value) -> Result<Value> {
     }
 }
 
-impl Kernel {
-    /// The kernel run on `operands` (the tables, then the inputs) as plain StableHLO in `b`:
-    /// the interpret lowering, for any plugin.
-    pub(super) fn call_interpret(&self, b: &mut FnBuilder, operands: &[Value]) -> Result<Vec<Value>> {
-        let want = self.operand_types();
-        let got: Vec<TensorType> = operands.iter().map(Value::ty).collect();
-        if got != want {
-            return Err(err(format!("operands {got:?}, the kernel {} takes {want:?}", self.name)));
-        }
-        let (tables, inputs) = operands.split_at(self.tables.len());
-        // Loop state: the results, the scratch, then per result its current block and that
-        // block's start indices (-1 before the first step: every first visit is a new one).
-        let mut state = Vec::new();
-        for o in &self.outputs {
-            state.push(unwritten(b, &o.ty)?);
-        }
-        for (_, t) in &self.scratch {
-            state.push(zeros(b, &tensor(t))?);
-        }
-        for o in &self.outputs {
-            state.push(unwritten(b, &o.block_type())?);
-            for _ in &o.block {
-                state.push(b.scalar_i32(-1)?);
-            }
-        }
-        let done = self.grid_loop(b, &[], Operands { tables, inputs }, &state)?;
-        Ok(done[..self.outputs.len()].to_vec())
+/// The kernel run on `operands` (the tables, then the inputs) as plain StableHLO in `b`:
+/// the interpret lowering, for any plugin.
+fn call(k: &Kernel, b: &mut FnBuilder, operands: &[Value]) -> Result<Vec<Value>> {
+    let want = k.operand_types();
+    let got: Vec<TensorType> = operands.iter().map(Value::ty).collect();
+    if got != want {
+        return Err(err(format!("operands {got:?}, the kernel {} takes {want:?}", k.name)));
     }
+    let (tables, inputs) = operands.split_at(k.tables.len());
+    // Loop state: the results, the scratch, then per result its current block and that
+    // block's start indices (-1 before the first step: every first visit is a new one).
+    let mut state = Vec::new();
+    for o in &k.outputs {
+        state.push(unwritten(b, &o.ty)?);
+    }
+    for (_, t) in &k.scratch {
+        state.push(zeros(b, &tensor(t))?);
+    }
+    for o in &k.outputs {
+        state.push(unwritten(b, &o.block_type())?);
+        for _ in &o.block {
+            state.push(b.scalar_i32(-1)?);
+        }
+    }
+    let done = grid_loop(k, b, &[], Operands { tables, inputs }, &state)?;
+    Ok(done[..k.outputs.len()].to_vec())
+}
 
-    /// The grid's axes from `grid.len()` on as nested loops around [`Kernel::step`].
-    fn grid_loop(
-        &self,
-        b: &mut FnBuilder,
-        grid: &[Value],
-        x: Operands<'_>,
-        state: &[Value],
-    ) -> Result<Vec<Value>> {
-        if grid.len() == self.grid.len() {
-            return self.step(b, &Step { grid, tables: x.tables }, x.inputs, state);
-        }
-        let steps = self.grid[grid.len()].0 as i32;
-        b.for_loop(steps, state, |b, i, st| {
-            let mut g = grid.to_vec();
-            g.push(i);
-            self.grid_loop(b, &g, x, st)
-        })
+/// The grid's axes from `grid.len()` on as nested loops around [`step`].
+fn grid_loop(
+    k: &Kernel,
+    b: &mut FnBuilder,
+    grid: &[Value],
+    x: Operands<'_>,
+    state: &[Value],
+) -> Result<Vec<Value>> {
+    if grid.len() == k.grid.len() {
+        return step(k, b, &Step { grid, tables: x.tables }, x.inputs, state);
     }
+    let steps = k.grid[grid.len()].0 as i32;
+    b.for_loop(steps, state, |b, i, st| {
+        let mut g = grid.to_vec();
+        g.push(i);
+        grid_loop(k, b, &g, x, st)
+    })
+}
 
-    /// One grid step at `step`'s indices: blocks in, the body, result blocks back.
-    fn step(
-        &self,
-        b: &mut FnBuilder,
-        step: &Step<'_>,
-        inputs: &[Value],
-        state: &[Value],
-    ) -> Result<Vec<Value>> {
-        let starts = |b: &mut FnBuilder, o: &super::kernel::Operand| -> Result<Vec<Value>> {
-            o.map
-                .iter()
-                .zip(&o.block)
-                .map(|(m, &d)| {
-                    let i = step.scalar(b, m)?;
-                    let d = b.scalar_i32(d as i32)?;
-                    b.mul(i, d)
-                })
-                .collect()
-        };
-        let n_out = self.outputs.len();
-        let n_scratch = self.scratch.len();
-        let mut refs = Refs {
-            inputs: Vec::new(),
-            outputs: Vec::new(),
-            scratch: state[n_out..n_out + n_scratch].to_vec(),
-        };
-        for (o, &x) in self.inputs.iter().zip(inputs) {
-            let s = starts(b, o)?;
-            refs.inputs.push(b.dynamic_slice(x, &s, &o.block)?);
-        }
-        let mut kept = &state[n_out + n_scratch..];
-        let mut out_starts = Vec::with_capacity(n_out);
-        for o in &self.outputs {
-            let s = starts(b, o)?;
-            let (held, rest) = kept.split_at(1 + o.block.len());
-            kept = rest;
-            // The buffer of the last step when this step's block index is the same, else new.
-            let mut same = b.constant_bool(true, &[])?;
-            for (&now, &before) in s.iter().zip(&held[1..]) {
-                let eq = b.compare(crate::hlo::Cmp::Eq, now, before)?;
-                same = b.and(same, eq)?;
-            }
-            let fresh = unwritten(b, &o.block_type())?;
-            refs.outputs.push(b.select(same, held[0], fresh)?);
-            out_starts.push(s);
-        }
-        let mut vals = HashMap::new();
-        step.ops(b, &self.body, &mut vals, &mut refs)?;
-        let mut next = Vec::with_capacity(state.len());
-        for ((&whole, block), s) in state.iter().zip(&refs.outputs).zip(&out_starts) {
-            next.push(b.dynamic_update_slice(whole, *block, s)?);
-        }
-        next.extend(refs.scratch);
-        for (block, s) in refs.outputs.iter().zip(out_starts) {
-            next.push(*block);
-            next.extend(s);
-        }
-        Ok(next)
+/// One grid step at `step`'s indices: blocks in, the body, result blocks back.
+fn step(
+    k: &Kernel,
+    b: &mut FnBuilder,
+    step: &Step<'_>,
+    inputs: &[Value],
+    state: &[Value],
+) -> Result<Vec<Value>> {
+    let starts = |b: &mut FnBuilder, o: &crate::lang::kernel::Operand| -> Result<Vec<Value>> {
+        o.map
+            .iter()
+            .zip(&o.block)
+            .map(|(m, &d)| {
+                let i = step.scalar(b, m)?;
+                let d = b.scalar_i32(d as i32)?;
+                b.mul(i, d)
+            })
+            .collect()
+    };
+    let n_out = k.outputs.len();
+    let n_scratch = k.scratch.len();
+    let mut refs =
+        Refs { inputs: Vec::new(), outputs: Vec::new(), scratch: state[n_out..n_out + n_scratch].to_vec() };
+    for (o, &x) in k.inputs.iter().zip(inputs) {
+        let s = starts(b, o)?;
+        refs.inputs.push(b.dynamic_slice(x, &s, &o.block)?);
     }
+    let mut kept = &state[n_out + n_scratch..];
+    let mut out_starts = Vec::with_capacity(n_out);
+    for o in &k.outputs {
+        let s = starts(b, o)?;
+        let (held, rest) = kept.split_at(1 + o.block.len());
+        kept = rest;
+        // The buffer of the last step when this step's block index is the same, else new.
+        let mut same = b.constant_bool(true, &[])?;
+        for (&now, &before) in s.iter().zip(&held[1..]) {
+            let eq = b.compare(crate::hlo::Cmp::Eq, now, before)?;
+            same = b.and(same, eq)?;
+        }
+        let fresh = unwritten(b, &o.block_type())?;
+        refs.outputs.push(b.select(same, held[0], fresh)?);
+        out_starts.push(s);
+    }
+    let mut vals = HashMap::new();
+    step.ops(b, &k.body, &mut vals, &mut refs)?;
+    let mut next = Vec::with_capacity(state.len());
+    for ((&whole, block), s) in state.iter().zip(&refs.outputs).zip(&out_starts) {
+        next.push(b.dynamic_update_slice(whole, *block, s)?);
+    }
+    next.extend(refs.scratch);
+    for (block, s) in refs.outputs.iter().zip(out_starts) {
+        next.push(*block);
+        next.extend(s);
+    }
+    Ok(next)
 }

@@ -11,8 +11,8 @@
 
 use std::collections::HashMap;
 
-use super::body::{Offset, Op, Ref, V};
 use crate::hlo::TensorType;
+use crate::lang::body::{Offset, Op, Ref, V};
 
 /// The model's cycles from a product's issue to its result. Far above a real MXU's latency on
 /// purpose: it makes the schedule take every product whose inputs are ready, from any chunk,

@@ -7,11 +7,14 @@ use std::fmt::Write;
 
 use kda_core::DType;
 
+mod schedule;
+
 use super::arith::{cast_op, derefs_to_text, float_op, int_op, literal, predicate, Text};
-use super::body::{MatPrecision, Offset, Op, Place, Reduction, Ref, Unary, V};
-use super::kernel::{Index, Kernel, Semantics};
-use crate::error::Result;
+use super::{custom_call_layouts, quote_line, refuse, Lower};
+use crate::error::{Result, TpuError};
 use crate::hlo::{FnBuilder, TensorType, Value};
+use crate::lang::body::{MatPrecision, Offset, Op, Place, Reduction, Ref, Unary, V};
+use crate::lang::kernel::{Index, Kernel, Operand, Semantics};
 
 fn vty(t: &TensorType) -> String {
     if t.dims.is_empty() {
@@ -42,6 +45,149 @@ pub(crate) fn base64(bytes: &[u8]) -> String {
         }
     }
     out
+}
+
+/// The Mosaic lowering: a kernel as a Mosaic TPU kernel inside a `tpu_custom_call`, for
+/// libtpu. Reads each kernel's [`MosaicParams`] (defaults where it has none).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Mosaic;
+
+/// What the Mosaic lowering reads of a kernel beyond its definition
+/// ([`crate::lang::KernelBuilder::params`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MosaicParams {
+    /// The scoped VMEM the TPU compiler may give the kernel (its blocks, scratch and spills),
+    /// for a kernel that needs more than the generation's default (16 MiB on v5e, the
+    /// smallest); `None`: the default.
+    pub vmem_limit: Option<i64>,
+    /// The block rule the kernel's operands must meet.
+    pub tiling: Tiling,
+    /// The order the body's ops are written in.
+    pub schedule: Schedule,
+}
+
+impl Default for MosaicParams {
+    /// The compiler's default VMEM, the TPU's tiling, the list schedule.
+    fn default() -> Self {
+        MosaicParams { vmem_limit: None, tiling: Tiling::default(), schedule: Schedule::List }
+    }
+}
+
+impl MosaicParams {
+    /// The same parameters with a scoped VMEM limit of `bytes`; refused unless positive.
+    pub fn with_vmem_limit(mut self, bytes: i64) -> Result<Self> {
+        if bytes <= 0 {
+            return Err(TpuError::builder("mosaic params", format!("a vmem limit of {bytes} bytes")));
+        }
+        self.vmem_limit = Some(bytes);
+        Ok(self)
+    }
+    /// The same parameters with the ops written in `schedule`'s order.
+    pub fn with_schedule(mut self, schedule: Schedule) -> Self {
+        self.schedule = schedule;
+        self
+    }
+}
+
+/// Mosaic's block rule: each of a block's last two dims is a multiple of the tiling (lanes on
+/// the last, sublanes of the element width on the one before) or the array's full dim.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Tiling {
+    /// Lanes of a vector register (the last dim).
+    pub lanes: i64,
+    /// Sublanes of 32-bit elements (the second-to-last dim).
+    pub sublanes_32bit: i64,
+    /// Sublanes of 16-bit elements, two packed per 32-bit sublane.
+    pub sublanes_16bit: i64,
+}
+
+impl Default for Tiling {
+    /// The TPU's (8, 128) tiling of 32-bit types, (16, 128) of 16-bit ones.
+    fn default() -> Self {
+        Tiling { lanes: 128, sublanes_32bit: 8, sublanes_16bit: 16 }
+    }
+}
+
+impl Tiling {
+    /// Where `o`'s block breaks the rule, if it does.
+    fn off(&self, o: &Operand) -> Option<String> {
+        let r = o.ty.dims.len();
+        let sub = if o.ty.elem.bit_width() == 16 { self.sublanes_16bit } else { self.sublanes_32bit };
+        let tiles = if r >= 2 { vec![(r - 2, sub), (r - 1, self.lanes)] } else { vec![(0, self.lanes)] };
+        tiles.into_iter().find_map(|(axis, t)| {
+            let (b, d) = (o.block[axis], o.ty.dims[axis]);
+            (b != d && b % t != 0).then(|| {
+                format!(
+                    "block {:?} of {}: dim {axis} must be a multiple of {t} or the full {d}",
+                    o.block, o.ty
+                )
+            })
+        })
+    }
+}
+
+/// The order the Mosaic lowering writes a body's ops in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Schedule {
+    /// A list schedule on a model of a TensorCore (`schedule.rs`): each step's independent
+    /// work fills the waits on its products.
+    List,
+    /// The order the body was built in.
+    Built,
+}
+
+impl Mosaic {
+    fn params(kernel: &Kernel) -> MosaicParams {
+        kernel.params::<MosaicParams>().copied().unwrap_or_default()
+    }
+}
+
+impl Lower for Mosaic {
+    fn name(&self) -> &str {
+        "mosaic"
+    }
+    /// Refuses blocks off the tiling and a VMEM limit below one byte.
+    fn check(&self, kernel: &Kernel) -> Result<()> {
+        let params = Mosaic::params(kernel);
+        if let Some(bytes) = params.vmem_limit.filter(|&b| b <= 0) {
+            return Err(refuse(self, kernel, format!("a vmem limit of {bytes} bytes")));
+        }
+        for o in kernel.inputs.iter().chain(&kernel.outputs) {
+            if let Some(why) = params.tiling.off(o) {
+                return Err(refuse(
+                    self,
+                    kernel,
+                    format!("a block off the TPU's tiling: `{}`: {why}", o.name),
+                ));
+            }
+        }
+        Ok(())
+    }
+    /// The text of a Mosaic module: the kernel function and one transform function per
+    /// operand and result.
+    fn text(&self, kernel: &Kernel) -> Result<String> {
+        self.check(kernel)?;
+        text(kernel, &Mosaic::params(kernel))
+    }
+    /// A `tpu_custom_call` that libtpu compiles.
+    fn call(&self, kernel: &Kernel, f: &mut FnBuilder, operands: &[Value]) -> Result<Vec<Value>> {
+        call(kernel, &Mosaic::params(kernel), f, operands)
+    }
+    /// Quotes the body line the compiler points at (`loc("-":LINE:COL)`), so the message shows
+    /// the op libtpu refused.
+    fn explain(&self, kernel: &Kernel, error: TpuError) -> TpuError {
+        let TpuError::Compile { message } = error else { return error };
+        let quoted = self.text(kernel).ok().and_then(|text| quote_line(&text, &message, "loc(\"-\":"));
+        match quoted {
+            Some(line) => {
+                TpuError::Compile { message: format!("{message}\n  kernel {} body: {line}", kernel.name) }
+            }
+            None => TpuError::Compile { message },
+        }
+    }
 }
 
 struct Emitter<'k> {
@@ -361,125 +507,130 @@ impl<'k> Emitter<'k> {
     }
 }
 
-impl Kernel {
-    /// The kernel as the text of a Mosaic module: the kernel function and one transform
-    /// function per operand and result.
-    pub fn mosaic_text(&self) -> Result<String> {
-        self.check_lowering(super::Lowering::Mosaic)?;
-        let mut e = Emitter { k: self, t: Text::new("mosaic text") };
-        let grid_args: Vec<String> = (0..self.grid.len()).map(|a| format!("%g{a}: i32")).collect();
-        let table_args: Vec<String> = self
-            .tables
-            .iter()
-            .enumerate()
-            .map(|(t, (_, n))| format!("%tab{t}: {}", memref(&[*n], DType::I32, "smem")))
-            .collect();
-        let mut args = grid_args.clone();
-        args.extend(table_args.clone());
-        for (i, o) in self.inputs.iter().enumerate() {
-            args.push(format!("%in{i}: {}", memref(&o.block, o.ty.elem, "vmem")));
+/// The kernel as the text of a Mosaic module: the kernel function and one transform
+/// function per operand and result.
+fn text(k: &Kernel, params: &MosaicParams) -> Result<String> {
+    let mut e = Emitter { k, t: Text::new("mosaic text") };
+    let grid_args: Vec<String> = (0..k.grid.len()).map(|a| format!("%g{a}: i32")).collect();
+    let table_args: Vec<String> = k
+        .tables
+        .iter()
+        .enumerate()
+        .map(|(t, (_, n))| format!("%tab{t}: {}", memref(&[*n], DType::I32, "smem")))
+        .collect();
+    let mut args = grid_args.clone();
+    args.extend(table_args.clone());
+    for (i, o) in k.inputs.iter().enumerate() {
+        args.push(format!("%in{i}: {}", memref(&o.block, o.ty.elem, "vmem")));
+    }
+    for (i, o) in k.outputs.iter().enumerate() {
+        args.push(format!("%out{i}: {}", memref(&o.block, o.ty.elem, "vmem")));
+    }
+    for (i, (_, t)) in k.scratch.iter().enumerate() {
+        args.push(format!("%s{i}: {}", memref(&t.dims, t.elem, "vmem")));
+    }
+    let semantics: Vec<String> = k
+        .grid
+        .iter()
+        .map(|(_, s)| {
+            let s = match s {
+                Semantics::Parallel => "parallel",
+                Semantics::Arbitrary => "arbitrary",
+            };
+            format!("#tpu.dimension_semantics<{s}>")
+        })
+        .collect();
+    let bounds: Vec<String> = k.grid.iter().map(|(n, _)| n.to_string()).collect();
+    let windows = window_params(k);
+    let _ = writeln!(e.out, "module @{} {{", k.name);
+    e.depth = 1;
+    e.line(&format!(
+        "func.func @{}({}) attributes {{dimension_semantics = [{}], iteration_bounds = array<i64: {}>, scalar_prefetch = {} : i64, scratch_operands = {} : i64, tpu.core_type = #tpu.core_type<tc>, window_params = [{}]}} {{",
+        k.name,
+        args.join(", "),
+        semantics.join(", "),
+        bounds.join(", "),
+        k.tables.len(),
+        k.scratch.len(),
+        windows.join(", ")
+    ));
+    e.depth = 2;
+    let ordered;
+    let ops = match params.schedule {
+        Schedule::List => {
+            ordered = schedule::schedule(&k.body);
+            &ordered
         }
-        for (i, o) in self.outputs.iter().enumerate() {
-            args.push(format!("%out{i}: {}", memref(&o.block, o.ty.elem, "vmem")));
-        }
-        for (i, (_, t)) in self.scratch.iter().enumerate() {
-            args.push(format!("%s{i}: {}", memref(&t.dims, t.elem, "vmem")));
-        }
-        let semantics: Vec<String> = self
-            .grid
-            .iter()
-            .map(|(_, s)| {
-                let s = match s {
-                    Semantics::Parallel => "parallel",
-                    Semantics::Arbitrary => "arbitrary",
-                };
-                format!("#tpu.dimension_semantics<{s}>")
-            })
-            .collect();
-        let bounds: Vec<String> = self.grid.iter().map(|(n, _)| n.to_string()).collect();
-        let windows = self.window_params();
-        let _ = writeln!(e.out, "module @{} {{", self.name);
-        e.depth = 1;
-        e.line(&format!(
-            "func.func @{}({}) attributes {{dimension_semantics = [{}], iteration_bounds = array<i64: {}>, scalar_prefetch = {} : i64, scratch_operands = {} : i64, tpu.core_type = #tpu.core_type<tc>, window_params = [{}]}} {{",
-            self.name,
-            args.join(", "),
-            semantics.join(", "),
-            bounds.join(", "),
-            self.tables.len(),
-            self.scratch.len(),
-            windows.join(", ")
-        ));
+        Schedule::Built => &k.body,
+    };
+    e.ops(ops)?;
+    e.line("return");
+    e.depth = 1;
+    e.line("}");
+    let mut map_args = grid_args;
+    map_args.extend(table_args);
+    for (i, o) in k.inputs.iter().chain(&k.outputs).enumerate() {
+        let ret = vec!["i32"; o.map.len()].join(", ");
+        e.line(&format!("func.func @{}_map{i}({}) -> ({ret}) {{", k.name, map_args.join(", ")));
         e.depth = 2;
-        e.ops(&super::schedule::schedule(&self.body))?;
-        e.line("return");
+        let vals: Vec<String> = o.map.iter().map(|m| e.index(m)).collect();
+        e.line(&format!("return {} : {ret}", vals.join(", ")));
         e.depth = 1;
         e.line("}");
-        let mut map_args = grid_args;
-        map_args.extend(table_args);
-        for (i, o) in self.inputs.iter().chain(&self.outputs).enumerate() {
-            let ret = vec!["i32"; o.map.len()].join(", ");
-            e.line(&format!("func.func @{}_map{i}({}) -> ({ret}) {{", self.name, map_args.join(", ")));
-            e.depth = 2;
-            let vals: Vec<String> = o.map.iter().map(|m| e.index(m)).collect();
-            e.line(&format!("return {} : {ret}", vals.join(", ")));
-            e.depth = 1;
-            e.line("}");
-        }
-        e.out.push_str("}\n");
-        Ok(e.t.out)
     }
+    e.out.push_str("}\n");
+    Ok(e.t.out)
+}
 
-    /// The kernel's `window_params`: per operand and result its block and transform function.
-    fn window_params(&self) -> Vec<String> {
-        let operands = self.inputs.iter().chain(&self.outputs).enumerate();
-        operands
-            .map(|(i, o)| {
-                let b: Vec<String> = o.block.iter().map(i64::to_string).collect();
-                format!(
-                    "{{transform_indices = @{}_map{i}, window_bounds = array<i64: {}>}}",
-                    self.name,
-                    b.join(", ")
-                )
-            })
-            .collect()
-    }
-
-    /// The `backend_config` of the custom call: the base64 body, layout passes on, the
-    /// analytic cost when the kernel has one, and its scoped VMEM limit when it sets one
-    /// (`scoped_memory_configs`, memory space 1: VMEM).
-    fn backend_config(&self) -> Result<String> {
-        let body = base64(self.mosaic_text()?.as_bytes());
-        let cost = self.cost.map_or(String::new(), |c| {
+/// The kernel's `window_params`: per operand and result its block and transform function.
+fn window_params(k: &Kernel) -> Vec<String> {
+    let operands = k.inputs.iter().chain(&k.outputs).enumerate();
+    operands
+        .map(|(i, o)| {
+            let b: Vec<String> = o.block.iter().map(i64::to_string).collect();
             format!(
-                ", \\\"cost_estimate\\\": {{\\\"flops\\\": {}, \\\"transcendentals\\\": {}, \\\"bytes_accessed\\\": {}}}",
-                c.flops.round() as u64,
-                c.transcendentals.round() as u64,
-                c.bytes.round() as u64
+                "{{transform_indices = @{}_map{i}, window_bounds = array<i64: {}>}}",
+                k.name,
+                b.join(", ")
             )
-        });
-        let vmem = self.vmem_limit.map_or(String::new(), |bytes| {
-            format!(
-                ", \\\"scoped_memory_configs\\\": [{{\\\"memory_space\\\": 1, \\\"offset\\\": 0, \\\"size\\\": {bytes}}}]"
-            )
-        });
-        Ok(format!(
-            "{{\\\"custom_call_config\\\": {{\\\"body\\\": \\\"{body}\\\", \\\"needs_layout_passes\\\": true{cost}}}{vmem}}}"
-        ))
-    }
+        })
+        .collect()
+}
 
-    /// The kernel called from `b` on `operands` (the tables, then the inputs, as
-    /// [`Kernel::operand_types`] lists them): a `tpu_custom_call` that libtpu compiles.
-    pub(super) fn call_mosaic(&self, b: &mut FnBuilder, operands: &[Value]) -> Result<Vec<Value>> {
-        let (operand_layouts, result_layouts) = self.custom_call_layouts("mosaic", operands)?;
-        let results = self.result_types();
-        let attrs = format!(
-            "call_target_name = \"tpu_custom_call\", backend_config = \"{}\", kernel_name = \"{}\", operand_layouts = [{operand_layouts}], result_layouts = [{result_layouts}]",
-            self.backend_config()?,
-            self.name,
-        );
-        b.custom_call(&format!("mosaic {}", self.name), operands, &results, &attrs)
-    }
+/// The `backend_config` of the custom call: the base64 body, layout passes on, the
+/// analytic cost when the kernel has one, and its scoped VMEM limit when it sets one
+/// (`scoped_memory_configs`, memory space 1: VMEM).
+fn backend_config(k: &Kernel, params: &MosaicParams) -> Result<String> {
+    let body = base64(text(k, params)?.as_bytes());
+    let cost = k.cost.map_or(String::new(), |c| {
+        format!(
+            ", \\\"cost_estimate\\\": {{\\\"flops\\\": {}, \\\"transcendentals\\\": {}, \\\"bytes_accessed\\\": {}}}",
+            c.flops.round() as u64,
+            c.transcendentals.round() as u64,
+            c.bytes.round() as u64
+        )
+    });
+    let vmem = params.vmem_limit.map_or(String::new(), |bytes| {
+        format!(
+            ", \\\"scoped_memory_configs\\\": [{{\\\"memory_space\\\": 1, \\\"offset\\\": 0, \\\"size\\\": {bytes}}}]"
+        )
+    });
+    Ok(format!(
+        "{{\\\"custom_call_config\\\": {{\\\"body\\\": \\\"{body}\\\", \\\"needs_layout_passes\\\": true{cost}}}{vmem}}}"
+    ))
+}
+
+/// The kernel called from `b` on `operands` (the tables, then the inputs, as
+/// [`Kernel::operand_types`] lists them): a `tpu_custom_call` that libtpu compiles.
+fn call(k: &Kernel, params: &MosaicParams, b: &mut FnBuilder, operands: &[Value]) -> Result<Vec<Value>> {
+    let (operand_layouts, result_layouts) = custom_call_layouts(k, "mosaic", operands)?;
+    let results = k.result_types();
+    let attrs = format!(
+        "call_target_name = \"tpu_custom_call\", backend_config = \"{}\", kernel_name = \"{}\", operand_layouts = [{operand_layouts}], result_layouts = [{result_layouts}]",
+        backend_config(k, params)?,
+        k.name,
+    );
+    b.custom_call(&format!("mosaic {}", k.name), operands, &results, &attrs)
 }
 
 #[cfg(test)]

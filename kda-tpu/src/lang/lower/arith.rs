@@ -5,9 +5,9 @@ use std::collections::HashMap;
 
 use kda_core::DType;
 
-use super::body::{Binary, V};
 use crate::error::{Result, TpuError};
 use crate::hlo::Cmp;
+use crate::lang::body::{Binary, V};
 
 /// `Deref` and `DerefMut` of an emitter struct to its `t: Text`, so that both lowerings write
 /// through the same [`Text`] methods.

@@ -1,29 +1,15 @@
-//! The lowerings, and what a kernel uses that not every lowering takes: each lowering's
-//! capability flags ([`Lowering::takes`]) and the check that refuses a kernel before its text is
-//! written ([`Kernel::check_lowering`]).
+//! What the Triton lowering has no form for: the parts of the language a kernel may use that
+//! TTIR cannot hold as this lowering writes it, found before any text is written.
 
-use super::body::{Offset, Op, Place};
-use super::kernel::{Kernel, Semantics};
-use crate::error::{Result, TpuError};
-
-/// How a kernel is lowered: to Mosaic (for libtpu), to Triton (for XLA's CUDA plugin), or to
-/// plain StableHLO (any plugin).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Lowering {
-    /// A `tpu_custom_call` holding the Mosaic text.
-    Mosaic,
-    /// The interpret lowering.
-    Interpret,
-    /// A `__gpu$xla.gpu.triton` custom call holding the Triton IR text.
-    Triton,
-}
+use crate::lang::body::{Offset, Op, Place};
+use crate::lang::kernel::{Kernel, Semantics};
 
 /// Each dim rounded up to a power of two: the dims of the Triton tensor that holds a value.
-pub(super) fn padded(dims: &[i64]) -> Vec<i64> {
+pub(crate) fn padded(dims: &[i64]) -> Vec<i64> {
     dims.iter().map(|&d| (d.max(1) as u64).next_power_of_two() as i64).collect()
 }
 
-/// A part of the kernel language that some lowering has no form for.
+/// A part of the kernel language that the Triton lowering has no form for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Feature {
     /// A scratch buffer read or written in part, or at run-time offsets (Triton holds scratch
@@ -41,9 +27,6 @@ pub enum Feature {
     WideGrid,
     /// An array of 2^31 elements or more (Triton offsets are i32).
     HugeArray,
-    /// A block whose last two dims are neither multiples of the TPU's (8, 128) tiling ((16,
-    /// 128) for 16-bit types) nor the full dims (Mosaic's rule).
-    OffTiling,
 }
 
 impl Feature {
@@ -61,19 +44,6 @@ impl Feature {
             }
             Feature::WideGrid => "more than 3 parallel grid axes, or over 65,535 steps on the 2nd or 3rd",
             Feature::HugeArray => "an array of 2^31 elements or more",
-            Feature::OffTiling => "a block off the TPU's tiling",
-        }
-    }
-}
-
-impl Lowering {
-    /// Whether this lowering takes `feature`. The interpret lowering takes the whole language;
-    /// Mosaic all but blocks off its tiling; Triton none but those.
-    pub fn takes(self, feature: Feature) -> bool {
-        match self {
-            Lowering::Interpret => true,
-            Lowering::Mosaic => feature != Feature::OffTiling,
-            Lowering::Triton => feature == Feature::OffTiling,
         }
     }
 }
@@ -139,36 +109,19 @@ fn used(k: &Kernel, ops: &[Op], out: &mut Vec<(Feature, String)>) {
     }
 }
 
-impl Kernel {
-    /// Every feature this kernel uses that some lowering may refuse, with where.
-    pub fn features(&self) -> Vec<(Feature, String)> {
-        let mut out = Vec::new();
-        let parallel: Vec<i64> =
-            self.grid.iter().filter(|(_, s)| *s == Semantics::Parallel).map(|(n, _)| *n).collect();
-        if parallel.len() > 3 || parallel.iter().skip(1).any(|&n| n > 65_535) {
-            out.push((Feature::WideGrid, format!("parallel axes {parallel:?}")));
-        }
-        for o in self.inputs.iter().chain(&self.outputs) {
-            if o.ty.num_elements() >= 1 << 31 {
-                out.push((Feature::HugeArray, format!("`{}` {}", o.name, o.ty)));
-            }
-            if let Some(why) = o.off_tiling() {
-                out.push((Feature::OffTiling, format!("`{}`: {why}", o.name)));
-            }
-        }
-        used(self, &self.body, &mut out);
-        out
+/// Every part of `k` the Triton lowering has no form for, with where the kernel uses it.
+pub fn features(k: &Kernel) -> Vec<(Feature, String)> {
+    let mut out = Vec::new();
+    let parallel: Vec<i64> =
+        k.grid.iter().filter(|(_, s)| *s == Semantics::Parallel).map(|(n, _)| *n).collect();
+    if parallel.len() > 3 || parallel.iter().skip(1).any(|&n| n > 65_535) {
+        out.push((Feature::WideGrid, format!("parallel axes {parallel:?}")));
     }
-
-    /// Refuses the kernel for `lowering` when it uses a feature the lowering does not take: an
-    /// `Unsupported` error naming the feature and where the kernel uses it.
-    pub fn check_lowering(&self, lowering: Lowering) -> Result<()> {
-        match self.features().into_iter().find(|(f, _)| !lowering.takes(*f)) {
-            None => Ok(()),
-            Some((f, at)) => Err(TpuError::unsupported(
-                format!("{lowering:?} lowering of kernel {}", self.name),
-                format!("{}: {at}", f.describe()),
-            )),
+    for o in k.inputs.iter().chain(&k.outputs) {
+        if o.ty.num_elements() >= 1 << 31 {
+            out.push((Feature::HugeArray, format!("`{}` {}", o.name, o.ty)));
         }
     }
+    used(k, &k.body, &mut out);
+    out
 }
