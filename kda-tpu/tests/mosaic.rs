@@ -16,7 +16,7 @@ use kda_tpu::aot::{GpuCompiler, H200};
 use kda_tpu::hlo::{Cmp, TensorType};
 use kda_tpu::lang::{
     Binary, Cost, F32Dot, Feature, Index, Kernel, KernelBuilder, Lower, Lowering, MatPrecision, Mosaic,
-    MosaicParams, Offset, Operand, Reduction, Ref, Semantics, Triton, TritonParams, Unary,
+    MosaicParams, Offset, Operand, Reduction, Ref, Semantics, Triton, TritonParams,
 };
 use kda_tpu::op::tpu_kernels::blocks::{TermMasks, TermScratch};
 use kda_tpu::{Result, TpuCompiler, DEFAULT_TOPOLOGY};
@@ -109,7 +109,7 @@ fn matmul_f32() -> Result<Case> {
             let (a, c) = (b.load_all(ins[0])?, b.load_all(ins[1])?);
             let p = b.matmul(&a, &c, (1, 0), MatPrecision::Highest)?;
             let one = b.splat(1.0, DType::F32, &[128, 128])?;
-            let r = b.binary(Binary::Add, &p, &one)?;
+            let r = b.add(&p, &one)?;
             b.store_all(outs[0], &r)
         },
     )?;
@@ -144,25 +144,20 @@ fn elementwise() -> Result<Case> {
         |b, ins, outs| {
             let x = b.load_all(ins[0])?;
             let one = b.splat(1.0, DType::F32, &[8, 128])?;
-            let (e, l, r, n) = (
-                b.unary(Unary::Exp, &x)?,
-                b.unary(Unary::Log, &x)?,
-                b.unary(Unary::Rsqrt, &x)?,
-                b.unary(Unary::Neg, &x)?,
-            );
-            let lr = b.binary(Binary::Mul, &l, &r)?;
-            let nx = b.binary(Binary::Div, &n, &x)?;
-            let (hi, lo) = (b.binary(Binary::Max, &x, &one)?, b.binary(Binary::Min, &x, &one)?);
-            let s = b.binary(Binary::Add, &e, &lr)?;
-            let l1 = b.unary(Unary::Log1p, &x)?;
-            let s = b.binary(Binary::Add, &s, &l1)?;
-            let th = b.unary(Unary::Tanh, &x)?;
-            let s = b.binary(Binary::Add, &s, &th)?;
-            let e2 = b.unary(Unary::Exp2, &x)?;
-            let s = b.binary(Binary::Add, &s, &e2)?;
-            let s = b.binary(Binary::Sub, &s, &nx)?;
-            let m = b.binary(Binary::Sub, &hi, &lo)?;
-            let out = b.binary(Binary::Add, &s, &m)?;
+            let (e, l, r, n) = (b.exp(&x)?, b.log(&x)?, b.rsqrt(&x)?, b.neg(&x)?);
+            let lr = b.mul(&l, &r)?;
+            let nx = b.div(&n, &x)?;
+            let (hi, lo) = (b.max(&x, &one)?, b.min(&x, &one)?);
+            let s = b.add(&e, &lr)?;
+            let l1 = b.log1p(&x)?;
+            let s = b.add(&s, &l1)?;
+            let th = b.tanh(&x)?;
+            let s = b.add(&s, &th)?;
+            let e2 = b.exp2(&x)?;
+            let s = b.add(&s, &e2)?;
+            let s = b.sub(&s, &nx)?;
+            let m = b.sub(&hi, &lo)?;
+            let out = b.add(&s, &m)?;
             b.store_all(outs[0], &out)
         },
     )?;
@@ -206,8 +201,8 @@ fn reduce_broadcast() -> Result<Case> {
             let x = b.load_all(ins[0])?;
             let (s, m) = (b.reduce(Reduction::Sum, &x, 1)?, b.reduce(Reduction::Max, &x, 1)?);
             let (s, m) = (b.broadcast(&s, &[64, 128])?, b.broadcast(&m, &[64, 128])?);
-            let d = b.binary(Binary::Sub, &x, &m)?;
-            let out = b.binary(Binary::Add, &d, &s)?;
+            let d = b.sub(&x, &m)?;
+            let out = b.add(&d, &s)?;
             b.store_all(outs[0], &out)
         },
     )?;
@@ -261,7 +256,7 @@ fn blocked_grid() -> Result<Case> {
         let ip1 = b.index_op(Binary::Add, &i, &one)?;
         let s = b.broadcast(&ip1, &[64, 128])?;
         let s = b.cast(&s, DType::F32)?;
-        let out = b.binary(Binary::Mul, &x, &s)?;
+        let out = b.mul(&x, &s)?;
         b.store_all(o, &out)
     })?;
     let want = x.iter().enumerate().map(|(i, v)| v * (i / (64 * 128) + 1) as f32).collect();
@@ -296,7 +291,7 @@ fn scalar_prefetch() -> Result<Case> {
         let blk = b.read_table(tab, &at)?;
         let row = b.index_op(Binary::Mul, &blk, &eight)?;
         let y = b.load(ys, &[Offset::Dyn(row, 8), Offset::Const(0)], &[8, 128])?;
-        let out = b.binary(Binary::Add, &x, &y)?;
+        let out = b.add(&x, &y)?;
         b.store_all(o, &out)
     })?;
     let mut want = vec![0f32; 64 * 128];
@@ -426,7 +421,7 @@ fn scratch_state() -> Result<Case> {
         let (kb, vb) = (b.reshape(&kb, &[64, 128])?, b.reshape(&vb, &[64, 128])?);
         let s = b.load_all(state)?;
         let p = b.matmul(&kb, &vb, (0, 0), MatPrecision::Highest)?;
-        let s = b.binary(Binary::Add, &s, &p)?;
+        let s = b.add(&s, &p)?;
         b.store_all(state, &s)?;
         let at_last = b.compare(Cmp::Eq, &c, &last)?;
         b.when(&at_last, |b| {
@@ -459,8 +454,8 @@ fn for_loop() -> Result<Case> {
                 let xs = b.load(ins[0], &[Offset::Dyn(row, 32), Offset::Const(0)], &[32, 128])?;
                 let p = b.matmul(&xs, &xs, (0, 0), MatPrecision::Highest)?;
                 let half = b.splat(0.5, DType::F32, &[128, 128])?;
-                let s = b.binary(Binary::Mul, &s[0], &half)?;
-                Ok(vec![b.binary(Binary::Add, &s, &p)?])
+                let s = b.mul(&s[0], &half)?;
+                Ok(vec![b.add(&s, &p)?])
             })?;
             b.store_all(outs[0], &out[0])
         },
@@ -604,7 +599,7 @@ fn padded_widths() -> Result<Case> {
             let (a, c, r) = (b.load_all(ins[0])?, b.load_all(ins[1])?, b.load_all(ins[2])?);
             let p = b.matmul(&a, &c, (1, 0), MatPrecision::Default)?;
             let r = b.broadcast(&r, &[64, 160])?;
-            let o = b.binary(Binary::Add, &p, &r)?;
+            let o = b.add(&p, &r)?;
             b.store_all(outs[0], &o)?;
             let s = b.reduce(Reduction::Sum, &o, 1)?;
             b.store_all(outs[1], &s)
@@ -735,7 +730,7 @@ fn the_cost_estimate_reaches_the_compiler() -> Result<()> {
         let k = k.build(|b| {
             let x = b.load_all(xs)?;
             let p = b.matmul(&x, &x, (1, 0), MatPrecision::Highest)?;
-            let e = b.unary(Unary::Exp, &p)?;
+            let e = b.exp(&p)?;
             b.store_all(o, &e)
         })?;
         let tpu = TpuCompiler::load().unwrap_or_else(|e| panic!("no libtpu ({e}); run `cargo xtask setup`"));
@@ -765,7 +760,7 @@ fn a_vmem_limit_reaches_the_compiler() -> Result<()> {
         }
         let k = k.build(|b| {
             let x = b.load_all(xs)?;
-            let y = b.unary(Unary::Exp, &x)?;
+            let y = b.exp(&x)?;
             b.store_all(o, &y)
         })?;
         let tpu = TpuCompiler::load().unwrap_or_else(|e| panic!("no libtpu ({e}); run `cargo xtask setup`"));

@@ -18,6 +18,8 @@ mod commands;
 mod demo;
 mod gpu_check;
 #[cfg(test)]
+mod house;
+#[cfg(test)]
 mod imports;
 #[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
 mod machine;

@@ -392,8 +392,8 @@ mod tests {
     }
 
     /// A top-level program with a call, a `while` of 4 trips (from the HLO) and a kernel
-    /// (`module @kda_k`) whose grid loop of 3 bundles, one a DMA of 2 granules, exits after 10:
-    /// 3 + 4 * (2 + fusion 2) + kernel (1 + 10 * 3) bundles, 10 DMAs of 64 bytes.
+    /// (`module @kda_k`) whose grid loop of three bundles, one a DMA of two granules, exits after
+    /// ten trips: `3 + 4 * (2 + fusion 2) + kernel (1 + 10 * 3)` bundles and ten DMAs of 64 bytes.
     #[test]
     fn counts_loops_calls_and_kernels() {
         let dir = std::env::temp_dir().join(format!("kda-cycles-{}", std::process::id()));

@@ -81,7 +81,7 @@ impl TpuCompiler {
     }
 
     fn from_location(loc: &PluginLocation) -> Result<Self> {
-        // Without this variable libtpu spends about 90 s retrying a cloud metadata server off
+        // Without this variable libtpu spends over a minute retrying a cloud metadata server off
         // GCP, then fails. The library does not change the process environment: the caller
         // sets it (`cargo xtask env` prints it; xtask sets it for itself).
         if std::env::var_os("TPU_SKIP_MDS_QUERY").is_none() {

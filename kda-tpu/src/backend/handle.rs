@@ -249,10 +249,9 @@ impl PjrtBackend {
 
     /// The XLA options a kernel program is compiled with ([`crate::op::program`] text). On the CPU plugin the forward
     /// programs use XLA's memory-optimized scheduler instead of its default
-    /// concurrency-optimized one: at the primary shape that measured the forward 5-9% faster
-    /// (medians of five alternating runs' medians, f32 19.4 -> 17.7 and 20.1 -> 19.1 ms) and its
-    /// scratch smaller (f32 34.5 -> 26.3 MB); the fused programs measured 1-3% slower with it, so
-    /// they keep the default. Other plugins get XLA's defaults. The options of
+    /// concurrency-optimized one: at the primary shape it measured the forward faster and its
+    /// scratch smaller, the fused programs slower (docs/performance.md, Design figures), so they
+    /// keep the default. Other plugins get XLA's defaults. The options of
     /// [`PjrtOptions::xla_option`] (and `$KDA_XLA_OPT_LEVEL`) come on top.
     pub(crate) fn compile_options(&self, kind: ProgramKind) -> CompileOptions {
         self.xla.iter().fold(compile_options(&self.shared.info.platform, kind), |o, (name, value)| {

@@ -1,253 +1,12 @@
-//! A kernel body: typed values and the ops on them. Every op's shape and dtype rule, and the
-//! visibility of its operands, is checked here, once, when the op is added; every lowering
+//! A kernel body built op by op ([`super::ir`] holds what it is made of). Every op's shape and
+//! dtype rule, and the visibility of its operands, is checked here, once, when the op is added; every lowering
 //! ([`super::lower`]) takes the checked ops as they are.
 
 use kda_core::DType;
 
+use super::ir::{Binary, MatPrecision, Offset, Op, Place, Reduction, Ref, Table, Unary, V};
 use crate::error::{Result, TpuError};
 use crate::hlo::{Cmp, TensorType};
-
-/// A value of a body: its id and type.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct V {
-    pub(crate) id: u32,
-    body: u32,
-    /// The value's type: a vector (dims non-empty) or a scalar (dims empty; i32 scalars are
-    /// grid indices, table entries, loop counters and offsets; an i1 scalar is a condition).
-    pub ty: TensorType,
-}
-
-/// A memory reference the body reads and writes: the block of an input or output (the window
-/// of the current grid step) or a scratch buffer (kept across grid steps). Only the kernel's
-/// builder makes one ([`super::KernelBuilder::input`], `output`, `scratch`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Ref {
-    pub(super) kernel: u32,
-    pub(super) place: Place,
-}
-
-/// A scalar-prefetch table of a kernel, as [`super::KernelBuilder::table`] returned it: what an
-/// [`super::Index`] and [`Body::read_table`] read, and what [`super::Bindings::table`] binds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Table {
-    pub(super) kernel: u32,
-    pub(super) index: usize,
-}
-
-/// Which of its kernel's references a [`Ref`] is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(super) enum Place {
-    /// Input `i`'s block.
-    Input(usize),
-    /// Output `i`'s block.
-    Output(usize),
-    /// Scratch buffer `i`.
-    Scratch(usize),
-}
-
-/// An offset into a reference: a constant, or an i32 scalar known to be a multiple of `multiple`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Offset {
-    /// A constant offset.
-    Const(i64),
-    /// A run-time offset.
-    Dyn(V, i64),
-}
-
-/// Elementwise binary ops (both operands of one type).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Binary {
-    /// `a + b`
-    Add,
-    /// `a - b`
-    Sub,
-    /// `a * b`
-    Mul,
-    /// `a / b` (floats)
-    Div,
-    /// `max(a, b)`
-    Max,
-    /// `min(a, b)`
-    Min,
-}
-
-/// Elementwise unary ops on floats.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Unary {
-    /// `exp(x)`
-    Exp,
-    /// `2^x` (what a TPU's transcendental unit computes: `exp(x)` costs a multiply more)
-    Exp2,
-    /// `ln(x)`
-    Log,
-    /// `ln(1 + x)`, accurate for small `x`
-    Log1p,
-    /// `1 / sqrt(x)`
-    Rsqrt,
-    /// `tanh(x)`
-    Tanh,
-    /// `-x`
-    Neg,
-}
-
-/// Reductions over one axis (the axis kept with size 1).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Reduction {
-    /// Sum.
-    Sum,
-    /// Maximum.
-    Max,
-}
-
-/// Matmul precision: `Highest` runs f32 operands at full precision on the MXU (Mosaic's
-/// `fp32` contract precision); `Default` is the native bf16 pass (the only choice for bf16).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MatPrecision {
-    /// The MXU's native precision.
-    Default,
-    /// Full f32.
-    Highest,
-}
-
-/// One op of a body.
-#[derive(Clone, Debug)]
-pub enum Op {
-    /// Grid index `axis` of the current step.
-    ProgramId { out: V, axis: usize },
-    /// An i32 scalar constant.
-    IndexConst { out: V, value: i64 },
-    /// i32 scalar arithmetic.
-    IndexBinary { out: V, op: Binary, a: V, b: V },
-    /// Entry `index` of scalar-prefetch table `table` (its position).
-    ReadTable { out: V, table: usize, index: V },
-    /// A vector of one value.
-    Splat { out: V, value: f64 },
-    /// A block of `out.ty.dims` from `from` at `offsets`.
-    Load { out: V, from: Ref, offsets: Vec<Offset> },
-    /// Writes `value` into `to` at `offsets`.
-    Store { to: Ref, offsets: Vec<Offset>, value: V },
-    /// `a x b` contracting `a`'s dim `contract.0` with `b`'s dim `contract.1` (2-D operands,
-    /// output `[a free, b free]`, f32 accumulation).
-    Matmul { out: V, a: V, b: V, contract: (usize, usize), precision: MatPrecision },
-    /// Elementwise binary op.
-    Binary { out: V, op: Binary, a: V, b: V },
-    /// Elementwise unary op.
-    Unary { out: V, op: Unary, a: V },
-    /// i32 indices along `dim`.
-    Iota { out: V, dim: usize },
-    /// Comparison into an i1 value of the same dims.
-    Compare { out: V, cmp: Cmp, a: V, b: V },
-    /// `cond ? a : b` elementwise.
-    Select { out: V, cond: V, a: V, b: V },
-    /// Reduction over `axis`, kept with size 1.
-    Reduce { out: V, op: Reduction, a: V, axis: usize },
-    /// Stretches size-1 dims (and prepends leading ones) to `out`'s dims.
-    Broadcast { out: V, a: V },
-    /// Element type conversion.
-    Cast { out: V, a: V },
-    /// 2-D transpose.
-    Transpose { out: V, a: V },
-    /// Same elements, other dims.
-    Reshape { out: V, a: V },
-    /// The `out.ty.dims` block of `a` from `starts` (static).
-    Slice { out: V, a: V, starts: Vec<i64> },
-    /// `parts` side by side along `dim`.
-    Concat { out: V, parts: Vec<V>, dim: usize },
-    /// Runs `then` when the i1 scalar `cond` holds (stores only; no values come out).
-    If { cond: V, then: Vec<Op> },
-    /// `for i in lo..hi` carrying `init` as `args`; the body's `yields` become `outs`.
-    For {
-        lo: i64,
-        hi: i64,
-        index: V,
-        init: Vec<V>,
-        args: Vec<V>,
-        body: Vec<Op>,
-        yields: Vec<V>,
-        outs: Vec<V>,
-    },
-}
-
-/// What an op of a body is, without its operands: one kind per [`Body`] method that adds an
-/// op ([`super::Kernel::walk`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-#[non_exhaustive]
-pub enum OpKind {
-    /// A grid index ([`Body::program_id`]).
-    ProgramId,
-    /// An i32 scalar constant ([`Body::index`]).
-    IndexConst,
-    /// i32 scalar arithmetic ([`Body::index_op`]).
-    IndexBinary,
-    /// A scalar-prefetch table entry ([`Body::read_table`]).
-    ReadTable,
-    /// A vector of one value ([`Body::splat`]).
-    Splat,
-    /// A block read from a reference ([`Body::load`]).
-    Load,
-    /// A block written to a reference ([`Body::store`]).
-    Store,
-    /// A matrix product ([`Body::matmul`]).
-    Matmul,
-    /// An elementwise binary op ([`Body::binary`]).
-    Binary,
-    /// An elementwise unary op ([`Body::unary`]).
-    Unary,
-    /// Indices along a dim ([`Body::iota`]).
-    Iota,
-    /// A comparison ([`Body::compare`]).
-    Compare,
-    /// An elementwise select ([`Body::select`]).
-    Select,
-    /// A reduction over an axis ([`Body::reduce`]).
-    Reduce,
-    /// A broadcast ([`Body::broadcast`]).
-    Broadcast,
-    /// An element type conversion ([`Body::cast`]).
-    Cast,
-    /// A 2-D transpose ([`Body::transpose`]).
-    Transpose,
-    /// A reshape ([`Body::reshape`]).
-    Reshape,
-    /// A static slice ([`Body::slice`]).
-    Slice,
-    /// A concatenation ([`Body::concat`]).
-    Concat,
-    /// A conditional region ([`Body::when`]).
-    If,
-    /// A counted loop region ([`Body::for_range`]).
-    For,
-}
-
-impl Op {
-    /// The op's kind.
-    pub(crate) fn kind(&self) -> OpKind {
-        match self {
-            Op::ProgramId { .. } => OpKind::ProgramId,
-            Op::IndexConst { .. } => OpKind::IndexConst,
-            Op::IndexBinary { .. } => OpKind::IndexBinary,
-            Op::ReadTable { .. } => OpKind::ReadTable,
-            Op::Splat { .. } => OpKind::Splat,
-            Op::Load { .. } => OpKind::Load,
-            Op::Store { .. } => OpKind::Store,
-            Op::Matmul { .. } => OpKind::Matmul,
-            Op::Binary { .. } => OpKind::Binary,
-            Op::Unary { .. } => OpKind::Unary,
-            Op::Iota { .. } => OpKind::Iota,
-            Op::Compare { .. } => OpKind::Compare,
-            Op::Select { .. } => OpKind::Select,
-            Op::Reduce { .. } => OpKind::Reduce,
-            Op::Broadcast { .. } => OpKind::Broadcast,
-            Op::Cast { .. } => OpKind::Cast,
-            Op::Transpose { .. } => OpKind::Transpose,
-            Op::Reshape { .. } => OpKind::Reshape,
-            Op::Slice { .. } => OpKind::Slice,
-            Op::Concat { .. } => OpKind::Concat,
-            Op::If { .. } => OpKind::If,
-            Op::For { .. } => OpKind::For,
-        }
-    }
-}
 
 fn err(op: &str, message: impl Into<String>) -> TpuError {
     TpuError::builder(format!("kernel op {op}"), message)
@@ -298,6 +57,8 @@ impl Scope {
 /// Builds a body op by op; each method checks its operands and returns the typed result.
 pub struct Body {
     scope: Scope,
+    /// The precision of [`Body::dot`]'s f32 products.
+    precision: MatPrecision,
     tag: u32,
     next: u32,
     ops: Vec<Vec<Op>>,
@@ -308,7 +69,14 @@ pub struct Body {
 impl Body {
     pub(crate) fn new(scope: Scope) -> Self {
         let tag = BODIES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Body { scope, tag, next: 0, ops: vec![Vec::new()], live: vec![Default::default()] }
+        Body {
+            scope,
+            precision: MatPrecision::Highest,
+            tag,
+            next: 0,
+            ops: vec![Vec::new()],
+            live: vec![Default::default()],
+        }
     }
 
     pub(crate) fn finish(mut self) -> Result<Vec<Op>> {
@@ -507,8 +275,9 @@ impl Body {
         Ok(out)
     }
 
-    /// Elementwise `a op b` (one type; `Div` on floats only).
-    pub fn binary(&mut self, op: Binary, a: &V, b: &V) -> Result<V> {
+    /// Elementwise `a op b` (one type; `Div` on floats only). Kernels write the operators
+    /// ([`Body::add`], [`Body::mul`], ...), which broadcast size-1 dims first.
+    pub(super) fn binary(&mut self, op: Binary, a: &V, b: &V) -> Result<V> {
         self.uses("binary", &[a, b])?;
         if a.ty != b.ty
             || a.ty.dims.is_empty()
@@ -531,6 +300,93 @@ impl Body {
         let out = self.fresh(a.ty.clone());
         self.push(Op::Unary { out: out.clone(), op, a: a.clone() });
         Ok(out)
+    }
+
+    /// `a op b` elementwise, a side's size-1 dims broadcast to the other's first (same rank
+    /// and element type; a size-1 dim meets any size, others must agree).
+    fn broadcasting(&mut self, op: Binary, a: &V, b: &V) -> Result<V> {
+        if a.ty.dims == b.ty.dims || a.ty.dims.len() != b.ty.dims.len() || a.ty.elem != b.ty.elem {
+            return self.binary(op, a, b);
+        }
+        let dims: Option<Vec<i64>> =
+            a.ty.dims
+                .iter()
+                .zip(&b.ty.dims)
+                .map(|(&x, &y)| match (x, y) {
+                    _ if x == y => Some(x),
+                    (1, y) => Some(y),
+                    (x, 1) => Some(x),
+                    _ => None,
+                })
+                .collect();
+        let Some(dims) = dims else {
+            return Err(err("binary", format!("{op:?} of {} and {}", fmt_ty(&a.ty), fmt_ty(&b.ty))));
+        };
+        let a = if a.ty.dims == dims { a.clone() } else { self.broadcast(a, &dims)? };
+        let b = if b.ty.dims == dims { b.clone() } else { self.broadcast(b, &dims)? };
+        self.binary(op, &a, &b)
+    }
+    /// `a + b`, size-1 dims broadcast.
+    pub fn add(&mut self, a: &V, b: &V) -> Result<V> {
+        self.broadcasting(Binary::Add, a, b)
+    }
+    /// `a - b`, size-1 dims broadcast.
+    pub fn sub(&mut self, a: &V, b: &V) -> Result<V> {
+        self.broadcasting(Binary::Sub, a, b)
+    }
+    /// `a * b`, size-1 dims broadcast.
+    pub fn mul(&mut self, a: &V, b: &V) -> Result<V> {
+        self.broadcasting(Binary::Mul, a, b)
+    }
+    /// `a / b` of floats, size-1 dims broadcast.
+    pub fn div(&mut self, a: &V, b: &V) -> Result<V> {
+        self.broadcasting(Binary::Div, a, b)
+    }
+    /// `max(a, b)`, size-1 dims broadcast.
+    pub fn max(&mut self, a: &V, b: &V) -> Result<V> {
+        self.broadcasting(Binary::Max, a, b)
+    }
+    /// `min(a, b)`, size-1 dims broadcast.
+    pub fn min(&mut self, a: &V, b: &V) -> Result<V> {
+        self.broadcasting(Binary::Min, a, b)
+    }
+    /// `exp(a)`.
+    pub fn exp(&mut self, a: &V) -> Result<V> {
+        self.unary(Unary::Exp, a)
+    }
+    /// `2^a`.
+    pub fn exp2(&mut self, a: &V) -> Result<V> {
+        self.unary(Unary::Exp2, a)
+    }
+    /// `ln(a)`.
+    pub fn log(&mut self, a: &V) -> Result<V> {
+        self.unary(Unary::Log, a)
+    }
+    /// `ln(1 + a)`.
+    pub fn log1p(&mut self, a: &V) -> Result<V> {
+        self.unary(Unary::Log1p, a)
+    }
+    /// `1 / sqrt(a)`.
+    pub fn rsqrt(&mut self, a: &V) -> Result<V> {
+        self.unary(Unary::Rsqrt, a)
+    }
+    /// `tanh(a)`.
+    pub fn tanh(&mut self, a: &V) -> Result<V> {
+        self.unary(Unary::Tanh, a)
+    }
+    /// `-a`.
+    pub fn neg(&mut self, a: &V) -> Result<V> {
+        self.unary(Unary::Neg, a)
+    }
+    /// The product `a b` of 2-D operands (`a`'s dim 1 against `b`'s dim 0) at the body's
+    /// precision ([`Body::set_precision`]); bf16 operands always in the one bf16 pass.
+    pub fn dot(&mut self, a: &V, b: &V) -> Result<V> {
+        let precision = if a.ty.elem == DType::BF16 { MatPrecision::Default } else { self.precision };
+        self.matmul(a, b, (1, 0), precision)
+    }
+    /// Sets the precision of [`Body::dot`]'s f32 products (`Highest` until set).
+    pub fn set_precision(&mut self, precision: MatPrecision) {
+        self.precision = precision;
     }
 
     /// i32 indices along `dim` of a vector of `dims` (at least 2-D).

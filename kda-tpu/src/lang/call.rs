@@ -1,8 +1,7 @@
 //! One call of a kernel from a StableHLO function: its tables and inputs bound by their
 //! handles, lowered by any [`super::Lower`], its results read by their handles.
 
-use super::body::{Place, Ref, Table};
-use super::kernel::Kernel;
+use super::ir::{Place, Ref, Table};
 use crate::error::{Result, TpuError};
 use crate::hlo::Value;
 
@@ -70,34 +69,34 @@ impl Returned {
 }
 
 impl Bindings {
-    /// Empty bindings for a call of `k`.
-    pub(super) fn of(k: &Kernel) -> Bindings {
-        Bindings {
-            kernel: k.tag,
-            name: k.name.clone(),
-            tables: vec![None; k.tables.len()],
-            inputs: vec![None; k.inputs.len()],
-        }
+    /// Empty bindings for a call of the kernel tagged `kernel`, named `name`, with `tables`
+    /// tables and `inputs` inputs.
+    pub(super) fn new(kernel: u32, name: &str, tables: usize, inputs: usize) -> Bindings {
+        Bindings { kernel, name: name.to_string(), tables: vec![None; tables], inputs: vec![None; inputs] }
     }
 
     /// The bound values in the order the lowerings take them (the tables, then the inputs),
-    /// once every one of `k`'s is bound.
-    pub(super) fn operands(self, k: &Kernel) -> Result<Vec<Value>> {
-        if self.kernel != k.tag {
-            return Err(err(&k.name, "bindings made for another kernel"));
+    /// once every one is bound; `kernel` is the tag of the kernel called, `names` its tables'
+    /// and inputs' names in that order.
+    pub(super) fn operands<'a>(
+        self,
+        kernel: u32,
+        names: impl Iterator<Item = &'a String>,
+    ) -> Result<Vec<Value>> {
+        if self.kernel != kernel {
+            return Err(err(&self.name, "bindings made for another kernel"));
         }
-        let names = k.tables.iter().map(|(n, _)| n).chain(k.inputs.iter().map(|o| &o.name));
         let mut operands = Vec::new();
         for (value, name) in self.tables.into_iter().chain(self.inputs).zip(names) {
-            operands.push(value.ok_or_else(|| err(&k.name, format!("`{name}` is not bound")))?);
+            operands.push(value.ok_or_else(|| err(&self.name, format!("`{name}` is not bound")))?);
         }
         Ok(operands)
     }
 }
 
 impl Returned {
-    /// What a call of `k` returned.
-    pub(super) fn of(k: &Kernel, values: Vec<Value>) -> Returned {
-        Returned { kernel: k.tag, name: k.name.clone(), values }
+    /// What a call of the kernel tagged `kernel`, named `name`, returned.
+    pub(super) fn new(kernel: u32, name: &str, values: Vec<Value>) -> Returned {
+        Returned { kernel, name: name.to_string(), values }
     }
 }

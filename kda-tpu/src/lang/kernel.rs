@@ -1,6 +1,6 @@
 //! A kernel definition in the spirit of Pallas TPU: a grid whose axes are `parallel` or
 //! `arbitrary`, scalar-prefetch tables, operands and results cut into blocks by index maps,
-//! scratch buffers kept across grid steps, and a typed [`Body`]. [`Kernel::build`] checks it
+//! scratch buffers kept across grid steps, and a typed [`Body`]. [`KernelBuilder::build`] checks it
 //! once; every lowering reads the checked definition.
 
 use std::any::Any;
@@ -8,11 +8,11 @@ use std::sync::Arc;
 
 use kda_core::DType;
 
-use super::body::{Body, Op, OpKind, Place, Ref, Scope, Table};
+use super::body::{Body, Scope};
 use super::call::{Bindings, Returned};
-use super::lower::Lower;
+use super::ir::{Op, OpKind, Place, Ref, Table};
 use crate::error::{Result, TpuError};
-use crate::hlo::{FnBuilder, Module, TensorType};
+use crate::hlo::{FnBuilder, Module, TensorType, Value};
 
 /// A distinct tag per kernel builder, so that a handle of one kernel is refused by another.
 static KERNELS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
@@ -150,6 +150,34 @@ impl ParamSet {
 impl std::fmt::Debug for ParamSet {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "ParamSet({} lowering parameters)", self.0.len())
+    }
+}
+
+/// A lowering of the kernel language: what it refuses, its text of a kernel, the call of that
+/// text from a StableHLO function, and what a compile error of its text means. Object safe:
+/// callers hold a `&dyn Lower`.
+pub trait Lower: std::fmt::Debug + Send + Sync {
+    /// The lowering's name, as its errors say it.
+    fn name(&self) -> &str;
+
+    /// Refuses `kernel` when it uses what this lowering has no form for: an `Unsupported`
+    /// error naming the lowering, the kernel and the part it cannot lower.
+    fn check(&self, kernel: &Kernel) -> Result<()>;
+
+    /// The kernel in this lowering's own text (Mosaic MLIR, Triton IR; for a lowering to plain
+    /// StableHLO, a module whose `@main` runs it).
+    fn text(&self, kernel: &Kernel) -> Result<String>;
+
+    /// The kernel called from `f` on `operands` (the tables, then the inputs, as
+    /// [`Kernel::operand_types`] lists them), returning its results in order.
+    /// [`Kernel::call`] and [`Kernel::module`] run [`Lower::check`] first.
+    fn call(&self, kernel: &Kernel, f: &mut FnBuilder, operands: &[Value]) -> Result<Vec<Value>>;
+
+    /// A compile error of this lowering's text of `kernel`, with the place it names quoted
+    /// where the lowering can find it; the error as it came by default.
+    fn explain(&self, kernel: &Kernel, error: TpuError) -> TpuError {
+        let _ = kernel;
+        error
     }
 }
 
@@ -368,15 +396,16 @@ impl Kernel {
 
     /// Empty bindings for a call of this kernel.
     pub fn bindings(&self) -> Bindings {
-        Bindings::of(self)
+        Bindings::new(self.tag, &self.name, self.tables.len(), self.inputs.len())
     }
 
     /// The kernel called from `f` on `args` (every table and input bound), lowered by
     /// `lowering` once it has accepted the kernel ([`Lower::check`]).
     pub fn call(&self, f: &mut FnBuilder, lowering: &dyn Lower, args: Bindings) -> Result<Returned> {
-        let operands = args.operands(self)?;
+        let names = self.tables.iter().map(|(n, _)| n).chain(self.inputs.iter().map(|o| &o.name));
+        let operands = args.operands(self.tag, names)?;
         lowering.check(self)?;
-        Ok(Returned::of(self, lowering.call(self, f, &operands)?))
+        Ok(Returned::new(self.tag, &self.name, lowering.call(self, f, &operands)?))
     }
 
     /// A module whose public `@main` takes the kernel's operands (tables, then inputs) and

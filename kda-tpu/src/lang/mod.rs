@@ -35,11 +35,13 @@
 
 mod body;
 mod call;
+mod ir;
 mod kernel;
 pub mod lower;
 
-pub use body::{Binary, Body, MatPrecision, Offset, OpKind, Reduction, Ref, Table, Unary, V};
+pub use body::Body;
 pub use call::{Bindings, Returned};
+pub use ir::{Binary, MatPrecision, Offset, OpKind, Reduction, Ref, Table, Unary, V};
 pub use kernel::{Cost, Index, Kernel, KernelBuilder, Operand, Semantics};
 pub use lower::renamed::*;
 pub use lower::{
@@ -50,8 +52,7 @@ pub use lower::{
 #[cfg(test)]
 mod tests {
     use super::{
-        Binary, Feature, Index, KernelBuilder, Lower, Lowering, Operand, Ref, Semantics, Triton,
-        TritonParams, V,
+        Feature, Index, KernelBuilder, Lower, Lowering, Operand, Ref, Semantics, Triton, TritonParams, V,
     };
     use crate::hlo::TensorType;
     use kda_core::DType;
@@ -113,7 +114,7 @@ mod tests {
                 Ok(())
             })?;
             let v = inner.expect("value");
-            b.binary(Binary::Add, &v, &v).map(|_| ())
+            b.add(&v, &v).map(|_| ())
         })
         .expect_err("a value from a closed region");
         assert!(escaped.to_string().contains("not visible"), "{escaped}");

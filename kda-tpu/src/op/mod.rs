@@ -3,7 +3,7 @@
 //! parallelism ([`context_parallel`]), and the table that maps an implementation to its program
 //! builders (`api`). Beside them one folder per implementation: `xla` (the chunk loops as
 //! StableHLO, built with [`crate::hlo`]), `tpu_kernels` (the TPU kernels written in
-//! [`crate::lang`], their building blocks and their program wiring) and [`gpu_kernels`] (the
+//! [`crate::lang`], their building blocks and their program wiring) and `gpu_kernels` (the
 //! GPU kernels in the same language; so far the fixed-row forward, not yet in the table).
 
 mod api;

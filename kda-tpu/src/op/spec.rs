@@ -7,9 +7,9 @@ pub(crate) use kda_core::CHUNK;
 pub const SUB: usize = 16;
 
 /// Chunk positions per slab of the fused programs on devices whose memory is the constraint
-/// (TPU, GPU): with 2, the fused saved-state forward+VJP at the primary shape peaks at 54 MB
-/// fixed and 66 MB packed on tpu7x (bf16) instead of 170 MB. The CPU plugin runs without slabs (faster there: nothing is
-/// recomputed, and host memory is plentiful).
+/// (TPU, GPU): two chunk positions a slab keep the fused programs' peak a fraction of the
+/// unslabbed one's (docs/performance.md, Design figures). The CPU plugin runs without slabs
+/// (faster there: nothing is recomputed, and host memory is plentiful).
 pub const TPU_SLAB: usize = 2;
 
 /// The dtype a host tensor of `dtype` travels and is read in: bf16 stays bf16, f32 and f64

@@ -3,7 +3,7 @@
 //! The CPU plugin allocates each execution's scratch (tens of MB for the KDA programs) with
 //! `malloc` and frees it afterwards; the runtime has it execute on the calling thread, so the
 //! block comes from that thread's arena (the main one for a program's main thread; a pool
-//! thread's arena cannot hold blocks over 64 MB, and those always come from `mmap`). With glibc's defaults such blocks
+//! thread's arena cannot hold blocks over 64 MiB, and those always come from `mmap`). With glibc's defaults such blocks
 //! come from `mmap` and go straight back to the kernel, so every run touches fresh pages that
 //! the kernel must fault in and zero: about half of the CPU time of a fused forward+VJP at the
 //! benchmark shape. [`retain`] tells glibc to serve every block from the main heap and never

@@ -114,10 +114,10 @@ impl Runtime {
             // The CPU plugin makes 4 devices by default; ask for the number wanted. It also runs each execution
             // on the calling thread (`asynchronous = false`): every call here waits for its
             // results anyway, and the scratch is then allocated from the caller's malloc arena
-            // (kept warm, see `host_memory`) instead of a pool thread's, where blocks over 64 MB
+            // (kept warm, see `host_memory`) instead of a pool thread's, where blocks over 64 MiB
             // (the fused programs' scratch) came from fresh mmap pages on every run. Other
             // plugins reject these options (they check the names). The CUDA plugin would
-            // reserve 75% of the GPU's memory per client, which a second client in the same
+            // reserve three quarters of the GPU's memory per client, which a second client in the same
             // process (the test harness makes one per test) could not get: it is asked to
             // allocate on demand. Any other plugin gets no options.
             let client = Client::builder(&api)

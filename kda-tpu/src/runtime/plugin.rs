@@ -11,7 +11,8 @@ use crate::error::{is_struct_size_complaint, pjrt_message, Result, TpuError};
 /// PJRT C API version of the header pjrt-sys was built against.
 pub const BINDINGS_VERSION: (u32, u32) = (pjrt_sys::PJRT_API_MAJOR, pjrt_sys::PJRT_API_MINOR);
 
-/// Oldest header minor that today's plugins accept (pjrt-sys 0.2.0 bundles 0.54, which they reject).
+/// Oldest header minor that today's plugins accept (pjrt-sys 0.2.0 ships header 0.54, which they
+/// reject).
 pub const MIN_BINDINGS_MINOR: u32 = 81;
 
 // A build against the bundled header fails here, with the fix, instead of at run time.

@@ -7,7 +7,7 @@ use kda_core::DType;
 
 use crate::error::{Result, TpuError};
 use crate::hlo::Cmp;
-use crate::lang::body::{Binary, V};
+use crate::lang::ir::{Binary, V};
 
 /// `Deref` and `DerefMut` of an emitter struct to its `t: Text`, so that both lowerings write
 /// through the same [`Text`] methods.

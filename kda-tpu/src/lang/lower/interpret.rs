@@ -16,7 +16,7 @@ use kda_core::DType;
 use super::Lower;
 use crate::error::{Result, TpuError};
 use crate::hlo::{FnBuilder, Precision, TensorType, Value};
-use crate::lang::body::{Binary, MatPrecision, Offset, Op, Place, Reduction, Ref, Unary, V};
+use crate::lang::ir::{Binary, MatPrecision, Offset, Op, Place, Reduction, Ref, Unary, V};
 use crate::lang::kernel::{Index, Kernel};
 
 fn err(message: impl Into<String>) -> TpuError {
@@ -234,22 +234,7 @@ impl Step<'_> {
                 return Ok(());
             }
             Op::Matmul { out, a, b: y, contract, precision } => {
-                let (mut x, mut y) = (get(vals, a)?, get(vals, y)?);
-                // The MXU's one bf16 pass: f32 operands rounded to bf16, exact products, f32
-                // sums (the CPU plugin would otherwise multiply in f32 whatever the precision).
-                if *precision == MatPrecision::Default {
-                    for v in [&mut x, &mut y] {
-                        if v.elem() == DType::F32 {
-                            let r = b.convert(*v, DType::BF16)?;
-                            *v = b.convert(r, DType::F32)?;
-                        }
-                    }
-                }
-                let before = b.dot_precision();
-                b.set_dot_precision(Precision::Highest);
-                let v = b.dot_general(x, y, &[], &[], &[contract.0 as i64], &[contract.1 as i64], DType::F32);
-                b.set_dot_precision(before);
-                (out, v?)
+                (out, matmul(b, get(vals, a)?, get(vals, y)?, *contract, *precision)?)
             }
             Op::Binary { out, op, a, b: y } => {
                 let (x, y) = (get(vals, a)?, get(vals, y)?);
@@ -317,55 +302,101 @@ impl Step<'_> {
                 let xs = parts.iter().map(|p| get(vals, p)).collect::<Result<Vec<_>>>()?;
                 (out, b.concatenate(&xs, *dim)?)
             }
-            Op::If { cond, then } => {
-                let c = get(vals, cond)?;
-                let mut inner_vals = vals.clone();
-                let mut inner = refs.clone();
-                self.ops(b, then, &mut inner_vals, &mut inner)?;
-                let (before, after) = (refs.all(), inner.all());
-                let mut chosen = Vec::with_capacity(before.len());
-                for (old, new) in before.into_iter().zip(after) {
-                    if old == new {
-                        chosen.push(old);
-                    } else {
-                        let cb = b.broadcast_in_dim(c, old.dims(), &[])?;
-                        chosen.push(b.select(cb, new, old)?);
-                    }
-                }
-                *refs = refs.with(&chosen);
-                return Ok(());
-            }
-            Op::For { lo, hi, index, init, args, body, yields, outs } => {
-                let mut state: Vec<Value> = init.iter().map(|v| get(vals, v)).collect::<Result<_>>()?;
-                let carried = state.len();
-                state.extend(refs.all());
-                let trips = i32::try_from(hi - lo).map_err(|_| err("loop bounds"))?;
-                let shape = refs.clone();
-                let outer = vals.clone();
-                let done = b.for_loop(trips, &state, |b, i, st| {
-                    let mut inner_vals = outer;
-                    let lo = b.scalar_i32(*lo as i32)?;
-                    inner_vals.insert(index.id, b.add(i, lo)?);
-                    for (a, v) in args.iter().zip(st) {
-                        inner_vals.insert(a.id, *v);
-                    }
-                    let mut inner = shape.with(&st[carried..]);
-                    self.ops(b, body, &mut inner_vals, &mut inner)?;
-                    let mut next: Vec<Value> =
-                        yields.iter().map(|v| get(&inner_vals, v)).collect::<Result<_>>()?;
-                    next.extend(inner.all());
-                    Ok(next)
-                })?;
-                for (o, v) in outs.iter().zip(&done) {
-                    vals.insert(o.id, *v);
-                }
-                *refs = refs.with(&done[carried..]);
-                return Ok(());
-            }
+            Op::If { cond, then } => return self.when(b, cond, then, vals, refs),
+            Op::For { .. } => return self.for_range(b, op, vals, refs),
         };
         vals.insert(out.id, value);
         Ok(())
     }
+
+    /// A `when` region: its stores as selects on the condition.
+    fn when(
+        &self,
+        b: &mut FnBuilder,
+        cond: &V,
+        then: &[Op],
+        vals: &mut HashMap<u32, Value>,
+        refs: &mut Refs,
+    ) -> Result<()> {
+        let c = get(vals, cond)?;
+        let mut inner_vals = vals.clone();
+        let mut inner = refs.clone();
+        self.ops(b, then, &mut inner_vals, &mut inner)?;
+        let (before, after) = (refs.all(), inner.all());
+        let mut chosen = Vec::with_capacity(before.len());
+        for (old, new) in before.into_iter().zip(after) {
+            if old == new {
+                chosen.push(old);
+            } else {
+                let cb = b.broadcast_in_dim(c, old.dims(), &[])?;
+                chosen.push(b.select(cb, new, old)?);
+            }
+        }
+        *refs = refs.with(&chosen);
+        Ok(())
+    }
+
+    /// A `for_range` region: a counted loop carrying its values and the references.
+    fn for_range(
+        &self,
+        b: &mut FnBuilder,
+        op: &Op,
+        vals: &mut HashMap<u32, Value>,
+        refs: &mut Refs,
+    ) -> Result<()> {
+        let Op::For { lo, hi, index, init, args, body, yields, outs } = op else {
+            return Err(err("internal: a loop region expected"));
+        };
+        let mut state: Vec<Value> = init.iter().map(|v| get(vals, v)).collect::<Result<_>>()?;
+        let carried = state.len();
+        state.extend(refs.all());
+        let trips = i32::try_from(hi - lo).map_err(|_| err("loop bounds"))?;
+        let shape = refs.clone();
+        let outer = vals.clone();
+        let done = b.for_loop(trips, &state, |b, i, st| {
+            let mut inner_vals = outer;
+            let lo = b.scalar_i32(*lo as i32)?;
+            inner_vals.insert(index.id, b.add(i, lo)?);
+            for (a, v) in args.iter().zip(st) {
+                inner_vals.insert(a.id, *v);
+            }
+            let mut inner = shape.with(&st[carried..]);
+            self.ops(b, body, &mut inner_vals, &mut inner)?;
+            let mut next: Vec<Value> = yields.iter().map(|v| get(&inner_vals, v)).collect::<Result<_>>()?;
+            next.extend(inner.all());
+            Ok(next)
+        })?;
+        for (o, v) in outs.iter().zip(&done) {
+            vals.insert(o.id, *v);
+        }
+        *refs = refs.with(&done[carried..]);
+        Ok(())
+    }
+}
+
+/// `x y` contracting `contract`, as a TPU's MXU computes it at `precision`.
+fn matmul(
+    b: &mut FnBuilder,
+    mut x: Value,
+    mut y: Value,
+    contract: (usize, usize),
+    precision: MatPrecision,
+) -> Result<Value> {
+    // The MXU's one bf16 pass: f32 operands rounded to bf16, exact products, f32
+    // sums (the CPU plugin would otherwise multiply in f32 whatever the precision).
+    if precision == MatPrecision::Default {
+        for v in [&mut x, &mut y] {
+            if v.elem() == DType::F32 {
+                let r = b.convert(*v, DType::BF16)?;
+                *v = b.convert(r, DType::F32)?;
+            }
+        }
+    }
+    let before = b.dot_precision();
+    b.set_dot_precision(Precision::Highest);
+    let v = b.dot_general(x, y, &[], &[], &[contract.0 as i64], &[contract.1 as i64], DType::F32);
+    b.set_dot_precision(before);
+    v
 }
 
 fn get(vals: &HashMap<u32, Value>, v: &V) -> Result<Value> {

@@ -52,40 +52,13 @@ pub mod renamed;
 pub mod triton;
 
 use super::kernel::Kernel;
+pub use super::kernel::Lower;
 use crate::error::{Result, TpuError};
 use crate::hlo::{FnBuilder, TensorType, Value};
 
 pub use interpret::{Interpret, InterpretParams, Numerics};
 pub use mosaic::{Mosaic, MosaicParams, Schedule, Tiling};
 pub use triton::{F32Dot, Feature, Triton, TritonParams};
-
-/// A lowering of the kernel language: what it refuses, its text of a kernel, the call of that
-/// text from a StableHLO function, and what a compile error of its text means. Object safe:
-/// callers hold a `&dyn Lower`.
-pub trait Lower: std::fmt::Debug + Send + Sync {
-    /// The lowering's name, as its errors say it.
-    fn name(&self) -> &str;
-
-    /// Refuses `kernel` when it uses what this lowering has no form for: an `Unsupported`
-    /// error naming the lowering, the kernel and the part it cannot lower.
-    fn check(&self, kernel: &Kernel) -> Result<()>;
-
-    /// The kernel in this lowering's own text (Mosaic MLIR, Triton IR; for a lowering to plain
-    /// StableHLO, a module whose `@main` runs it).
-    fn text(&self, kernel: &Kernel) -> Result<String>;
-
-    /// The kernel called from `f` on `operands` (the tables, then the inputs, as
-    /// [`Kernel::operand_types`] lists them), returning its results in order.
-    /// [`Kernel::call`] and [`Kernel::module`] run [`Lower::check`] first.
-    fn call(&self, kernel: &Kernel, f: &mut FnBuilder, operands: &[Value]) -> Result<Vec<Value>>;
-
-    /// A compile error of this lowering's text of `kernel`, with the place it names quoted
-    /// where the lowering can find it; the error as it came by default.
-    fn explain(&self, kernel: &Kernel, error: TpuError) -> TpuError {
-        let _ = kernel;
-        error
-    }
-}
 
 /// The built-in lowerings by name, each with its default parameters: what an implementation
 /// of the KDA op picks its kernels' lowering from.

@@ -7,7 +7,7 @@ use kda_core::DType;
 
 use crate::error::Result;
 use crate::hlo::{Cmp, TensorType};
-use crate::lang::{Binary, Body, Index, Kernel, KernelBuilder, Operand, Ref, Semantics, V};
+use crate::lang::{Body, Index, Kernel, KernelBuilder, Operand, Ref, Semantics, V};
 
 use super::{Factors, ForwardShape, C};
 
@@ -98,18 +98,18 @@ fn step(b: &mut Body, s: &ForwardShape, r: &RecurrenceRefs, nt: i64) -> Result<(
     let fd = s.factor_dtype();
     let st = b.to_dtype(&state, fd)?;
     let ws = b.matmul(&w, &st, (1, 0), p)?;
-    let vn = b.binary(Binary::Sub, &u, &ws)?;
+    let vn = b.sub(&u, &ws)?;
     let inter = b.matmul(&qg, &st, (1, 0), p)?;
     let vnd = b.to_dtype(&vn, fd)?;
     let intra = b.matmul(&aqk, &vnd, (1, 0), p)?;
-    let o = b.binary(Binary::Add, &inter, &intra)?;
+    let o = b.add(&inter, &intra)?;
     let o = b.reshape(&o, &[1, C, bv])?;
     b.store_all(r.o, &o)?;
     let decay = b.transpose(&eg)?;
     let decay = b.broadcast(&decay, &[k, bv])?;
-    let kept = b.binary(Binary::Mul, &state, &decay)?;
+    let kept = b.mul(&state, &decay)?;
     let added = b.matmul(&kg, &vnd, (0, 0), p)?;
-    let next = b.binary(Binary::Add, &kept, &added)?;
+    let next = b.add(&kept, &added)?;
     b.store_all(r.state, &next)?;
     let last = b.index(nt - 1)?;
     let at_last = b.compare(Cmp::Eq, &c, &last)?;

@@ -18,7 +18,7 @@ use kda_core::DType;
 use crate::error::Result;
 use crate::hlo::{Cmp, TensorType};
 use crate::lang::{
-    Binary, Body, Index, Kernel, KernelBuilder, MatPrecision, Operand, Reduction, Ref, Semantics, Unary, V,
+    Binary, Body, Index, Kernel, KernelBuilder, MatPrecision, Operand, Reduction, Ref, Semantics, V,
 };
 use crate::op::tpu_kernels::blocks::unit_lower_inverse;
 
@@ -83,14 +83,6 @@ fn store(b: &mut Body, r: Ref, x: &V, dtype: DType) -> Result<()> {
     b.store_all(r, &x)
 }
 
-fn mul(b: &mut Body, x: &V, y: &V) -> Result<V> {
-    b.binary(Binary::Mul, x, y)
-}
-
-fn add(b: &mut Body, x: &V, y: &V) -> Result<V> {
-    b.binary(Binary::Add, x, y)
-}
-
 /// Index grids of a `dims` tile: its rows' tokens, their sub-chunks and positions inside them.
 struct Rows {
     token: V,
@@ -106,11 +98,11 @@ fn rows_of(b: &mut Body, dims: &[i64], axis: usize) -> Result<Rows> {
         let e = b.splat(edge as f64, DType::I32, dims)?;
         let past = b.compare(Cmp::Ge, &token, &e)?;
         let step = b.select(&past, &one, &zero)?;
-        sub = add(b, &sub, &step)?;
+        sub = b.add(&sub, &step)?;
     }
     let width = b.splat(SUB as f64, DType::I32, dims)?;
-    let start = mul(b, &sub, &width)?;
-    let local = b.binary(Binary::Sub, &token, &start)?;
+    let start = b.mul(&sub, &width)?;
+    let local = b.sub(&token, &start)?;
     Ok(Rows { token, sub, local })
 }
 
@@ -161,11 +153,11 @@ fn chunk_terms(b: &mut Body, s: &ForwardShape, r: &TermRefs) -> Result<()> {
     let rsum = sum(b, &within)?; // sum over t's sub-chunk up to t
                                  // Pairs in different sub-chunks: rows of sub-chunk i against columns before it, through the
                                  // anchor a = 16 i - 1.
-    let er = b.unary(Unary::Exp, &rsum)?;
-    let qr = mul(b, &q, &er)?;
+    let er = b.exp(&rsum)?;
+    let qr = b.mul(&q, &er)?;
     let wide_beta = b.broadcast(&beta, &[C, k])?;
-    let bk = mul(b, &kx, &wide_beta)?;
-    let kr = mul(b, &bk, &er)?;
+    let bk = b.mul(&kx, &wide_beta)?;
+    let kr = b.mul(&bk, &er)?;
     let zero = b.splat(0.0, DType::F32, &[C, C])?;
     let (mut aqk, mut l) = (zero.clone(), zero.clone());
     for i in 1..(C / SUB) {
@@ -173,8 +165,8 @@ fn chunk_terms(b: &mut Body, s: &ForwardShape, r: &TermRefs) -> Result<()> {
         let to_anchor = b.compare(Cmp::Le, &mc.token, &anchor)?;
         let cond = and(b, &gt, &to_anchor)?;
         let cs = sum(b, &cond)?; // sum_{j < s <= a} g_s, row j
-        let ec = b.unary(Unary::Exp, &cs)?;
-        let cols = mul(b, &kx, &ec)?;
+        let ec = b.exp(&cs)?;
+        let cols = b.mul(&kx, &ec)?;
         let block = b.splat(i as f64, DType::I32, &[C, C])?;
         let in_rows = b.compare(Cmp::Eq, &mr.sub, &block)?;
         let before = b.compare(Cmp::Lt, &mc.sub, &block)?;
@@ -196,15 +188,15 @@ fn chunk_terms(b: &mut Body, s: &ForwardShape, r: &TermRefs) -> Result<()> {
         let gn = sub_row(b, &g, &rk.local, &next)?;
         let nexts = b.broadcast(&next, &[C, k])?;
         let after = b.compare(Cmp::Ge, &rk.local, &nexts)?;
-        let grown = add(b, &carried[0], &gn)?;
+        let grown = b.add(&carried[0], &gn)?;
         let zk = b.splat(0.0, DType::F32, &[C, k])?;
         let d = b.select(&after, &grown, &zk)?;
-        let f = b.unary(Unary::Exp, &d)?;
+        let f = b.exp(&d)?;
         let kj = sub_row(b, &kx, &rk.local, &j)?;
-        let kf = mul(b, &kj, &f)?;
-        let qa = mul(b, &q, &kf)?;
+        let kf = b.mul(&kj, &f)?;
+        let qa = b.mul(&q, &kf)?;
         let a_col = b.reduce(Reduction::Sum, &qa, 1)?;
-        let la = mul(b, &kx, &kf)?;
+        let la = b.mul(&kx, &kf)?;
         let l_col = b.reduce(Reduction::Sum, &la, 1)?;
         // Column 16 sb(t) + j of row t: at (t, j) with j at or before t (Aqk) or before it (L).
         let js = b.broadcast(&j, &[C, C])?;
@@ -218,37 +210,37 @@ fn chunk_terms(b: &mut Body, s: &ForwardShape, r: &TermRefs) -> Result<()> {
         let l_wide = b.broadcast(&l_col, &[C, C])?;
         let aqk = b.select(&put_a, &a_wide, &carried[1])?;
         let bl = b.broadcast(&beta, &[C, C])?;
-        let l_wide = mul(b, &l_wide, &bl)?;
+        let l_wide = b.mul(&l_wide, &bl)?;
         let l = b.select(&put_l, &l_wide, &carried[2])?;
         Ok(vec![d, aqk, l])
     })?;
     let (aqk, l) = (&outs[1], &outs[2]);
     let scale = b.splat(s.scale, DType::F32, &[C, C])?;
-    let aqk = mul(b, aqk, &scale)?;
+    let aqk = b.mul(aqk, &scale)?;
     store(b, r.factors.aqk, &aqk, fd)?;
     let a = unit_lower_inverse(b, l, p)?;
     // The whole-chunk sums last, so that they are not held across the loop above.
     let gc = sum(b, &le)?; // G_t = sum_{s <= t} g_s
     let gs = sum(b, &gt)?; // G_C - G_t = sum_{s > t} g_s
-    let bk = mul(b, &kx, &wide_beta)?;
-    let egc = b.unary(Unary::Exp, &gc)?;
-    let kbg = mul(b, &bk, &egc)?;
+    let bk = b.mul(&kx, &wide_beta)?;
+    let egc = b.exp(&gc)?;
+    let kbg = b.mul(&bk, &egc)?;
     let wv = b.matmul(&a, &kbg, (1, 0), p)?;
     store(b, r.factors.w, &wv, fd)?;
     let vx = f32_block(b, r.v, v)?;
     let beta_v = b.broadcast(&beta, &[C, v])?;
-    let bv = mul(b, &vx, &beta_v)?;
+    let bv = b.mul(&vx, &beta_v)?;
     let uv = b.matmul(&a, &bv, (1, 0), p)?;
     store(b, r.factors.u, &uv, DType::F32)?;
     let sk = b.splat(s.scale, DType::F32, &[C, k])?;
-    let qg = mul(b, &q, &egc)?;
-    let qg = mul(b, &qg, &sk)?;
+    let qg = b.mul(&q, &egc)?;
+    let qg = b.mul(&qg, &sk)?;
     store(b, r.factors.qg, &qg, fd)?;
-    let egs = b.unary(Unary::Exp, &gs)?;
-    let kg = mul(b, &kx, &egs)?;
+    let egs = b.exp(&gs)?;
+    let kg = b.mul(&kx, &egs)?;
     store(b, r.factors.kg, &kg, fd)?;
     let total = b.slice(&gc, &[C - 1, 0], &[1, k])?;
-    let eg = b.unary(Unary::Exp, &total)?;
+    let eg = b.exp(&total)?;
     let eg = b.reshape(&eg, &[1, 1, k])?;
     b.store_all(r.factors.eg, &eg)?;
     Ok(())

@@ -21,58 +21,26 @@
 
 use kda_core::DType;
 
+use super::backward_levels::{as_operand, fold, level_grads, LevelGrads};
+use super::backward_operands::{backward_cost, declare_backward, BackwardRefs};
 use super::blocks::{
-    by_halves, chunk_factors, chunk_terms, mul_const, unit_lower_inverse_of_parts, ChunkFactors, TermScratch,
-    EXPONENT_ROWS, HALVES,
+    chunk_factors, chunk_terms, mul_const, unit_lower_inverse_of_parts, ChunkFactors, TermScratch,
 };
 use super::dims::{ForwardDims, Gate, Tokens, C, FLOOR};
 use super::forward::{activate, gate_params, l2_normalise_with_scale, place};
 use super::operands::{
-    if_whole, reset_where, segment_rows, store_state_where, token_operand, window_at, ChunkRows,
-    ChunkSegments, ChunkTabs, PerToken, SegmentRows, TokenIn,
+    if_whole, reset_where, segment_rows, store_state_where, window_at, ChunkRows, ChunkSegments, PerToken,
+    SegmentRows,
 };
 use crate::error::{Result, TpuError};
-use crate::hlo::{Cmp, TensorType};
-use crate::lang::{Binary, Body, MatPrecision, Offset, Reduction, Ref, Unary, V};
-use crate::lang::{Cost, Index, Kernel, KernelBuilder, Operand};
+use crate::hlo::Cmp;
+use crate::lang::Kernel;
+use crate::lang::{Binary, Body, MatPrecision, Offset, Reduction, Ref, V};
 
 /// The most chunks a backward grid step takes by default (the forward's default, capped): a
-/// fixed-length row's step is one block, whose spill slots grow with its chunks (at H=32,
-/// T=8192 sixteen chunks took 19.3 MB of VMEM and 6.49 M static cycles for the fused
-/// forward+VJP, eight 9.7 MB and 6.45 M).
+/// fixed-length row's step is one block, whose spill slots grow with its chunks (twice the
+/// chunks took twice the VMEM for no fewer cycles: docs/performance.md, Design figures).
 pub const BACKWARD_STEP_CHUNKS: i64 = 8;
-
-/// The backward kernel's operands, results and scratch by name: what its body reads and
-/// writes and what the program around it binds and takes.
-#[derive(Clone, Debug)]
-pub(super) struct BackwardRefs {
-    /// The chunk tables.
-    pub tabs: ChunkTabs,
-    /// `q k v g beta`, as the forward kernel reads them.
-    pub tokens: PerToken<TokenIn>,
-    /// The gate parameters `[H, 2, K]` of an in-kernel gate.
-    pub gate: Option<Ref>,
-    /// `h`, the states the forward kernel saved.
-    pub h: Ref,
-    /// The chunk terms `a aqk` the forward kernel saved.
-    pub terms: Option<[Ref; 2]>,
-    /// `do`.
-    pub d_o: TokenIn,
-    /// `dht` `[L, S, K, V]`.
-    pub dht: Option<Ref>,
-    /// The exponent and level masks and the exponent masks' transposes.
-    pub masks: [Ref; 3],
-    /// `dq dk dv dg dbeta`.
-    pub grads: PerToken<Ref>,
-    /// `dh0` `[L, S, K, V]`.
-    pub dh0: Option<Ref>,
-    /// `gate_sums` `[L, 2, K]`.
-    pub gate_sums: Option<Ref>,
-    dh: Ref,
-    sums: Ref,
-    /// The rows a packed chunk places around its gradients, of widths K, V and 1.
-    place: Option<[Ref; 3]>,
-}
 
 /// The backward kernel and its operands by name.
 pub(super) struct BackwardKernel {
@@ -103,113 +71,6 @@ pub(super) fn backward_kernel(d: ForwardDims, scale: f64) -> Result<BackwardKern
     Ok(BackwardKernel { kernel, refs })
 }
 
-/// The backward kernel's builder and its operands (in the order [`backward_kernel`] lists).
-fn declare_backward(d: &ForwardDims) -> Result<(KernelBuilder, BackwardRefs)> {
-    let n = d.chunks_per_step();
-    let (h, r, l, nt, k, v, x) = (d.heads, d.rows, d.heads * d.rows, d.chunks, d.k, d.v, d.dtype);
-    let (g0, g1, g2) = (Index::Grid(0), Index::Grid(1), Index::Grid(2));
-    let lane = || g0.clone() * r + g1.clone();
-    // Grid step `i` holds the chunks of block `nt / n - 1 - i`, walked from its last.
-    let rev = || Index::Const(nt / n - 1) + g2.clone() * -1;
-    let ty = |dt: DType, dims: &[i64]| TensorType::new(dt, dims);
-    let (mut kb, tabs) = d.builder("kda_backward", true);
-    let slot = || vec![lane(), Index::table(tabs.slot, rev() * n), Index::Const(0), Index::Const(0)];
-    let (dh, sums) = (kb.scratch("dh", ty(DType::F32, &[k, v])), kb.scratch("sums", ty(DType::F32, &[C, k])));
-    let tokens = d.declare_tokens(&mut kb, &tabs, true)?;
-    let gate = d.declare_gate(&mut kb);
-    let chunks_at = || vec![lane(), rev(), Index::Const(0), Index::Const(0)];
-    let saved = d.saved_chunks;
-    let hs =
-        kb.input(Operand::blocked("h", ty(d.state_dtype(), &[l, saved, k, v]), &[1, n, k, v], chunks_at()));
-    let terms = d.terms.then(|| {
-        ["a", "aqk"].map(|name| {
-            kb.input(Operand::blocked(
-                name,
-                ty(d.mask_dtype(), &[l, saved, C, C]),
-                &[1, n, C, C],
-                chunks_at(),
-            ))
-        })
-    });
-    let d_o = d.token_in(&mut kb, &tabs, "do", v, |t| token_operand("do", d, d.tokens, x, v, t, true))?;
-    let dht = d.ht.then(|| {
-        kb.input(Operand::blocked("dht", ty(DType::F32, &[l, d.slots, k, v]), &[1, 1, k, v], slot()))
-    });
-    let [exponents, levels] = d.declare_masks(&mut kb);
-    let transposes = kb.input(Operand::whole("exponent_masks_t", ty(d.mask_dtype(), &[C, EXPONENT_ROWS])));
-    let masks = [exponents, levels, transposes];
-    let mut grad = |name: &str, dtype: DType, w: i64| -> Result<Ref> {
-        Ok(kb.output(if d.tokens.packed() {
-            // A head's packed tokens whole, in f32: every chunk's rows go to their tokens, and
-            // the block is written back once, after the head's last chunk (padding tokens hold
-            // whatever was there: the caller zeroes them).
-            let p = d.packed_tokens;
-            let (dims, at) = match d.tokens {
-                Tokens::PackedBatchFirst if w > 1 => {
-                    ([1, p, h * w], vec![Index::Const(0), Index::Const(0), g0.clone()])
-                }
-                _ => ([h, p, w], vec![g0.clone(), Index::Const(0), Index::Const(0)]),
-            };
-            Operand::blocked(name, ty(DType::F32, &dims), &[1, p, w], at)
-        } else if name == "dbeta" {
-            // `dbeta` lane-dense in f32, a chunk's 64 tokens a row, `[L, NT, 64]` (the elements
-            // of `[H, R * T]` in order; a `[.., T, 1]` result took XLA about 1,200 bundles to
-            // relayout at the primary shape): a lane's rows whole, resident through its walk.
-            let at = vec![lane(), Index::Const(0), Index::Const(0)];
-            Operand::blocked(name, ty(DType::F32, &[l, nt, C]), &[1, nt, C], at)
-        } else {
-            token_operand(name, d, d.tokens, dtype, w, None, true)?
-        }))
-    };
-    let grads = PerToken {
-        q: grad("dq", d.qk, k)?,
-        k: grad("dk", d.qk, k)?,
-        v: grad("dv", x, v)?,
-        g: grad("dg", d.g, k)?,
-        beta: grad("dbeta", x, 1)?,
-    };
-    let dh0 = d.h0.then(|| {
-        kb.output(Operand::blocked("dh0", ty(DType::F32, &[l, d.slots, k, v]), &[1, 1, k, v], slot()))
-    });
-    let gate_sums = gate.is_some().then(|| {
-        let at = vec![lane(), Index::Const(0), Index::Const(0)];
-        kb.output(Operand::blocked("gate_sums", ty(DType::F32, &[l, 2, k]), &[1, 2, k], at))
-    });
-    let place = d.tokens.packed().then(|| {
-        [("place_k", k), ("place_v", v), ("place_1", 1)]
-            .map(|(name, w)| kb.scratch(name, ty(DType::F32, &[3 * C, w])))
-    });
-    let refs = BackwardRefs {
-        tabs,
-        tokens,
-        gate,
-        h: hs,
-        terms,
-        d_o,
-        dht,
-        masks,
-        grads,
-        dh0,
-        gate_sums,
-        dh,
-        sums,
-        place,
-    };
-    Ok((kb, refs))
-}
-
-/// The backward kernel's analytic cost (docs/kda.md, Work): the forward's chunk terms again,
-/// about twice their products for the gradients; every operand and result once through HBM.
-fn backward_cost(d: &ForwardDims) -> Cost {
-    let (l, nt, k, v, x) = (d.heads * d.rows, d.chunks, d.k, d.v, d.dtype);
-    let (cf, kf, vf, t) = (C as f64, k as f64, v as f64, (l * nt * C) as f64);
-    let flops = t * 3.0 * (6.0 * cf * kf + 4.0 * cf * vf + 6.0 * kf * vf + 2.0 / 3.0 * cf * cf);
-    let bytes_of = |t: DType| f64::from(t.bit_width() / 8);
-    let bytes = t * 2.0 * (2.0 * kf * bytes_of(d.qk) + (2.0 * vf + 1.0) * bytes_of(x) + kf * bytes_of(d.g))
-        + (l * k * v) as f64 * 4.0 * (nt + d.slots * (i64::from(d.h0) + i64::from(d.ht))) as f64;
-    Cost { flops, transcendentals: t * kf * 8.0, bytes }
-}
-
 /// What every step of the backward kernel's body reads.
 struct BackwardStep<'a> {
     d: &'a ForwardDims,
@@ -223,8 +84,7 @@ struct BackwardStep<'a> {
 impl BackwardStep<'_> {
     /// Whether a step's chunks are one block of one fixed-length row: its one segment's last
     /// chunk is the walk's first, `dht` read there and no chunk branching (a branch keeps the
-    /// scheduler from overlapping a step's chunks: at H=32, T=8192 the fused forward+VJP
-    /// counts 7.11 M static cycles with a branch a chunk, 6.83 M without).
+    /// scheduler from overlapping a step's chunks).
     fn one_block(&self) -> bool {
         self.d.fixed_rows()
     }
@@ -390,15 +250,15 @@ fn chunk_state(
         }
     };
     let wide_beta = b.broadcast(&x.beta, &[C, v])?;
-    let bv = b.binary(Binary::Mul, &x.vv, &wide_beta)?;
-    let u = mm(b, &a, &bv, (1, 0), p)?;
-    let w = mm(b, &a, &t.kbg, (1, 0), p)?;
+    let bv = b.mul(&x.vv, &wide_beta)?;
+    let u = mixed_matmul(b, &a, &bv, (1, 0), p)?;
+    let w = mixed_matmul(b, &a, &t.kbg, (1, 0), p)?;
     let s0 = b.load(r.h, &at4, &[1, 1, k, v])?;
     let s0 = b.to_dtype(&s0, DType::F32)?;
     let s0 = b.reshape(&s0, &[k, v])?;
     let ws = b.matmul(&w, &s0, (1, 0), p)?;
     let ws = segment_rows(b, segs, &ws, SegmentRows::First)?;
-    let vn = b.binary(Binary::Sub, &u, &ws)?;
+    let vn = b.sub(&u, &ws)?;
     let dvn = {
         // One product: [Aqk^T, kg] [dO; dh].
         let op = aqk.ty.elem;
@@ -416,7 +276,7 @@ fn chunk_state(
     let dh_prev = {
         let decay = b.reshape(&t.eg_last, &[k, 1])?;
         let decay = b.broadcast(&decay, &[k, v])?;
-        let kept = b.binary(Binary::Mul, dh, &decay)?;
+        let kept = b.mul(dh, &decay)?;
         let kept = if_whole(b, segs, &kept)?;
         // Both products as one over the stacked tokens: [qg; w]^T [scale dO; -dv_new].
         let (qg, w) = (
@@ -424,10 +284,10 @@ fn chunk_state(
             segment_rows(b, segs, &w, SegmentRows::First)?,
         );
         let lhs = b.concat(&[qg, w], 0)?;
-        let ndvn = b.unary(Unary::Neg, &dvn)?;
+        let ndvn = b.neg(&dvn)?;
         let rhs = b.concat(&[sd_o.clone(), ndvn], 0)?;
         let y = b.matmul(&lhs, &rhs, (0, 0), p)?;
-        b.binary(Binary::Add, &kept, &y)?
+        b.add(&kept, &y)?
     };
     Ok((ChunkState { t, a, s0, vn, dvn, sd_o }, dh_prev))
 }
@@ -484,7 +344,7 @@ fn chunk_results(
 ) -> Result<PerToken<V>> {
     let (d, r, k) = (cx.d, cx.r, cx.d.k);
     let every = b.broadcast(&grads.d_last, &[C, k])?;
-    let dg = b.binary(Binary::Add, &grads.dg, &every)?;
+    let dg = b.add(&grads.dg, &every)?;
     let floor = b.splat(FLOOR, DType::F32, &[C, k])?;
     let live = b.compare(Cmp::Gt, &x.g, &floor)?;
     let none = b.splat(0.0, DType::F32, &[C, k])?;
@@ -495,8 +355,8 @@ fn chunk_results(
     let dx = match r.gate_sums {
         Some(sums) => {
             let (dz, dlog) = gate_slopes(b, &x.gx, d.gate, r.gate)?;
-            let dx = b.binary(Binary::Mul, &dg, &dz)?;
-            let dl = b.binary(Binary::Mul, &dg, &dlog)?;
+            let dx = b.mul(&dg, &dz)?;
+            let dl = b.mul(&dg, &dlog)?;
             // Column sums (a reduction over the rows: no product, whose full precision would
             // take six MXU passes), added to the lane's running sums row by row.
             for (i, y) in [&dl, &dx].into_iter().enumerate() {
@@ -504,7 +364,7 @@ fn chunk_results(
                 let sum = b.reshape(&sum, &[1, 1, k])?;
                 let at = [Offset::Const(0), Offset::Const(i as i64), Offset::Const(0)];
                 let before = b.load(sums, &at, &[1, 1, k])?;
-                let after = b.binary(Binary::Add, &before, &sum)?;
+                let after = b.add(&before, &sum)?;
                 b.store(sums, &at, &after)?;
             }
             dx
@@ -566,7 +426,7 @@ fn write_grads(
                 b.store(out, &[Offset::Const(0), Offset::Const(chunk.ci * C), Offset::Const(0)], &x)?;
             }
             let wide = b.broadcast(&results.beta, &[C, C])?;
-            let diag = b.binary(Binary::Mul, &wide, eye)?;
+            let diag = b.mul(&wide, eye)?;
             let row = b.reduce(Reduction::Sum, &diag, 0)?;
             let row = b.reshape(&row, &[1, 1, C])?;
             b.store(g.beta, &[Offset::Const(0), Offset::Dyn(chunk.c.clone(), 1), Offset::Const(0)], &row)?;
@@ -576,7 +436,7 @@ fn write_grads(
 }
 
 /// `x y` at `p`, a saved bf16 operand against an f32 one in one bf16 pass (as `p` runs it).
-fn mm(b: &mut Body, x: &V, y: &V, contract: (usize, usize), p: MatPrecision) -> Result<V> {
+fn mixed_matmul(b: &mut Body, x: &V, y: &V, contract: (usize, usize), p: MatPrecision) -> Result<V> {
     let (x, y) = match (x.ty.elem, y.ty.elem) {
         (DType::BF16, DType::F32) => (x.clone(), b.cast(y, DType::BF16)?),
         (DType::F32, DType::BF16) => (b.cast(x, DType::BF16)?, y.clone()),
@@ -595,7 +455,7 @@ fn wide(b: &mut Body, x: &V, dims: &[i64]) -> Result<V> {
 
 /// `sum over the rows' last axis of x y`, `[64, 1]`.
 fn rowdot(b: &mut Body, x: &V, y: &V) -> Result<V> {
-    let p = b.binary(Binary::Mul, x, y)?;
+    let p = b.mul(x, y)?;
     b.reduce(Reduction::Sum, &p, 1)
 }
 
@@ -604,10 +464,10 @@ fn l2_backward(b: &mut Body, dy: &V, y: &V, r: &V) -> Result<V> {
     let dims = y.ty.dims.clone();
     let dot = rowdot(b, dy, y)?;
     let dot = wide(b, &dot, &dims)?;
-    let t = b.binary(Binary::Mul, y, &dot)?;
-    let dd = b.binary(Binary::Sub, dy, &t)?;
+    let t = b.mul(y, &dot)?;
+    let dd = b.sub(dy, &t)?;
     let r = wide(b, r, &dims)?;
-    b.binary(Binary::Mul, &dd, &r)
+    b.mul(&dd, &r)
 }
 
 /// `(dg/dx, dg/da_log)` of the activated gate at the raw gate `x` `[64, K]` (parameters in input
@@ -624,14 +484,14 @@ fn gate_slopes(b: &mut Body, x: &V, gate: Gate, params: Option<Ref>) -> Result<(
         b.broadcast(&r, &dims)
     };
     let (a, bias) = (row(b, 0)?, row(b, 1)?);
-    let z = b.binary(Binary::Add, x, &bias)?;
+    let z = b.add(x, &bias)?;
     let one = b.splat(1.0, DType::F32, &dims)?;
     // e = e^(-|y|) of `y`, and 1 + e.
     let tail = |b: &mut Body, y: &V| -> Result<(V, V)> {
-        let ny = b.unary(Unary::Neg, y)?;
-        let neg_abs = b.binary(Binary::Min, y, &ny)?;
-        let e = b.unary(Unary::Exp, &neg_abs)?;
-        let one_e = b.binary(Binary::Add, &one, &e)?;
+        let ny = b.neg(y)?;
+        let neg_abs = b.min(y, &ny)?;
+        let e = b.exp(&neg_abs)?;
+        let one_e = b.add(&one, &e)?;
         Ok((e, one_e))
     };
     match gate {
@@ -641,20 +501,20 @@ fn gate_slopes(b: &mut Body, x: &V, gate: Gate, params: Option<Ref>) -> Result<(
             let zero = b.splat(0.0, DType::F32, &dims)?;
             let pos = b.compare(Cmp::Ge, &z, &zero)?;
             let top = b.select(&pos, &one, &e)?;
-            let s = b.binary(Binary::Div, &top, &one_e)?;
-            let dz = b.binary(Binary::Mul, &a, &s)?;
-            let dz = b.unary(Unary::Neg, &dz)?;
+            let s = b.div(&top, &one_e)?;
+            let dz = b.mul(&a, &s)?;
+            let dz = b.neg(&dz)?;
             let g = activate(b, x, gate, params)?;
             // dg/da_log = g before the floor; below it dg is zero anyway.
             Ok((dz, g))
         }
         Gate::LowerBound(lb) => {
-            let y = b.binary(Binary::Mul, &a, &z)?;
+            let y = b.mul(&a, &z)?;
             let (e, one_e) = tail(b, &y)?;
-            let sq = b.binary(Binary::Mul, &one_e, &one_e)?;
-            let ds = b.binary(Binary::Div, &e, &sq)?;
+            let sq = b.mul(&one_e, &one_e)?;
+            let ds = b.div(&e, &sq)?;
             let ds = mul_const(b, &ds, lb)?;
-            Ok((b.binary(Binary::Mul, &ds, &a)?, b.binary(Binary::Mul, &ds, &y)?))
+            Ok((b.mul(&ds, &a)?, b.mul(&ds, &y)?))
         }
         Gate::Preactivated => {
             Err(TpuError::builder("mosaic backward", "gate slopes of a pre-activated gate"))
@@ -689,15 +549,12 @@ fn chunk_grads(
     let ChunkState { t, a, s0, vn, dvn, sd_o } = st;
     let (kd, vd) = (d.k, d.v);
     let p = d.precision();
-    let mul = |b: &mut Body, x: &V, y: &V| b.binary(Binary::Mul, x, y);
-    let add = |b: &mut Body, x: &V, y: &V| b.binary(Binary::Add, x, y);
-    let sub = |b: &mut Body, x: &V, y: &V| b.binary(Binary::Sub, x, y);
     let wide_k = |b: &mut Body, x: &V| b.broadcast(x, &[C, kd]);
     // Through O = scale qg S0 + Aqk v_new and S1 = e^(G_C) S0 + kg^T v_new, and the WY solve:
     // u = A (beta v), w = A (beta k e^G), v_new = u - w S0; with dw = -dv_new S0^T,
     // nw = -A^T dw = (A^T dv_new) S0^T. `dqg = scale dO S0^T` and `nw` as one product against
     // `S0^T`.
-    let xu = mm(b, a, dvn, (0, 0), p)?;
+    let xu = mixed_matmul(b, a, dvn, (0, 0), p)?;
     let both = {
         let lhs = b.concat(&[sd_o.clone(), xu.clone()], 0)?;
         b.matmul(&lhs, s0, (1, 1), p)?
@@ -706,31 +563,31 @@ fn chunk_grads(
     let dqg = segment_rows(b, segs, &dqg, SegmentRows::First)?;
     let nw = b.slice(&both, &[C, 0], &[C, kd])?;
     let nw = segment_rows(b, segs, &nw, SegmentRows::First)?;
-    let mut dq = mul(b, &dqg, &t.egc)?;
-    let mut d_g = mul(b, &dqg, &t.qg)?;
+    let mut dq = b.mul(&dqg, &t.egc)?;
+    let mut d_g = b.mul(&dqg, &t.qg)?;
     let dkg = b.matmul(vn, dh, (1, 1), p)?;
     let dkg = segment_rows(b, segs, &dkg, SegmentRows::Last)?;
-    let mut dk = mul(b, &dkg, &t.egs)?;
-    let d_suffix = mul(b, &dkg, &t.kg)?;
-    let sd = mul(b, s0, dh)?;
+    let mut dk = b.mul(&dkg, &t.egs)?;
+    let d_suffix = b.mul(&dkg, &t.kg)?;
+    let sd = b.mul(s0, dh)?;
     let hd = b.reduce(Reduction::Sum, &sd, 1)?;
     let hd = b.reshape(&hd, &[1, kd])?;
-    let d_last = mul(b, &hd, &t.eg_last)?;
+    let d_last = b.mul(&hd, &t.eg_last)?;
     let d_last = if_whole(b, segs, &d_last)?;
     let wide_v = b.broadcast(beta, &[C, vd])?;
-    let dv = mul(b, &xu, &wide_v)?;
+    let dv = b.mul(&xu, &wide_v)?;
     // Through `w = A (beta k e^G)`: `nw e^G` to `dk` (times beta) and to `dg` (times
     // `beta k`); `beta` gets `xu . v` here, and `(d(beta k) - nw e^G) . k` once the levels have
     // summed `d(beta k)`.
-    let nwe = mul(b, &nw, &t.egc)?;
+    let nwe = b.mul(&nw, &t.egc)?;
     let wb = wide_k(b, beta)?;
-    let bnwe = mul(b, &nwe, &wb)?;
-    dk = sub(b, &dk, &bnwe)?;
-    let x = mul(b, &bnwe, k)?;
-    d_g = sub(b, &d_g, &x)?;
+    let bnwe = b.mul(&nwe, &wb)?;
+    dk = b.sub(&dk, &bnwe)?;
+    let x = b.mul(&bnwe, k)?;
+    d_g = b.sub(&d_g, &x)?;
     // The cotangents of `Aqk` (scale dO v_new^T) and of `L` (nw w^T - xu u^T = xu (w S0 - u)^T
     // = -xu v_new^T; strictly causal: the level masks keep it so) as one product.
-    let nxu = b.unary(Unary::Neg, &xu)?;
+    let nxu = b.neg(&xu)?;
     let lhs = b.concat(&[sd_o.clone(), nxu], 0)?;
     let m = b.matmul(&lhs, vn, (1, 1), p)?;
     let m = match segs {
@@ -746,27 +603,27 @@ fn chunk_grads(
     // Aqk's diagonal, scale q_t . k_t with no decay: its cotangent goes to dq and dk directly.
     let diag = rowdot(b, &m1, &t.eye)?;
     let diag = wide_k(b, &diag)?;
-    let x = mul(b, k, &diag)?;
-    dq = add(b, &dq, &x)?;
-    let x = mul(b, q, &diag)?;
-    dk = add(b, &dk, &x)?;
+    let x = b.mul(k, &diag)?;
+    dq = b.add(&dq, &x)?;
+    let x = b.mul(q, &diag)?;
+    dk = b.add(&dk, &x)?;
     let m = as_operand(b, &m, p)?;
     let LevelGrads { dq, mut dk, d_bk, d_exponents } = level_grads(b, [q, k], t, &m, p, [dq, dk])?;
-    let x = mul(b, &d_bk, &wb)?;
-    dk = add(b, &dk, &x)?;
+    let x = b.mul(&d_bk, &wb)?;
+    dk = b.add(&dk, &x)?;
     // dbeta: one reduction over the rows' lanes when K = V.
     let through_k = {
-        let x = sub(b, &d_bk, &nwe)?;
-        mul(b, &x, k)?
+        let x = b.sub(&d_bk, &nwe)?;
+        b.mul(&x, k)?
     };
-    let through_v = mul(b, &xu, v)?;
+    let through_v = b.mul(&xu, v)?;
     let dbeta = if kd == vd {
-        let x = add(b, &through_k, &through_v)?;
+        let x = b.add(&through_k, &through_v)?;
         b.reduce(Reduction::Sum, &x, 1)?
     } else {
         let x = b.reduce(Reduction::Sum, &through_k, 1)?;
         let y = b.reduce(Reduction::Sum, &through_v, 1)?;
-        add(b, &x, &y)?
+        b.add(&x, &y)?
     };
     // dg = sum over the exponent arrays of mask^T dE (G, the strict suffix, the mid anchor, the
     // levels: the masks' order), one product over them stacked.
@@ -774,159 +631,9 @@ fn chunk_grads(
     all.extend(d_exponents);
     let stacked = b.concat(&all, 0)?;
     // With gate parameters, which sum `dg` over every token, the gradients of `G` and of the
-    // strict suffix (the masks that sum up to 64 of their rows) go in two bf16 parts: bf16
-    // `dg` 2.9e-3 RMS (lower-bound gate, L2 norm) against 2.7e-3 with every array in two parts
-    // and 3.8e-3 with none; at H=32, T=8192 that costs 0.07 M static cycles, every array in two
-    // parts 0.27 M.
+    // strict suffix (the masks that sum up to 64 of their rows) go in two bf16 parts: nearly
+    // the accuracy of every array in two parts at a quarter of its cycles.
     let split = if d.gate_params { 2 * C } else { 0 };
     let dg = fold(b, masks_t, &stacked, p, split)?;
     Ok(Grads { dq, dk, dv, dbeta, dg, d_last })
-}
-
-/// What the levels of a chunk's terms add up: `dq`, `dk`, `d(beta k)` and the gradients of the
-/// exponent arrays of levels 0 to 4 (the exponent masks' order after `G` and the suffix).
-struct LevelGrads {
-    dq: V,
-    dk: V,
-    d_bk: V,
-    d_exponents: Vec<V>,
-}
-
-/// The operand `x` in the type products at `p` read (bf16 for one-pass products: rounded once,
-/// and half the registers while it waits).
-fn as_operand(b: &mut Body, x: &V, p: MatPrecision) -> Result<V> {
-    let op_ty = if p == MatPrecision::Default { DType::BF16 } else { DType::F32 };
-    b.to_dtype(x, op_ty)
-}
-
-/// The gradients through the levels of `Aqk` and `L` (their cotangents `m`, `Aqk`'s above
-/// `L`'s, in the products' type) added to `dq` and `dk`.
-fn level_grads(
-    b: &mut Body,
-    [q, k]: [&V; 2],
-    t: &ChunkFactors,
-    m: &V,
-    p: MatPrecision,
-    [dq, dk]: [V; 2],
-) -> Result<LevelGrads> {
-    let (mut dq, mut dk) = (dq, dk);
-    let mul = |b: &mut Body, x: &V, y: &V| b.binary(Binary::Mul, x, y);
-    let add = |b: &mut Body, x: &V, y: &V| b.binary(Binary::Add, x, y);
-    let sub = |b: &mut Body, x: &V, y: &V| b.binary(Binary::Sub, x, y);
-    let as_op = |b: &mut Body, x: &V| as_operand(b, x, p);
-    let kd = k.ty.dims[1];
-    let m = m.clone();
-    let mut d_exponents = vec![];
-    // Level 0, the pairs within a 4-token block (rows and columns share tokens): `Aqk` rows
-    // `q fr` and `L` rows `beta k fr` against columns `k fc`, strictly causal pairs on its mask.
-    // Both cotangents against the shared columns, and both row operands against the
-    // cotangents' columns, as one product each.
-    let mut d_bk = {
-        let ((fr, fc), keep) = (&t.factors[0], &t.levels[1]);
-        // The cotangents on the level's strict mask: a product with its 0/1 entries (exact, in
-        // the operands' type; cheaper than a compare and a select).
-        let both = b.concat(&[keep.clone(), keep.clone()], 0)?;
-        let both = as_op(b, &both)?;
-        let m = mul(b, &m, &both)?;
-        let cols = mul(b, k, fc)?;
-        let cols = as_op(b, &cols)?;
-        let rows_q = mul(b, q, fr)?;
-        let rows_l = mul(b, &t.bk, fr)?;
-        let rows = b.concat(&[rows_q, rows_l], 0)?;
-        let rows = as_op(b, &rows)?;
-        let r = b.matmul(&m, &cols, (1, 0), p)?;
-        let rq = b.slice(&r, &[0, 0], &[C, kd])?;
-        let rl = b.slice(&r, &[C, 0], &[C, kd])?;
-        let cc = b.matmul(&m, &rows, (0, 0), p)?;
-        let (pq, pl, pk) = (mul(b, &rq, fr)?, mul(b, &rl, fr)?, mul(b, &cc, fc)?);
-        dq = add(b, &dq, &pq)?;
-        dk = add(b, &dk, &pk)?;
-        let er = mul(b, &pq, q)?;
-        let x = mul(b, &pl, &t.bk)?;
-        let er = add(b, &er, &x)?;
-        let ec = mul(b, &pk, k)?;
-        // Its factors are e^(mid) and e^(-mid).
-        d_exponents.push(sub(b, &er, &ec)?);
-        pl
-    };
-    // Levels 1 to 4 (block size `B`): rows `t` in the second half of a `2B` block, columns `j`
-    // in its first, one exponent array `f` for both, so rows and columns never share a token.
-    // With `P` the `Aqk` cotangent below the diagonal and `L`'s transposed above it, `Q` the
-    // other way round, both kept on the level's pairs in either order, two products over the
-    // whole chunk give every cotangent term: `P (f sb)` holds `Aqk`'s row terms on second halves
-    // and `L`'s column terms on first halves, `Q (f sq)` `L`'s row terms and `Aqk`'s column
-    // terms, where `sb` and `sq` are `beta k` and `q` on second halves and `k` on first (217 k
-    // to 205 k static cycles at the primary shape, from four products and five transposes a
-    // level). The cotangents are transposed once for every level.
-    let mt = b.transpose(&m)?;
-    let (m1, m2) = (b.slice(&m, &[0, 0], &[C, C])?, b.slice(&m, &[C, 0], &[C, C])?);
-    let (m1t, m2t) = (b.slice(&mt, &[0, 0], &[C, C])?, b.slice(&mt, &[0, C], &[C, C])?);
-    let lower = {
-        let (r, c) = (b.iota(&[C, C], 0)?, b.iota(&[C, C], 1)?);
-        b.compare(Cmp::Gt, &r, &c)?
-    };
-    let pm = b.select(&lower, &m1, &m2t)?;
-    let qm = b.select(&lower, &m2, &m1t)?;
-    for (i, &half) in HALVES.iter().enumerate() {
-        let f = &t.factors[i + 1].0;
-        let sym = as_op(b, &t.pairs[i])?;
-        let (x1, x2) = (mul(b, &pm, &sym)?, mul(b, &qm, &sym)?);
-        // Second halves from `on`, first from `off`: for `B` of 8 or more whole 8-row tiles, so
-        // that what a half does not take is never formed.
-        let pick = |b: &mut Body, on: &V, off: &V| by_halves(b, half, on, off);
-        let sq = pick(b, q, k)?;
-        let sb = pick(b, &t.bk, k)?;
-        let y1 = mul(b, &sb, f)?;
-        let y1 = as_op(b, &y1)?;
-        let y2 = mul(b, &sq, f)?;
-        let y2 = as_op(b, &y2)?;
-        let o1 = b.matmul(&x1, &y1, (1, 0), p)?;
-        let o2 = b.matmul(&x2, &y2, (1, 0), p)?;
-        let (u, w) = (mul(b, &o1, f)?, mul(b, &o2, f)?);
-        // Rows: `dq += u`, `d(beta k) += w`, the exponent `u q + w beta k`; columns:
-        // `dk += u + w`, the exponent `(u + w) k`.
-        let uw = add(b, &u, &w)?;
-        let e_rows = {
-            let x = mul(b, &u, q)?;
-            let y = mul(b, &w, &t.bk)?;
-            add(b, &x, &y)?
-        };
-        let e_cols = mul(b, &uw, k)?;
-        d_exponents.push(pick(b, &e_rows, &e_cols)?);
-        let x = add(b, &dq, &u)?;
-        dq = pick(b, &x, &dq)?;
-        let x = add(b, &d_bk, &w)?;
-        d_bk = pick(b, &x, &d_bk)?;
-        let x = add(b, &dk, &uw)?;
-        dk = pick(b, &dk, &x)?;
-    }
-    Ok(LevelGrads { dq, dk, d_bk, d_exponents })
-}
-
-/// `sum_m M_m^T de_m` over the exponent masks (`masks_t` holds the transposes side by side)
-/// with `de` their arrays' gradients stacked. The masks' entries (0, 1, -1) are exact in bf16:
-/// one-pass products take `de` rounded to bf16, and with `split` its first `split` rows again
-/// as what that rounding left (about 16 bits for them).
-fn fold(b: &mut Body, masks_t: Ref, de: &V, p: MatPrecision, split: i64) -> Result<V> {
-    let mt = b.load_all(masks_t)?;
-    let x = if p == MatPrecision::Highest {
-        let mt = b.to_dtype(&mt, DType::F32)?;
-        b.matmul(&mt, de, (1, 0), MatPrecision::Highest)?
-    } else {
-        let hi = b.cast(de, DType::BF16)?;
-        let x = b.matmul(&mt, &hi, (1, 0), MatPrecision::Default)?;
-        if split == 0 {
-            x
-        } else {
-            let kd = de.ty.dims[1];
-            let (de, hi) = (b.slice(de, &[0, 0], &[split, kd])?, b.slice(&hi, &[0, 0], &[split, kd])?);
-            let hi = b.cast(&hi, DType::F32)?;
-            let rest = b.binary(Binary::Sub, &de, &hi)?;
-            let lo = b.cast(&rest, DType::BF16)?;
-            let mt = b.slice(&mt, &[0, 0], &[C, split])?;
-            let y = b.matmul(&mt, &lo, (1, 0), MatPrecision::Default)?;
-            b.binary(Binary::Add, &x, &y)?
-        }
-    };
-    Ok(x)
 }

@@ -1,5 +1,5 @@
 //! The backward and fused forward+VJP programs around the Mosaic kernels: the same signatures
-//! as XLA's. The backward kernel ([`crate::lang::backward`]) reads the states the forward
+//! as XLA's. The backward kernel ([`mod@super::backward`]) reads the states the forward
 //! kernel saved (`h`: the saved-state backward's argument, or in the rematerialized backward
 //! and the fused program the forward kernel's result in the same executable) and the caller's
 //! tensors in place (fixed-length rows of whole chunks; packed rows of whole 64-token blocks,
@@ -23,8 +23,8 @@ use crate::op::spec::{on_device, KernelSpec, CHUNK};
 use crate::Result;
 
 /// How the backward kernel reads tokens: as the forward kernel does, packed tokens in place
-/// while a head's gradients fit [`Tuning::packed_result_bytes`](crate::op::Tuning::packed_result_bytes) (4.2 MB at the
-/// primary shape's 1024 tokens), else through lanes (XLA gathers the inputs and compacts the
+/// while a head's gradients fit [`Tuning::packed_result_bytes`](crate::op::Tuning::packed_result_bytes),
+/// else through lanes (XLA gathers the inputs and compacts the
 /// gradients).
 fn backward_tokens(s: &KernelSpec) -> Tokens {
     match tokens_of(s) {
@@ -93,39 +93,7 @@ pub(super) fn grads(
     let mut results = Vec::new();
     let mut gate_grads = Vec::new();
     if tokens == Tokens::Lanes {
-        let (l, nt, c) = (s.lanes() as i64, s.chunks() as i64, CHUNK as i64);
-        let tok = |b: &mut FnBuilder, y: Value, d: i64| -> Result<Value> {
-            let y = b.reshape(y, &[l, nt, c, d])?;
-            prep::from_chunks(b, s, y, a.token_slot)
-        };
-        let (k, v) = (s.dims.k as i64, s.dims.v as i64);
-        // `dbeta` comes a chunk's tokens a row, `[L, NT, 64]` f32.
-        let (dq, dk, dv, mut dg, dbeta) = (
-            tok(b, grads[0], k)?,
-            tok(b, grads[1], k)?,
-            tok(b, grads[2], v)?,
-            tok(b, grads[3], k)?,
-            tok(b, grads[4], 1)?,
-        );
-        if let Some(al) = a.a_log {
-            // Through the gate XLA activated.
-            let gx = prep::head_first(b, s, a.g)?;
-            let p = prep::gate_params(b, s, al, a.dt_bias, gx.dims())?;
-            let g = prep::activate(b, s, gx, Some(&p))?;
-            let (dx, da_log, ddt) = prep::gate_backward(b, s, gx, g, dg, &p)?;
-            dg = dx;
-            gate_grads.push(da_log);
-            if s.options.has_dt_bias {
-                gate_grads.push(ddt);
-            }
-        }
-        for (y, w) in [(dq, s.dims.k), (dk, s.dims.k), (dv, s.dims.v)] {
-            let y = prep::to_caller(b, s, y, x)?;
-            results.push(b.reshape(y, &s.result_token_dims(w, true))?);
-        }
-        let dg = prep::to_caller(b, s, dg, on_device(s.options.g_dtype))?;
-        results.push(b.reshape(dg, &s.result_token_dims(s.dims.k, true))?);
-        results.push(prep::beta_to_caller(b, s, dbeta, x)?);
+        lane_grads(b, s, a, grads, &mut results, &mut gate_grads)?;
     } else {
         // In place, or (packed) the head's tokens in f32, padding tokens (which no chunk
         // writes) zeroed here.
@@ -168,6 +136,54 @@ pub(super) fn grads(
     }
     results.extend(gate_grads);
     Ok(results)
+}
+
+/// The gradients of a kernel on lanes (`[L * NT * 64, D]`) back to the caller's tokens, layout
+/// and dtypes, through the gate XLA activated: onto `results`, the gate-parameter gradients onto
+/// `gate_grads`.
+fn lane_grads(
+    b: &mut FnBuilder,
+    s: &KernelSpec,
+    a: &Args,
+    grads: [Value; 5],
+    results: &mut Vec<Value>,
+    gate_grads: &mut Vec<Value>,
+) -> Result<()> {
+    let x = on_device(s.options.dtype);
+    let (l, nt, c) = (s.lanes() as i64, s.chunks() as i64, CHUNK as i64);
+    let tok = |b: &mut FnBuilder, y: Value, d: i64| -> Result<Value> {
+        let y = b.reshape(y, &[l, nt, c, d])?;
+        prep::from_chunks(b, s, y, a.token_slot)
+    };
+    let (k, v) = (s.dims.k as i64, s.dims.v as i64);
+    // `dbeta` comes a chunk's tokens a row, `[L, NT, 64]` f32.
+    let (dq, dk, dv, mut dg, dbeta) = (
+        tok(b, grads[0], k)?,
+        tok(b, grads[1], k)?,
+        tok(b, grads[2], v)?,
+        tok(b, grads[3], k)?,
+        tok(b, grads[4], 1)?,
+    );
+    if let Some(al) = a.a_log {
+        // Through the gate XLA activated.
+        let gx = prep::head_first(b, s, a.g)?;
+        let p = prep::gate_params(b, s, al, a.dt_bias, gx.dims())?;
+        let g = prep::activate(b, s, gx, Some(&p))?;
+        let (dx, da_log, ddt) = prep::gate_backward(b, s, gx, g, dg, &p)?;
+        dg = dx;
+        gate_grads.push(da_log);
+        if s.options.has_dt_bias {
+            gate_grads.push(ddt);
+        }
+    }
+    for (y, w) in [(dq, s.dims.k), (dk, s.dims.k), (dv, s.dims.v)] {
+        let y = prep::to_caller(b, s, y, x)?;
+        results.push(b.reshape(y, &s.result_token_dims(w, true))?);
+    }
+    let dg = prep::to_caller(b, s, dg, on_device(s.options.g_dtype))?;
+    results.push(b.reshape(dg, &s.result_token_dims(s.dims.k, true))?);
+    results.push(prep::beta_to_caller(b, s, dbeta, x)?);
+    Ok(())
 }
 
 /// The fused forward+VJP on the kernels: the forward kernel keeping its states and chunk

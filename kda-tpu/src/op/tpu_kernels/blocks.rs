@@ -5,7 +5,7 @@ use kda_core::DType;
 
 use crate::error::{Result, TpuError};
 use crate::hlo::Cmp;
-use crate::lang::{Binary, Body, MatPrecision, Offset, Ref, V};
+use crate::lang::{Body, MatPrecision, Offset, Ref, V};
 
 /// Rows of a chunk and of its diagonal blocks.
 const C: i64 = 64;
@@ -13,10 +13,6 @@ const S: i64 = 16;
 
 fn at(r: i64, c: i64) -> [Offset; 2] {
     [Offset::Const(r), Offset::Const(c)]
-}
-
-fn mm(b: &mut Body, x: &V, y: &V) -> Result<V> {
-    b.matmul(x, y, (1, 0), MatPrecision::Highest)
 }
 
 /// The identity of `n x n`, f32.
@@ -67,8 +63,8 @@ pub fn unit_lower_inverse(b: &mut Body, l: &V, p: MatPrecision) -> Result<V> {
         return Err(TpuError::builder("mosaic unit_lower_inverse", format!("a 64x64 f32 L, not {:?}", l.ty)));
     }
     let (i, bd) = (eye(b, C)?, block_diagonal(b, C, S)?);
-    let lb = mul(b, l, &bd)?;
-    let n = b.binary(Binary::Sub, l, &lb)?;
+    let lb = b.mul(l, &bd)?;
+    let n = b.sub(l, &lb)?;
     unit_lower_inverse_of_parts(b, &lb, &n, &i, p)
 }
 
@@ -81,18 +77,18 @@ pub fn unit_lower_inverse_of_parts(b: &mut Body, lb: &V, n: &V, i: &V, p: MatPre
     }
     // D^-1 = (I - Lb)(I + Lb^2)(I + Lb^4)(I + Lb^8), each factor applied as soon as its power
     // exists (the order the TPU compiler schedules best).
-    let mut d = b.binary(Binary::Sub, i, lb)?;
+    let mut d = b.sub(i, lb)?;
     let mut pow = lb.clone();
     for _ in 0..3 {
         pow = product(b, &pow, &pow, p)?;
-        let f = add(b, i, &pow)?;
+        let f = b.add(i, &pow)?;
         d = product(b, &d, &f, p)?;
     }
     // A = (I - M)(I + M^2) D^-1, M = D^-1 N.
     let m = product(b, &d, n, p)?;
     let m2 = product(b, &m, &m, p)?;
-    let left = b.binary(Binary::Sub, i, &m)?;
-    let right = add(b, i, &m2)?;
+    let left = b.sub(i, &m)?;
+    let right = b.add(i, &m2)?;
     let x = product(b, &left, &right, p)?;
     product(b, &x, &d, p)
 }
@@ -105,15 +101,7 @@ fn exp2(b: &mut Body, v: &V) -> Result<V> {
 /// `v c` for a constant `c`.
 pub(super) fn mul_const(b: &mut Body, v: &V, c: f64) -> Result<V> {
     let c = b.splat(c, DType::F32, &v.ty.dims)?;
-    b.binary(Binary::Mul, v, &c)
-}
-
-fn mul(b: &mut Body, x: &V, y: &V) -> Result<V> {
-    b.binary(Binary::Mul, x, y)
-}
-
-fn add(b: &mut Body, x: &V, y: &V) -> Result<V> {
-    b.binary(Binary::Add, x, y)
+    b.mul(v, &c)
 }
 
 /// Block sizes of the hierarchy of [`chunk_terms`]: a pair `j < t` of one chunk falls in one
@@ -122,10 +110,10 @@ fn add(b: &mut Body, x: &V, y: &V) -> Result<V> {
 pub const HALVES: [i64; 4] = [4, 8, 16, 32];
 
 /// `x / d` of non-negative i32 indices for a power of two `d`, exact (through f32).
-fn div(b: &mut Body, x: &V, d: i64) -> Result<V> {
+fn div_pow2(b: &mut Body, x: &V, d: i64) -> Result<V> {
     let f = b.cast(x, DType::F32)?;
     let r = b.splat(1.0 / d as f64, DType::F32, &x.ty.dims)?;
-    let f = b.binary(Binary::Mul, &f, &r)?;
+    let f = b.mul(&f, &r)?;
     b.cast(&f, DType::I32)
 }
 
@@ -158,25 +146,25 @@ fn exponent_masks_along(b: &mut Body, rows: usize) -> Result<Vec<V>> {
     let after = pick(b, &s, Cmp::Gt, &t, &one, &zero)?;
     // Mid anchor: +1 on (a, t], -1 on (t, a].
     let a = {
-        let q = div(b, &t, 4)?;
+        let q = div_pow2(b, &t, 4)?;
         let four = int(b, 4, &t)?;
-        let base = b.binary(Binary::Mul, &q, &four)?;
+        let base = b.mul(&q, &four)?;
         let one_i = int(b, 1, &t)?;
-        b.binary(Binary::Add, &base, &one_i)?
+        b.add(&base, &one_i)?
     };
     let pos = pick(b, &s, Cmp::Gt, &a, &upto, &zero)?;
     let neg_in = pick(b, &s, Cmp::Le, &a, &minus, &zero)?;
     let neg = pick(b, &s, Cmp::Gt, &t, &neg_in, &zero)?;
-    let mid = add(b, &pos, &neg)?;
+    let mid = b.add(&pos, &neg)?;
     let mut masks = vec![upto.clone(), after.clone(), mid];
     for &half in &HALVES {
-        let (bt, bs) = (div(b, &t, half)?, div(b, &s, half)?);
+        let (bt, bs) = (div_pow2(b, &t, half)?, div_pow2(b, &s, half)?);
         let same = pick(b, &bt, Cmp::Eq, &bs, &one, &zero)?;
-        let (p, q) = (mul(b, &same, &upto)?, mul(b, &same, &after)?);
+        let (p, q) = (b.mul(&same, &upto)?, b.mul(&same, &after)?);
         // `t` in the second half of its 2B block: floor(t / B) odd.
-        let pair = div(b, &t, 2 * half)?;
+        let pair = div_pow2(b, &t, 2 * half)?;
         let two = int(b, 2, &t)?;
-        let even = b.binary(Binary::Mul, &pair, &two)?;
+        let even = b.mul(&pair, &two)?;
         masks.push(pick(b, &bt, Cmp::Ne, &even, &p, &q)?);
     }
     Ok(masks)
@@ -194,10 +182,10 @@ fn level_masks(b: &mut Body) -> Result<Vec<V>> {
     // Level: how many of the block sizes 4, 8, 16, 32 put t and j in different blocks.
     let mut level = zero_i.clone();
     for &half in &HALVES {
-        let (bt, bj) = (div(b, &t, half)?, div(b, &j, half)?);
+        let (bt, bj) = (div_pow2(b, &t, half)?, div_pow2(b, &j, half)?);
         let ne = b.compare(Cmp::Ne, &bt, &bj)?;
         let inc = b.select(&ne, &one_i, &zero_i)?;
-        level = b.binary(Binary::Add, &level, &inc)?;
+        level = b.add(&level, &inc)?;
     }
     let one = b.splat(1.0, DType::F32, &dims)?;
     let zero = b.splat(0.0, DType::F32, &dims)?;
@@ -227,7 +215,7 @@ fn level_masks(b: &mut Body) -> Result<Vec<V>> {
 /// bf16 (a pre-activated bf16 gate), two for about 16 bits.
 fn mask_sum(b: &mut Body, mask: &V, g: &V, data: MatPrecision, passes: usize) -> Result<V> {
     if data == MatPrecision::Highest {
-        return mm(b, mask, g);
+        return b.dot(mask, g);
     }
     let mask = b.to_dtype(mask, DType::BF16)?;
     let mut rest = g.clone();
@@ -238,13 +226,13 @@ fn mask_sum(b: &mut Body, mask: &V, g: &V, data: MatPrecision, passes: usize) ->
         } else {
             let r = b.cast(&rest, DType::BF16)?;
             let part = b.cast(&r, DType::F32)?;
-            rest = b.binary(Binary::Sub, &rest, &part)?;
+            rest = b.sub(&rest, &part)?;
             part
         };
         let part = b.cast(&part, DType::BF16)?;
         let t = b.matmul(&mask, &part, (1, 0), MatPrecision::Default)?;
         acc = Some(match acc {
-            Some(a) => add(b, &a, &t)?,
+            Some(a) => b.add(&a, &t)?,
             None => t,
         });
     }
@@ -269,9 +257,9 @@ fn anchored(b: &mut Body, x: &V, anchor: impl Fn(i64) -> (i64, bool)) -> Result<
             let row = b.slice(x, &[r, 0], &[1, kd])?;
             let row = b.broadcast(&row, &[8, kd])?;
             if plus {
-                b.binary(Binary::Sub, &rows, &row)
+                b.sub(&rows, &row)
             } else {
-                b.binary(Binary::Sub, &row, &rows)
+                b.sub(&row, &rows)
             }
         };
         let (upper, lower) = (anchor(8 * v), anchor(8 * v + 4));
@@ -537,12 +525,12 @@ pub fn chunk_factors(
     };
     let eg_last = exp2(b, &last)?;
     let egc = exp2(b, gc)?;
-    let qg = mul(b, q, &egc)?;
+    let qg = b.mul(q, &egc)?;
     let wide_beta = b.broadcast(beta, &[C, kd])?;
-    let bk = mul(b, k, &wide_beta)?;
-    let kbg = mul(b, &bk, &egc)?;
+    let bk = b.mul(k, &wide_beta)?;
+    let kbg = b.mul(&bk, &egc)?;
     let egs = exp2(b, gs)?;
-    let kg = mul(b, k, &egs)?;
+    let kg = b.mul(k, &egs)?;
     // Row and column factors per level: the mid anchor's pair, then one factor per level (rows
     // in second halves and columns in first halves read the same exponent array).
     let neg_mid = b.unary(crate::lang::Unary::Neg, mid)?;
@@ -552,7 +540,7 @@ pub fn chunk_factors(
         factors.push((f.clone(), f));
     }
     // The identity is level 0's causal mask less its strict one.
-    let eye = b.binary(Binary::Sub, &levels[0], &levels[1])?;
+    let eye = b.sub(&levels[0], &levels[1])?;
     Ok(ChunkFactors { qg, kg, kbg, eg_last, egc, egs, bk, factors, levels, pairs, lower, eye })
 }
 
@@ -575,12 +563,12 @@ fn chunk_products(
     // lane reduction and its broadcast back), so the block's first row reads no later token's
     // gate.
     let ((fr, fc), strict) = (&f.factors[0], &f.levels[1]);
-    let cols = mul(b, k, fc)?;
+    let cols = b.mul(k, fc)?;
     let qk = b.matmul(q, k, (1, 1), data)?;
-    let diagonal = mul(b, &f.eye, &qk)?;
+    let diagonal = b.mul(&f.eye, &qk)?;
     let mut level0 = vec![];
     for (x, other) in [(q, &diagonal), (&f.bk, &zero)] {
-        let rows = mul(b, x, fr)?;
+        let rows = b.mul(x, fr)?;
         let p = b.matmul(&rows, &cols, (1, 1), data)?;
         level0.push(pick(b, strict, Cmp::Eq, &one, &p, other)?);
     }
@@ -594,28 +582,28 @@ fn chunk_products(
     for (i, &half) in HALVES.iter().enumerate() {
         let e = &f.factors[i + 1].0;
         let x = by_halves(b, half, q, k)?;
-        let x = mul(b, &x, e)?;
+        let x = b.mul(&x, e)?;
         let y = by_halves(b, half, &f.bk, k)?;
-        let y = mul(b, &y, e)?;
+        let y = b.mul(&y, e)?;
         let p = b.matmul(&x, &y, (1, 1), data)?;
-        let kept = mul(b, &p, &f.pairs[i])?;
+        let kept = b.mul(&p, &f.pairs[i])?;
         let at = usize::from(half >= S);
-        z[at] = add(b, &z[at], &kept)?;
+        z[at] = b.add(&z[at], &kept)?;
     }
     // Below the diagonal (0/1 products, no selects), and what is left above it.
-    let below = [mul(b, &z[0], &f.lower)?, mul(b, &z[1], &f.lower)?];
-    let x = add(b, &level0[0], &below[0])?;
-    let aqk = add(b, &x, &below[1])?;
+    let below = [b.mul(&z[0], &f.lower)?, b.mul(&z[1], &f.lower)?];
+    let x = b.add(&level0[0], &below[0])?;
+    let aqk = b.add(&x, &below[1])?;
     let mut l_parts = vec![];
     for (zi, bi) in z.iter().zip(&below) {
-        let above = b.binary(Binary::Sub, zi, bi)?;
+        let above = b.sub(zi, bi)?;
         l_parts.push(b.transpose(&above)?);
     }
-    let l_blocks = add(b, &level0[1], &l_parts[0])?;
+    let l_blocks = b.add(&level0[1], &l_parts[0])?;
     let l_rest = l_parts[1].clone();
     let scale_c = b.splat(scale, DType::F32, &[C, C])?;
-    let aqk = mul(b, &aqk, &scale_c)?;
-    let l = add(b, &l_blocks, &l_rest)?;
+    let aqk = b.mul(&aqk, &scale_c)?;
+    let l = b.add(&l_blocks, &l_rest)?;
     Ok(ChunkTerms { aqk, l, l_blocks, l_rest, f })
 }
 

@@ -234,8 +234,7 @@ impl ForwardDims {
 
     /// The default wish for [`ForwardDims::steps_for`]: [`STREAMED_STEP_CHUNKS`] when the
     /// per-token operands are too large for XLA to place them in VMEM (it streams them from HBM
-    /// then, and each grid step pays DMA bookkeeping for every operand: at H=32, T=8192 about
-    /// 140 bundles a step), while a step's double-buffered blocks stay within
+    /// then, and each grid step pays DMA bookkeeping for every operand), while a step's double-buffered blocks stay within
     /// [`STEP_BLOCK_BYTES`]; else [`RESIDENT_STEP_CHUNKS`] (a step's other chunks' terms
     /// overlap each chunk's state update).
     pub fn default_step_chunks(&self) -> i64 {
@@ -294,25 +293,23 @@ impl ForwardDims {
 
 /// Per-token operand bytes above which [`ForwardDims::default_step_chunks`] takes XLA to stream
 /// them from HBM: more than a TensorCore's 64 MiB of VMEM cannot stay there (the primary
-/// shape's 10 MB, bf16, or 25 MB, f32, are placed in VMEM; H=32, T=8192's 336 MB stream).
+/// shape's operands are placed in VMEM, H=32, T=8192's stream).
 pub const STREAMED_BYTES: i64 = 64 << 20;
 
-/// Chunks per grid step when the operands stay in VMEM: at the primary shape (bf16, tpu7x) the
-/// forward counts 68.8 k static cycles at four, 64.6 k at eight and 59.5 k at sixteen (the
-/// fused forward+VJP 172.5 k, 169.9 k and 165.6 k). The Mosaic lowering's op order is what
-/// lets a long step pay (docs/design.md, The op order of the Mosaic lowering): written chunk by
-/// chunk, sixteen count 90.5 k.
+/// Chunks per grid step when the operands stay in VMEM: the most the static counts fell to at
+/// the primary shape (docs/performance.md, Design figures). The Mosaic lowering's op order is
+/// what lets a long step pay (docs/kernels/op-order.md): written chunk by chunk, sixteen count
+/// more than four.
 pub const RESIDENT_STEP_CHUNKS: i64 = 16;
 
-/// Chunks per grid step when the operands stream from HBM: at H=32, T=8192 (bf16, tpu7x) the
-/// forward counts 2.09 M static cycles at eight, 1.85 M at sixteen and 1.78 M at thirty-two
-/// (with 25 segments 2.50 M, 2.23 M and 2.13 M).
+/// Chunks per grid step when the operands stream from HBM: the most the static counts fell to
+/// at H=32, T=8192 (docs/performance.md, Design figures).
 pub const STREAMED_STEP_CHUNKS: i64 = 32;
 
 /// The scoped VMEM the forward kernel asks for on packed rows read with segment masks whose
 /// operands stream ([`ForwardDims::vmem_limit`]): their masks' live values take more of it, and
-/// at H=32, T=8192 with 25 segments (bf16) a step of [`STREAMED_STEP_CHUNKS`] needs 18.1 MB,
-/// over v5e's 16 MiB default (every TPU generation has at least 64 MiB of VMEM).
+/// at H=32, T=8192 with 25 segments (bf16) a step of [`STREAMED_STEP_CHUNKS`] needs more than
+/// v5e's 16 MiB default (every TPU generation has at least 64 MiB of VMEM).
 pub const SEGMENT_VMEM_BYTES: i64 = 32 << 20;
 
 /// The bound on one grid step's double-buffered per-token blocks (and saved states) that

@@ -27,7 +27,7 @@ use super::operands::{
 };
 use crate::error::{Result, TpuError};
 use crate::hlo::{Cmp, TensorType};
-use crate::lang::{Binary, Body, MatPrecision, Offset, Reduction, Ref, Unary, V};
+use crate::lang::{Binary, Body, MatPrecision, Offset, Reduction, Ref, V};
 use crate::lang::{Cost, Index, Kernel, KernelBuilder, MosaicParams, Operand};
 
 /// The forward kernel's operands, results and scratch by name: what its body reads and writes
@@ -304,7 +304,7 @@ fn chunk_local(
         s.within_terms(b, &mut terms)?;
     }
     let bv = b.broadcast(&beta, &[C, d.v])?;
-    let bv = b.binary(Binary::Mul, &vv, &bv)?;
+    let bv = b.mul(&vv, &bv)?;
     Ok(ChunkLocal { c, terms, bv, segs })
 }
 
@@ -363,13 +363,13 @@ fn state_update(
     let segs = segs.as_ref();
     let ws = b.matmul(&w, &s, (1, 0), p)?;
     let ws = segment_rows(b, segs, &ws, SegmentRows::First)?;
-    let v_new = b.binary(Binary::Sub, &u, &ws)?;
+    let v_new = b.sub(&u, &ws)?;
     let inter = b.matmul(&terms.f.qg, &s, (1, 0), p)?;
     let inter = segment_rows(b, segs, &inter, SegmentRows::First)?;
     let sc = b.splat(cx.scale, DType::F32, &[C, v])?;
-    let inter = b.binary(Binary::Mul, &inter, &sc)?;
+    let inter = b.mul(&inter, &sc)?;
     let intra = b.matmul(&terms.aqk, &v_new, (1, 0), p)?;
-    let o = b.binary(Binary::Add, &inter, &intra)?;
+    let o = b.add(&inter, &intra)?;
     let o = segment_rows(b, segs, &o, SegmentRows::Real)?;
     match (r.tabs.window, r.place_o) {
         (Some(t), Some(buf)) => {
@@ -384,13 +384,13 @@ fn state_update(
     }
     let decay = b.reshape(&terms.f.eg_last, &[k, 1])?;
     let decay = b.broadcast(&decay, &[k, v])?;
-    let kept = b.binary(Binary::Mul, &s, &decay)?;
+    let kept = b.mul(&s, &decay)?;
     // With segments the leaving state is the chunk's last segment's: the entering one only if
     // no segment starts inside the chunk, and only the last segment's tokens.
     let kept = if_whole(b, segs, &kept)?;
     let kg = segment_rows(b, segs, &terms.f.kg, SegmentRows::Last)?;
     let add = b.matmul(&kg, &v_new, (0, 0), p)?;
-    let s_next = b.binary(Binary::Add, &kept, &add)?;
+    let s_next = b.add(&kept, &add)?;
     if d.fixed_rows() {
         // A row's final state: its last chunk's, the last write to its `ht` block.
         if ci + 1 == d.chunks_per_step() {
@@ -457,13 +457,13 @@ pub(super) fn l2_normalise(b: &mut Body, x: &V) -> Result<V> {
 /// [`l2_normalise`] and its per-row scale `rsqrt(sum(x^2) + eps)` `[64, 1]`.
 pub(super) fn l2_normalise_with_scale(b: &mut Body, x: &V) -> Result<(V, V)> {
     let dims = x.ty.dims.clone();
-    let sq = b.binary(Binary::Mul, x, x)?;
+    let sq = b.mul(x, x)?;
     let ss = b.reduce(Reduction::Sum, &sq, 1)?;
     let eps = b.splat(kda_core::L2NORM_EPS, DType::F32, &[dims[0], 1])?;
-    let ss = b.binary(Binary::Add, &ss, &eps)?;
-    let r = b.unary(Unary::Rsqrt, &ss)?;
+    let ss = b.add(&ss, &eps)?;
+    let r = b.rsqrt(&ss)?;
     let wide = b.broadcast(&r, &dims)?;
-    Ok((b.binary(Binary::Mul, x, &wide)?, r))
+    Ok((b.mul(x, &wide)?, r))
 }
 
 /// The activated, floored log-decay of the raw gate `x` `[64, K]`; the gate parameters (of an
@@ -482,34 +482,34 @@ pub(super) fn activate(b: &mut Body, x: &V, gate: Gate, params: Option<Ref>) -> 
             let (a, bias) = (row(b, 0)?, row(b, 1)?);
             let a = b.broadcast(&a, &dims)?;
             let bias = b.broadcast(&bias, &dims)?;
-            let z = b.binary(Binary::Add, x, &bias)?;
+            let z = b.add(x, &bias)?;
             match gate {
                 Gate::Softplus => {
                     // softplus(z) = max(z, 0) + log1p(exp(-|z|)), exact and overflow-free.
                     let zero = b.splat(0.0, DType::F32, &dims)?;
-                    let pos = b.binary(Binary::Max, &z, &zero)?;
-                    let nz = b.unary(Unary::Neg, &z)?;
-                    let neg_abs = b.binary(Binary::Min, &z, &nz)?;
-                    let e = b.unary(Unary::Exp, &neg_abs)?;
-                    let l = b.unary(Unary::Log1p, &e)?;
-                    let sp = b.binary(Binary::Add, &pos, &l)?;
-                    let g = b.binary(Binary::Mul, &a, &sp)?;
-                    b.unary(Unary::Neg, &g)?
+                    let pos = b.max(&z, &zero)?;
+                    let nz = b.neg(&z)?;
+                    let neg_abs = b.min(&z, &nz)?;
+                    let e = b.exp(&neg_abs)?;
+                    let l = b.log1p(&e)?;
+                    let sp = b.add(&pos, &l)?;
+                    let g = b.mul(&a, &sp)?;
+                    b.neg(&g)?
                 }
                 _ => {
                     let lb = if let Gate::LowerBound(lb) = gate { lb } else { 0.0 };
                     // lb * sigmoid(a z) = lb/2 + lb/2 tanh(a z / 2): one transcendental.
                     let half_a = b.splat(0.5, DType::F32, &dims)?;
-                    let half_a = b.binary(Binary::Mul, &a, &half_a)?;
-                    let x = b.binary(Binary::Mul, &half_a, &z)?;
-                    let t = b.unary(Unary::Tanh, &x)?;
+                    let half_a = b.mul(&a, &half_a)?;
+                    let x = b.mul(&half_a, &z)?;
+                    let t = b.tanh(&x)?;
                     let half_lb = b.splat(lb / 2.0, DType::F32, &dims)?;
-                    let scaled = b.binary(Binary::Mul, &t, &half_lb)?;
-                    b.binary(Binary::Add, &scaled, &half_lb)?
+                    let scaled = b.mul(&t, &half_lb)?;
+                    b.add(&scaled, &half_lb)?
                 }
             }
         }
     };
     let floor = b.splat(FLOOR, DType::F32, &dims)?;
-    b.binary(Binary::Max, &g, &floor)
+    b.max(&g, &floor)
 }

@@ -1,4 +1,4 @@
-//! The forward program around the Mosaic forward kernel ([`crate::lang::forward`]): the same
+//! The forward program around the Mosaic forward kernel ([`mod@super::forward`]): the same
 //! signature as the XLA forward, so the backend, the compile cache and the backward read it
 //! unchanged. The kernel reads the caller's tensors as they are (fixed-length rows of whole
 //! chunks, [`Tokens::HeadFirst`] and [`Tokens::BatchFirst`]; packed rows of whole 64-token

@@ -1,10 +1,12 @@
 //! The TPU kernels of the KDA op, written in [`crate::lang`]: the chunked forward
-//! ([`forward`]) and backward ([`backward`]) kernels for the dims of [`dims`], the operands
+//! ([`mod@forward`]) and backward ([`mod@backward`]) kernels for the dims of [`dims`], the operands
 //! both declare by name (`operands`), their building blocks ([`blocks`]), and their wiring into
 //! the op's programs (`forward_program`, `backward_program`), lowered to Mosaic for libtpu or
 //! through the interpret lowering on any plugin.
 
 pub mod backward;
+mod backward_levels;
+mod backward_operands;
 mod backward_program;
 pub mod blocks;
 pub mod dims;

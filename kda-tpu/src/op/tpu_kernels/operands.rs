@@ -23,7 +23,7 @@ pub(super) struct ChunkTabs {
     pub segments: Option<Ref>,
 }
 
-/// The tables with which a packed kernel ([`super::forward::Tokens::packed`]) finds chunk
+/// The tables with which a packed kernel ([`super::dims::Tokens::packed`]) finds chunk
 /// `c`'s tokens `start[c] .. start[c] + len[c]` in place: the block indices `lo[c]` (of the
 /// block holding `start[c]`) and `hi[c]` (the next one, clamped to the last block),
 /// `off[c] = start[c] - 64 lo[c]` and `len[c]`; rows from `len[c]` on are read as zeros.

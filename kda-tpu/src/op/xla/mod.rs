@@ -2,6 +2,7 @@
 //! built with [`crate::hlo`]: the chunk-local terms through decay tiles, the WY solve and the
 //! state and `dh` recurrences.
 
+mod grads;
 mod intra;
 #[cfg(feature = "harness")]
 pub mod parts;

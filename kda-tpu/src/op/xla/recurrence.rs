@@ -107,7 +107,7 @@ pub fn run_states_window(
 /// Whether the loops cover whole fixed-length rows: one segment per lane that starts at chunk 0
 /// and ends at the last chunk, with one state slot. The loops then start from the slot's
 /// initial state (or `dht`) and read the final one after the last chunk, with no per-chunk
-/// selects on the state (about 0.2 ms per loop at the benchmark shape on the CPU plugin).
+/// selects on the state (each a cost on every chunk of the loop).
 fn whole_rows(s: &KernelSpec, t: &ChunkTables) -> bool {
     s.packed_chunks.is_none() && t.used.is_none() && s.slots() == 1
 }
@@ -343,9 +343,9 @@ pub fn run_grads_window(
     // its dv_new, so the write comes after the read. dh is written over q2 ([L, NT, K, V]) the
     // same way, but its value does not depend on the chunk's q2 (which feeds only `prev`), so an
     // optimization barrier over the read q2 and the written dh orders the read first; without it
-    // XLA may schedule the write first and copies q2 instead (8.4 MB at the benchmark shape).
+    // XLA may schedule the write first and copies q2 instead (a token-sized copy).
     // In slabs (the TPU configuration) dh gets its own buffer: there the reuse raised the tpu7x
-    // peak of the fused saved-state program (53.97 -> 56.74 MB fixed, 65.82 -> 76.30 packed).
+    // peak of the fused saved-state program.
     let over_q2 = !s.in_slabs();
     let dh_init = if over_q2 { q2 } else { b.scratch_f32(&[l, nt, k, v])? };
     // The last visited chunk: fixed at `nt - 1`, or one before the run-time bound.

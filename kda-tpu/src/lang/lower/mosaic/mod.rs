@@ -7,13 +7,14 @@ use std::fmt::Write;
 
 use kda_core::DType;
 
+mod ops;
 mod schedule;
 
-use super::arith::{cast_op, derefs_to_text, float_op, int_op, literal, predicate, Text};
+use super::arith::{derefs_to_text, Text};
 use super::{custom_call_layouts, quote_line, refuse, Lower};
 use crate::error::{Result, TpuError};
 use crate::hlo::{FnBuilder, TensorType, Value};
-use crate::lang::body::{MatPrecision, Offset, Op, Place, Reduction, Ref, Unary, V};
+use crate::lang::ir::{Offset, Op, Place, Ref, V};
 use crate::lang::kernel::{Index, Kernel, Operand, Semantics};
 
 fn vty(t: &TensorType) -> String {
@@ -190,6 +191,11 @@ impl Lower for Mosaic {
     }
 }
 
+/// The error of an op method handed another op (a dispatch mistake, never the user's).
+fn internal(kind: &str) -> TpuError {
+    TpuError::builder("mosaic lowering", format!("internal: not a {kind} op"))
+}
+
 struct Emitter<'k> {
     k: &'k Kernel,
     t: Text,
@@ -240,235 +246,6 @@ impl<'k> Emitter<'k> {
     fn ops(&mut self, ops: &[Op]) -> Result<()> {
         for op in ops {
             self.op(op)?;
-        }
-        Ok(())
-    }
-
-    fn op(&mut self, op: &Op) -> Result<()> {
-        match op {
-            Op::ProgramId { out, axis } => {
-                self.names.insert(out.id, format!("%g{axis}"));
-            }
-            Op::IndexConst { out, value } => self.index_const(out, *value),
-            Op::IndexBinary { out, op, a, b } => self.index_binary(out, *op, a, b)?,
-            Op::ReadTable { out, table, index } => {
-                let (i, t) = (self.name(index)?, self.temp());
-                self.line(&format!("{t} = arith.index_cast {i} : i32 to index"));
-                let n = self.def(out);
-                let ty = memref(&[self.k.tables[*table].1], DType::I32, "smem");
-                self.line(&format!("{n} = memref.load %tab{table}[{t}] : {ty}"));
-            }
-            Op::Splat { out, value } => {
-                let ty = vty(&out.ty);
-                self.splat(out, *value, &ty);
-            }
-            Op::Load { out, from, offsets } => {
-                let idx = self.offsets(offsets)?;
-                let (r, rty) = self.reference(*from);
-                let n = self.def(out);
-                self.line(&format!("{n} = vector.load {r}[{idx}] : {rty}, {}", vty(&out.ty)));
-            }
-            Op::Store { to, offsets, value } => {
-                let idx = self.offsets(offsets)?;
-                let (r, rty) = self.reference(*to);
-                let v = self.name(value)?;
-                self.line(&format!(
-                    "tpu.vector_store {r}[{idx}], {v} {{strides = array<i32>}} : {rty}, {},",
-                    vty(&value.ty)
-                ));
-            }
-            Op::Matmul { out, a, b, contract, precision } => {
-                let (mut an, mut bn) = (self.name(a)?, self.name(b)?);
-                let (mut at, mut bt) = (a.ty.clone(), b.ty.clone());
-                // One bf16 pass: f32 operands rounded to bf16 here (as the interpret lowering
-                // does), so that the MXU streams packed bf16 rows, half the issue of f32 rows
-                // it would round itself.
-                if *precision == MatPrecision::Default {
-                    for (n, t) in [(&mut an, &mut at), (&mut bn, &mut bt)] {
-                        if t.elem == DType::F32 {
-                            let r = self.temp();
-                            let bf = TensorType::new(DType::BF16, &t.dims);
-                            self.line(&format!("{r} = arith.truncf {n} : {} to {}", vty(t), vty(&bf)));
-                            (*n, *t) = (r, bf);
-                        }
-                    }
-                }
-                let z = self.temp();
-                self.line(&format!("{z} = arith.constant dense<0.000000000e+00> : {}", vty(&out.ty)));
-                let (cl, cr) = (contract.0, contract.1);
-                let dims = format!(
-                    "[{cl}], [{cr}], [{}], [{}], [0, {}, 1, {}], [], []",
-                    1 - cl,
-                    1 - cr,
-                    1 - cl,
-                    1 - cr
-                );
-                let p = match precision {
-                    MatPrecision::Highest => "precision = #tpu.contract_precision<fp32>, ",
-                    MatPrecision::Default => "",
-                };
-                let n = self.def(out);
-                self.line(&format!(
-                    "{n} = tpu.matmul {an}, {bn}, {z} {{dimension_numbers = #tpu.dot_dimension_numbers<{dims}>, {p}transpose_lhs_hint = false}} : {}, {}, {} -> {}",
-                    vty(&at), vty(&bt), vty(&out.ty), vty(&out.ty)
-                ));
-            }
-            Op::Binary { out, op, a, b } => {
-                let (an, bn) = (self.name(a)?, self.name(b)?);
-                let name = if a.ty.elem.is_float() { float_op(*op) } else { int_op(*op) };
-                let n = self.def(out);
-                self.line(&format!("{n} = arith.{name} {an}, {bn} : {}", vty(&out.ty)));
-            }
-            Op::Unary { out, op, a } => {
-                let an = self.name(a)?;
-                let name = match op {
-                    Unary::Exp => "math.exp",
-                    Unary::Exp2 => "math.exp2",
-                    Unary::Log => "math.log",
-                    Unary::Log1p => "math.log1p",
-                    Unary::Rsqrt => "math.rsqrt",
-                    Unary::Tanh => "math.tanh",
-                    Unary::Neg => "arith.negf",
-                };
-                let n = self.def(out);
-                self.line(&format!("{n} = {name} {an} : {}", vty(&out.ty)));
-            }
-            Op::Iota { out, dim } => {
-                let n = self.def(out);
-                self.line(&format!("{n} = tpu.iota {{dimensions = array<i32: {dim}>}} : {}", vty(&out.ty)));
-            }
-            Op::Compare { out, cmp, a, b } => {
-                let (an, bn) = (self.name(a)?, self.name(b)?);
-                let (f, i) = predicate(*cmp);
-                let n = self.def(out);
-                let (op, pred) = if a.ty.elem.is_float() { ("cmpf", f) } else { ("cmpi", i) };
-                self.line(&format!("{n} = arith.{op} {pred}, {an}, {bn} : {}", vty(&a.ty)));
-            }
-            Op::Select { out, cond, a, b } => {
-                let (c, an, bn) = (self.name(cond)?, self.name(a)?, self.name(b)?);
-                let n = self.def(out);
-                self.line(&format!(
-                    "{n} = arith.select {c}, {an}, {bn} : {}, {}",
-                    vty(&cond.ty),
-                    vty(&out.ty)
-                ));
-            }
-            Op::Reduce { out, op, a, axis } => {
-                let an = self.name(a)?;
-                let mut dims = a.ty.dims.clone();
-                dims.remove(*axis);
-                let reduced = TensorType::new(DType::F32, &dims);
-                let (acc, r) = (self.temp(), self.temp());
-                let (kind, init) = match op {
-                    Reduction::Sum => ("add", 0.0),
-                    Reduction::Max => ("maximumf", f64::NEG_INFINITY),
-                };
-                self.line(&format!(
-                    "{acc} = arith.constant dense<{}> : {}",
-                    literal(init, DType::F32),
-                    vty(&reduced)
-                ));
-                self.line(&format!(
-                    "{r} = vector.multi_reduction <{kind}>, {an}, {acc} [{axis}] : {} to {}",
-                    vty(&a.ty),
-                    vty(&reduced)
-                ));
-                let n = self.def(out);
-                self.line(&format!("{n} = vector.shape_cast {r} : {} to {}", vty(&reduced), vty(&out.ty)));
-            }
-            Op::Broadcast { out, a } => self.conversion("vector.broadcast", out, a)?,
-            Op::Cast { out, a } => {
-                let op = cast_op(a.ty.elem, out.ty.elem);
-                self.conversion(op, out, a)?
-            }
-            Op::Transpose { out, a } => {
-                let an = self.name(a)?;
-                let n = self.def(out);
-                self.line(&format!(
-                    "{n} = \"tpu.transpose\"({an}) {{permutation = array<i64: 1, 0>}} : ({}) -> {}",
-                    vty(&a.ty),
-                    vty(&out.ty)
-                ));
-            }
-            Op::Reshape { out, a } => self.conversion("vector.shape_cast", out, a)?,
-            Op::Slice { out, a, starts } => {
-                let an = self.name(a)?;
-                let n = self.def(out);
-                let list = |v: &[i64]| v.iter().map(i64::to_string).collect::<Vec<_>>().join(", ");
-                let ones = vec![1; starts.len()];
-                self.line(&format!(
-                    "{n} = \"vector.extract_strided_slice\"({an}) {{offsets = [{}], sizes = [{}], strides = [{}]}} : ({}) -> {}",
-                    list(starts),
-                    list(&out.ty.dims),
-                    list(&ones),
-                    vty(&a.ty),
-                    vty(&out.ty)
-                ));
-            }
-            Op::Concat { out, parts, dim } => {
-                let names = parts.iter().map(|p| self.name(p)).collect::<Result<Vec<_>>>()?;
-                let tys: Vec<String> = parts.iter().map(|p| vty(&p.ty)).collect();
-                let n = self.def(out);
-                self.line(&format!(
-                    "{n} = tpu.concatenate {} in {dim} : {} -> {}",
-                    names.join(", "),
-                    tys.join(", "),
-                    vty(&out.ty)
-                ));
-            }
-            Op::If { cond, then } => {
-                let c = self.name(cond)?;
-                self.line(&format!("scf.if {c} {{"));
-                self.depth += 1;
-                let saved = self.names.clone();
-                self.ops(then)?;
-                self.names = saved;
-                self.depth -= 1;
-                self.line("}");
-            }
-            Op::For { lo, hi, index, init, args, body, yields, outs } => {
-                let (l, h, s) = (self.temp(), self.temp(), self.temp());
-                self.line(&format!("{l} = arith.constant {lo} : i32"));
-                self.line(&format!("{h} = arith.constant {hi} : i32"));
-                self.line(&format!("{s} = arith.constant 1 : i32"));
-                let inits = init.iter().map(|v| self.name(v)).collect::<Result<Vec<_>>>()?;
-                let types: Vec<String> = init.iter().map(|v| vty(&v.ty)).collect();
-                let r = self.temp();
-                let lhs = match outs.len() {
-                    0 => String::new(),
-                    1 => format!("{r} = "),
-                    n => format!("{r}:{n} = "),
-                };
-                let operands = [l, h, s].into_iter().chain(inits).collect::<Vec<_>>().join(", ");
-                self.line(&format!("{lhs}\"scf.for\"({operands}) ({{"));
-                let saved = self.names.clone();
-                let i = self.def(index);
-                let mut block_args = vec![format!("{i}: i32")];
-                for a in args {
-                    let n = self.def(a);
-                    block_args.push(format!("{n}: {}", vty(&a.ty)));
-                }
-                self.line(&format!("^bb0({}):", block_args.join(", ")));
-                self.depth += 1;
-                self.ops(body)?;
-                let ys = yields.iter().map(|v| self.name(v)).collect::<Result<Vec<_>>>()?;
-                self.line(&format!("\"scf.yield\"({}) : ({}) -> ()", ys.join(", "), types.join(", ")));
-                self.depth -= 1;
-                self.names = saved;
-                let result = match types.len() {
-                    1 => types[0].clone(),
-                    _ => format!("({})", types.join(", ")),
-                };
-                let all: Vec<String> = ["i32".to_string(), "i32".into(), "i32".into()]
-                    .into_iter()
-                    .chain(types.clone())
-                    .collect();
-                self.line(&format!("}}) : ({}) -> {result}", all.join(", ")));
-                for (k, o) in outs.iter().enumerate() {
-                    let name = if outs.len() == 1 { r.clone() } else { format!("{r}#{k}") };
-                    self.names.insert(o.id, name);
-                }
-            }
         }
         Ok(())
     }

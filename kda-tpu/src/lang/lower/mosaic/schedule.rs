@@ -12,13 +12,12 @@
 use std::collections::HashMap;
 
 use crate::hlo::TensorType;
-use crate::lang::body::{Offset, Op, Ref, V};
+use crate::lang::ir::{Offset, Op, Ref, V};
 
 /// The model's cycles from a product's issue to its result. Far above a real MXU's latency on
 /// purpose: it makes the schedule take every product whose inputs are ready, from any chunk,
-/// before any product that waits on another (at the primary shape, bf16, tpu7x: the Mosaic
-/// forward's static count is 72 k bundles with 25 cycles, 69 k with 100, 59.5 k from 250 to
-/// 500; 2000 gives 61 k).
+/// before any product that waits on another (the static counts at other latencies:
+/// docs/performance.md, Design figures).
 pub const MXU_LATENCY: f64 = 500.0;
 
 /// The units of the model.

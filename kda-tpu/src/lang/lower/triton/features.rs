@@ -1,7 +1,7 @@
 //! What the Triton lowering has no form for: the parts of the language a kernel may use that
 //! TTIR cannot hold as this lowering writes it, found before any text is written.
 
-use crate::lang::body::{Offset, Op, Place};
+use crate::lang::ir::{Offset, Op, Place};
 use crate::lang::kernel::{Kernel, Semantics};
 
 /// Each dim rounded up to a power of two: the dims of the Triton tensor that holds a value.

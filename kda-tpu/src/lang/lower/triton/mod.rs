@@ -33,7 +33,7 @@ use super::arith::{derefs_to_text, literal, Text};
 use super::{custom_call_layouts, quote_line, refuse, Lower};
 use crate::error::{Result, TpuError};
 use crate::hlo::{FnBuilder, Value};
-use crate::lang::body::{Offset, Op, Place, Ref, Unary, V};
+use crate::lang::ir::{Offset, Op, Place, Ref, Unary, V};
 use crate::lang::kernel::{Index, Kernel, Semantics};
 use features::padded;
 

@@ -7,293 +7,439 @@ use kda_core::DType;
 use super::super::arith::{cast_op, float_op, int_op, literal, predicate};
 use super::F32Dot;
 use super::{elem, padded, tty, vty, written, Emitter};
-use crate::error::Result;
-use crate::lang::body::{MatPrecision, Op, Place, Reduction, Unary};
+use crate::error::{Result, TpuError};
+use crate::lang::ir::{MatPrecision, Op, Place, Reduction, Unary};
+
+/// The error of an op method handed another op (a dispatch mistake, never the user's).
+fn internal(kind: &str) -> TpuError {
+    TpuError::builder("triton lowering", format!("internal: not a {kind} op"))
+}
 
 impl Emitter<'_> {
     pub(super) fn op(&mut self, op: &Op) -> Result<()> {
         match op {
-            Op::ProgramId { out, axis } => {
-                let g = self.grid[*axis].clone();
-                self.names.insert(out.id, g);
-            }
+            Op::ProgramId { .. } => self.emit_program_id(op)?,
             Op::IndexConst { out, value } => self.index_const(out, *value),
             Op::IndexBinary { out, op, a, b } => self.index_binary(out, *op, a, b)?,
-            Op::ReadTable { out, table, index } => {
-                let i = self.name(index)?;
-                let r = self.table_entry(*table, &i);
-                self.names.insert(out.id, r);
+            Op::ReadTable { .. } => self.emit_read_table(op)?,
+            Op::Splat { .. } => self.emit_splat(op)?,
+            Op::Load { .. } => self.emit_load(op)?,
+            Op::Store { .. } => self.emit_store(op)?,
+            Op::Matmul { .. } => self.emit_matmul(op)?,
+            Op::Binary { .. } => self.emit_binary(op)?,
+            Op::Unary { .. } => self.emit_unary(op)?,
+            Op::Iota { .. } => self.emit_iota(op)?,
+            Op::Compare { .. } => self.emit_compare(op)?,
+            Op::Select { .. } => self.emit_select(op)?,
+            Op::Reduce { .. } => self.emit_reduce(op)?,
+            Op::Broadcast { .. } => self.emit_broadcast(op)?,
+            Op::Cast { .. } => self.emit_cast(op)?,
+            Op::Transpose { .. } => self.emit_transpose(op)?,
+            Op::Reshape { .. } => self.emit_reshape(op)?,
+            Op::Slice { .. } => self.emit_slice(op)?,
+            Op::Concat { .. } => self.emit_concat(op)?,
+            Op::If { .. } => self.emit_if(op)?,
+            Op::For { .. } => self.emit_for(op)?,
+        }
+        Ok(())
+    }
+
+    /// The TTIR of `ProgramId`.
+    fn emit_program_id(&mut self, op: &Op) -> Result<()> {
+        let Op::ProgramId { out, axis } = op else {
+            return Err(internal("ProgramId"));
+        };
+        let g = self.grid[*axis].clone();
+        self.names.insert(out.id, g);
+        Ok(())
+    }
+
+    /// The TTIR of `ReadTable`.
+    fn emit_read_table(&mut self, op: &Op) -> Result<()> {
+        let Op::ReadTable { out, table, index } = op else {
+            return Err(internal("ReadTable"));
+        };
+        let i = self.name(index)?;
+        let r = self.table_entry(*table, &i);
+        self.names.insert(out.id, r);
+        Ok(())
+    }
+
+    /// The TTIR of `Splat`.
+    fn emit_splat(&mut self, op: &Op) -> Result<()> {
+        let Op::Splat { out, value } = op else {
+            return Err(internal("Splat"));
+        };
+        let ty = vty(out);
+        self.splat(out, *value, &ty);
+        Ok(())
+    }
+
+    /// The TTIR of `Load`.
+    fn emit_load(&mut self, op: &Op) -> Result<()> {
+        let Op::Load { out, from, offsets } = op else {
+            return Err(internal("Load"));
+        };
+        match from.place {
+            Place::Scratch(i) => {
+                let s = self.scratch[i].clone();
+                self.names.insert(out.id, s);
             }
-            Op::Splat { out, value } => {
-                let ty = vty(out);
-                self.splat(out, *value, &ty);
-            }
-            Op::Load { out, from, offsets } => match from.place {
-                Place::Scratch(i) => {
-                    let s = self.scratch[i].clone();
-                    self.names.insert(out.id, s);
-                }
-                _ => {
-                    let (ptrs, pty, mask) = self.window(*from, offsets, &out.ty.dims)?;
-                    let n = self.def(out);
-                    match mask {
-                        None => self.line(&format!("{n} = tt.load {ptrs} : {pty}")),
-                        Some(m) => {
-                            let z = self.let_(&format!(
-                                "arith.constant dense<{}> : {}",
-                                literal(0.0, out.ty.elem),
-                                vty(out)
-                            ));
-                            self.line(&format!("{n} = tt.load {ptrs}, {m}, {z} : {pty}"));
-                        }
-                    }
-                }
-            },
-            Op::Store { to, offsets, value } => {
-                let v = self.name(value)?;
-                match to.place {
-                    Place::Scratch(i) => self.scratch[i] = v,
-                    _ => {
-                        let (ptrs, pty, mask) = self.window(*to, offsets, &value.ty.dims)?;
-                        match mask {
-                            None => self.line(&format!("tt.store {ptrs}, {v} : {pty}")),
-                            Some(m) => self.line(&format!("tt.store {ptrs}, {v}, {m} : {pty}")),
-                        }
-                    }
-                }
-            }
-            Op::Matmul { out, a, b, contract, precision } => {
-                let (mut an, mut bn) = (self.name(a)?, self.name(b)?);
-                let (mut ad, mut bd) = (a.ty.dims.clone(), b.ty.dims.clone());
-                let e = a.ty.elem;
-                // Contracting dim padded: zero it on both sides.
-                an = self.fill_padding(&an, &ad, e, contract.0, 0.0);
-                bn = self.fill_padding(&bn, &bd, e, contract.1, 0.0);
-                // Operands as tt.dot takes them, [M, K] x [K, N]; f32 at `Default` in bf16.
-                let bf16 = e == DType::F32 && *precision == MatPrecision::Default;
-                for (x, dims, transposed) in
-                    [(&mut an, &mut ad, contract.0 == 0), (&mut bn, &mut bd, contract.1 == 1)]
-                {
-                    if transposed {
-                        *x = self.trans(x, dims, e);
-                        *dims = vec![dims[1], dims[0]];
-                    }
-                    if bf16 {
-                        let (f, h) = (tty(&padded(dims), "f32"), tty(&padded(dims), "bf16"));
-                        *x = self.let_(&format!("arith.truncf {x} : {f} to {h}"));
-                    }
-                }
-                let oe = if bf16 { DType::BF16 } else { e };
-                let acc = self.let_(&format!("arith.constant dense<0.000000000e+00> : {}", vty(out)));
-                let p = match (oe, self.params.f32_dot) {
-                    (DType::F32, F32Dot::Ieee) => ", inputPrecision = ieee",
-                    (DType::F32, F32Dot::Tf32x3) => ", inputPrecision = tf32x3",
-                    _ => "",
-                };
-                let (at, bt) = (tty(&padded(&ad), elem(oe)), tty(&padded(&bd), elem(oe)));
+            _ => {
+                let (ptrs, pty, mask) = self.window(*from, offsets, &out.ty.dims)?;
                 let n = self.def(out);
-                self.line(&format!("{n} = tt.dot {an}, {bn}, {acc}{p} : {at} * {bt} -> {}", vty(out)));
-            }
-            Op::Binary { out, op, a, b } => {
-                let (an, bn) = (self.name(a)?, self.name(b)?);
-                let name = if a.ty.elem.is_float() { float_op(*op) } else { int_op(*op) };
-                let n = self.def(out);
-                self.line(&format!("{n} = arith.{name} {an}, {bn} : {}", vty(out)));
-            }
-            Op::Unary { out, op, a } => {
-                let an = self.name(a)?;
-                let r = if a.ty.elem == DType::F32 || *op == Unary::Neg {
-                    self.unary_f32(*op, &an, &vty(a))
-                } else {
-                    let p = padded(&a.ty.dims);
-                    let (h, f) = (vty(a), tty(&p, "f32"));
-                    let wide = self.let_(&format!("arith.extf {an} : {h} to {f}"));
-                    let r = self.unary_f32(*op, &wide, &f);
-                    self.let_(&format!("arith.truncf {r} : {f} to {h}"))
-                };
-                self.names.insert(out.id, r);
-            }
-            Op::Iota { out, dim } => {
-                let r = self.iota(&padded(&out.ty.dims), *dim);
-                self.names.insert(out.id, r);
-            }
-            Op::Compare { out, cmp, a, b } => {
-                let (an, bn) = (self.name(a)?, self.name(b)?);
-                let (f, i) = predicate(*cmp);
-                let (op, pred) = if a.ty.elem.is_float() { ("cmpf", f) } else { ("cmpi", i) };
-                let n = self.def(out);
-                self.line(&format!("{n} = arith.{op} {pred}, {an}, {bn} : {}", vty(a)));
-            }
-            Op::Select { out, cond, a, b } => {
-                let (c, an, bn) = (self.name(cond)?, self.name(a)?, self.name(b)?);
-                let n = self.def(out);
-                self.line(&format!("{n} = arith.select {c}, {an}, {bn} : {}, {}", vty(cond), vty(out)));
-            }
-            Op::Reduce { out, op, a, axis } => {
-                let an = self.name(a)?;
-                let (kind, init) = match op {
-                    Reduction::Sum => ("arith.addf", 0.0),
-                    Reduction::Max => ("arith.maximumf", f64::NEG_INFINITY),
-                };
-                let x = self.fill_padding(&an, &a.ty.dims, DType::F32, *axis, init);
-                let p = padded(&a.ty.dims);
-                let mut reduced = p.clone();
-                reduced.remove(*axis);
-                let r = self.reduce(&x, &p, *axis, "f32", kind);
-                let n = self.def(out);
-                self.line(&format!(
-                    "{n} = tt.expand_dims {r} {{axis = {axis} : i32}} : {} -> {}",
-                    tty(&reduced, "f32"),
-                    vty(out)
-                ));
-            }
-            Op::Broadcast { out, a } => {
-                let an = self.name(a)?;
-                let to = padded(&out.ty.dims);
-                let e = elem(a.ty.elem);
-                let r = if a.ty.dims.is_empty() {
-                    self.let_(&format!("tt.splat {an} : {e} -> {}", tty(&to, e)))
-                } else {
-                    let mut cur = an;
-                    let mut shape = padded(&a.ty.dims);
-                    while shape.len() < to.len() {
-                        let next: Vec<i64> = std::iter::once(1).chain(shape.iter().copied()).collect();
-                        cur = self.let_(&format!(
-                            "tt.expand_dims {cur} {{axis = 0 : i32}} : {} -> {}",
-                            tty(&shape, e),
-                            tty(&next, e)
+                match mask {
+                    None => self.line(&format!("{n} = tt.load {ptrs} : {pty}")),
+                    Some(m) => {
+                        let z = self.let_(&format!(
+                            "arith.constant dense<{}> : {}",
+                            literal(0.0, out.ty.elem),
+                            vty(out)
                         ));
-                        shape = next;
+                        self.line(&format!("{n} = tt.load {ptrs}, {m}, {z} : {pty}"));
                     }
-                    if shape != to {
-                        cur =
-                            self.let_(&format!("tt.broadcast {cur} : {} -> {}", tty(&shape, e), tty(&to, e)));
-                    }
-                    cur
-                };
-                self.names.insert(out.id, r);
-            }
-            Op::Cast { out, a } => {
-                let op = cast_op(a.ty.elem, out.ty.elem);
-                let an = self.name(a)?;
-                let n = self.def(out);
-                self.line(&format!("{n} = {op} {an} : {} to {}", vty(a), vty(out)));
-            }
-            Op::Transpose { out, a } => {
-                let an = self.name(a)?;
-                let r = self.trans(&an, &a.ty.dims, a.ty.elem);
-                self.names.insert(out.id, r);
-            }
-            Op::Reshape { out, a } => {
-                let an = self.name(a)?;
-                let n = self.def(out);
-                self.line(&format!("{n} = tt.reshape {an} : {} -> {}", vty(a), vty(out)));
-            }
-            Op::Slice { out, a, starts } => {
-                let mut cur = self.name(a)?;
-                let mut dims = padded(&a.ty.dims);
-                let e = a.ty.elem;
-                for d in 0..dims.len() {
-                    let s = out.ty.dims[d];
-                    if s == a.ty.dims[d] {
-                        continue;
-                    }
-                    // [.., D, ..] -> [.., D/s, s, ..], keep block starts[d]/s of the new axis.
-                    let mut split = dims.clone();
-                    split[d] = dims[d] / s;
-                    split.insert(d + 1, s);
-                    let (from, to) = (tty(&dims, elem(e)), tty(&split, elem(e)));
-                    let r = self.let_(&format!("tt.reshape {cur} : {from} -> {to}"));
-                    cur = self.pick(&r, &split, d, starts[d] / s, e);
-                    dims[d] = s;
-                }
-                self.names.insert(out.id, cur);
-            }
-            Op::Concat { out, parts, dim } => {
-                let e = out.ty.elem;
-                let d = *dim;
-                let pd = padded(&parts[0].ty.dims);
-                let n = parts.len() as i64;
-                let mut stacked = pd.clone();
-                stacked.insert(d, n);
-                let st = tty(&stacked, elem(e));
-                let mut acc = self.let_(&format!("arith.constant dense<{}> : {st}", literal(0.0, e)));
-                for (j, part) in parts.iter().enumerate() {
-                    let pn = self.name(part)?;
-                    let mut one = pd.clone();
-                    one.insert(d, 1);
-                    let x = self.let_(&format!(
-                        "tt.expand_dims {pn} {{axis = {d} : i32}} : {} -> {}",
-                        tty(&pd, elem(e)),
-                        tty(&one, elem(e))
-                    ));
-                    let x = self.let_(&format!("tt.broadcast {x} : {} -> {st}", tty(&one, elem(e))));
-                    let m = self.index_test(&stacked, d, "eq", j as i64);
-                    acc = self.let_(&format!("arith.select {m}, {x}, {acc} : {}, {st}", tty(&stacked, "i1")));
-                }
-                let r = self.let_(&format!("tt.reshape {acc} : {st} -> {}", vty(out)));
-                self.names.insert(out.id, r);
-            }
-            Op::If { cond, then } => {
-                let c = self.name(cond)?;
-                let mut w = BTreeSet::new();
-                written(then, &mut w);
-                let w: Vec<usize> = w.into_iter().collect();
-                let before = self.scratch.clone();
-                let types: Vec<String> = w.iter().map(|&i| self.scratch_type(i)).collect();
-                let r = self.temp();
-                if w.is_empty() {
-                    self.line(&format!("scf.if {c} {{"));
-                } else {
-                    let lhs = if w.len() == 1 { r.clone() } else { format!("{r}:{}", w.len()) };
-                    self.line(&format!("{lhs} = scf.if {c} -> ({}) {{", types.join(", ")));
-                }
-                self.depth += 1;
-                let saved = self.names.clone();
-                self.ops(then)?;
-                self.names = saved;
-                if !w.is_empty() {
-                    let ys: Vec<String> = w.iter().map(|&i| self.scratch[i].clone()).collect();
-                    self.line(&format!("scf.yield {} : {}", ys.join(", "), types.join(", ")));
-                    self.depth -= 1;
-                    self.line("} else {");
-                    self.depth += 1;
-                    let olds: Vec<String> = w.iter().map(|&i| before[i].clone()).collect();
-                    self.line(&format!("scf.yield {} : {}", olds.join(", "), types.join(", ")));
-                }
-                self.depth -= 1;
-                self.line("}");
-                self.scratch = before;
-                for (k, &i) in w.iter().enumerate() {
-                    self.scratch[i] = if w.len() == 1 { r.clone() } else { format!("{r}#{k}") };
                 }
             }
-            Op::For { lo, hi, index, init, args, body, yields, outs } => {
-                let mut w = BTreeSet::new();
-                written(body, &mut w);
-                let w: Vec<usize> = w.into_iter().collect();
-                let inits = init.iter().map(|v| self.name(v)).collect::<Result<Vec<_>>>()?;
-                let saved = self.names.clone();
-                let arg_names: Vec<String> = args.iter().map(|a| self.def(a)).collect();
-                let i = self.def(index);
-                let yields_outs = self.counted_loop(
-                    *lo,
-                    *hi,
-                    &i,
-                    &inits,
-                    &arg_names,
-                    &init.iter().map(vty).collect::<Vec<_>>(),
-                    &w,
-                    |e| {
-                        e.ops(body)?;
-                        yields.iter().map(|v| e.name(v)).collect()
-                    },
-                )?;
-                self.names = saved;
-                for (o, name) in outs.iter().zip(yields_outs) {
-                    self.names.insert(o.id, name);
+        }
+        Ok(())
+    }
+
+    /// The TTIR of `Store`.
+    fn emit_store(&mut self, op: &Op) -> Result<()> {
+        let Op::Store { to, offsets, value } = op else {
+            return Err(internal("Store"));
+        };
+        let v = self.name(value)?;
+        match to.place {
+            Place::Scratch(i) => self.scratch[i] = v,
+            _ => {
+                let (ptrs, pty, mask) = self.window(*to, offsets, &value.ty.dims)?;
+                match mask {
+                    None => self.line(&format!("tt.store {ptrs}, {v} : {pty}")),
+                    Some(m) => self.line(&format!("tt.store {ptrs}, {v}, {m} : {pty}")),
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// The TTIR of `Matmul`.
+    fn emit_matmul(&mut self, op: &Op) -> Result<()> {
+        let Op::Matmul { out, a, b, contract, precision } = op else {
+            return Err(internal("Matmul"));
+        };
+        let (mut an, mut bn) = (self.name(a)?, self.name(b)?);
+        let (mut ad, mut bd) = (a.ty.dims.clone(), b.ty.dims.clone());
+        let e = a.ty.elem;
+        // Contracting dim padded: zero it on both sides.
+        an = self.fill_padding(&an, &ad, e, contract.0, 0.0);
+        bn = self.fill_padding(&bn, &bd, e, contract.1, 0.0);
+        // Operands as tt.dot takes them, [M, K] x [K, N]; f32 at `Default` in bf16.
+        let bf16 = e == DType::F32 && *precision == MatPrecision::Default;
+        for (x, dims, transposed) in
+            [(&mut an, &mut ad, contract.0 == 0), (&mut bn, &mut bd, contract.1 == 1)]
+        {
+            if transposed {
+                *x = self.trans(x, dims, e);
+                *dims = vec![dims[1], dims[0]];
+            }
+            if bf16 {
+                let (f, h) = (tty(&padded(dims), "f32"), tty(&padded(dims), "bf16"));
+                *x = self.let_(&format!("arith.truncf {x} : {f} to {h}"));
+            }
+        }
+        let oe = if bf16 { DType::BF16 } else { e };
+        let acc = self.let_(&format!("arith.constant dense<0.000000000e+00> : {}", vty(out)));
+        let p = match (oe, self.params.f32_dot) {
+            (DType::F32, F32Dot::Ieee) => ", inputPrecision = ieee",
+            (DType::F32, F32Dot::Tf32x3) => ", inputPrecision = tf32x3",
+            _ => "",
+        };
+        let (at, bt) = (tty(&padded(&ad), elem(oe)), tty(&padded(&bd), elem(oe)));
+        let n = self.def(out);
+        self.line(&format!("{n} = tt.dot {an}, {bn}, {acc}{p} : {at} * {bt} -> {}", vty(out)));
+        Ok(())
+    }
+
+    /// The TTIR of `Binary`.
+    fn emit_binary(&mut self, op: &Op) -> Result<()> {
+        let Op::Binary { out, op, a, b } = op else {
+            return Err(internal("Binary"));
+        };
+        let (an, bn) = (self.name(a)?, self.name(b)?);
+        let name = if a.ty.elem.is_float() { float_op(*op) } else { int_op(*op) };
+        let n = self.def(out);
+        self.line(&format!("{n} = arith.{name} {an}, {bn} : {}", vty(out)));
+        Ok(())
+    }
+
+    /// The TTIR of `Unary`.
+    fn emit_unary(&mut self, op: &Op) -> Result<()> {
+        let Op::Unary { out, op, a } = op else {
+            return Err(internal("Unary"));
+        };
+        let an = self.name(a)?;
+        let r = if a.ty.elem == DType::F32 || *op == Unary::Neg {
+            self.unary_f32(*op, &an, &vty(a))
+        } else {
+            let p = padded(&a.ty.dims);
+            let (h, f) = (vty(a), tty(&p, "f32"));
+            let wide = self.let_(&format!("arith.extf {an} : {h} to {f}"));
+            let r = self.unary_f32(*op, &wide, &f);
+            self.let_(&format!("arith.truncf {r} : {f} to {h}"))
+        };
+        self.names.insert(out.id, r);
+        Ok(())
+    }
+
+    /// The TTIR of `Iota`.
+    fn emit_iota(&mut self, op: &Op) -> Result<()> {
+        let Op::Iota { out, dim } = op else {
+            return Err(internal("Iota"));
+        };
+        let r = self.iota(&padded(&out.ty.dims), *dim);
+        self.names.insert(out.id, r);
+        Ok(())
+    }
+
+    /// The TTIR of `Compare`.
+    fn emit_compare(&mut self, op: &Op) -> Result<()> {
+        let Op::Compare { out, cmp, a, b } = op else {
+            return Err(internal("Compare"));
+        };
+        let (an, bn) = (self.name(a)?, self.name(b)?);
+        let (f, i) = predicate(*cmp);
+        let (op, pred) = if a.ty.elem.is_float() { ("cmpf", f) } else { ("cmpi", i) };
+        let n = self.def(out);
+        self.line(&format!("{n} = arith.{op} {pred}, {an}, {bn} : {}", vty(a)));
+        Ok(())
+    }
+
+    /// The TTIR of `Select`.
+    fn emit_select(&mut self, op: &Op) -> Result<()> {
+        let Op::Select { out, cond, a, b } = op else {
+            return Err(internal("Select"));
+        };
+        let (c, an, bn) = (self.name(cond)?, self.name(a)?, self.name(b)?);
+        let n = self.def(out);
+        self.line(&format!("{n} = arith.select {c}, {an}, {bn} : {}, {}", vty(cond), vty(out)));
+        Ok(())
+    }
+
+    /// The TTIR of `Reduce`.
+    fn emit_reduce(&mut self, op: &Op) -> Result<()> {
+        let Op::Reduce { out, op, a, axis } = op else {
+            return Err(internal("Reduce"));
+        };
+        let an = self.name(a)?;
+        let (kind, init) = match op {
+            Reduction::Sum => ("arith.addf", 0.0),
+            Reduction::Max => ("arith.maximumf", f64::NEG_INFINITY),
+        };
+        let x = self.fill_padding(&an, &a.ty.dims, DType::F32, *axis, init);
+        let p = padded(&a.ty.dims);
+        let mut reduced = p.clone();
+        reduced.remove(*axis);
+        let r = self.reduce(&x, &p, *axis, "f32", kind);
+        let n = self.def(out);
+        self.line(&format!(
+            "{n} = tt.expand_dims {r} {{axis = {axis} : i32}} : {} -> {}",
+            tty(&reduced, "f32"),
+            vty(out)
+        ));
+        Ok(())
+    }
+
+    /// The TTIR of `Broadcast`.
+    fn emit_broadcast(&mut self, op: &Op) -> Result<()> {
+        let Op::Broadcast { out, a } = op else {
+            return Err(internal("Broadcast"));
+        };
+        let an = self.name(a)?;
+        let to = padded(&out.ty.dims);
+        let e = elem(a.ty.elem);
+        let r = if a.ty.dims.is_empty() {
+            self.let_(&format!("tt.splat {an} : {e} -> {}", tty(&to, e)))
+        } else {
+            let mut cur = an;
+            let mut shape = padded(&a.ty.dims);
+            while shape.len() < to.len() {
+                let next: Vec<i64> = std::iter::once(1).chain(shape.iter().copied()).collect();
+                cur = self.let_(&format!(
+                    "tt.expand_dims {cur} {{axis = 0 : i32}} : {} -> {}",
+                    tty(&shape, e),
+                    tty(&next, e)
+                ));
+                shape = next;
+            }
+            if shape != to {
+                cur = self.let_(&format!("tt.broadcast {cur} : {} -> {}", tty(&shape, e), tty(&to, e)));
+            }
+            cur
+        };
+        self.names.insert(out.id, r);
+        Ok(())
+    }
+
+    /// The TTIR of `Cast`.
+    fn emit_cast(&mut self, op: &Op) -> Result<()> {
+        let Op::Cast { out, a } = op else {
+            return Err(internal("Cast"));
+        };
+        let op = cast_op(a.ty.elem, out.ty.elem);
+        let an = self.name(a)?;
+        let n = self.def(out);
+        self.line(&format!("{n} = {op} {an} : {} to {}", vty(a), vty(out)));
+        Ok(())
+    }
+
+    /// The TTIR of `Transpose`.
+    fn emit_transpose(&mut self, op: &Op) -> Result<()> {
+        let Op::Transpose { out, a } = op else {
+            return Err(internal("Transpose"));
+        };
+        let an = self.name(a)?;
+        let r = self.trans(&an, &a.ty.dims, a.ty.elem);
+        self.names.insert(out.id, r);
+        Ok(())
+    }
+
+    /// The TTIR of `Reshape`.
+    fn emit_reshape(&mut self, op: &Op) -> Result<()> {
+        let Op::Reshape { out, a } = op else {
+            return Err(internal("Reshape"));
+        };
+        let an = self.name(a)?;
+        let n = self.def(out);
+        self.line(&format!("{n} = tt.reshape {an} : {} -> {}", vty(a), vty(out)));
+        Ok(())
+    }
+
+    /// The TTIR of `Slice`.
+    fn emit_slice(&mut self, op: &Op) -> Result<()> {
+        let Op::Slice { out, a, starts } = op else {
+            return Err(internal("Slice"));
+        };
+        let mut cur = self.name(a)?;
+        let mut dims = padded(&a.ty.dims);
+        let e = a.ty.elem;
+        for d in 0..dims.len() {
+            let s = out.ty.dims[d];
+            if s == a.ty.dims[d] {
+                continue;
+            }
+            // [.., D, ..] -> [.., D/s, s, ..], keep block starts[d]/s of the new axis.
+            let mut split = dims.clone();
+            split[d] = dims[d] / s;
+            split.insert(d + 1, s);
+            let (from, to) = (tty(&dims, elem(e)), tty(&split, elem(e)));
+            let r = self.let_(&format!("tt.reshape {cur} : {from} -> {to}"));
+            cur = self.pick(&r, &split, d, starts[d] / s, e);
+            dims[d] = s;
+        }
+        self.names.insert(out.id, cur);
+        Ok(())
+    }
+
+    /// The TTIR of `Concat`.
+    fn emit_concat(&mut self, op: &Op) -> Result<()> {
+        let Op::Concat { out, parts, dim } = op else {
+            return Err(internal("Concat"));
+        };
+        let e = out.ty.elem;
+        let d = *dim;
+        let pd = padded(&parts[0].ty.dims);
+        let n = parts.len() as i64;
+        let mut stacked = pd.clone();
+        stacked.insert(d, n);
+        let st = tty(&stacked, elem(e));
+        let mut acc = self.let_(&format!("arith.constant dense<{}> : {st}", literal(0.0, e)));
+        for (j, part) in parts.iter().enumerate() {
+            let pn = self.name(part)?;
+            let mut one = pd.clone();
+            one.insert(d, 1);
+            let x = self.let_(&format!(
+                "tt.expand_dims {pn} {{axis = {d} : i32}} : {} -> {}",
+                tty(&pd, elem(e)),
+                tty(&one, elem(e))
+            ));
+            let x = self.let_(&format!("tt.broadcast {x} : {} -> {st}", tty(&one, elem(e))));
+            let m = self.index_test(&stacked, d, "eq", j as i64);
+            acc = self.let_(&format!("arith.select {m}, {x}, {acc} : {}, {st}", tty(&stacked, "i1")));
+        }
+        let r = self.let_(&format!("tt.reshape {acc} : {st} -> {}", vty(out)));
+        self.names.insert(out.id, r);
+        Ok(())
+    }
+
+    /// The TTIR of `If`.
+    fn emit_if(&mut self, op: &Op) -> Result<()> {
+        let Op::If { cond, then } = op else {
+            return Err(internal("If"));
+        };
+        let c = self.name(cond)?;
+        let mut w = BTreeSet::new();
+        written(then, &mut w);
+        let w: Vec<usize> = w.into_iter().collect();
+        let before = self.scratch.clone();
+        let types: Vec<String> = w.iter().map(|&i| self.scratch_type(i)).collect();
+        let r = self.temp();
+        if w.is_empty() {
+            self.line(&format!("scf.if {c} {{"));
+        } else {
+            let lhs = if w.len() == 1 { r.clone() } else { format!("{r}:{}", w.len()) };
+            self.line(&format!("{lhs} = scf.if {c} -> ({}) {{", types.join(", ")));
+        }
+        self.depth += 1;
+        let saved = self.names.clone();
+        self.ops(then)?;
+        self.names = saved;
+        if !w.is_empty() {
+            let ys: Vec<String> = w.iter().map(|&i| self.scratch[i].clone()).collect();
+            self.line(&format!("scf.yield {} : {}", ys.join(", "), types.join(", ")));
+            self.depth -= 1;
+            self.line("} else {");
+            self.depth += 1;
+            let olds: Vec<String> = w.iter().map(|&i| before[i].clone()).collect();
+            self.line(&format!("scf.yield {} : {}", olds.join(", "), types.join(", ")));
+        }
+        self.depth -= 1;
+        self.line("}");
+        self.scratch = before;
+        for (k, &i) in w.iter().enumerate() {
+            self.scratch[i] = if w.len() == 1 { r.clone() } else { format!("{r}#{k}") };
+        }
+        Ok(())
+    }
+
+    /// The TTIR of `For`.
+    fn emit_for(&mut self, op: &Op) -> Result<()> {
+        let Op::For { lo, hi, index, init, args, body, yields, outs } = op else {
+            return Err(internal("For"));
+        };
+        let mut w = BTreeSet::new();
+        written(body, &mut w);
+        let w: Vec<usize> = w.into_iter().collect();
+        let inits = init.iter().map(|v| self.name(v)).collect::<Result<Vec<_>>>()?;
+        let saved = self.names.clone();
+        let arg_names: Vec<String> = args.iter().map(|a| self.def(a)).collect();
+        let i = self.def(index);
+        let yields_outs = self.counted_loop(
+            *lo,
+            *hi,
+            &i,
+            &inits,
+            &arg_names,
+            &init.iter().map(vty).collect::<Vec<_>>(),
+            &w,
+            |e| {
+                e.ops(body)?;
+                yields.iter().map(|v| e.name(v)).collect()
+            },
+        )?;
+        self.names = saved;
+        for (o, name) in outs.iter().zip(yields_outs) {
+            self.names.insert(o.id, name);
         }
         Ok(())
     }
