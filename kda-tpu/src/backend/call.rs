@@ -610,7 +610,7 @@ impl Backend for PjrtBackend {
 
     fn name(&self) -> String {
         match self.tuning.implementation {
-            crate::Implementation::Xla => format!("pjrt-{}", self.platform()),
+            i if i == crate::Implementation::default() => format!("pjrt-{}", self.platform()),
             other => format!("pjrt-{}-{}", self.platform(), other.name()),
         }
     }

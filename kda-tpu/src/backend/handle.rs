@@ -182,15 +182,10 @@ impl Worker {
     }
 }
 
-/// Mosaic kernels compile only through libtpu.
+/// `Ok` when the table's row of `implementation` runs on `platform` (the Mosaic kernels compile
+/// only through libtpu).
 fn check_implementation(implementation: Implementation, platform: &str) -> Result<()> {
-    if implementation == Implementation::Mosaic && platform != "tpu" {
-        return Err(TpuError::unsupported(
-            "implementation mosaic",
-            format!("a TPU plugin (libtpu); this handle's platform is {platform} (use interpret to run the kernel here)"),
-        ));
-    }
-    Ok(())
+    crate::op::row(implementation)?.supported_on(platform)
 }
 
 impl PjrtBackend {

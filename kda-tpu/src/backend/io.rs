@@ -138,7 +138,7 @@ impl PjrtBackend {
         self.check_device_index(device)?;
         let travel = x.travel()?;
         let named = x.named();
-        let kernel = self.tuning.implementation != crate::Implementation::Xla;
+        let kernel = crate::op::row(self.tuning.implementation).is_ok_and(|r| r.kernel_forms());
         let items = named
             .iter()
             .map(|&(name, t)| (t, travel_of(name, travel), held_as(name, travel.layout, t.shape(), kernel)));

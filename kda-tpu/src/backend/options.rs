@@ -79,7 +79,7 @@ fn env_implementation() -> Result<Implementation> {
                 text.clone(),
             ))
         }),
-        Err(_) => Ok(Implementation::Xla),
+        Err(_) => Ok(Implementation::default()),
     }
 }
 

@@ -1,41 +1,17 @@
-//! The op's table: which program builders run each [`Implementation`], keyed by kernel family
-//! and lowering, and the program entry points built through it. A new implementation is a
-//! variant of `kda_core::Implementation`, a row of [`family`] and a folder beside `xla` and
-//! `tpu_kernels` with its `forward`, `backward` and `fused` builders.
+//! The program entry points, built by the builders of the table's row ([`super::table`]) of the
+//! spec's implementation: a new implementation is a variant of `kda_core::Implementation`, a
+//! row of the table, a folder beside `xla` and `tpu_kernels` with its `forward`, `backward` and
+//! `fused` builders, and its arm in [`body`]'s dispatch on the family.
 
 use super::args::Declared;
 use super::interface::{ProgramKind, ProgramSignature};
-use super::spec::{Implementation, KernelSpec};
+use super::spec::KernelSpec;
+use super::table::{row, Family};
 use super::{tpu_kernels, xla};
 use crate::hlo::{FnBuilder, Module, TensorType, Value};
-use crate::lang::{Lower, Lowering};
+use crate::lang::Lower;
 use crate::Result;
 use kda_core::BackwardStrategy;
-
-/// How an implementation forms a program's chunk loops.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Family {
-    /// The chunk loops as StableHLO (`xla`).
-    Xla,
-    /// The TPU kernels (`tpu_kernels`) in `tpu_custom_call`s or their interpret lowering.
-    TpuKernels(Lowering),
-}
-
-/// The table: each implementation's kernel family and lowering (an `Unsupported` error for
-/// one this build has no row for).
-fn family(implementation: Implementation) -> Result<Family> {
-    Ok(match implementation {
-        Implementation::Xla => Family::Xla,
-        Implementation::Mosaic => Family::TpuKernels(Lowering::Mosaic),
-        Implementation::Interpret => Family::TpuKernels(Lowering::Interpret),
-        other => {
-            return Err(crate::TpuError::unsupported(
-                "implementation",
-                format!("no program builders for {other:?} in this build of kda-tpu"),
-            ))
-        }
-    })
-}
 
 /// The results of program `kind` of `s` from its declared arguments `d`, by the builders of
 /// `s.tuning.implementation`'s row; a TPU-kernel row's kernels lowered by `lowering` when one is
@@ -56,7 +32,7 @@ fn body(
     };
     let cotangents = || -> Result<(Value, Option<Value>)> { Ok((d.need("do")?, d.get("dht"))) };
     let keep_h = |strategy: BackwardStrategy| strategy == BackwardStrategy::SavedState;
-    match family(s.tuning.implementation)? {
+    match row(s.tuning.implementation)?.family {
         Family::Xla => {
             if let Some(l) = lowering {
                 return Err(crate::TpuError::unsupported(

@@ -21,6 +21,7 @@ pub mod interface;
 mod ops;
 mod prep;
 mod spec;
+pub mod table;
 #[cfg(test)]
 mod tests;
 /// The TPU kernels: public with the `harness` feature (their op tests), private otherwise.
@@ -37,8 +38,10 @@ pub use args::GATE_FLOOR;
 pub use interface::{index_tables, index_tables_for, IndexTable, Port, ProgramKind, ProgramSignature};
 pub(crate) use spec::CHUNK;
 pub use spec::{
-    on_device, Implementation, KernelSpec, OpOptions, Tuning, PACKED_RESULT_BYTES, SUB, TPU_SLAB,
+    on_device, Implementation, KernelSpec, OpOptions, TpuKernelConfig, Tuning, XlaConfig,
+    PACKED_RESULT_BYTES, SUB, TPU_SLAB,
 };
+pub use table::{row, Family, Row};
 #[cfg(feature = "harness")]
 pub use xla::parts;
 

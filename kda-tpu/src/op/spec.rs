@@ -79,13 +79,30 @@ pub struct OpOptions {
 /// for a program.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Tuning {
-    /// What runs the programs' chunk loops (the context-parallel programs are XLA's).
+    /// What runs the programs' chunk loops (the context-parallel programs are XLA's): its row
+    /// of the table ([`super::table::row`]) reads its own part below.
     pub implementation: Implementation,
+    /// The XLA chunk loops' part.
+    pub xla: XlaConfig,
+    /// The TPU kernels' part (the `mosaic` and `interpret` rows).
+    pub tpu_kernels: TpuKernelConfig,
+}
+
+/// The tuning the XLA chunk loops read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct XlaConfig {
     /// Fused programs: chunk positions per slab (0: all chunks at once). With slabs the fused
     /// forward+VJP runs its chunk-parallel work slab by slab inside the recurrence loops, so
     /// only one slab's intermediates are live at a time (see `programs::fused_program`).
     /// 0 also selects the CPU form of the forward alone (outputs formed inside the recurrence).
     pub slab: usize,
+}
+
+/// The tuning the TPU kernels read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct TpuKernelConfig {
     /// The kernel forward's wish of chunks per grid step for fixed-length rows (0: its default,
     /// the TPU forward kernel's `default_step_chunks`).
     pub step_chunks: usize,
@@ -99,15 +116,27 @@ pub struct Tuning {
     pub packed_blocks: bool,
 }
 
+impl Default for XlaConfig {
+    /// No slabs.
+    fn default() -> Self {
+        XlaConfig { slab: 0 }
+    }
+}
+
+impl Default for TpuKernelConfig {
+    /// The kernels' default steps, [`PACKED_RESULT_BYTES`], packed rows as whole blocks.
+    fn default() -> Self {
+        TpuKernelConfig { step_chunks: 0, packed_result_bytes: PACKED_RESULT_BYTES, packed_blocks: true }
+    }
+}
+
 impl Default for Tuning {
-    /// XLA's chunk loops, no slabs, the kernels' default steps, [`PACKED_RESULT_BYTES`].
+    /// XLA's chunk loops with each part's defaults.
     fn default() -> Self {
         Tuning {
             implementation: Implementation::Xla,
-            slab: 0,
-            step_chunks: 0,
-            packed_result_bytes: PACKED_RESULT_BYTES,
-            packed_blocks: true,
+            xla: XlaConfig::default(),
+            tpu_kernels: TpuKernelConfig::default(),
         }
     }
 }
@@ -117,35 +146,39 @@ impl Tuning {
     /// slabs bound the live intermediates, the memory figure that matters on a TPU, at the cost
     /// of recomputing the chunk terms in the backward loop).
     pub fn for_platform(platform: &str) -> Self {
-        Tuning { slab: if platform == "cpu" { 0 } else { TPU_SLAB }, ..Tuning::default() }
+        Tuning::default().with_slab(if platform == "cpu" { 0 } else { TPU_SLAB })
     }
     /// Programs run by `implementation`: [`Implementation::Mosaic`] needs a TPU plugin,
     /// [`Implementation::Interpret`] runs the same kernels' interpret lowering on any plugin.
     pub fn with_implementation(self, implementation: Implementation) -> Self {
         Tuning { implementation, ..self }
     }
-    /// Fused programs in slabs of `chunks` chunk positions (0: no slabs).
-    pub fn with_slab(self, chunks: usize) -> Self {
-        Tuning { slab: chunks, ..self }
+    /// Fused programs in slabs of `chunks` chunk positions (0: no slabs; [`XlaConfig::slab`]).
+    pub fn with_slab(mut self, chunks: usize) -> Self {
+        self.xla.slab = chunks;
+        self
     }
     /// The kernel forward running at most `chunks` chunks per grid step on fixed-length rows
-    /// (the largest power of two up to it dividing the chunk count; 0: its default, sixteen
-    /// when the inputs are too large for VMEM, else four). The step count trades the per-step
-    /// cost of streaming operands against code size and VMEM.
-    pub fn with_step_chunks(self, chunks: usize) -> Self {
-        Tuning { step_chunks: chunks, ..self }
+    /// (the largest power of two up to it dividing the chunk count; 0: its default). The step
+    /// count trades the per-step cost of streaming operands against code size and VMEM
+    /// ([`TpuKernelConfig::step_chunks`]).
+    pub fn with_step_chunks(mut self, chunks: usize) -> Self {
+        self.tpu_kernels.step_chunks = chunks;
+        self
     }
     /// Packed kernel programs reading tokens in place (and placing results straight into their
     /// packed tokens) only while a head's results fit `bytes` of VMEM (f32, double-buffered);
     /// above it, or with 0, XLA gathers chunk-aligned lanes and compacts the results.
-    pub fn with_packed_result_bytes(self, bytes: usize) -> Self {
-        Tuning { packed_result_bytes: bytes, ..self }
+    pub fn with_packed_result_bytes(mut self, bytes: usize) -> Self {
+        self.tpu_kernels.packed_result_bytes = bytes;
+        self
     }
     /// Packed rows without per-segment states read as whole blocks with segment masks (true,
-    /// the default) or through per-chunk windows (false; [`Tuning::packed_blocks`]). With
-    /// [`Tuning::with_packed_result_bytes`] 0 every packed row goes through lanes.
-    pub fn with_packed_blocks(self, blocks: bool) -> Self {
-        Tuning { packed_blocks: blocks, ..self }
+    /// the default) or through per-chunk windows (false; [`TpuKernelConfig::packed_blocks`]).
+    /// With [`Tuning::with_packed_result_bytes`] 0 every packed row goes through lanes.
+    pub fn with_packed_blocks(mut self, blocks: bool) -> Self {
+        self.tpu_kernels.packed_blocks = blocks;
+        self
     }
 }
 
@@ -192,7 +225,7 @@ impl KernelSpec {
     /// Whether the programs run in slabs (the TPU configuration): `slab` set and below the
     /// chunk count.
     pub fn in_slabs(&self) -> bool {
-        self.tuning.slab > 0 && self.tuning.slab < self.chunks()
+        self.tuning.xla.slab > 0 && self.tuning.xla.slab < self.chunks()
     }
     /// Independent recurrences run side by side: `H*B` fixed, `H` packed (rows run in sequence).
     pub fn lanes(&self) -> usize {
@@ -245,7 +278,7 @@ impl KernelSpec {
     /// ([`KernelSpec::kernel_token_dims`]): programs run by a kernel lowering. XLA's programs
     /// keep the caller's shapes, from which XLA's layout assignment makes fewer copies.
     pub fn kernel_forms(&self) -> bool {
-        self.tuning.implementation != Implementation::Xla
+        super::table::row(self.tuning.implementation).is_ok_and(|r| r.kernel_forms())
     }
     /// A kernel program's form of a per-token input of width `d` (the row-major elements of
     /// [`KernelSpec::token_dims`]): head-first `[H, B, T, D]` as given, batch-first

@@ -106,8 +106,8 @@ pub(super) fn segment_blocks(s: &KernelSpec) -> bool {
     let p = s.dims.b * s.dims.t;
     let states = s.options.has_h0 || s.options.final_state || s.options.has_dht;
     s.packed_chunks.is_some()
-        && s.tuning.packed_blocks
-        && s.tuning.packed_result_bytes > 0
+        && s.tuning.tpu_kernels.packed_blocks
+        && s.tuning.tpu_kernels.packed_result_bytes > 0
         && !states
         && p.is_multiple_of(CHUNK)
         && (p as i64) < super::dims::SEGMENT_ID_LIMIT
@@ -297,7 +297,7 @@ pub(super) fn token_inputs(
 
 /// Whether results of `width` lanes per packed token fit [`Tuning::packed_result_bytes`](crate::op::Tuning::packed_result_bytes).
 pub(super) fn packed_fits(s: &KernelSpec, width: usize) -> bool {
-    2 * 4 * s.dims.b * s.dims.t * width <= s.tuning.packed_result_bytes
+    2 * 4 * s.dims.b * s.dims.t * width <= s.tuning.tpu_kernels.packed_result_bytes
 }
 
 /// A packed program's `token_slot` (the chunk row of each packed token; padding tokens point
@@ -427,7 +427,7 @@ pub(super) fn kernel_calls<'l>(
 /// `dims` with the chunks a grid step takes: the tuning's wish, else the kernel's default
 /// (at most `cap`).
 pub(super) fn with_steps(dims: ForwardDims, s: &KernelSpec, cap: Option<i64>) -> ForwardDims {
-    let wish = match s.tuning.step_chunks {
+    let wish = match s.tuning.tpu_kernels.step_chunks {
         0 => cap.map_or(dims.default_step_chunks(), |c| dims.default_step_chunks().min(c)),
         n => n as i64,
     };

@@ -225,7 +225,7 @@ fn finish_grads(
 }
 
 /// The forward: `o [final_state] [h]` (`h` `[L, NT, K, V]` when `keep_h`). With slabs
-/// (`s.tuning.slab`, the TPU configuration) it runs as `forward_slabs`; otherwise the chunk terms are
+/// (`s.tuning.xla.slab`, the TPU configuration) it runs as `forward_slabs`; otherwise the chunk terms are
 /// computed for all chunks at once.
 pub(in crate::op) fn forward(
     f: &mut FnBuilder,
@@ -247,7 +247,7 @@ pub(in crate::op) fn forward(
         }
         return Ok(outs);
     }
-    let ct = chunk_terms(f, w.qc, w.kc, w.vc, w.gc, w.betac, s.options.scale as f32, s.tuning.slab == 0)?;
+    let ct = chunk_terms(f, w.qc, w.kc, w.vc, w.gc, w.betac, s.options.scale as f32, s.tuning.xla.slab == 0)?;
     if !keep_h {
         // The forward alone on the CPU configuration: outputs formed inside the recurrence, no
         // per-chunk states kept (faster and less scratch on the CPU plugin; on
@@ -282,7 +282,7 @@ pub(in crate::op) fn backward(
 ) -> Result<Vec<Value>> {
     let a = *a;
     let w = working(f, s, &a)?;
-    let ct = chunk_terms(f, w.qc, w.kc, w.vc, w.gc, w.betac, s.options.scale as f32, s.tuning.slab == 0)?;
+    let ct = chunk_terms(f, w.qc, w.kc, w.vc, w.gc, w.betac, s.options.scale as f32, s.tuning.xla.slab == 0)?;
     let (h, v_new) = match saved {
         Some(h) => {
             // v_new = u - w S0, chunk-parallel from the saved states.
@@ -320,7 +320,7 @@ pub(in crate::op) fn fused(
         let outs = fused_slabs(f, s, &a, &w, strategy, (d_o, dht))?;
         return Ok(outs);
     }
-    let ct = chunk_terms(f, w.qc, w.kc, w.vc, w.gc, w.betac, s.options.scale as f32, s.tuning.slab == 0)?;
+    let ct = chunk_terms(f, w.qc, w.kc, w.vc, w.gc, w.betac, s.options.scale as f32, s.tuning.xla.slab == 0)?;
     // Without slabs the forward's per-chunk states are live in this executable whichever the
     // strategy, so the backward half reads them: re-running the identical recurrence would only
     // cost time. The strategies differ in slabs (`fused_slabs`) and in the split path.
@@ -380,7 +380,7 @@ struct Slabs {
 impl Slabs {
     fn new(b: &mut FnBuilder, s: &KernelSpec, a: &Args, w: &Working) -> Result<Slabs> {
         let nt = s.chunks() as i64;
-        let p = s.tuning.slab as i64;
+        let p = s.tuning.xla.slab as i64;
         let ns = (nt + p - 1) / p;
         let ntp = ns * p;
         let chunks: Vec<Value> = [w.qc, w.kc, w.vc, w.gc, w.betac]
@@ -447,7 +447,7 @@ struct SlabForward {
     kept: Vec<Value>,
 }
 
-/// The forward in slabs of `s.tuning.slab` chunk positions: each loop step computes one slab's chunk
+/// The forward in slabs of `s.tuning.xla.slab` chunk positions: each loop step computes one slab's chunk
 /// terms, runs the state recurrence through it and writes its outputs, so only one slab's
 /// intermediates are live at a time.
 fn forward_slabs(
@@ -508,7 +508,7 @@ fn forward_slabs(
     Ok(SlabForward { o, final_state, kept: fwd[3..].to_vec() })
 }
 
-/// The fused forward+VJP in slabs of `s.tuning.slab` chunk positions: [`forward_slabs`], then the
+/// The fused forward+VJP in slabs of `s.tuning.xla.slab` chunk positions: [`forward_slabs`], then the
 /// reverse loop recomputes each slab's chunk terms, runs the `dh` recurrence through it and
 /// writes its chunk gradients. Saved-state keeps `h` and `v_new` per chunk, remat only the state
 /// at each slab boundary and re-runs the slab.
