@@ -118,7 +118,7 @@ impl BackwardStrategy {
     }
 }
 
-/// What runs a PJRT backend's chunk loops (docs/design.md, "Mosaic kernels").
+/// What runs a PJRT backend's chunk loops (docs/design.md, "The op table").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 #[non_exhaustive]
 pub enum Implementation {

@@ -192,7 +192,7 @@ fn gpu_forward_is_bitwise_causal(#[case] dtype: DType, #[case] t0: usize) -> Res
 /// Both GPU forward kernels compile deviceless for the H200 at the primary shape (H=8, T=1024,
 /// K=V=128, an initial state) in bf16: the terms kernel one program per lane and chunk (16
 /// warps), the recurrence one per lane and 64 state columns (8); their registers and spills printed
-/// (docs/design.md keeps them). f32 (two and a half minutes) is under `full::`.
+/// (docs/performance.md, Design figures, keeps them). f32 (two and a half minutes) is under `full::`.
 #[test]
 fn gpu_forward_compiles_for_the_h200_in_bf16() -> Result<()> {
     compiles_for_the_h200(DType::BF16)

@@ -198,7 +198,7 @@ fn fused_kernels_hold(name: &str, peak_mb: f64, cycles: u64) {
 
 /// A packed row without per-segment states costs at most `ratio` times the static cycles of
 /// the fixed row of the same tokens on the Mosaic kernels (bf16, tpu7x; read as whole blocks
-/// with segment masks, docs/design.md), with no loop of run-time trip count, forward and fused
+/// with segment masks, docs/kernels/packed-rows.md), with no loop of run-time trip count, forward and fused
 /// saved-state: at the primary shape with four segments here (1.11x and 1.08x); in `full` at
 /// H=32, T=8192 with 25 segments and at T=32,768 with 100 (at most 1.15x) and with 1,000
 /// segments of 1 to 64 tokens (at most 1.5x).

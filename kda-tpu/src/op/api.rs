@@ -52,7 +52,7 @@ fn body(
                 ProgramKind::Forward(st) => tpu_kernels::forward(f, s, &a, keep_h(st), l),
                 ProgramKind::Backward(st) => tpu_kernels::backward(f, s, &a, saved(st)?, cotangents()?, l),
                 // Both strategies are one program on the kernels: the forward's states are in
-                // the executable anyway (docs/design.md, the Mosaic backward kernel).
+                // the executable anyway (docs/kernels/tpu-backward.md, The fused program).
                 ProgramKind::Fused(_) => tpu_kernels::fused(f, s, &a, cotangents()?, l),
             }
         }

@@ -13,7 +13,7 @@ use crate::Result;
 /// hard reset (`g = -1000`), while the in-chunk cumulative sums stay small enough that their
 /// differences keep f32 precision (a -1000 inside a chunk would cost ~6e-5 relative error in
 /// every later decay factor of that chunk).
-pub const GATE_FLOOR: f32 = -30.0;
+pub const GATE_FLOOR: f32 = super::chunk::GATE_FLOOR as f32;
 
 /// The program arguments the kernels read, by role.
 #[derive(Clone, Copy)]

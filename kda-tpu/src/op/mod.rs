@@ -8,6 +8,7 @@
 
 mod api;
 mod args;
+pub mod chunk;
 pub mod compose;
 pub mod context_parallel;
 /// The GPU kernels: public with the `harness` feature (their tests), private otherwise (not

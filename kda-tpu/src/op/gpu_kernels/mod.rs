@@ -14,7 +14,7 @@ use crate::hlo::{FnBuilder, Module, TensorType};
 use crate::lang::{Lowering, MatPrecision, Ref, TritonParams};
 
 /// Tokens per chunk.
-pub const C: i64 = 64;
+pub use super::chunk::C;
 /// Tokens per sub-chunk of the terms kernel.
 pub const SUB: i64 = 16;
 /// The widest block of state columns one recurrence program holds.

@@ -9,6 +9,7 @@ use crate::error::Result;
 use crate::hlo::{Cmp, TensorType};
 use crate::lang::{Body, Index, Kernel, KernelBuilder, Operand, Ref, Semantics, V};
 
+use super::super::chunk::{chunk_output, chunk_state_next, whole_terms, ChunkUpdate};
 use super::{Factors, ForwardShape, C};
 
 /// The recurrence kernel's operands by name.
@@ -95,21 +96,21 @@ fn step(b: &mut Body, s: &ForwardShape, r: &RecurrenceRefs, nt: i64) -> Result<(
     );
     let eg = block(b, r.factors.eg, &[1, k])?;
     // Product operands in the factors' type (bf16 products round to it anyway).
-    let fd = s.factor_dtype();
-    let st = b.to_dtype(&state, fd)?;
-    let ws = b.matmul(&w, &st, (1, 0), p)?;
-    let vn = b.sub(&u, &ws)?;
-    let inter = b.matmul(&qg, &st, (1, 0), p)?;
-    let vnd = b.to_dtype(&vn, fd)?;
-    let intra = b.matmul(&aqk, &vnd, (1, 0), p)?;
-    let o = b.add(&inter, &intra)?;
+    let update = ChunkUpdate {
+        state: &state,
+        w: &w,
+        u: &u,
+        qg: &qg,
+        kg: &kg,
+        aqk: &aqk,
+        last_decay: &eg,
+        scale: None,
+        precision: p,
+    };
+    let (vnd, o) = chunk_output(b, &update, &mut whole_terms)?;
     let o = b.reshape(&o, &[1, C, bv])?;
     b.store_all(r.o, &o)?;
-    let decay = b.transpose(&eg)?;
-    let decay = b.broadcast(&decay, &[k, bv])?;
-    let kept = b.mul(&state, &decay)?;
-    let added = b.matmul(&kg, &vnd, (0, 0), p)?;
-    let next = b.add(&kept, &added)?;
+    let next = chunk_state_next(b, &update, &vnd, &mut whole_terms)?;
     b.store_all(r.state, &next)?;
     let last = b.index(nt - 1)?;
     let at_last = b.compare(Cmp::Eq, &c, &last)?;

@@ -14,25 +14,26 @@
 //! The `e^(G_C - G)` of `kg` enters through the strict-suffix mask (an exclusive prefix sum:
 //! every term decayed to the chunk's end) and `e^(G_C)` as a per-chunk constant, and the
 //! diagonal of `Aqk` goes to `dq` and `dk` directly, so no exact cancellation is left to f32
-//! (docs/design.md, "The Mosaic backward kernel"). Then through the floor, the gate (whose
+//! (docs/kernels/tpu-backward.md, "The gate's gradient"). Then through the floor, the gate (whose
 //! parameter gradients are summed per lane over the chunks) and the L2 norm. Packed tokens are
 //! read through the forward's windows and every gradient goes straight to its packed tokens
 //! ([`super::forward::place`]).
 
 use kda_core::DType;
 
+use super::super::chunk::{
+    activate, gate_slopes, l2_backward, l2_normalise_with_scale, mul_const, rowdot, GATE_FLOOR,
+};
 use super::backward_levels::{as_operand, fold, level_grads, LevelGrads};
 use super::backward_operands::{backward_cost, declare_backward, BackwardRefs};
-use super::blocks::{
-    chunk_factors, chunk_terms, mul_const, unit_lower_inverse_of_parts, ChunkFactors, TermScratch,
-};
-use super::dims::{ForwardDims, Gate, Tokens, C, FLOOR};
-use super::forward::{activate, gate_params, l2_normalise_with_scale, place};
+use super::blocks::{chunk_factors, chunk_terms, unit_lower_inverse_of_parts, ChunkFactors, TermScratch};
+use super::dims::{ForwardDims, Tokens, C};
+use super::forward::place;
 use super::operands::{
     if_whole, reset_where, segment_rows, store_state_where, window_at, ChunkRows, ChunkSegments, PerToken,
     SegmentRows,
 };
-use crate::error::{Result, TpuError};
+use crate::error::Result;
 use crate::hlo::Cmp;
 use crate::lang::Kernel;
 use crate::lang::{Binary, Body, MatPrecision, Offset, Reduction, Ref, V};
@@ -345,7 +346,7 @@ fn chunk_results(
     let (d, r, k) = (cx.d, cx.r, cx.d.k);
     let every = b.broadcast(&grads.d_last, &[C, k])?;
     let dg = b.add(&grads.dg, &every)?;
-    let floor = b.splat(FLOOR, DType::F32, &[C, k])?;
+    let floor = b.splat(GATE_FLOOR, DType::F32, &[C, k])?;
     let live = b.compare(Cmp::Gt, &x.g, &floor)?;
     let none = b.splat(0.0, DType::F32, &[C, k])?;
     let dg = b.select(&live, &dg, &none)?;
@@ -447,79 +448,6 @@ fn mixed_matmul(b: &mut Body, x: &V, y: &V, contract: (usize, usize), p: MatPrec
 
 fn split((y, r): (V, V)) -> (V, Option<V>) {
     (y, Some(r))
-}
-
-fn wide(b: &mut Body, x: &V, dims: &[i64]) -> Result<V> {
-    b.broadcast(x, dims)
-}
-
-/// `sum over the rows' last axis of x y`, `[64, 1]`.
-fn rowdot(b: &mut Body, x: &V, y: &V) -> Result<V> {
-    let p = b.mul(x, y)?;
-    b.reduce(Reduction::Sum, &p, 1)
-}
-
-/// Through `y = x rsqrt(sum(x^2) + eps)` with `r` the per-row scale: `r (dy - y sum(dy y))`.
-fn l2_backward(b: &mut Body, dy: &V, y: &V, r: &V) -> Result<V> {
-    let dims = y.ty.dims.clone();
-    let dot = rowdot(b, dy, y)?;
-    let dot = wide(b, &dot, &dims)?;
-    let t = b.mul(y, &dot)?;
-    let dd = b.sub(dy, &t)?;
-    let r = wide(b, r, &dims)?;
-    b.mul(&dd, &r)
-}
-
-/// `(dg/dx, dg/da_log)` of the activated gate at the raw gate `x` `[64, K]` (parameters in input
-/// `params`, as [`activate`] reads them). Softplus, `g = -a softplus(z)`: `-a sigmoid(z)` and
-/// `g`; the lower bound, `g = lb sigmoid(y)`, `y = a z`: `lb s (1 - s) a` and `lb s (1 - s) y`,
-/// with `s (1 - s) = e / (1 + e)^2`, `e = e^(-|y|)`, exact where `s` saturates.
-fn gate_slopes(b: &mut Body, x: &V, gate: Gate, params: Option<Ref>) -> Result<(V, V)> {
-    let dims = x.ty.dims.clone();
-    let block = gate_params(params)?;
-    let row = |b: &mut Body, i: i64| {
-        let at = [Offset::Const(0), Offset::Const(i), Offset::Const(0)];
-        let r = b.load(block, &at, &[1, 1, dims[1]])?;
-        let r = b.reshape(&r, &[1, dims[1]])?;
-        b.broadcast(&r, &dims)
-    };
-    let (a, bias) = (row(b, 0)?, row(b, 1)?);
-    let z = b.add(x, &bias)?;
-    let one = b.splat(1.0, DType::F32, &dims)?;
-    // e = e^(-|y|) of `y`, and 1 + e.
-    let tail = |b: &mut Body, y: &V| -> Result<(V, V)> {
-        let ny = b.neg(y)?;
-        let neg_abs = b.min(y, &ny)?;
-        let e = b.exp(&neg_abs)?;
-        let one_e = b.add(&one, &e)?;
-        Ok((e, one_e))
-    };
-    match gate {
-        Gate::Softplus => {
-            let (e, one_e) = tail(b, &z)?;
-            // sigmoid(z): 1 / (1 + e) for z >= 0, e / (1 + e) below.
-            let zero = b.splat(0.0, DType::F32, &dims)?;
-            let pos = b.compare(Cmp::Ge, &z, &zero)?;
-            let top = b.select(&pos, &one, &e)?;
-            let s = b.div(&top, &one_e)?;
-            let dz = b.mul(&a, &s)?;
-            let dz = b.neg(&dz)?;
-            let g = activate(b, x, gate, params)?;
-            // dg/da_log = g before the floor; below it dg is zero anyway.
-            Ok((dz, g))
-        }
-        Gate::LowerBound(lb) => {
-            let y = b.mul(&a, &z)?;
-            let (e, one_e) = tail(b, &y)?;
-            let sq = b.mul(&one_e, &one_e)?;
-            let ds = b.div(&e, &sq)?;
-            let ds = mul_const(b, &ds, lb)?;
-            Ok((b.mul(&ds, &a)?, b.mul(&ds, &y)?))
-        }
-        Gate::Preactivated => {
-            Err(TpuError::builder("mosaic backward", "gate slopes of a pre-activated gate"))
-        }
-    }
 }
 
 /// One chunk's gradients before the floor, the gate and the L2 norm: `dq dk` (of the normalised

@@ -8,7 +8,8 @@ use crate::hlo::Cmp;
 use crate::lang::{Body, MatPrecision, Offset, Ref, V};
 
 /// Rows of a chunk and of its diagonal blocks.
-const C: i64 = 64;
+use super::super::chunk::mul_const;
+use super::super::chunk::C;
 const S: i64 = 16;
 
 fn at(r: i64, c: i64) -> [Offset; 2] {
@@ -96,12 +97,6 @@ pub fn unit_lower_inverse_of_parts(b: &mut Body, lb: &V, n: &V, i: &V, p: MatPre
 /// `2^v`.
 fn exp2(b: &mut Body, v: &V) -> Result<V> {
     b.unary(crate::lang::Unary::Exp2, v)
-}
-
-/// `v c` for a constant `c`.
-pub(super) fn mul_const(b: &mut Body, v: &V, c: f64) -> Result<V> {
-    let c = b.splat(c, DType::F32, &v.ty.dims)?;
-    b.mul(v, &c)
 }
 
 /// Block sizes of the hierarchy of [`chunk_terms`]: a pair `j < t` of one chunk falls in one

@@ -2,12 +2,12 @@
 //! built for: how the per-token operands hold their tokens, the gate, the widths and dtypes,
 //! and the chunks a grid step takes.
 
-use kda_core::DType;
+use kda_core::{DType, GateKind};
 
 use crate::error::{Result, TpuError};
 use crate::lang::MatPrecision;
 
-pub(super) const C: i64 = 64;
+pub(super) use super::super::chunk::C;
 
 /// How the per-token operands (`q k v g` and `o`) hold their tokens (`R` rows of `T = NT * 64`
 /// tokens, `H` heads, `L = H * R` lanes, lane `h * R + r`).
@@ -37,22 +37,11 @@ impl Tokens {
     }
 }
 
-/// The gate the kernel applies to `g` (docs/kda.md, Tensors), then the floor at -30 (the XLA
-/// programs' `GATE_FLOOR`): with `Softplus` or `LowerBound` the per-head `exp(a_log)` and
-/// `dt_bias` come as the operand `gate` `[H, 2, K]` (row 0 `exp(a_log[h])` on every channel,
-/// row 1 `dt_bias[h, :]`).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Gate {
-    /// `g` is the log-decay.
-    Preactivated,
-    /// `g = -exp(a_log) softplus(x + dt_bias)`.
-    Softplus,
-    /// `g = lb sigmoid(exp(a_log) (x + dt_bias))`.
-    LowerBound(f64),
-}
-
-/// The floor of the per-token log-decay (as the XLA programs' `GATE_FLOOR`).
-pub(super) const FLOOR: f64 = -30.0;
+/// The gate the kernels apply to `g`, under its earlier name: [`kda_core::GateKind`] (with
+/// `Softplus` or `LowerBound` the per-head `exp(a_log)` and `dt_bias` come as the operand `gate`
+/// `[H, 2, K]`: row 0 `exp(a_log[h])` on every channel, row 1 `dt_bias[h, :]`).
+#[deprecated(since = "0.3.0", note = "use kda_core::GateKind")]
+pub type Gate = kda_core::GateKind;
 
 /// The dims and options of one forward kernel.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -95,7 +84,7 @@ pub struct ForwardDims {
     /// Whether the kernel L2-normalises q and k over K.
     pub l2norm: bool,
     /// The gate applied to `g`.
-    pub gate: Gate,
+    pub gate: GateKind,
     /// Whether the caller's gate has parameters whose gradients sum `dg` over every token (an
     /// in-kernel gate, applied here or, for lanes, by XLA): the backward then forms `dg` to
     /// about 16 bits in one-pass products.
@@ -263,7 +252,7 @@ impl ForwardDims {
     /// The bf16 parts the kernels' sums of `g` take ([`super::blocks::chunk_terms`]): a
     /// pre-activated bf16 g is bf16 after the floor, and one pass sums it exactly.
     pub fn g_passes(&self) -> usize {
-        if self.g == DType::BF16 && self.gate == Gate::Preactivated {
+        if self.g == DType::BF16 && self.gate == GateKind::Preactivated {
             1
         } else {
             2

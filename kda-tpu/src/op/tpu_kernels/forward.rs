@@ -18,14 +18,16 @@
 //! backward reads; f32, or with the chunk terms [`ForwardDims::state_dtype`]).
 
 use kda_core::DType;
+use kda_core::GateKind;
 
+use super::super::chunk::{activate, chunk_output, chunk_state_next, l2_normalise, ChunkUpdate, UpdateTerm};
 use super::blocks::{chunk_terms, unit_lower_inverse_of_parts, ChunkTerms, TermScratch};
-use super::dims::{ForwardDims, Gate, Tokens, C, FLOOR};
+use super::dims::{ForwardDims, Tokens, C};
 use super::operands::{
     if_whole, reset_where, segment_rows, store_state_where, token_operand, window_at, ChunkRows,
     ChunkSegments, ChunkTabs, PerToken, SegmentRows, TokenIn,
 };
-use crate::error::{Result, TpuError};
+use crate::error::Result;
 use crate::hlo::{Cmp, TensorType};
 use crate::lang::{Binary, Body, MatPrecision, Offset, Reduction, Ref, V};
 use crate::lang::{Cost, Index, Kernel, KernelBuilder, MosaicParams, Operand};
@@ -159,9 +161,9 @@ fn forward_cost(d: &ForwardDims) -> Cost {
         + states;
     // The gate's own: softplus an exponential and a log1p, the lower bound one tanh.
     let gate_ops = match d.gate {
-        Gate::Preactivated => 0.0,
-        Gate::Softplus => 2.0,
-        Gate::LowerBound(_) => 1.0,
+        GateKind::Preactivated => 0.0,
+        GateKind::Softplus => 2.0,
+        GateKind::LowerBound(_) => 1.0,
     };
     let transcendentals =
         (l * t * k) as f64 * (4.0 + gate_ops) + if d.l2norm { 2.0 * (l * t) as f64 } else { 0.0 };
@@ -361,16 +363,24 @@ fn state_update(
     }
     // With segments the entering state reaches the chunk's first segment alone.
     let segs = segs.as_ref();
-    let ws = b.matmul(&w, &s, (1, 0), p)?;
-    let ws = segment_rows(b, segs, &ws, SegmentRows::First)?;
-    let v_new = b.sub(&u, &ws)?;
-    let inter = b.matmul(&terms.f.qg, &s, (1, 0), p)?;
-    let inter = segment_rows(b, segs, &inter, SegmentRows::First)?;
-    let sc = b.splat(cx.scale, DType::F32, &[C, v])?;
-    let inter = b.mul(&inter, &sc)?;
-    let intra = b.matmul(&terms.aqk, &v_new, (1, 0), p)?;
-    let o = b.add(&inter, &intra)?;
-    let o = segment_rows(b, segs, &o, SegmentRows::Real)?;
+    let mut mask = |b: &mut Body, term: UpdateTerm, x: &V| match term {
+        UpdateTerm::Entering => segment_rows(b, segs, x, SegmentRows::First),
+        UpdateTerm::Output => segment_rows(b, segs, x, SegmentRows::Real),
+        UpdateTerm::Kept => if_whole(b, segs, x),
+        UpdateTerm::Leaving => segment_rows(b, segs, x, SegmentRows::Last),
+    };
+    let update = ChunkUpdate {
+        state: &s,
+        w: &w,
+        u: &u,
+        qg: &terms.f.qg,
+        kg: &terms.f.kg,
+        aqk: &terms.aqk,
+        last_decay: &terms.f.eg_last,
+        scale: Some(cx.scale),
+        precision: p,
+    };
+    let (v_new, o) = chunk_output(b, &update, &mut mask)?;
     match (r.tabs.window, r.place_o) {
         (Some(t), Some(buf)) => {
             let tables = window_at(b, &t, &c)?;
@@ -382,15 +392,9 @@ fn state_update(
             b.store(r.o, &[Offset::Const(0), Offset::Const(ci * C), Offset::Const(0)], &o)?;
         }
     }
-    let decay = b.reshape(&terms.f.eg_last, &[k, 1])?;
-    let decay = b.broadcast(&decay, &[k, v])?;
-    let kept = b.mul(&s, &decay)?;
     // With segments the leaving state is the chunk's last segment's: the entering one only if
     // no segment starts inside the chunk, and only the last segment's tokens.
-    let kept = if_whole(b, segs, &kept)?;
-    let kg = segment_rows(b, segs, &terms.f.kg, SegmentRows::Last)?;
-    let add = b.matmul(&kg, &v_new, (0, 0), p)?;
-    let s_next = b.add(&kept, &add)?;
+    let s_next = chunk_state_next(b, &update, &v_new, &mut mask)?;
     if d.fixed_rows() {
         // A row's final state: its last chunk's, the last write to its `ht` block.
         if ci + 1 == d.chunks_per_step() {
@@ -442,74 +446,4 @@ pub(super) fn place(b: &mut Body, out: Ref, buf: Ref, x: &V, [lo, hi, off, len]:
         b.store(out, &at, &new)?;
     }
     Ok(())
-}
-
-/// The gate parameters' block of an in-kernel gate.
-pub(super) fn gate_params(params: Option<Ref>) -> Result<Ref> {
-    params.ok_or_else(|| TpuError::builder("mosaic kernels", "an in-kernel gate without its parameters"))
-}
-
-/// `x * rsqrt(sum(x^2) + eps)` over the rows of `x` `[64, K]` (the XLA programs' L2 norm).
-pub(super) fn l2_normalise(b: &mut Body, x: &V) -> Result<V> {
-    Ok(l2_normalise_with_scale(b, x)?.0)
-}
-
-/// [`l2_normalise`] and its per-row scale `rsqrt(sum(x^2) + eps)` `[64, 1]`.
-pub(super) fn l2_normalise_with_scale(b: &mut Body, x: &V) -> Result<(V, V)> {
-    let dims = x.ty.dims.clone();
-    let sq = b.mul(x, x)?;
-    let ss = b.reduce(Reduction::Sum, &sq, 1)?;
-    let eps = b.splat(kda_core::L2NORM_EPS, DType::F32, &[dims[0], 1])?;
-    let ss = b.add(&ss, &eps)?;
-    let r = b.rsqrt(&ss)?;
-    let wide = b.broadcast(&r, &dims)?;
-    Ok((b.mul(x, &wide)?, r))
-}
-
-/// The activated, floored log-decay of the raw gate `x` `[64, K]`; the gate parameters (of an
-/// in-kernel gate) are the block `params` (`[1, 2, K]`: `exp(a_log)`, `dt_bias`).
-pub(super) fn activate(b: &mut Body, x: &V, gate: Gate, params: Option<Ref>) -> Result<V> {
-    let dims = x.ty.dims.clone();
-    let g = match gate {
-        Gate::Preactivated => x.clone(),
-        Gate::Softplus | Gate::LowerBound(_) => {
-            let params = gate_params(params)?;
-            let row = |b: &mut Body, i: i64| {
-                let at = [Offset::Const(0), Offset::Const(i), Offset::Const(0)];
-                let r = b.load(params, &at, &[1, 1, dims[1]])?;
-                b.reshape(&r, &[1, dims[1]])
-            };
-            let (a, bias) = (row(b, 0)?, row(b, 1)?);
-            let a = b.broadcast(&a, &dims)?;
-            let bias = b.broadcast(&bias, &dims)?;
-            let z = b.add(x, &bias)?;
-            match gate {
-                Gate::Softplus => {
-                    // softplus(z) = max(z, 0) + log1p(exp(-|z|)), exact and overflow-free.
-                    let zero = b.splat(0.0, DType::F32, &dims)?;
-                    let pos = b.max(&z, &zero)?;
-                    let nz = b.neg(&z)?;
-                    let neg_abs = b.min(&z, &nz)?;
-                    let e = b.exp(&neg_abs)?;
-                    let l = b.log1p(&e)?;
-                    let sp = b.add(&pos, &l)?;
-                    let g = b.mul(&a, &sp)?;
-                    b.neg(&g)?
-                }
-                _ => {
-                    let lb = if let Gate::LowerBound(lb) = gate { lb } else { 0.0 };
-                    // lb * sigmoid(a z) = lb/2 + lb/2 tanh(a z / 2): one transcendental.
-                    let half_a = b.splat(0.5, DType::F32, &dims)?;
-                    let half_a = b.mul(&a, &half_a)?;
-                    let x = b.mul(&half_a, &z)?;
-                    let t = b.tanh(&x)?;
-                    let half_lb = b.splat(lb / 2.0, DType::F32, &dims)?;
-                    let scaled = b.mul(&t, &half_lb)?;
-                    b.add(&scaled, &half_lb)?
-                }
-            }
-        }
-    };
-    let floor = b.splat(FLOOR, DType::F32, &dims)?;
-    b.max(&g, &floor)
 }

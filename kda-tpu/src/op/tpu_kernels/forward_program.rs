@@ -10,7 +10,7 @@
 //! zeroed with the cast; or back from lanes) and the final states of segments that hold no
 //! chunk (their initial states).
 
-use super::dims::{ForwardDims, Gate, Tokens};
+use super::dims::{ForwardDims, Tokens};
 use super::forward::forward_kernel;
 use super::operands::{ChunkTabs, PerToken, TokenIn};
 use crate::hlo::{Cmp, FnBuilder, Value};
@@ -368,11 +368,11 @@ pub(super) fn kernel_dims(s: &KernelSpec, tokens: Tokens, g_dtype: kda_core::DTy
 /// The gate the kernel applies: the caller's when it reads raw gates in place (lanes hold
 /// padding tokens, whose zero raw gate would activate to a decay, so lanes get the gate XLA
 /// activated, zero on padding, as the XLA programs have it).
-pub(super) fn kernel_gate(s: &KernelSpec, tokens: Tokens) -> Gate {
+pub(super) fn kernel_gate(s: &KernelSpec, tokens: Tokens) -> GateKind {
     match (tokens != Tokens::Lanes && s.in_kernel_gate(), s.options.gate) {
-        (false, _) | (_, GateKind::Preactivated) => Gate::Preactivated,
-        (true, GateKind::Softplus) => Gate::Softplus,
-        (true, GateKind::LowerBound(lb)) => Gate::LowerBound(lb),
+        (false, _) | (_, GateKind::Preactivated) => GateKind::Preactivated,
+        (true, GateKind::Softplus) => GateKind::Softplus,
+        (true, GateKind::LowerBound(lb)) => GateKind::LowerBound(lb),
     }
 }
 
@@ -475,7 +475,7 @@ impl SharedInputs {
             None
         };
         let (tokens_in, g_dtype) = token_inputs(b, s, a, tokens)?;
-        let gate = match (kernel_gate(s, tokens) != Gate::Preactivated, a.a_log) {
+        let gate = match (kernel_gate(s, tokens) != GateKind::Preactivated, a.a_log) {
             (true, Some(al)) => Some(gate_operand(b, s, al, a.dt_bias)?),
             _ => None,
         };

@@ -3,9 +3,10 @@
 //! kernels' bodies and the programs that bind their operands use these same handles.
 
 use kda_core::DType;
+use kda_core::GateKind;
 
 use super::blocks::{EXPONENT_ROWS, LEVEL_ROWS};
-use super::dims::{ForwardDims, Gate, Tokens, C};
+use super::dims::{ForwardDims, Tokens, C};
 use crate::error::{Result, TpuError};
 use crate::hlo::{Cmp, TensorType, Value};
 use crate::lang::{Bindings, Body, Index, KernelBuilder, Offset, Operand, Ref, Semantics, Table, V};
@@ -170,7 +171,7 @@ impl ForwardDims {
 
     /// Declares the gate parameters `[H, 2, K]` of an in-kernel gate ([`Gate`]).
     pub(super) fn declare_gate(&self, kb: &mut KernelBuilder) -> Option<Ref> {
-        (self.gate != Gate::Preactivated).then(|| {
+        (self.gate != GateKind::Preactivated).then(|| {
             let at = vec![Index::Grid(0), Index::Const(0), Index::Const(0)];
             let ty = TensorType::new(DType::F32, &[self.heads, 2, self.k]);
             kb.input(Operand::blocked("gate", ty, &[1, 2, self.k], at))

@@ -32,8 +32,8 @@ pub(super) struct ChunkGrads {
 /// The chunk-parallel backward from the chunk inputs `[q, k, v, beta]`, the chunk terms,
 /// `[h, v_new, dh, dv_new]` (flat `[N, ..]`) and `dO`.
 ///
-/// The gate gradient is formed so that no exact cancellation is left to f32 (docs/design.md,
-/// "The backward and the gate gradient"): the `kg` and whole-chunk-decay terms enter as an
+/// The gate gradient is formed so that no exact cancellation is left to f32
+/// (docs/kernels/gate-gradient.md): the `kg` and whole-chunk-decay terms enter as an
 /// exclusive prefix sum and a per-row constant, not as a last-row total that a suffix sum
 /// cancels, and the diagonal of `Aqk` (whose gate terms cancel exactly) goes to `dq` and `dk`
 /// directly.

@@ -4,7 +4,7 @@
 //! order it is given decides much of what it finds: written chunk by chunk, a step's products
 //! wait on each other; ordered by this model, in which a product's result comes back only
 //! after [`MXU_LATENCY`] cycles, the independent work of every chunk of the step fills those
-//! waits (docs/design.md, The op order of the Mosaic lowering).
+//! waits (docs/kernels/op-order.md).
 //!
 //! Only the order of the top-level ops changes: every op still follows what it reads, loads
 //! and stores of one buffer keep their order, and regions (`when`, `for`) keep their insides.
