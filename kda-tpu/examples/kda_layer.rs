@@ -10,7 +10,7 @@ use kda_testkit::{agreement, Rng};
 use kda_tpu::hlo::{FnBuilder, Module, Precision, TensorType};
 use kda_tpu::op::compose::{add_function, KdaFunction};
 use kda_tpu::op::interface::index_tables;
-use kda_tpu::{DeviceTensor, KernelSpec, PjrtBackend, ProgramKind};
+use kda_tpu::{DeviceTensor, PjrtBackend, ProgramKind, ProgramSpec};
 
 /// Heads, tokens, model width, key and value width.
 const H: usize = 2;
@@ -33,7 +33,7 @@ fn kda_inputs(q: HostTensor, k: HostTensor, v: HostTensor, g: HostTensor, beta: 
 
 /// The layer program: arguments `x [T, DM]`, `W [DM, 3HK]`, `g [1, T, H, K]`, `beta [1, T, H]`,
 /// `C [1, T, H, K]`, then the KDA index tables; results `L` (scalar) and `dW [DM, 3HK]`.
-fn layer_program(spec: &KernelSpec) -> Result<(String, Vec<&'static str>, KdaFunction), Error> {
+fn layer_program(spec: &ProgramSpec) -> Result<(String, Vec<&'static str>, KdaFunction), Error> {
     let f32t = |d: &[usize]| TensorType::new(DType::F32, &d.iter().map(|&x| x as i64).collect::<Vec<_>>());
     let mut module = Module::named("kda_layer")?;
     let kind = ProgramKind::Fused(BackwardStrategy::SavedState);
@@ -130,7 +130,7 @@ fn main() -> Result<(), Error> {
     let shape = [1, T, H, K];
     let zeros = |d: &[usize]| HostTensor::zeros(d, DType::F32);
     let like = kda_inputs(zeros(&shape), zeros(&shape), zeros(&shape), zeros(&shape), zeros(&[1, T, H]));
-    let spec = KernelSpec::of_inputs(&like, false)?;
+    let spec = ProgramSpec::of_inputs(&like, false)?;
     let (text, table_names, kda) = layer_program(&spec)?;
     let tables = index_tables(&spec, like.segments.as_ref())?;
     let names: Vec<&str> = tables.iter().map(|t| t.name).collect();

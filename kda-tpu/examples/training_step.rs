@@ -89,7 +89,7 @@ fn main() -> Result<(), Error> {
     println!("uploaded the layer's inputs: {} bytes", backend.transfer_stats().to_device);
     // What a step may move: the index tables, built on the host from the segments (i32), in
     // the first step only, and the 4-byte loss back.
-    let spec = kda_tpu::KernelSpec::of_inputs(&inputs, false)?;
+    let spec = kda_tpu::ProgramSpec::of_inputs(&inputs, false)?;
     let table_bytes: u64 = kda_tpu::op::index_tables(&spec, inputs.segments.as_ref())?
         .iter()
         .map(|t| 4 * t.data.len() as u64)

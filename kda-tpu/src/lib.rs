@@ -30,7 +30,9 @@ pub use backend::{
 };
 pub use error::{Result, TpuError};
 pub use op::interface::ProgramKind;
-pub use op::{Implementation, KernelSpec, Tuning};
+#[allow(deprecated)]
+pub use op::KernelSpec;
+pub use op::{Implementation, ProgramSpec, Tuning};
 #[cfg(feature = "runtime")]
 pub use runtime::{CompileOptions, DeviceBuffer, Executable, MemoryStats, Runtime, Signature, XlaOption};
 

@@ -20,7 +20,7 @@ fn bench_spec(
     name: &str,
     dht: bool,
     f: impl FnOnce(kda_tpu::Tuning) -> kda_tpu::Tuning,
-) -> kda_tpu::KernelSpec {
+) -> kda_tpu::ProgramSpec {
     let case = benchmark_cases().into_iter().find(|c| c.name == name).expect("benchmark case");
     let data = case_data(&case, DType::BF16).expect("inputs");
     let problem = data.inputs.validate().expect("valid inputs");

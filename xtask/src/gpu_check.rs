@@ -28,8 +28,7 @@ options:
   -h, --help   show this text";
 
 /// The test binaries the GPU host runs, each with the filter of its `gpu::` tests.
-const BINARIES: [(&str, &str, &str); 2] =
-    [("kda-tpu", "mosaic", "gpu::"), ("kda-tpu", "gpu_kernels", "gpu::")];
+const BINARIES: [(&str, &str, &str); 2] = [("kda-tpu", "lang", "gpu::"), ("kda-tpu", "gpu_kernels", "gpu::")];
 
 /// Parsed flags: the staging folder; `None` means help was asked for.
 pub fn parse_args(args: &[String]) -> Result<Option<PathBuf>, String> {
@@ -165,9 +164,9 @@ mod tests {
         let messages = concat!(
             r#"{"reason":"compiler-artifact","target":{"name":"kda_tpu","kind":["lib"]},"executable":null}"#,
             "\n",
-            r#"{"reason":"compiler-artifact","target":{"name":"mosaic","kind":["test"]},"executable":"/w/target/debug/deps/mosaic-1f"}"#,
+            r#"{"reason":"compiler-artifact","target":{"name":"lang","kind":["test"]},"executable":"/w/target/debug/deps/lang-1f"}"#,
         );
-        assert_eq!(super::executable(messages, "mosaic"), Some("/w/target/debug/deps/mosaic-1f".into()));
+        assert_eq!(super::executable(messages, "lang"), Some("/w/target/debug/deps/lang-1f".into()));
         assert_eq!(super::executable(messages, "sweep"), None);
     }
 
@@ -175,7 +174,7 @@ mod tests {
     fn the_script_runs_each_binarys_gpu_tier() {
         let s = super::run_script();
         assert!(s.starts_with("#!/usr/bin/env bash"));
-        assert!(s.contains("run_tests mosaic \"$here/bin/mosaic\" gpu::"), "{s}");
+        assert!(s.contains("run_tests lang \"$here/bin/lang\" gpu::"), "{s}");
         assert!(s.contains("export KDA_PJRT_PLUGIN=\"$plugin\""));
         assert!(s.contains("--xla_gpu_cuda_data_dir=$cuda"));
     }

@@ -15,7 +15,7 @@ use super::launch::{check_on, tensor_args, Arg, Bound, Named, Part};
 use super::options::Split;
 use super::residuals::{Gradtypes, Held, Piece, PjrtResiduals};
 use super::tensor::{DeviceTensor, Meta};
-use crate::op::{KernelSpec, ProgramKind};
+use crate::op::{ProgramKind, ProgramSpec};
 use kda_packed::{join_problems, RowPlan};
 
 /// Keeps [`CallInputs`] and [`CallCotangents`] to this crate's records.
@@ -148,7 +148,7 @@ impl PjrtBackend {
     /// backward read them in place of the given ones.
     pub(crate) fn forward_parts(
         &self,
-        spec: &KernelSpec,
+        spec: &ProgramSpec,
         strategy: BackwardStrategy,
         split: Split,
         parts: Vec<Part>,
@@ -226,7 +226,7 @@ impl PjrtBackend {
     /// The fused forward+VJP on every part.
     pub(crate) fn fused_parts(
         &self,
-        spec: &KernelSpec,
+        spec: &ProgramSpec,
         strategy: BackwardStrategy,
         split: Split,
         parts: Vec<Part>,
@@ -255,7 +255,7 @@ impl PjrtBackend {
         device: usize,
         x: &DeviceInputs,
         has_dht: bool,
-    ) -> Result<(Problem, KernelSpec)> {
+    ) -> Result<(Problem, ProgramSpec)> {
         for (name, t) in x.named() {
             t.check_owner(self.shared(), name).map_err(e)?;
             check_on(t, name, device)?;
@@ -332,7 +332,7 @@ impl PjrtBackend {
     }
 
     /// One shard per device, all of one shape: their parts and the shared spec.
-    fn shard_parts(&self, xs: &[DeviceInputs], has_dht: bool) -> Result<(Vec<Part>, KernelSpec)> {
+    fn shard_parts(&self, xs: &[DeviceInputs], has_dht: bool) -> Result<(Vec<Part>, ProgramSpec)> {
         let n = self.device_count();
         if xs.len() != n {
             return Err(KdaError::value(
@@ -342,7 +342,7 @@ impl PjrtBackend {
             ));
         }
         let mut parts: Vec<Part> = Vec::with_capacity(n);
-        let mut first: Option<KernelSpec> = None;
+        let mut first: Option<ProgramSpec> = None;
         for (d, x) in xs.iter().enumerate() {
             let (p, spec) = self.validate_on(d, x, has_dht)?;
             match &first {
@@ -374,7 +374,12 @@ fn layout_name(l: Layout) -> &'static str {
     }
 }
 
-fn one_device(problem: Problem, spec: KernelSpec, strategy: BackwardStrategy, piece: Piece) -> PjrtResiduals {
+fn one_device(
+    problem: Problem,
+    spec: ProgramSpec,
+    strategy: BackwardStrategy,
+    piece: Piece,
+) -> PjrtResiduals {
     PjrtResiduals { problem, strategy, spec, host_types: None, held: Held::One(piece) }
 }
 

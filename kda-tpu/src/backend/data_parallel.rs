@@ -16,7 +16,7 @@ use super::handle::{PjrtBackend, Upload};
 use super::launch::{arg_name, Arg, Part};
 use super::options::Split;
 use super::residuals::{Gradtypes, Held, PjrtResiduals};
-use crate::op::KernelSpec;
+use crate::op::ProgramSpec;
 use kda_packed::{batch_axis, RowPlan};
 
 /// One device's rows of the call's inputs, by program name: per-token tensors and `beta` (in
@@ -53,7 +53,7 @@ fn shard_cotangents(
 
 impl PjrtBackend {
     /// The shared spec of every device's program (dims of one shard; g in its own dtype).
-    fn shard_spec(&self, x: &KdaInputs, shard: &Problem, has_dht: bool) -> Result<KernelSpec> {
+    fn shard_spec(&self, x: &KdaInputs, shard: &Problem, has_dht: bool) -> Result<ProgramSpec> {
         let g_dtype = if x.g.dtype() == DType::BF16 { DType::BF16 } else { DType::F32 };
         Ok(self.spec(shard, has_dht)?.with_g_dtype(g_dtype))
     }

@@ -12,7 +12,7 @@ use super::options::{PjrtOptions, Split};
 use super::tensor::{DeviceProgram, DeviceTensor, TableCache, TransferStats};
 use super::worker::{self, BufferInfo, Shared, Worker};
 use crate::error::{Result, TpuError};
-use crate::op::{Implementation, KernelSpec, ProgramKind, Tuning};
+use crate::op::{Implementation, ProgramKind, ProgramSpec, Tuning};
 use crate::runtime::{CompileOptions, XlaOption};
 use crate::MemoryStats;
 
@@ -232,14 +232,14 @@ impl PjrtBackend {
     }
 
     /// The kernel spec of a validated problem whose inputs share one dtype (see
-    /// [`KernelSpec::with_g_dtype`] for a `g` of another dtype).
-    pub fn spec(&self, p: &Problem, has_dht: bool) -> kda_core::Result<KernelSpec> {
+    /// [`ProgramSpec::with_g_dtype`] for a `g` of another dtype).
+    pub fn spec(&self, p: &Problem, has_dht: bool) -> kda_core::Result<ProgramSpec> {
         let packed = if p.segments.is_packed() {
             Some(StaticCapacity::new(p.dims.b, p.dims.t, p.dims.n, CHUNK)?.chunks())
         } else {
             None
         };
-        Ok(KernelSpec::new(p, packed, has_dht).with_tuning(self.tuning))
+        Ok(ProgramSpec::new(p, packed, has_dht).with_tuning(self.tuning))
     }
 
     /// The XLA options a kernel program is compiled with ([`crate::op::program`] text). On the CPU plugin the forward
@@ -255,7 +255,7 @@ impl PjrtBackend {
     }
 
     /// Compiles the programs `kinds` of `spec` now, so the first call does not pay for it.
-    pub fn prepare(&self, spec: &KernelSpec, kinds: &[ProgramKind]) -> kda_core::Result<()> {
+    pub fn prepare(&self, spec: &ProgramSpec, kinds: &[ProgramKind]) -> kda_core::Result<()> {
         for &kind in kinds {
             let (spec, options) = (spec.clone(), self.compile_options(kind));
             let _span = tracing::info_span!("kda_prepare", kind = ?kind).entered();
@@ -267,7 +267,7 @@ impl PjrtBackend {
     }
 
     /// The compiler's memory statistics of one program of a spec on this handle's device.
-    pub fn memory_stats(&self, spec: &KernelSpec, kind: ProgramKind) -> kda_core::Result<MemoryStats> {
+    pub fn memory_stats(&self, spec: &ProgramSpec, kind: ProgramKind) -> kda_core::Result<MemoryStats> {
         let (spec, options) = (spec.clone(), self.compile_options(kind));
         self.shared
             .call("memory stats", move |w| {

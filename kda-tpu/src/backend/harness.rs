@@ -7,14 +7,14 @@ use super::handle::PjrtBackend;
 use super::launch::{Arg, Bound};
 use super::options::Split;
 use super::tensor::DeviceTensor;
-use crate::op::{KernelSpec, ProgramKind};
+use crate::op::{ProgramKind, ProgramSpec};
 use crate::runtime::CompileOptions;
 
 /// A call's inputs and cotangents on device 0, validated once: what benchmarks time programs on.
 #[derive(Debug)]
 pub struct DeviceCall {
     problem: Problem,
-    spec: KernelSpec,
+    spec: ProgramSpec,
     inputs: Vec<(&'static str, DeviceTensor)>,
     cotangents: Vec<(&'static str, DeviceTensor)>,
 }
@@ -44,7 +44,7 @@ impl DeviceCall {
         &self.problem
     }
     /// The kernel spec (with `has_dht` set from the cotangents given).
-    pub fn spec(&self) -> &KernelSpec {
+    pub fn spec(&self) -> &ProgramSpec {
         &self.spec
     }
 

@@ -97,7 +97,7 @@ const F32_ON_DEVICE: [&str; 8] =
 
 /// The dims a per-token input `name` of a record is held in on the device for a handle whose
 /// forward runs a kernel (`kernel`): the kernel forward's form
-/// ([`crate::op::KernelSpec::kernel_token_dims`]), batch-first `[B*T, H*D]` (`beta`
+/// ([`crate::op::ProgramSpec::kernel_token_dims`]), batch-first `[B*T, H*D]` (`beta`
 /// `[B*T, H]`), so that the forward reads it without a reshape (on a TPU a relayout of the
 /// whole tensor); `None`: as given (XLA's programs take the caller's shapes).
 pub(crate) fn held_as(name: &str, layout: Option<Layout>, shape: &[usize], kernel: bool) -> Option<Vec<i64>> {

@@ -11,7 +11,7 @@ use super::options::Split;
 use super::tensor::{DeviceProgram, DeviceTensor, TableCache, TABLES_KEPT};
 use super::worker::{BufferInfo, Counters, Worker};
 use crate::error::{Result, TpuError};
-use crate::op::{KernelSpec, Port, ProgramKind, ProgramSignature, TABLE_NAMES};
+use crate::op::{Port, ProgramKind, ProgramSignature, ProgramSpec, TABLE_NAMES};
 use crate::runtime::CompileOptions;
 use crate::Executable;
 use kda_core::DType;
@@ -62,7 +62,7 @@ impl PjrtBackend {
     /// program compiled for that many replicas; one device: the plain program on that device).
     pub(crate) fn launch(
         &self,
-        spec: &KernelSpec,
+        spec: &ProgramSpec,
         kind: ProgramKind,
         split: Split,
         bound: Vec<Bound<'_>>,
@@ -212,7 +212,12 @@ impl PjrtBackend {
     }
 
     /// One device's arguments in signature order, each checked against its port.
-    fn lay_out(&self, spec: &KernelSpec, sig: &ProgramSignature, b: Bound<'_>) -> kda_core::Result<Vec<Arg>> {
+    fn lay_out(
+        &self,
+        spec: &ProgramSpec,
+        sig: &ProgramSignature,
+        b: Bound<'_>,
+    ) -> kda_core::Result<Vec<Arg>> {
         let mut given = b.args;
         for (name, _) in &given {
             if sig.arg_index(name).is_none() {
@@ -294,7 +299,7 @@ impl PjrtBackend {
     /// use and kept (the last [`TABLES_KEPT`] sets).
     fn tables(
         &self,
-        spec: &KernelSpec,
+        spec: &ProgramSpec,
         problem: &Problem,
         device: usize,
     ) -> kda_core::Result<Vec<DeviceTensor>> {
@@ -303,7 +308,7 @@ impl PjrtBackend {
 
     fn tables_of(
         &self,
-        spec: &KernelSpec,
+        spec: &ProgramSpec,
         segments: &kda_core::SegmentTable,
         device: usize,
     ) -> kda_core::Result<Vec<DeviceTensor>> {

@@ -8,7 +8,7 @@ use kda_core::{BackwardStrategy, DType, HostTensor, KdaGradients, KdaInputs, Pro
 
 use super::launch::Named;
 use super::tensor::DeviceTensor;
-use crate::op::KernelSpec;
+use crate::op::ProgramSpec;
 use kda_packed::{PiecePlan, RowPlan};
 
 /// A context-parallel call's split, kept with a forward's residuals: every row's pieces, each
@@ -18,7 +18,7 @@ use kda_packed::{PiecePlan, RowPlan};
 pub(crate) struct ContextPlan {
     pub(crate) pieces: PiecePlan,
     pub(crate) locals: Vec<Problem>,
-    pub(crate) spec: KernelSpec,
+    pub(crate) spec: ProgramSpec,
 }
 
 impl ContextPlan {
@@ -37,7 +37,7 @@ pub struct PjrtResiduals {
     pub(crate) problem: Problem,
     pub(crate) strategy: BackwardStrategy,
     /// The spec of every device's programs.
-    pub(crate) spec: KernelSpec,
+    pub(crate) spec: ProgramSpec,
     /// The host dtypes of g, beta, a_log and dt_bias, for gradients downloaded by a host call.
     pub(crate) host_types: Option<Gradtypes>,
     pub(crate) held: Held,

@@ -156,7 +156,7 @@ pub(crate) const TABLES_KEPT: usize = 16;
 /// Index tables already uploaded, by (spec, segments, device).
 #[derive(Default)]
 pub(crate) struct TableCache(
-    pub(crate) VecDeque<((crate::op::KernelSpec, kda_core::SegmentTable), usize, Vec<DeviceTensor>)>,
+    pub(crate) VecDeque<((crate::op::ProgramSpec, kda_core::SegmentTable), usize, Vec<DeviceTensor>)>,
 );
 
 /// A program compiled on a handle's device ([`crate::PjrtBackend::compile_program`]).

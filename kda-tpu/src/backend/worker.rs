@@ -16,7 +16,7 @@ use std::thread::{JoinHandle, ThreadId};
 
 use super::options::{PjrtOptions, Split};
 use crate::error::{Result, TpuError};
-use crate::op::KernelSpec;
+use crate::op::ProgramSpec;
 use crate::runtime::{DeviceBuffer, Executable, Runtime};
 use crate::ProgramKind;
 
@@ -29,7 +29,7 @@ pub(crate) struct Worker {
     buffers: HashMap<u64, DeviceBuffer>,
     next_id: u64,
     /// Kernel programs by (spec, kind, replicas, first device, form).
-    pub(crate) programs: HashMap<(KernelSpec, ProgramKind, usize, usize, Split), Rc<Executable>>,
+    pub(crate) programs: HashMap<(ProgramSpec, ProgramKind, usize, usize, Split), Rc<Executable>>,
     /// Programs compiled for a caller ([`super::DeviceProgram`]), by id.
     pub(crate) user_programs: HashMap<u64, Rc<Executable>>,
 }
@@ -66,7 +66,7 @@ impl Worker {
     /// of `options`, compiled on first use; `true` when it was cached.
     pub(crate) fn kernel(
         &mut self,
-        spec: &KernelSpec,
+        spec: &ProgramSpec,
         kind: ProgramKind,
         options: &crate::runtime::CompileOptions,
         split: Split,

@@ -86,6 +86,28 @@ mod tests {
         assert!(err.to_string().contains("broadcast"), "{err}");
     }
 
+    /// The operators stretch a side's size-1 dims to the other's (a `Broadcast` before the
+    /// op) and refuse dims that neither equal nor stretch.
+    #[test]
+    fn operators_broadcast_size_one_dims() -> crate::Result<()> {
+        let k = kernel(|b, o| {
+            let x = b.splat(2.0, DType::F32, &[8, 128])?;
+            let (col, row) = (b.splat(3.0, DType::F32, &[8, 1])?, b.splat(1.0, DType::F32, &[1, 128])?);
+            let y = b.mul(&x, &col)?;
+            let z = b.add(&row, &y)?;
+            assert_eq!((y.ty.dims.as_slice(), z.ty.dims.as_slice()), (&[8, 128][..], &[8, 128][..]));
+            let other = b.splat(1.0, DType::F32, &[4, 128])?;
+            let e = b.sub(&z, &other).expect_err("4 rows against 8");
+            assert!(e.to_string().contains("Sub"), "{e}");
+            b.store_all(o, &z)
+        })?;
+        let mut kinds = Vec::new();
+        k.walk(&mut |kind| kinds.push(kind));
+        use super::OpKind::{Binary as B, Broadcast as Br, Splat as S, Store as St};
+        assert_eq!(kinds, [S, S, S, Br, B, Br, B, S, St]);
+        Ok(())
+    }
+
     #[test]
     fn i32_splats_hold_integers() {
         let err = kernel(|b, _| b.splat(3e9, DType::I32, &[8, 128]).map(|_| ())).expect_err("too large");

@@ -5,7 +5,7 @@
 
 use super::args::Declared;
 use super::interface::{ProgramKind, ProgramSignature};
-use super::spec::KernelSpec;
+use super::spec::ProgramSpec;
 use super::table::{row, Family};
 use super::{tpu_kernels, xla};
 use crate::hlo::{FnBuilder, Module, TensorType, Value};
@@ -18,7 +18,7 @@ use kda_core::BackwardStrategy;
 /// given.
 fn body(
     f: &mut FnBuilder,
-    s: &KernelSpec,
+    s: &ProgramSpec,
     d: &Declared,
     kind: ProgramKind,
     lowering: Option<&dyn Lower>,
@@ -64,7 +64,7 @@ fn body(
 pub(crate) fn build(
     name: &str,
     public: bool,
-    s: &KernelSpec,
+    s: &ProgramSpec,
     kind: ProgramKind,
 ) -> Result<(FnBuilder, ProgramSignature)> {
     build_lowered(name, public, s, kind, None)
@@ -74,7 +74,7 @@ pub(crate) fn build(
 fn build_lowered(
     name: &str,
     public: bool,
-    s: &KernelSpec,
+    s: &ProgramSpec,
     kind: ProgramKind,
     lowering: Option<&dyn Lower>,
 ) -> Result<(FnBuilder, ProgramSignature)> {
@@ -100,7 +100,7 @@ fn build_lowered(
 }
 
 /// The text of a module holding program `kind` of `s` as its public `@main`.
-pub fn program(s: &KernelSpec, kind: ProgramKind) -> Result<String> {
+pub fn program(s: &ProgramSpec, kind: ProgramKind) -> Result<String> {
     let (f, _) = build("main", true, s, kind)?;
     let mut m = Module::new();
     m.add(f)?;
@@ -110,7 +110,7 @@ pub fn program(s: &KernelSpec, kind: ProgramKind) -> Result<String> {
 /// [`program`] with the kernels of a TPU-kernel implementation (`s.tuning`'s row: mosaic or
 /// interpret) lowered by `lowering`, a lowering of the kernel language from outside this crate
 /// or a built-in one with other parameters; an `Unsupported` error for the xla row.
-pub fn program_lowered_by(s: &KernelSpec, kind: ProgramKind, lowering: &dyn Lower) -> Result<String> {
+pub fn program_lowered_by(s: &ProgramSpec, kind: ProgramKind, lowering: &dyn Lower) -> Result<String> {
     let (f, _) = build_lowered("main", true, s, kind, Some(lowering))?;
     let mut m = Module::new();
     m.add(f)?;
@@ -121,7 +121,7 @@ pub fn program_lowered_by(s: &KernelSpec, kind: ProgramKind, lowering: &dyn Lowe
 /// plain program). Every replica runs the program on its own rows; the gate-parameter
 /// gradients (`da_log`, `ddt_bias`), sums over all tokens, are then all-reduced, so every
 /// device holds the batch's total. Same arguments and results as [`program`].
-pub fn data_parallel_program(s: &KernelSpec, kind: ProgramKind, replicas: usize) -> Result<String> {
+pub fn data_parallel_program(s: &ProgramSpec, kind: ProgramKind, replicas: usize) -> Result<String> {
     if replicas <= 1 {
         return program(s, kind);
     }
@@ -142,7 +142,7 @@ pub fn data_parallel_program(s: &KernelSpec, kind: ProgramKind, replicas: usize)
 }
 
 /// The forward program. Outputs: `o`, `[final_state]`, and `h` `[L, NT, K, V]` when `keep_h`.
-pub fn forward_program(s: &KernelSpec, keep_h: bool) -> Result<String> {
+pub fn forward_program(s: &ProgramSpec, keep_h: bool) -> Result<String> {
     let strategy = match keep_h {
         true => BackwardStrategy::SavedState,
         false => BackwardStrategy::Rematerialize,
@@ -152,12 +152,12 @@ pub fn forward_program(s: &KernelSpec, keep_h: bool) -> Result<String> {
 
 /// The backward program. Inputs: the forward's, then `[h]` (saved state), `do`, `[dht]`.
 /// Outputs: `dq dk dv dg dbeta [dh0] [da_log] [ddt_bias]`.
-pub fn backward_program(s: &KernelSpec, strategy: BackwardStrategy) -> Result<String> {
+pub fn backward_program(s: &ProgramSpec, strategy: BackwardStrategy) -> Result<String> {
     program(s, ProgramKind::Backward(strategy))
 }
 
 /// The fused forward+VJP program: inputs of the forward then `do`, `[dht]`; outputs `o`,
 /// `[final_state]`, then the gradients.
-pub fn fused_program(s: &KernelSpec, strategy: BackwardStrategy) -> Result<String> {
+pub fn fused_program(s: &ProgramSpec, strategy: BackwardStrategy) -> Result<String> {
     program(s, ProgramKind::Fused(strategy))
 }

@@ -1,10 +1,10 @@
 //! A program's arguments: declared in the order and with the types of its
 //! [`ProgramSignature`], and read by role ([`Args`]) by every implementation.
 
+use super::hlo_ops::splat;
 use super::interface::{ProgramKind, ProgramSignature};
-use super::ops::splat;
 use super::prep;
-use super::spec::KernelSpec;
+use super::spec::ProgramSpec;
 use crate::hlo::{FnBuilder, Value};
 use crate::Result;
 
@@ -40,7 +40,7 @@ pub(crate) struct Declared {
 }
 
 impl Declared {
-    pub(crate) fn new(b: &mut FnBuilder, s: &KernelSpec, kind: ProgramKind) -> Result<Declared> {
+    pub(crate) fn new(b: &mut FnBuilder, s: &ProgramSpec, kind: ProgramKind) -> Result<Declared> {
         let sig = ProgramSignature::of(s, kind);
         let values = sig.args.iter().map(|p| b.arg(p.ty.clone())).collect::<Result<_>>()?;
         Ok(Declared { sig, values })
@@ -83,7 +83,7 @@ impl Declared {
     }
 }
 
-pub(crate) fn state_tab(b: &mut FnBuilder, s: &KernelSpec, x: Option<Value>) -> Result<Value> {
+pub(crate) fn state_tab(b: &mut FnBuilder, s: &ProgramSpec, x: Option<Value>) -> Result<Value> {
     match x {
         Some(x) => prep::state_table(b, s, x),
         None => splat(b, 0.0, &[s.lanes() as i64, s.slots() as i64, s.dims.k as i64, s.dims.v as i64]),

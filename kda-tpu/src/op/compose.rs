@@ -21,13 +21,13 @@
 //! use kda_tpu::hlo::{FnBuilder, Module};
 //! use kda_tpu::op::compose::add_function;
 //! use kda_tpu::op::interface::index_tables;
-//! use kda_tpu::{KernelSpec, ProgramKind};
+//! use kda_tpu::{ProgramSpec, ProgramKind};
 //!
 //! // The spec of a call: batch-first [B, T, H, D] = [1, 128, 2, 16], f32, in-kernel q/k norm.
 //! let x = |d: usize| HostTensor::zeros(&[1, 128, 2, d], DType::F32);
 //! let inputs = KdaInputs::new(x(16), x(16), x(16), x(16), HostTensor::zeros(&[1, 128, 2], DType::F32))
 //!     .with_config(KdaConfig { use_qk_l2norm: true, ..KdaConfig::default() });
-//! let spec = KernelSpec::of_inputs(&inputs, false)?;
+//! let spec = ProgramSpec::of_inputs(&inputs, false)?;
 //!
 //! // The KDA forward as @kda_forward, and a @main that passes its arguments through and
 //! // returns `o` doubled.
@@ -58,7 +58,7 @@
 
 use super::api::build;
 use super::interface::{ProgramKind, ProgramSignature};
-use super::spec::KernelSpec;
+use super::spec::ProgramSpec;
 use crate::hlo::Module;
 use crate::Result;
 
@@ -70,7 +70,7 @@ pub struct KdaFunction {
     pub name: String,
     /// The spec it computes (slabs included: the handle's configuration when the spec came
     /// from [`crate::PjrtBackend::spec`]).
-    pub spec: KernelSpec,
+    pub spec: ProgramSpec,
     /// Which program.
     pub kind: ProgramKind,
     /// Its arguments and results, in order.
@@ -83,7 +83,7 @@ pub struct KdaFunction {
 pub fn add_function(
     module: &mut Module,
     name: &str,
-    spec: &KernelSpec,
+    spec: &ProgramSpec,
     kind: ProgramKind,
 ) -> Result<KdaFunction> {
     let (f, signature) = build(name, false, spec, kind)?;

@@ -29,7 +29,7 @@ use kda_packed::StaticCapacity;
 
 use super::api::build;
 use super::interface::{ProgramKind, ProgramSignature};
-use super::spec::{KernelSpec, Tuning};
+use super::spec::{ProgramSpec, Tuning};
 use crate::hlo::{FnBuilder, Module, TensorType, Value};
 use crate::Result;
 
@@ -39,13 +39,13 @@ pub const CP_ARGS: [&str; 3] = ["cont", "carry", "piece"];
 
 /// The spec every device's context-parallel program is built from (any device's local
 /// problem: they share their dims), with `g` in `g_dtype`, tuned as `tuning` says.
-pub fn local_spec(local: &Problem, has_dht: bool, tuning: Tuning, g_dtype: DType) -> Result<KernelSpec> {
+pub fn local_spec(local: &Problem, has_dht: bool, tuning: Tuning, g_dtype: DType) -> Result<ProgramSpec> {
     let d = local.dims;
     let chunks = match local.segments.is_packed() {
         true => Some(StaticCapacity::new(d.b, d.t, d.n, super::CHUNK)?.chunks()),
         false => None,
     };
-    Ok(KernelSpec::new(local, chunks, has_dht).with_tuning(tuning).with_g_dtype(g_dtype))
+    Ok(ProgramSpec::new(local, chunks, has_dht).with_tuning(tuning).with_g_dtype(g_dtype))
 }
 
 /// The identity `[K, K]` in f32.
@@ -68,7 +68,7 @@ fn place(b: &mut FnBuilder, w: Value, block: Value, n: i64) -> Result<Value> {
 }
 
 /// `I` placed by `w[b, n]`: `[B, N, H, K, K]`.
-fn placed_identity(b: &mut FnBuilder, w: Value, s: &KernelSpec) -> Result<Value> {
+fn placed_identity(b: &mut FnBuilder, w: Value, s: &ProgramSpec) -> Result<Value> {
     let (bb, n, h, k) = (s.dims.b as i64, s.dims.n as i64, s.dims.h as i64, s.dims.k as i64);
     let eye = identity(b, k)?;
     let dims = [bb, n, h, k, k];
@@ -149,7 +149,7 @@ fn call_named(
 /// The signature of [`context_parallel_program`]: the kernel program's, then [`CP_ARGS`]
 /// (f32 `cont [B]`, `carry [B, N]`, `piece [D]`); a forward also returns `h0`, the entering
 /// states it used.
-pub fn signature(s: &KernelSpec, kind: ProgramKind, devices: usize) -> ProgramSignature {
+pub fn signature(s: &ProgramSpec, kind: ProgramKind, devices: usize) -> ProgramSignature {
     let mut sig = ProgramSignature::of(s, kind);
     let f32 = |d: &[i64]| TensorType::new(DType::F32, d);
     let (b, n) = (s.dims.b as i64, s.dims.n as i64);
@@ -171,10 +171,10 @@ pub fn signature(s: &KernelSpec, kind: ProgramKind, devices: usize) -> ProgramSi
 /// the value columns (`Q`, `R`) at width V from the piece's own inputs, and the state columns
 /// (`P`, `P^T`) at width K from zero values and cotangents with the identity in the continuation
 /// (carry) slot. Same work, half the live memory of the widest phase.
-pub fn context_parallel_program(s: &KernelSpec, kind: ProgramKind, devices: usize) -> Result<String> {
+pub fn context_parallel_program(s: &ProgramSpec, kind: ProgramKind, devices: usize) -> Result<String> {
     let (k, n) = (s.dims.k as i64, s.dims.n as i64);
     // The state-column runs: values K wide (the same spec as `s` when K = V).
-    let sk = KernelSpec { dims: ProblemDims { v: s.dims.k, ..s.dims }, ..s.clone() };
+    let sk = ProgramSpec { dims: ProblemDims { v: s.dims.k, ..s.dims }, ..s.clone() };
     let same = sk == *s;
     let mut m = Module::new();
     let fwd_kind = ProgramKind::Forward(BackwardStrategy::Rematerialize);
@@ -285,7 +285,7 @@ pub fn context_parallel_program(s: &KernelSpec, kind: ProgramKind, devices: usiz
 
 /// What the transition runs of a context-parallel program share.
 struct Pieces<'a> {
-    s: &'a KernelSpec,
+    s: &'a ProgramSpec,
     devices: usize,
     /// The program's arguments by name.
     named: &'a [(&'static str, Value)],

@@ -5,15 +5,15 @@
 //! follows it (the runtime, or a program calling a KDA function, see [`super::compose`])
 //! cannot drift from the program text.
 //!
-//! Arguments, in order (`L` lanes: `H*B` fixed, `H` packed; `NT` [`KernelSpec::chunks`];
+//! Arguments, in order (`L` lanes: `H*B` fixed, `H` packed; `NT` [`ProgramSpec::chunks`];
 //! `[..]` present only when the spec says so):
 //!
 //! | name | dtype | dims | when |
 //! |------|-------|------|------|
-//! | `q`, `k` | `dtype` | [`KernelSpec::token_dims`]`(K)` | always |
+//! | `q`, `k` | `dtype` | [`ProgramSpec::token_dims`]`(K)` | always |
 //! | `v` | `dtype` | `token_dims(V)` | always |
 //! | `g` | `g_dtype` | `token_dims(K)` | always |
-//! | `beta` | `dtype` | [`KernelSpec::beta_dims`] | always |
+//! | `beta` | `dtype` | [`ProgramSpec::beta_dims`] | always |
 //! | `h0` | f32 | `[B, N, H, K, V]` | `has_h0` |
 //! | `a_log` | f32 | `[H]` | in-kernel gate |
 //! | `dt_bias` | f32 | `[H*K]` | in-kernel gate with `has_dt_bias` |
@@ -34,11 +34,11 @@
 //! kernels read packed rows as whole 64-token blocks (no per-segment states), the state
 //! entering each block, in its first `B*T/64` entries (the rest unused), which the same
 //! implementation's backward reads. Per-token results are 2-D: `o dq dk dv dg` are
-//! [`KernelSpec::result_token_dims`] (`[H*B*T, D]`, or `[B*T, H*D]` batch-first in a kernel
+//! [`ProgramSpec::result_token_dims`] (`[H*B*T, D]`, or `[B*T, H*D]` batch-first in a kernel
 //! forward) and `dbeta` `[H*B*T]`, holding the row-major elements of the caller's shape
 //! (`token_dims(D)`, `beta_dims()`): a reshape gives that shape back. A forward run by a kernel
-//! lowering ([`KernelSpec::kernel_forms`]) takes batch-first per-token arguments as `[B*T, H*D]`
-//! and `beta` as `[B*T, H]` ([`KernelSpec::kernel_token_dims`], the caller's row-major
+//! lowering ([`ProgramSpec::kernel_forms`]) takes batch-first per-token arguments as `[B*T, H*D]`
+//! and `beta` as `[B*T, H]` ([`ProgramSpec::kernel_token_dims`], the caller's row-major
 //! elements, the form a projection returns and the one a TPU reads a head's tokens from without
 //! a relayout).
 //!
@@ -53,7 +53,7 @@
 use kda_core::{BackwardStrategy, DType, SegmentTable, Segments};
 use kda_packed::{StaticCapacity, SENTINEL};
 
-use super::spec::{on_device, KernelSpec, CHUNK};
+use super::spec::{on_device, ProgramSpec, CHUNK};
 use crate::hlo::TensorType;
 use crate::{Result, TpuError};
 
@@ -95,7 +95,7 @@ fn port(name: &'static str, elem: DType, dims: &[i64]) -> Port {
 
 impl ProgramSignature {
     /// The signature of program `kind` of `spec` (the table in the module docs).
-    pub fn of(s: &KernelSpec, kind: ProgramKind) -> ProgramSignature {
+    pub fn of(s: &ProgramSpec, kind: ProgramKind) -> ProgramSignature {
         let e = on_device(s.options.dtype);
         let ge = on_device(s.options.g_dtype);
         let f32 = DType::F32;
@@ -221,7 +221,7 @@ pub struct IndexTable {
 /// chunk_slot` for fixed length (where `segments` is not read and may be `None`), and
 /// `slot_token token_slot token_segment` after them for a packed spec (whose `segments` must be given, with
 /// `B` rows of `T` tokens and at most `N` segments each).
-pub fn index_tables(spec: &KernelSpec, segments: Option<&Segments>) -> Result<Vec<IndexTable>> {
+pub fn index_tables(spec: &ProgramSpec, segments: Option<&Segments>) -> Result<Vec<IndexTable>> {
     let nt = spec.chunks();
     let table = |name: &'static str, dims: &[usize], data: Vec<i32>| IndexTable {
         name,
@@ -250,14 +250,14 @@ pub fn index_tables(spec: &KernelSpec, segments: Option<&Segments>) -> Result<Ve
 }
 
 /// [`index_tables`] from segments already validated (a [`kda_core::Problem`]'s).
-pub fn index_tables_for(spec: &KernelSpec, segments: &SegmentTable) -> Result<Vec<IndexTable>> {
+pub fn index_tables_for(spec: &ProgramSpec, segments: &SegmentTable) -> Result<Vec<IndexTable>> {
     match spec.packed_chunks {
         None => index_tables(spec, None),
         Some(cap) => packed_tables(spec, cap, segments),
     }
 }
 
-fn packed_tables(spec: &KernelSpec, cap: usize, seg_table: &SegmentTable) -> Result<Vec<IndexTable>> {
+fn packed_tables(spec: &ProgramSpec, cap: usize, seg_table: &SegmentTable) -> Result<Vec<IndexTable>> {
     let nt = spec.chunks();
     let table = |name: &'static str, dims: &[usize], data: Vec<i32>| IndexTable {
         name,

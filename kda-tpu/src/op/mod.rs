@@ -1,4 +1,4 @@
-//! The KDA op (docs/kda.md, Chunks): its program spec ([`KernelSpec`]), signature
+//! The KDA op (docs/kda.md, Chunks): its program spec ([`ProgramSpec`]), signature
 //! ([`interface`]), arguments, composition into a caller's module ([`compose`]) and context
 //! parallelism ([`context_parallel`]), and the table that maps an implementation to its program
 //! builders (`api`). Beside them one folder per implementation: `xla` (the chunk loops as
@@ -18,8 +18,8 @@ pub mod gpu_kernels;
 #[cfg(not(feature = "harness"))]
 #[allow(dead_code)]
 mod gpu_kernels;
+mod hlo_ops;
 pub mod interface;
-mod ops;
 mod prep;
 mod spec;
 pub mod table;
@@ -37,9 +37,11 @@ pub use api::{
 };
 pub use args::GATE_FLOOR;
 pub use interface::{index_tables, index_tables_for, IndexTable, Port, ProgramKind, ProgramSignature};
+#[allow(deprecated)]
+pub use spec::KernelSpec;
 pub(crate) use spec::CHUNK;
 pub use spec::{
-    on_device, Implementation, KernelSpec, OpOptions, TpuKernelConfig, Tuning, XlaConfig,
+    on_device, Implementation, OpOptions, ProgramSpec, TpuKernelConfig, Tuning, XlaConfig,
     PACKED_RESULT_BYTES, SUB, TPU_SLAB,
 };
 pub use table::{row, Family, Row};
@@ -54,7 +56,7 @@ pub const TABLE_NAMES: [&str; 6] =
 /// [`ProgramSignature::of`], or in the context-parallel form
 /// [`context_parallel::signature`].
 pub fn signature(
-    spec: &KernelSpec,
+    spec: &ProgramSpec,
     kind: ProgramKind,
     context: bool,
     devices: usize,

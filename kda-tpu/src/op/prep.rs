@@ -1,14 +1,14 @@
 //! Inputs to the kernels' working form and results back: layout, dtype, q/k L2 norm, gate
 //! activation, and the segment loading / gradient compaction between tokens and aligned chunks.
 
-use super::ops::{splat, sum_last_keep};
-use super::spec::{KernelSpec, CHUNK};
+use super::hlo_ops::{splat, sum_last_keep};
+use super::spec::{ProgramSpec, CHUNK};
 use crate::hlo::{FnBuilder, Value};
 use crate::Result;
 use kda_core::{DType, GateKind, Layout, L2NORM_EPS};
 
 /// Per-token tensor in the caller's layout to head-first `[H, B, T, D]` f32.
-pub fn head_first(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result<Value> {
+pub fn head_first(b: &mut FnBuilder, s: &ProgramSpec, x: Value) -> Result<Value> {
     let x = if x.elem() == DType::F32 { x } else { b.convert(x, DType::F32)? };
     Ok(match s.options.layout {
         Layout::HeadFirst => x,
@@ -17,8 +17,8 @@ pub fn head_first(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result<Value> 
 }
 
 /// A batch-first per-token tensor, `[B, T, H, D]` or a kernel forward's `[B*T, H*D]`
-/// ([`KernelSpec::kernel_token_dims`]), as head-first `[H, B, T, D]`, in its own dtype.
-pub fn heads_outermost(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result<Value> {
+/// ([`ProgramSpec::kernel_token_dims`]), as head-first `[H, B, T, D]`, in its own dtype.
+pub fn heads_outermost(b: &mut FnBuilder, s: &ProgramSpec, x: Value) -> Result<Value> {
     let x = if x.rank() == 4 {
         x
     } else {
@@ -30,7 +30,7 @@ pub fn heads_outermost(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result<Va
 }
 
 /// `beta` as the caller gives it to `[H, B, T, 1]` f32.
-pub fn beta_head_first(b: &mut FnBuilder, s: &KernelSpec, beta: Value) -> Result<Value> {
+pub fn beta_head_first(b: &mut FnBuilder, s: &ProgramSpec, beta: Value) -> Result<Value> {
     let mut d = s
         .options
         .layout
@@ -47,7 +47,7 @@ pub fn beta_head_first(b: &mut FnBuilder, s: &KernelSpec, beta: Value) -> Result
 /// flat `[tokens, D]`, the same row-major bytes as the caller's 4-D shape (the backend downloads
 /// results with the API shape). A 4-D result with a unit axis (B = 1) made XLA give the last
 /// fusion a layout with that axis elsewhere and then copy the whole result into the standard one.
-pub fn to_caller(b: &mut FnBuilder, s: &KernelSpec, x: Value, dtype: DType) -> Result<Value> {
+pub fn to_caller(b: &mut FnBuilder, s: &ProgramSpec, x: Value, dtype: DType) -> Result<Value> {
     let x = match s.options.layout {
         Layout::HeadFirst => x,
         Layout::BatchFirst => b.transpose(x, &[1, 2, 0, 3])?,
@@ -58,7 +58,7 @@ pub fn to_caller(b: &mut FnBuilder, s: &KernelSpec, x: Value, dtype: DType) -> R
 }
 
 /// Head-first `[H, B, T, 1]` back to beta's caller layout and `dtype`, as a flat result.
-pub fn beta_to_caller(b: &mut FnBuilder, s: &KernelSpec, x: Value, dtype: DType) -> Result<Value> {
+pub fn beta_to_caller(b: &mut FnBuilder, s: &ProgramSpec, x: Value, dtype: DType) -> Result<Value> {
     let x = to_caller(b, s, x, dtype)?;
     let n: i64 = s.beta_dims().iter().product();
     b.reshape(x, &[n])
@@ -93,7 +93,7 @@ pub struct GateParams {
 /// Broadcasts `a_log` `[H]` and `dt_bias` `[H*K]` to `x`'s `[H, B, T, K]` shape.
 pub fn gate_params(
     b: &mut FnBuilder,
-    s: &KernelSpec,
+    s: &ProgramSpec,
     a_log: Value,
     dt_bias: Option<Value>,
     dims: &[i64],
@@ -111,7 +111,7 @@ pub fn gate_params(
 }
 
 /// The activated log-decay from the raw gate input `x` `[H, B, T, K]` (docs/kda.md, Tensors).
-pub fn activate(b: &mut FnBuilder, s: &KernelSpec, x: Value, p: Option<&GateParams>) -> Result<Value> {
+pub fn activate(b: &mut FnBuilder, s: &ProgramSpec, x: Value, p: Option<&GateParams>) -> Result<Value> {
     let Some(p) = p else { return Ok(x) };
     let z = b.add(x, p.bias)?;
     match s.options.gate {
@@ -144,7 +144,7 @@ fn softplus(b: &mut FnBuilder, z: Value) -> Result<Value> {
 /// gate, all `[H, B, T, K]` before the reductions.
 pub fn gate_backward(
     b: &mut FnBuilder,
-    s: &KernelSpec,
+    s: &ProgramSpec,
     x: Value,
     g: Value,
     dg: Value,
@@ -184,7 +184,7 @@ pub fn gate_backward(
 /// Segment loading: head-first `[H, B, T, D]` to aligned chunks `[L, NT, C, D]` (padding rows 0,
 /// in `x`'s dtype).
 /// Packed programs gather through `slot_token` (`[NT*C]`, padding slots point at a zero row).
-pub fn to_chunks(b: &mut FnBuilder, s: &KernelSpec, x: Value, slot_token: Option<Value>) -> Result<Value> {
+pub fn to_chunks(b: &mut FnBuilder, s: &ProgramSpec, x: Value, slot_token: Option<Value>) -> Result<Value> {
     let d = x.dims()[3];
     let (h, bb, t) = (s.dims.h as i64, s.dims.b as i64, s.dims.t as i64);
     let (l, nt, c) = (s.lanes() as i64, s.chunks() as i64, CHUNK as i64);
@@ -206,7 +206,7 @@ pub fn to_chunks(b: &mut FnBuilder, s: &KernelSpec, x: Value, slot_token: Option
 
 /// Gradient compaction: aligned `[L, NT, C, D]` to head-first `[H, B, T, D]`, each token read
 /// from its slot (`token_slot` `[B*T]`, padding tokens point at a zero row, so they are exactly 0).
-pub fn from_chunks(b: &mut FnBuilder, s: &KernelSpec, y: Value, token_slot: Option<Value>) -> Result<Value> {
+pub fn from_chunks(b: &mut FnBuilder, s: &ProgramSpec, y: Value, token_slot: Option<Value>) -> Result<Value> {
     let d = y.dims()[3];
     let (h, bb, t) = (s.dims.h as i64, s.dims.b as i64, s.dims.t as i64);
     let (nt, c) = (s.chunks() as i64, CHUNK as i64);
@@ -246,13 +246,13 @@ fn head_rows(b: &mut FnBuilder, x: Value, idx: Value) -> Result<Value> {
 }
 
 /// States `[B, N, H, K, V]` to the per-lane table `[L, slots, K, V]`.
-pub fn state_table(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result<Value> {
+pub fn state_table(b: &mut FnBuilder, s: &ProgramSpec, x: Value) -> Result<Value> {
     let x = b.transpose(x, &[2, 0, 1, 3, 4])?;
     b.reshape(x, &[s.lanes() as i64, s.slots() as i64, s.dims.k as i64, s.dims.v as i64])
 }
 
 /// The per-lane table `[L, slots, K, V]` back to `[B, N, H, K, V]`.
-pub fn state_from_table(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result<Value> {
+pub fn state_from_table(b: &mut FnBuilder, s: &ProgramSpec, x: Value) -> Result<Value> {
     let x =
         b.reshape(x, &[s.dims.h as i64, s.dims.b as i64, s.dims.n as i64, s.dims.k as i64, s.dims.v as i64])?;
     b.transpose(x, &[1, 2, 0, 3, 4])

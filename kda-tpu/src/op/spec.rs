@@ -29,11 +29,15 @@ pub use kda_core::Implementation;
 /// else through lanes ([`Tuning::packed_result_bytes`]).
 pub const PACKED_RESULT_BYTES: usize = 12 << 20;
 
+/// The spec of a program under its earlier name.
+#[deprecated(since = "0.3.0", note = "renamed ProgramSpec: it describes a program, not a kernel")]
+pub type KernelSpec = ProgramSpec;
+
 /// Shapes and options baked into a program, in three parts: the problem's dims, the op's
 /// options and the tuning. Two problems with equal specs share executables: the spec is the
 /// compile cache's key (`Eq` and `Hash`, its f64 fields hashed by their bits).
 #[derive(Debug, Clone, PartialEq)]
-pub struct KernelSpec {
+pub struct ProgramSpec {
     /// Heads, rows, tokens per row, key and value widths, segment slots per row.
     pub dims: ProblemDims,
     /// Packed: the static chunk capacity; `None` for fixed length.
@@ -53,7 +57,7 @@ pub struct OpOptions {
     /// Element type of q, k, v, beta, do (and of o and their gradients).
     pub dtype: DType,
     /// Element type of `g` and `dg`: `dtype` unless the caller's `g` differs (an f32 gate with
-    /// bf16 q, k, v keeps its precision; [`KernelSpec::with_g_dtype`]).
+    /// bf16 q, k, v keeps its precision; [`ProgramSpec::with_g_dtype`]).
     pub g_dtype: DType,
     /// Gate kind (the lower bound is baked in).
     pub gate: GateKind,
@@ -75,7 +79,7 @@ pub struct OpOptions {
 
 /// The tuning of the programs: what runs their chunk loops and how they are cut. Results agree
 /// whatever it is (to rounding). It is set in one place: [`crate::PjrtOptions::tuning`] for a
-/// new handle, [`crate::PjrtBackend::with_tuning`] for a handle, [`KernelSpec::with_tuning`]
+/// new handle, [`crate::PjrtBackend::with_tuning`] for a handle, [`ProgramSpec::with_tuning`]
 /// for a program.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Tuning {
@@ -182,7 +186,7 @@ impl Tuning {
     }
 }
 
-impl KernelSpec {
+impl ProgramSpec {
     /// The spec of a validated problem; `packed_chunks` comes from `kda-packed`'s static plan.
     pub fn new(p: &Problem, packed_chunks: Option<usize>, has_dht: bool) -> Self {
         let options = OpOptions {
@@ -198,11 +202,11 @@ impl KernelSpec {
             final_state: p.output_final_state,
             has_dht,
         };
-        KernelSpec { dims: p.dims, packed_chunks, options, tuning: Tuning::default() }
+        ProgramSpec { dims: p.dims, packed_chunks, options, tuning: Tuning::default() }
     }
     /// The spec of a call's inputs, as the backend builds it: validated, packed segments at
     /// `kda-packed`'s static capacity, `g` read in its own dtype, the default tuning (see
-    /// [`KernelSpec::with_tuning`]). `has_dht`: whether backward and fused programs take `dht`.
+    /// [`ProgramSpec::with_tuning`]). `has_dht`: whether backward and fused programs take `dht`.
     pub fn of_inputs(inputs: &kda_core::KdaInputs, has_dht: bool) -> crate::Result<Self> {
         let p = inputs.validate()?;
         let packed = if p.segments.is_packed() {
@@ -210,7 +214,7 @@ impl KernelSpec {
         } else {
             None
         };
-        Ok(KernelSpec::new(&p, packed, has_dht).with_g_dtype(inputs.g.dtype()))
+        Ok(ProgramSpec::new(&p, packed, has_dht).with_g_dtype(inputs.g.dtype()))
     }
     /// The same spec reading `g` (and writing `dg`) as `dtype` (bf16, or f32 for f32 and f64).
     pub fn with_g_dtype(mut self, dtype: DType) -> Self {
@@ -275,13 +279,13 @@ impl KernelSpec {
         s
     }
     /// Whether the programs hold their per-token tensors in the kernel forms
-    /// ([`KernelSpec::kernel_token_dims`]): programs run by a kernel lowering. XLA's programs
+    /// ([`ProgramSpec::kernel_token_dims`]): programs run by a kernel lowering. XLA's programs
     /// keep the caller's shapes, from which XLA's layout assignment makes fewer copies.
     pub fn kernel_forms(&self) -> bool {
         super::table::row(self.tuning.implementation).is_ok_and(|r| r.kernel_forms())
     }
     /// A kernel program's form of a per-token input of width `d` (the row-major elements of
-    /// [`KernelSpec::token_dims`]): head-first `[H, B, T, D]` as given, batch-first
+    /// [`ProgramSpec::token_dims`]): head-first `[H, B, T, D]` as given, batch-first
     /// `[B*T, H*D]`, whose TPU tiles run along tokens (a `[B, T, H, D]` array is tiled over
     /// `(H, D)`, and reading a head's tokens from it costs a relayout of the whole tensor).
     pub fn kernel_token_dims(&self, d: usize) -> Vec<i64> {
@@ -316,12 +320,12 @@ impl KernelSpec {
 
 // The scale and the gate's bound are validated finite, so the derived `PartialEq` is an
 // equivalence, and hashing their bits agrees with it (neither is ever -0.0).
-impl Eq for KernelSpec {}
+impl Eq for ProgramSpec {}
 
-impl std::hash::Hash for KernelSpec {
+impl std::hash::Hash for ProgramSpec {
     fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
         // Destructured, so that a new field cannot be left out of the key.
-        let KernelSpec { dims, packed_chunks, options, tuning } = self;
+        let ProgramSpec { dims, packed_chunks, options, tuning } = self;
         let ProblemDims { h, b, t, k, v, n } = dims;
         let OpOptions {
             layout,

@@ -77,7 +77,7 @@ impl Row {
     }
 
     /// Whether its programs take the per-token inputs in the kernels' forms (batch-first
-    /// `[B*T, H*D]`, `beta` `[B*T, H]`; [`super::KernelSpec::kernel_token_dims`]), as a handle on
+    /// `[B*T, H*D]`, `beta` `[B*T, H]`; [`super::ProgramSpec::kernel_token_dims`]), as a handle on
     /// this row holds its device tensors; else in the caller's shapes.
     pub fn kernel_forms(&self) -> bool {
         matches!(self.family, Family::TpuKernels(_))

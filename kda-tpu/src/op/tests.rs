@@ -4,14 +4,14 @@ use kda_core::{BackwardStrategy, DType, GateKind, HostTensor, KdaInputs, Layout,
 use kda_packed::{StaticCapacity, SENTINEL};
 
 use super::interface::*;
-use super::spec::{KernelSpec, OpOptions, Tuning, CHUNK};
+use super::spec::{OpOptions, ProgramSpec, Tuning, CHUNK};
 use crate::hlo::{Module, TensorType};
 use crate::op::compose::add_function;
 use crate::op::program;
 
 /// A small spec: 2 heads, 2 rows of 100 tokens (two chunks), K = 16, V = 8.
-fn base(packed: bool) -> KernelSpec {
-    KernelSpec {
+fn base(packed: bool) -> ProgramSpec {
+    ProgramSpec {
         dims: ProblemDims { h: 2, b: 2, t: 100, k: 16, v: 8, n: if packed { 3 } else { 1 } },
         packed_chunks: if packed {
             Some(StaticCapacity::new(2, 100, 3, CHUNK).unwrap().chunks())
@@ -36,14 +36,14 @@ fn base(packed: bool) -> KernelSpec {
 }
 
 /// `base(packed)` with its options changed by `f`.
-fn with(packed: bool, f: impl FnOnce(&mut OpOptions)) -> KernelSpec {
+fn with(packed: bool, f: impl FnOnce(&mut OpOptions)) -> ProgramSpec {
     let mut s = base(packed);
     f(&mut s.options);
     s
 }
 
 /// Every spec variant the signature branches on.
-fn variants() -> Vec<KernelSpec> {
+fn variants() -> Vec<ProgramSpec> {
     let mut out = Vec::new();
     for packed in [false, true] {
         out.push(base(packed));
@@ -223,7 +223,7 @@ fn add_function_emits_a_private_callee_with_the_signature() {
 }
 
 /// The tables as `PjrtBackend::upload_inputs` builds them (a copy of its logic).
-fn backend_tables(inputs: &KdaInputs, spec: &KernelSpec) -> Vec<(Vec<i32>, Vec<i64>)> {
+fn backend_tables(inputs: &KdaInputs, spec: &ProgramSpec) -> Vec<(Vec<i32>, Vec<i64>)> {
     let p = inputs.validate().unwrap();
     let d = &p.dims;
     let nt = spec.chunks();
@@ -284,7 +284,7 @@ fn index_tables_match_the_backend() {
     ];
     for (b, t, segments) in cases {
         let x = inputs(b, t, segments.clone());
-        let spec = KernelSpec::of_inputs(&x, false).unwrap();
+        let spec = ProgramSpec::of_inputs(&x, false).unwrap();
         assert_eq!(spec.packed_chunks.is_some(), segments.is_some());
         let got = index_tables(&spec, x.segments.as_ref()).unwrap();
         let sig = ProgramSignature::of(&spec, ProgramKind::Forward(BackwardStrategy::Rematerialize));
@@ -313,6 +313,6 @@ fn index_tables_match_the_backend() {
     }
     // A packed spec needs its segments.
     let x = inputs(1, 300, Some(Segments::CuSeqlens(vec![vec![0, 120, 300]])));
-    let spec = KernelSpec::of_inputs(&x, false).unwrap();
+    let spec = ProgramSpec::of_inputs(&x, false).unwrap();
     assert!(index_tables(&spec, None).is_err());
 }

@@ -54,7 +54,7 @@ fn program_text(
     program: crate::aot_cmd::Program,
 ) -> Result<String, String> {
     let slab = kda_tpu::op::TPU_SLAB;
-    let budget = |s: kda_tpu::KernelSpec| {
+    let budget = |s: kda_tpu::ProgramSpec| {
         let tuning = match o.packed_result_bytes {
             Some(bytes) => s.tuning.with_packed_result_bytes(bytes),
             None => s.tuning,

@@ -20,7 +20,7 @@ use crate::hlo::{Cmp, TensorType};
 use crate::lang::{
     Binary, Body, Index, Kernel, KernelBuilder, MatPrecision, Operand, Reduction, Ref, Semantics, V,
 };
-use crate::op::tpu_kernels::blocks::unit_lower_inverse;
+use crate::op::tpu_kernels::terms::unit_lower_inverse;
 
 use super::{Factors, ForwardShape, C, SUB};
 

@@ -1,7 +1,7 @@
 //! The chunked KDA backward as one Mosaic kernel (docs/kda.md, Chunks, the backward): the
 //! grid of the forward kernel (heads, rows: parallel; chunks: arbitrary) walked from each row's
 //! last chunk to its first, `dh` (the gradient of the state after the chunk) in VMEM scratch.
-//! Per chunk it forms the chunk factors again ([`super::blocks::chunk_factors`]; `A` and `Aqk`
+//! Per chunk it forms the chunk factors again ([`super::terms::chunk_factors`]; `A` and `Aqk`
 //! as the forward kernel saved them, or formed again too), the WY solve and `v_new = u - w S0`
 //! from the state `S0` entering the chunk (saved by the forward kernel), forms
 //! every gradient of the chunk and writes it once, and steps `dh` back:
@@ -26,13 +26,13 @@ use super::super::chunk::{
 };
 use super::backward_levels::{as_operand, fold, level_grads, LevelGrads};
 use super::backward_operands::{backward_cost, declare_backward, BackwardRefs};
-use super::blocks::{chunk_factors, chunk_terms, unit_lower_inverse_of_parts, ChunkFactors, TermScratch};
-use super::dims::{ForwardDims, Tokens, C};
+use super::dims::{KernelDims, Tokens, C};
 use super::forward::place;
 use super::operands::{
     if_whole, reset_where, segment_rows, store_state_where, window_at, ChunkRows, ChunkSegments, PerToken,
     SegmentRows,
 };
+use super::terms::{chunk_factors, chunk_terms, unit_lower_inverse_of_parts, ChunkFactors, TermScratch};
 use crate::error::Result;
 use crate::hlo::Cmp;
 use crate::lang::Kernel;
@@ -53,9 +53,9 @@ pub(super) struct BackwardKernel {
 /// own chunks per step) with scale `scale`. Its operands ([`BackwardRefs`]): the chunk tables
 /// (as the forward kernel's), then `q k v g beta [gate] h [a aqk] do [dht] exponent_masks
 /// level_masks exponent_masks_t` (as the forward kernel's; `h` the states it saved in
-/// [`ForwardDims::state_dtype`], `a` and `aqk` its chunk terms when `d.terms`, `do` laid out as
+/// [`KernelDims::state_dtype`], `a` and `aqk` its chunk terms when `d.terms`, `do` laid out as
 /// `v`, `dht` `[L, S, K, V]` f32 when `d.ht`, the masks those of
-/// [`super::blocks::term_masks_kernel`] with its transposes); its results
+/// [`super::terms::term_masks_kernel`] with its transposes); its results
 /// `dq dk dv dg dbeta [dh0] [gate_sums]`: the gradients laid out as their inputs (`dbeta` f32,
 /// a chunk's 64 tokens a row, `[L, NT, 64]`; `dg` that of the raw gate; packed tokens read in
 /// place: f32, each head's whole (`dbeta` `[H, P, 1]`), padding tokens unwritten), `dh0`
@@ -63,7 +63,7 @@ pub(super) struct BackwardKernel {
 /// in-kernel gate `gate_sums` `[L, 2, K]` f32: per lane the sums over its tokens of
 /// `dg dg/da_log` and of the raw gate's gradient (`da_log` and `ddt_bias` once summed over a
 /// head's lanes).
-pub(super) fn backward_kernel(d: ForwardDims, scale: f64) -> Result<BackwardKernel> {
+pub(super) fn backward_kernel(d: KernelDims, scale: f64) -> Result<BackwardKernel> {
     d.check("mosaic backward")?;
     let (mut kb, refs) = declare_backward(&d)?;
     let cx = BackwardStep { d: &d, r: &refs, scale, p: d.precision(), g_passes: d.g_passes() };
@@ -74,7 +74,7 @@ pub(super) fn backward_kernel(d: ForwardDims, scale: f64) -> Result<BackwardKern
 
 /// What every step of the backward kernel's body reads.
 struct BackwardStep<'a> {
-    d: &'a ForwardDims,
+    d: &'a KernelDims,
     r: &'a BackwardRefs,
     scale: f64,
     p: MatPrecision,
@@ -467,7 +467,7 @@ struct Grads {
 /// state's on the last's, the cotangents of `Aqk` and `L` on each segment's pairs.
 fn chunk_grads(
     b: &mut Body,
-    d: &ForwardDims,
+    d: &KernelDims,
     [q, k, v, beta]: [&V; 4],
     st: &ChunkState,
     dh: &V,

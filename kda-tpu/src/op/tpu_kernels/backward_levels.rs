@@ -3,8 +3,8 @@
 
 use kda_core::DType;
 
-use super::blocks::{by_halves, ChunkFactors, HALVES};
 use super::dims::C;
+use super::terms::{by_halves, ChunkFactors, HALVES};
 use crate::error::Result;
 use crate::hlo::Cmp;
 use crate::lang::{Body, MatPrecision, Ref, V};

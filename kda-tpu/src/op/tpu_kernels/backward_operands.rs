@@ -3,9 +3,9 @@
 
 use kda_core::DType;
 
-use super::blocks::EXPONENT_ROWS;
-use super::dims::{ForwardDims, Tokens, C};
+use super::dims::{KernelDims, Tokens, C};
 use super::operands::{token_operand, ChunkTabs, PerToken, TokenIn};
+use super::terms::EXPONENT_ROWS;
 use crate::error::Result;
 use crate::hlo::TensorType;
 use crate::lang::{Cost, Index, KernelBuilder, Operand, Ref};
@@ -43,7 +43,7 @@ pub(super) struct BackwardRefs {
 }
 
 /// The backward kernel's builder and its operands (in the order [`mod@super::backward`]'s kernel lists).
-pub(super) fn declare_backward(d: &ForwardDims) -> Result<(KernelBuilder, BackwardRefs)> {
+pub(super) fn declare_backward(d: &KernelDims) -> Result<(KernelBuilder, BackwardRefs)> {
     let n = d.chunks_per_step();
     let (h, r, l, nt, k, v, x) = (d.heads, d.rows, d.heads * d.rows, d.chunks, d.k, d.v, d.dtype);
     let (g0, g1, g2) = (Index::Grid(0), Index::Grid(1), Index::Grid(2));
@@ -139,7 +139,7 @@ pub(super) fn declare_backward(d: &ForwardDims) -> Result<(KernelBuilder, Backwa
 
 /// The backward kernel's analytic cost (docs/kda.md, Work): the forward's chunk terms again,
 /// about twice their products for the gradients; every operand and result once through HBM.
-pub(super) fn backward_cost(d: &ForwardDims) -> Cost {
+pub(super) fn backward_cost(d: &KernelDims) -> Cost {
     let (l, nt, k, v, x) = (d.heads * d.rows, d.chunks, d.k, d.v, d.dtype);
     let (cf, kf, vf, t) = (C as f64, k as f64, v as f64, (l * nt * C) as f64);
     let flops = t * 3.0 * (6.0 * cf * kf + 4.0 * cf * vf + 6.0 * kf * vf + 2.0 / 3.0 * cf * cf);

@@ -10,7 +10,7 @@
 //! place; for lanes XLA takes `dg` through the gate.
 
 use super::backward::{backward_kernel, BACKWARD_STEP_CHUNKS};
-use super::dims::{ForwardDims, Tokens};
+use super::dims::{KernelDims, Tokens};
 use super::forward_program::{
     forward_body, kernel_calls, kernel_dims, kernel_input, or_passed, packed_fits, packed_result,
     packed_slots, tokens_of, with_steps, Kept, KernelCalls, MaskReaders, SharedInputs,
@@ -19,14 +19,14 @@ use crate::hlo::{FnBuilder, Value};
 use crate::lang::Lower;
 use crate::op::args::Args;
 use crate::op::prep;
-use crate::op::spec::{on_device, KernelSpec, CHUNK};
+use crate::op::spec::{on_device, ProgramSpec, CHUNK};
 use crate::Result;
 
 /// How the backward kernel reads tokens: as the forward kernel does, packed tokens in place
 /// while a head's gradients fit [`Tuning::packed_result_bytes`](crate::op::Tuning::packed_result_bytes),
 /// else through lanes (XLA gathers the inputs and compacts the
 /// gradients).
-fn backward_tokens(s: &KernelSpec) -> Tokens {
+fn backward_tokens(s: &ProgramSpec) -> Tokens {
     match tokens_of(s) {
         Tokens::PackedHeadFirst | Tokens::PackedBatchFirst
             if !packed_fits(s, 3 * s.dims.k + s.dims.v + 1) =>
@@ -42,7 +42,7 @@ fn backward_tokens(s: &KernelSpec) -> Tokens {
 /// forward kernel saved, `do` and `dht`.
 pub(super) fn grads(
     b: &mut FnBuilder,
-    s: &KernelSpec,
+    s: &ProgramSpec,
     a: &Args,
     (h, terms): (Value, Option<(Value, Value)>),
     (d_o, dht): (Value, Option<Value>),
@@ -60,7 +60,7 @@ pub(super) fn grads(
     // States from the same program's forward kernel (with its chunk terms) come at the kernel's
     // own chunks; a saved-state backward's `h` at the signature's.
     let saved_chunks = if terms.is_some() { dims.chunks } else { dims.saved_chunks };
-    let dims = ForwardDims {
+    let dims = KernelDims {
         h0: s.options.has_h0,
         ht: dht_tab.is_some(),
         states: true,
@@ -143,7 +143,7 @@ pub(super) fn grads(
 /// `gate_grads`.
 fn lane_grads(
     b: &mut FnBuilder,
-    s: &KernelSpec,
+    s: &ProgramSpec,
     a: &Args,
     grads: [Value; 5],
     results: &mut Vec<Value>,
@@ -190,7 +190,7 @@ fn lane_grads(
 /// terms, the backward kernel reading them; `o [final_state]` then the gradients.
 pub(in crate::op) fn fused(
     b: &mut FnBuilder,
-    s: &KernelSpec,
+    s: &ProgramSpec,
     a: &Args,
     cotangents: (Value, Option<Value>),
     lowering: &dyn Lower,
@@ -214,7 +214,7 @@ fn take_saved(outs: &mut Vec<Value>) -> Result<(Value, Option<(Value, Value)>)> 
 /// and chunk terms the forward kernel recomputes in the same executable.
 pub(in crate::op) fn backward(
     b: &mut FnBuilder,
-    s: &KernelSpec,
+    s: &ProgramSpec,
     a: &Args,
     saved: Option<Value>,
     cotangents: (Value, Option<Value>),

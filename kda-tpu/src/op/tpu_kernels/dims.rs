@@ -43,9 +43,13 @@ impl Tokens {
 #[deprecated(since = "0.3.0", note = "use kda_core::GateKind")]
 pub type Gate = kda_core::GateKind;
 
+/// The kernels' dims under their earlier name.
+#[deprecated(since = "0.3.0", note = "renamed KernelDims: the forward and the backward kernel read them")]
+pub type ForwardDims = KernelDims;
+
 /// The dims and options of one forward kernel.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct ForwardDims {
+pub struct KernelDims {
     /// Heads `H`.
     pub heads: i64,
     /// Rows `R` side by side (`B` for fixed-length rows; 1 for packed rows, whose chunks follow
@@ -78,7 +82,7 @@ pub struct ForwardDims {
     /// per-segment `h0` or `ht` (those rows take the windows of [`Tokens::PackedHeadFirst`]).
     pub segments: bool,
     /// Chunk entries of the saved states `h` and chunk terms (their operands' second dim):
-    /// `chunks`, or with [`ForwardDims::segments`] the packed plan's chunk count (the programs'
+    /// `chunks`, or with [`KernelDims::segments`] the packed plan's chunk count (the programs'
     /// signature), of which the first `chunks` are written.
     pub saved_chunks: i64,
     /// Whether the kernel L2-normalises q and k over K.
@@ -96,17 +100,17 @@ pub struct ForwardDims {
     /// Whether `h`, the state entering every chunk, is a result.
     pub states: bool,
     /// Whether every chunk's `A = (I + L)^-1` and `Aqk` are results (`a`, `aqk`
-    /// `[L, NT, 64, 64]` in [`ForwardDims::mask_dtype`]: what the backward kernel reads
+    /// `[L, NT, 64, 64]` in [`KernelDims::mask_dtype`]: what the backward kernel reads
     /// instead of forming them again).
     pub terms: bool,
     /// Chunks per grid step: a divisor of `chunks`, above one only for fixed-length rows read in
-    /// place ([`ForwardDims::steps_for`] picks one). A step forms all its chunks' terms before
+    /// place ([`KernelDims::steps_for`] picks one). A step forms all its chunks' terms before
     /// their state updates, so that the compiler overlaps them, and pays the step's own
     /// bookkeeping once.
     pub step_chunks: i64,
 }
 
-impl ForwardDims {
+impl KernelDims {
     /// `Unsupported` (naming `what` and the limit) unless the kernels take these dims: one
     /// head, row, chunk and slot or more, f32 or bf16 inputs, K and V of 1 to [`MAX_WIDTH`].
     pub fn check(&self, what: &str) -> Result<()> {
@@ -183,7 +187,7 @@ impl ForwardDims {
     /// The precision of the kernel's products: f32 inputs keep f32 products (the MXU at full
     /// precision); bf16 inputs run them in one bf16 pass with f32 accumulation, as their inputs'
     /// precision allows (docs/kda.md, Accuracy: 2e-2), but for the sums of `g`
-    /// ([`super::blocks::chunk_terms`]).
+    /// ([`super::terms::chunk_terms`]).
     pub fn precision(&self) -> MatPrecision {
         if self.dtype == DType::BF16 && self.qk == DType::BF16 {
             MatPrecision::Default
@@ -199,15 +203,15 @@ impl ForwardDims {
         matches!(self.tokens, Tokens::HeadFirst | Tokens::BatchFirst)
     }
 
-    /// Chunks per grid step ([`ForwardDims::step_chunks`]).
+    /// Chunks per grid step ([`KernelDims::step_chunks`]).
     pub fn chunks_per_step(&self) -> i64 {
         self.step_chunks
     }
 
     /// The chunks per grid step for a wish of `at_most`: the largest power of two up to it that
     /// divides the chunk count (and, with saved states or terms, their chunk entries
-    /// [`ForwardDims::saved_chunks`]), for fixed-length rows read in place
-    /// ([`ForwardDims::fixed_rows`]); one otherwise (packed windows).
+    /// [`KernelDims::saved_chunks`]), for fixed-length rows read in place
+    /// ([`KernelDims::fixed_rows`]); one otherwise (packed windows).
     pub fn steps_for(&self, at_most: i64) -> i64 {
         if !self.fixed_rows() {
             return 1;
@@ -221,7 +225,7 @@ impl ForwardDims {
         n
     }
 
-    /// The default wish for [`ForwardDims::steps_for`]: [`STREAMED_STEP_CHUNKS`] when the
+    /// The default wish for [`KernelDims::steps_for`]: [`STREAMED_STEP_CHUNKS`] when the
     /// per-token operands are too large for XLA to place them in VMEM (it streams them from HBM
     /// then, and each grid step pays DMA bookkeeping for every operand), while a step's double-buffered blocks stay within
     /// [`STEP_BLOCK_BYTES`]; else [`RESIDENT_STEP_CHUNKS`] (a step's other chunks' terms
@@ -249,7 +253,7 @@ impl ForwardDims {
         (self.segments && self.step_chunks > 16).then_some(SEGMENT_VMEM_BYTES)
     }
 
-    /// The bf16 parts the kernels' sums of `g` take ([`super::blocks::chunk_terms`]): a
+    /// The bf16 parts the kernels' sums of `g` take ([`super::terms::chunk_terms`]): a
     /// pre-activated bf16 g is bf16 after the floor, and one pass sums it exactly.
     pub fn g_passes(&self) -> usize {
         if self.g == DType::BF16 && self.gate == GateKind::Preactivated {
@@ -259,8 +263,8 @@ impl ForwardDims {
         }
     }
 
-    /// The dtype of the per-chunk states `h`: with the chunk terms ([`ForwardDims::terms`],
-    /// states that only the backward kernel reads) [`ForwardDims::mask_dtype`], since the
+    /// The dtype of the per-chunk states `h`: with the chunk terms ([`KernelDims::terms`],
+    /// states that only the backward kernel reads) [`KernelDims::mask_dtype`], since the
     /// backward's one-pass products round them to it anyway; else f32 (the caller's `h`).
     pub fn state_dtype(&self) -> DType {
         if self.terms {
@@ -271,7 +275,7 @@ impl ForwardDims {
     }
 
     /// The dtype of the exponent masks the kernel reads
-    /// ([`super::blocks::term_masks_kernel`]): bf16 for one-pass products, else f32.
+    /// ([`super::terms::term_masks_kernel`]): bf16 for one-pass products, else f32.
     pub fn mask_dtype(&self) -> DType {
         match self.precision() {
             MatPrecision::Default => DType::BF16,
@@ -280,7 +284,7 @@ impl ForwardDims {
     }
 }
 
-/// Per-token operand bytes above which [`ForwardDims::default_step_chunks`] takes XLA to stream
+/// Per-token operand bytes above which [`KernelDims::default_step_chunks`] takes XLA to stream
 /// them from HBM: more than a TensorCore's 64 MiB of VMEM cannot stay there (the primary
 /// shape's operands are placed in VMEM, H=32, T=8192's stream).
 pub const STREAMED_BYTES: i64 = 64 << 20;
@@ -296,16 +300,16 @@ pub const RESIDENT_STEP_CHUNKS: i64 = 16;
 pub const STREAMED_STEP_CHUNKS: i64 = 32;
 
 /// The scoped VMEM the forward kernel asks for on packed rows read with segment masks whose
-/// operands stream ([`ForwardDims::vmem_limit`]): their masks' live values take more of it, and
+/// operands stream ([`KernelDims::vmem_limit`]): their masks' live values take more of it, and
 /// at H=32, T=8192 with 25 segments (bf16) a step of [`STREAMED_STEP_CHUNKS`] needs more than
 /// v5e's 16 MiB default (every TPU generation has at least 64 MiB of VMEM).
 pub const SEGMENT_VMEM_BYTES: i64 = 32 << 20;
 
 /// The bound on one grid step's double-buffered per-token blocks (and saved states) that
-/// [`ForwardDims::default_step_chunks`] keeps to, well inside the default scoped VMEM.
+/// [`KernelDims::default_step_chunks`] keeps to, well inside the default scoped VMEM.
 pub const STEP_BLOCK_BYTES: i64 = 8 << 20;
 
-/// Tokens of a row read with segment ids ([`ForwardDims::segments`]): the ids are f32, exact
+/// Tokens of a row read with segment ids ([`KernelDims::segments`]): the ids are f32, exact
 /// below 2^24.
 pub const SEGMENT_ID_LIMIT: i64 = 1 << 24;
 

@@ -1,7 +1,7 @@
 //! The chunked KDA forward as one Mosaic kernel (docs/kda.md, Chunks): a grid over heads and
 //! rows (`parallel`; packed rows are one row of chunks) and chunk positions (`arbitrary`), the
 //! state `S` `[K, V]` of a lane (a head of a row) in VMEM scratch across its chunks. Per chunk:
-//! [`super::blocks::chunk_terms`], `A = (I + L)^-1` ([`super::blocks::unit_lower_inverse`]),
+//! [`super::terms::chunk_terms`], `A = (I + L)^-1` ([`super::terms::unit_lower_inverse`]),
 //! `u = A (beta v)`, `w = A (beta k e^G)`, `v_new = u - w S`, `o = scale (q e^G) S + Aqk v_new`,
 //! `S <- e^(G_C) S + (k e^(G_C - G))^T v_new`.
 //!
@@ -15,18 +15,18 @@
 //! bf16 blocks, L2-normalises q and k when asked, applies the [`Gate`] and the floor to `g`, and
 //! accumulates everything in f32. `h0` and `ht` are `[L, S, K, V]` f32 (`S` state slots per
 //! lane), `h` `[L, NT, K, V]` the state entering every chunk (what the saved-state
-//! backward reads; f32, or with the chunk terms [`ForwardDims::state_dtype`]).
+//! backward reads; f32, or with the chunk terms [`KernelDims::state_dtype`]).
 
 use kda_core::DType;
 use kda_core::GateKind;
 
 use super::super::chunk::{activate, chunk_output, chunk_state_next, l2_normalise, ChunkUpdate, UpdateTerm};
-use super::blocks::{chunk_terms, unit_lower_inverse_of_parts, ChunkTerms, TermScratch};
-use super::dims::{ForwardDims, Tokens, C};
+use super::dims::{KernelDims, Tokens, C};
 use super::operands::{
     if_whole, reset_where, segment_rows, store_state_where, token_operand, window_at, ChunkRows,
     ChunkSegments, ChunkTabs, PerToken, SegmentRows, TokenIn,
 };
+use super::terms::{chunk_terms, unit_lower_inverse_of_parts, ChunkTerms, TermScratch};
 use crate::error::Result;
 use crate::hlo::{Cmp, TensorType};
 use crate::lang::{Binary, Body, MatPrecision, Offset, Reduction, Ref, V};
@@ -44,7 +44,7 @@ pub(super) struct ForwardRefs {
     pub gate: Option<Ref>,
     /// `h0` `[L, S, K, V]`.
     pub h0: Option<Ref>,
-    /// The exponent and level masks ([`super::blocks::term_masks_kernel`]'s first results).
+    /// The exponent and level masks ([`super::terms::term_masks_kernel`]'s first results).
     pub masks: [Ref; 2],
     /// `o`.
     pub o: Ref,
@@ -71,10 +71,10 @@ pub(super) struct ForwardKernel {
 /// revisited later would be written back stale), then `q k v g beta [gate] [h0] exponent_masks
 /// level_masks` (beta `[L, T, 1]` for [`Tokens::Lanes`], `[R * T, H]` for
 /// [`Tokens::BatchFirst`], else `[H, R * T, 1]`; `h0` `[L, S, K, V]` f32; the masks are the
-/// results of [`super::blocks::term_masks_kernel`] for [`ForwardDims::mask_dtype`]); its
+/// results of [`super::terms::term_masks_kernel`] for [`KernelDims::mask_dtype`]); its
 /// results `o [ht] [h] [a aqk]` (`o` laid out as `v`; read in place packed, f32 `[H, P, V]` or
 /// `[1, P, H * V]` with padding tokens unwritten: [`place`]).
-pub(super) fn forward_kernel(d: ForwardDims, scale: f64) -> Result<ForwardKernel> {
+pub(super) fn forward_kernel(d: KernelDims, scale: f64) -> Result<ForwardKernel> {
     d.check("mosaic forward")?;
     let (mut kb, refs) = declare_forward(&d)?;
     let cx = ForwardStep { d: &d, r: &refs, scale, p: d.precision(), g_passes: d.g_passes() };
@@ -87,7 +87,7 @@ pub(super) fn forward_kernel(d: ForwardDims, scale: f64) -> Result<ForwardKernel
 }
 
 /// The forward kernel's builder and its operands (in the order [`forward_kernel`] lists).
-fn declare_forward(d: &ForwardDims) -> Result<(KernelBuilder, ForwardRefs)> {
+fn declare_forward(d: &KernelDims) -> Result<(KernelBuilder, ForwardRefs)> {
     let (l, k, v, x, n) = (d.lanes(), d.k, d.v, d.dtype, d.chunks_per_step());
     let (g0, g1, g2) = (Index::Grid(0), Index::Grid(1), Index::Grid(2));
     let lane = || g0.clone() * d.rows + g1.clone();
@@ -144,7 +144,7 @@ fn declare_forward(d: &ForwardDims) -> Result<(KernelBuilder, ForwardRefs)> {
 /// 6CK + 4CV + 6KV + (2/3)C^2 flops; four exponentials per gate element and the gate's own;
 /// every operand and result once through HBM (packed windows read every block twice, as a
 /// chunk's upper, then the next one's lower block).
-fn forward_cost(d: &ForwardDims) -> Cost {
+fn forward_cost(d: &KernelDims) -> Cost {
     let (l, nt, k, v) = (d.lanes(), d.chunks, d.k, d.v);
     let t = nt * C;
     let (cf, kf, vf) = (C as f64, k as f64, v as f64);
@@ -172,7 +172,7 @@ fn forward_cost(d: &ForwardDims) -> Cost {
 
 /// What every step of the forward kernel's body reads.
 struct ForwardStep<'a> {
-    d: &'a ForwardDims,
+    d: &'a KernelDims,
     r: &'a ForwardRefs,
     scale: f64,
     p: MatPrecision,
@@ -188,7 +188,7 @@ impl ForwardStep<'_> {
 
 /// A chunk of a grid step between its chunk-local terms and its state update: its index `c`,
 /// its terms, `u = A (beta v)` and `w = A (beta k e^G)`, and its segment ids
-/// ([`ForwardDims::segments`]).
+/// ([`KernelDims::segments`]).
 struct ChunkWork {
     ci: i64,
     c: V,

@@ -10,20 +10,20 @@
 //! zeroed with the cast; or back from lanes) and the final states of segments that hold no
 //! chunk (their initial states).
 
-use super::dims::{ForwardDims, Tokens};
+use super::dims::{KernelDims, Tokens};
 use super::forward::forward_kernel;
 use super::operands::{ChunkTabs, PerToken, TokenIn};
 use crate::hlo::{Cmp, FnBuilder, Value};
 use crate::lang::{Bindings, Lower, Ref};
 use crate::op::args::{state_tab, Args, ChunkTables};
-use crate::op::ops::{i32t, splat};
+use crate::op::hlo_ops::{i32t, splat};
 use crate::op::prep;
-use crate::op::spec::{on_device, KernelSpec, CHUNK};
+use crate::op::spec::{on_device, ProgramSpec, CHUNK};
 use crate::Result;
 use kda_core::{GateKind, Layout};
 
 /// A per-token tensor in the caller's layout to head-first `[H, B, T, D]`, in its own dtype.
-pub(super) fn lanes_first(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result<Value> {
+pub(super) fn lanes_first(b: &mut FnBuilder, s: &ProgramSpec, x: Value) -> Result<Value> {
     match s.options.layout {
         Layout::HeadFirst => Ok(x),
         Layout::BatchFirst => prep::heads_outermost(b, s, x),
@@ -33,7 +33,7 @@ pub(super) fn lanes_first(b: &mut FnBuilder, s: &KernelSpec, x: Value) -> Result
 /// Head-first `[H, B, T, D]` to the kernel's `[L, NT * 64, D]` (packed: gathered by `slot_token`).
 pub(super) fn kernel_tokens(
     b: &mut FnBuilder,
-    s: &KernelSpec,
+    s: &ProgramSpec,
     x: Value,
     slot_token: Option<Value>,
 ) -> Result<Value> {
@@ -44,7 +44,7 @@ pub(super) fn kernel_tokens(
 
 /// The slot table the kernels read: `slot` itself for fixed length (all zeros), else its
 /// [`running_max`].
-pub(super) fn kernel_slots(b: &mut FnBuilder, s: &KernelSpec, slot: Value) -> Result<Value> {
+pub(super) fn kernel_slots(b: &mut FnBuilder, s: &ProgramSpec, slot: Value) -> Result<Value> {
     match s.packed_chunks {
         None => Ok(slot),
         Some(_) => running_max(b, slot),
@@ -70,7 +70,7 @@ pub(super) fn running_max(b: &mut FnBuilder, slot: Value) -> Result<Value> {
 /// through (`h0` to `ht` forward, `dht` to `dh0` backward).
 pub(super) fn or_passed(
     b: &mut FnBuilder,
-    s: &KernelSpec,
+    s: &ProgramSpec,
     tables: &ChunkTables,
     state: Value,
     passed: Option<Value>,
@@ -85,7 +85,7 @@ pub(super) fn or_passed(
 }
 
 /// `[S]` i1: whether a chunk ends a segment of each state slot.
-fn ended(b: &mut FnBuilder, s: &KernelSpec, last: Value, slot: Value) -> Result<Value> {
+fn ended(b: &mut FnBuilder, s: &ProgramSpec, last: Value, slot: Value) -> Result<Value> {
     let (nt, slots) = (s.chunks() as i64, s.slots() as i64);
     let ids = b.iota(i32t(&[nt, slots]), 1)?;
     let at = b.broadcast_in_dim(slot, &[nt, slots], &[0])?;
@@ -99,10 +99,10 @@ fn ended(b: &mut FnBuilder, s: &KernelSpec, last: Value, slot: Value) -> Result<
 }
 
 /// Whether the kernels read a packed spec's rows as one row of whole 64-token blocks with
-/// segment ids ([`ForwardDims::segments`]): packed tokens filling whole blocks, no per-segment
+/// segment ids ([`KernelDims::segments`]): packed tokens filling whole blocks, no per-segment
 /// states in or out, the tuning's [`Tuning::packed_blocks`](crate::op::Tuning::packed_blocks)
 /// and a nonzero result budget (0 sends every packed row through lanes).
-pub(super) fn segment_blocks(s: &KernelSpec) -> bool {
+pub(super) fn segment_blocks(s: &ProgramSpec) -> bool {
     let p = s.dims.b * s.dims.t;
     let states = s.options.has_h0 || s.options.final_state || s.options.has_dht;
     s.packed_chunks.is_some()
@@ -117,7 +117,7 @@ pub(super) fn segment_blocks(s: &KernelSpec) -> bool {
 /// chunks, or are packed into whole 64-token blocks (as one fixed row with segment ids,
 /// [`segment_blocks`], or through windows); batch-first only when each head's K and V lanes are
 /// whole 128-lane tiles, or H = 1; else through lanes that XLA makes (padded to whole chunks).
-pub(super) fn tokens_of(s: &KernelSpec) -> Tokens {
+pub(super) fn tokens_of(s: &ProgramSpec) -> Tokens {
     let tiles = s.dims.h == 1 || (s.dims.k.is_multiple_of(128) && s.dims.v.is_multiple_of(128));
     if segment_blocks(s) {
         match (s.options.layout, tiles) {
@@ -147,7 +147,7 @@ pub(super) fn tokens_of(s: &KernelSpec) -> Tokens {
 /// A per-token input as the kernel reads it: in place (a free reshape) or as lanes.
 pub(super) fn kernel_input(
     b: &mut FnBuilder,
-    s: &KernelSpec,
+    s: &ProgramSpec,
     x: Value,
     tokens: Tokens,
     slot_token: Option<Value>,
@@ -171,7 +171,7 @@ pub(super) fn kernel_input(
 /// ends at its last (i32 `[P / 64]`), the slots (zeros: no per-segment states), and each
 /// token's segment id (f32 `[P / 64, 1, 64]`: `token_segment`, and `-1 - p` for padding token `p`, so
 /// that each is a segment of its own).
-pub(super) fn segment_tables(b: &mut FnBuilder, s: &KernelSpec, a: &Args) -> Result<[Value; 4]> {
+pub(super) fn segment_tables(b: &mut FnBuilder, s: &ProgramSpec, a: &Args) -> Result<[Value; 4]> {
     let (c, p) = (CHUNK as i64, (s.dims.b * s.dims.t) as i64);
     let blocks = p / c;
     let segment = a.token_segment.ok_or_else(|| {
@@ -210,7 +210,7 @@ pub(super) fn segment_tables(b: &mut FnBuilder, s: &KernelSpec, a: &Args) -> Res
 
 /// The window tables of a packed kernel ([`super::operands::WindowTables`]) from `slot_token`
 /// (`[NT * 64]`, the packed token of each chunk row, `B * T` on padding rows): `lo hi off len`.
-pub(super) fn window_tables(b: &mut FnBuilder, s: &KernelSpec, slot_token: Value) -> Result<[Value; 4]> {
+pub(super) fn window_tables(b: &mut FnBuilder, s: &ProgramSpec, slot_token: Value) -> Result<[Value; 4]> {
     let (nt, c, p) = (s.chunks() as i64, CHUNK as i64, (s.dims.b * s.dims.t) as i64);
     let blocks = p / c;
     let rows = b.reshape(slot_token, &[nt, c])?;
@@ -240,7 +240,7 @@ pub(super) fn window_tables(b: &mut FnBuilder, s: &KernelSpec, slot_token: Value
 /// The kernel's gate parameters `[H, 2, K]`: `exp(a_log)` on every channel, then `dt_bias`.
 pub(super) fn gate_operand(
     b: &mut FnBuilder,
-    s: &KernelSpec,
+    s: &ProgramSpec,
     a_log: Value,
     dt_bias: Option<Value>,
 ) -> Result<Value> {
@@ -258,7 +258,7 @@ pub(super) fn gate_operand(
 /// (the raw gate, or for lanes the gate XLA activated).
 pub(super) fn token_inputs(
     b: &mut FnBuilder,
-    s: &KernelSpec,
+    s: &ProgramSpec,
     a: &Args,
     tokens: Tokens,
 ) -> Result<(PerToken<Value>, kda_core::DType)> {
@@ -296,7 +296,7 @@ pub(super) fn token_inputs(
 }
 
 /// Whether results of `width` lanes per packed token fit [`Tuning::packed_result_bytes`](crate::op::Tuning::packed_result_bytes).
-pub(super) fn packed_fits(s: &KernelSpec, width: usize) -> bool {
+pub(super) fn packed_fits(s: &ProgramSpec, width: usize) -> bool {
     2 * 4 * s.dims.b * s.dims.t * width <= s.tuning.tpu_kernels.packed_result_bytes
 }
 
@@ -311,7 +311,7 @@ pub(super) fn packed_slots(a: &Args) -> Result<Value> {
 /// `[1, P, H * w]`) with its padding tokens, which no chunk writes, zeroed, in `dtype`.
 pub(super) fn packed_result(
     b: &mut FnBuilder,
-    s: &KernelSpec,
+    s: &ProgramSpec,
     y: Value,
     token_slot: Value,
     dtype: kda_core::DType,
@@ -331,7 +331,7 @@ pub(super) fn packed_result(
 
 /// The kernels' dims of `s` read as `tokens` with `g` in `g_dtype` (one chunk a step, no state
 /// operands or results: the caller sets those).
-pub(super) fn kernel_dims(s: &KernelSpec, tokens: Tokens, g_dtype: kda_core::DType) -> ForwardDims {
+pub(super) fn kernel_dims(s: &ProgramSpec, tokens: Tokens, g_dtype: kda_core::DType) -> KernelDims {
     let x = on_device(s.options.dtype);
     // Segment ids: one row of the packed tokens' blocks, no state slots.
     let segments = tokens != Tokens::Lanes && !tokens.packed() && s.packed_chunks.is_some();
@@ -340,7 +340,7 @@ pub(super) fn kernel_dims(s: &KernelSpec, tokens: Tokens, g_dtype: kda_core::DTy
     } else {
         (s.chunks() as i64, s.slots() as i64)
     };
-    ForwardDims {
+    KernelDims {
         heads: s.dims.h as i64,
         rows: (s.lanes() / s.dims.h) as i64,
         chunks,
@@ -368,7 +368,7 @@ pub(super) fn kernel_dims(s: &KernelSpec, tokens: Tokens, g_dtype: kda_core::DTy
 /// The gate the kernel applies: the caller's when it reads raw gates in place (lanes hold
 /// padding tokens, whose zero raw gate would activate to a decay, so lanes get the gate XLA
 /// activated, zero on padding, as the XLA programs have it).
-pub(super) fn kernel_gate(s: &KernelSpec, tokens: Tokens) -> GateKind {
+pub(super) fn kernel_gate(s: &ProgramSpec, tokens: Tokens) -> GateKind {
     match (tokens != Tokens::Lanes && s.in_kernel_gate(), s.options.gate) {
         (false, _) | (_, GateKind::Preactivated) => GateKind::Preactivated,
         (true, GateKind::Softplus) => GateKind::Softplus,
@@ -376,7 +376,7 @@ pub(super) fn kernel_gate(s: &KernelSpec, tokens: Tokens) -> GateKind {
     }
 }
 
-/// The chunk terms' constant masks ([`super::blocks::term_masks_kernel`]'s results)
+/// The chunk terms' constant masks ([`super::terms::term_masks_kernel`]'s results)
 /// and how the program's kernels are lowered: what every kernel call of a program shares.
 pub(super) struct KernelCalls<'l> {
     /// How the kernels are lowered.
@@ -403,14 +403,14 @@ pub(super) enum MaskReaders {
 /// hands the first two to the forward kernel).
 pub(super) fn kernel_calls<'l>(
     b: &mut FnBuilder,
-    s: &KernelSpec,
+    s: &ProgramSpec,
     readers: MaskReaders,
     lowering: &'l dyn Lower,
 ) -> Result<KernelCalls<'l>> {
     // The masks' dtype follows the kernels' products, whatever the gate's dtype.
     let dtype = kernel_dims(s, tokens_of(s), on_device(s.options.dtype)).mask_dtype();
     let transposed = readers == MaskReaders::ForwardAndBackward;
-    let masks = super::blocks::term_masks_kernel(dtype, transposed)?;
+    let masks = super::terms::term_masks_kernel(dtype, transposed)?;
     let outs = masks.kernel.call(b, lowering, masks.kernel.bindings())?;
     let exponents_t = match masks.exponents_t {
         Some(t) => Some(outs.get(t)?),
@@ -426,12 +426,12 @@ pub(super) fn kernel_calls<'l>(
 
 /// `dims` with the chunks a grid step takes: the tuning's wish, else the kernel's default
 /// (at most `cap`).
-pub(super) fn with_steps(dims: ForwardDims, s: &KernelSpec, cap: Option<i64>) -> ForwardDims {
+pub(super) fn with_steps(dims: KernelDims, s: &ProgramSpec, cap: Option<i64>) -> KernelDims {
     let wish = match s.tuning.tpu_kernels.step_chunks {
         0 => cap.map_or(dims.default_step_chunks(), |c| dims.default_step_chunks().min(c)),
         n => n as i64,
     };
-    ForwardDims { step_chunks: dims.steps_for(wish), ..dims }
+    KernelDims { step_chunks: dims.steps_for(wish), ..dims }
 }
 
 /// What both kernels read alike, as the program's values: the chunk tables (`first`, `last`,
@@ -455,7 +455,7 @@ impl SharedInputs {
     /// of [`segment_tables`]), the per-token inputs, the gate parameters.
     pub(super) fn new(
         b: &mut FnBuilder,
-        s: &KernelSpec,
+        s: &ProgramSpec,
         a: &Args,
         tokens: Tokens,
         what: &str,
@@ -526,7 +526,7 @@ pub(super) struct Kept {
 /// kernel, lowered and fed masks as `calls` says.
 pub(super) fn forward_body(
     b: &mut FnBuilder,
-    s: &KernelSpec,
+    s: &ProgramSpec,
     a: &Args,
     kept: Kept,
     calls: &KernelCalls,
@@ -543,7 +543,7 @@ pub(super) fn forward_body(
     // States kept for a backward in the same program (with the chunk terms) take the kernel's
     // own chunks; a saved-state forward's `h` has the signature's.
     let saved_chunks = if terms { dims.chunks } else { dims.saved_chunks };
-    let dims = ForwardDims {
+    let dims = KernelDims {
         h0: h0.is_some(),
         ht: s.options.final_state,
         states: keep_h,
@@ -597,7 +597,7 @@ pub(super) fn forward_body(
 /// The forward on the kernels: `o [final_state] [h]`.
 pub(in crate::op) fn forward(
     f: &mut FnBuilder,
-    s: &KernelSpec,
+    s: &ProgramSpec,
     a: &Args,
     keep_h: bool,
     lowering: &dyn Lower,

@@ -1,6 +1,6 @@
 //! The TPU kernels of the KDA op, written in [`crate::lang`]: the chunked forward
 //! ([`mod@forward`]) and backward ([`mod@backward`]) kernels for the dims of [`dims`], the operands
-//! both declare by name (`operands`), their building blocks ([`blocks`]), and their wiring into
+//! both declare by name (`operands`), their chunk terms ([`terms`]), and their wiring into
 //! the op's programs (`forward_program`, `backward_program`), lowered to Mosaic for libtpu or
 //! through the interpret lowering on any plugin.
 
@@ -8,11 +8,11 @@ pub mod backward;
 mod backward_levels;
 mod backward_operands;
 mod backward_program;
-pub mod blocks;
 pub mod dims;
 pub mod forward;
 mod forward_program;
 mod operands;
+pub mod terms;
 
 pub(super) use backward_program::{backward, fused};
 pub(super) use forward_program::forward;

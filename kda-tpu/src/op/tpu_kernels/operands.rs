@@ -5,8 +5,8 @@
 use kda_core::DType;
 use kda_core::GateKind;
 
-use super::blocks::{EXPONENT_ROWS, LEVEL_ROWS};
-use super::dims::{ForwardDims, Tokens, C};
+use super::dims::{KernelDims, Tokens, C};
+use super::terms::{EXPONENT_ROWS, LEVEL_ROWS};
 use crate::error::{Result, TpuError};
 use crate::hlo::{Cmp, TensorType, Value};
 use crate::lang::{Bindings, Body, Index, KernelBuilder, Offset, Operand, Ref, Semantics, Table, V};
@@ -14,7 +14,7 @@ use crate::lang::{Bindings, Body, Index, KernelBuilder, Offset, Operand, Ref, Se
 /// The chunk tables of a kernel (`[NT]` i32 each): `first` and `last` mark a segment's first
 /// and last chunk, `slot` its state slot; a packed kernel reads its tokens in place through
 /// [`WindowTables`], or as whole blocks with the per-token segment ids `segments`
-/// ([`ForwardDims::segments`]).
+/// ([`KernelDims::segments`]).
 #[derive(Clone, Copy, Debug)]
 pub(super) struct ChunkTabs {
     pub first: Table,
@@ -81,11 +81,11 @@ impl TokenIn {
     }
 }
 
-impl ForwardDims {
+impl KernelDims {
     /// The builder both kernels start from, and its chunk tables: the grid (heads, rows, then
     /// the sequential steps of `chunks_per_step` chunks) and the scalar-prefetched tables
     /// (`first`, `last`, `slot`, and for packed tokens read in place the window tables), or the
-    /// segment ids of [`ForwardDims::segments`] (read in the backward's order with `reverse`).
+    /// segment ids of [`KernelDims::segments`] (read in the backward's order with `reverse`).
     pub(super) fn builder(&self, name: &str, reverse: bool) -> (KernelBuilder, ChunkTabs) {
         let nt = self.chunks;
         let mut kb = KernelBuilder::new(name);
@@ -136,7 +136,7 @@ impl ForwardDims {
     }
 }
 
-impl ForwardDims {
+impl KernelDims {
     /// Declares the per-token inputs `q k v g beta`, read in the backward's order of steps
     /// with `reverse`. Batch-first beta `[R * T, H]` is read in place, every head's column of
     /// a step's rows (its own picked in the body), rather than transposed by XLA.
@@ -178,7 +178,7 @@ impl ForwardDims {
         })
     }
 
-    /// Declares the exponent and level masks ([`super::blocks::term_masks_kernel`]'s results).
+    /// Declares the exponent and level masks ([`super::terms::term_masks_kernel`]'s results).
     pub(super) fn declare_masks(&self, kb: &mut KernelBuilder) -> [Ref; 2] {
         [
             kb.input(Operand::whole(
@@ -192,12 +192,12 @@ impl ForwardDims {
 
 /// Where chunk `ci` of a grid step finds its tokens: rows `64 ci` of its blocks, or (packed)
 /// rows `off .. off + 64` of its window's two blocks, the rows from `len` on not its own; with
-/// [`ForwardDims::segments`], its segment ids.
+/// [`KernelDims::segments`], its segment ids.
 pub(super) struct ChunkRows {
     pub ci: i64,
     /// `off` and `len` of a packed chunk.
     pub window: Option<(V, V)>,
-    /// The segment ids of a chunk of [`ForwardDims::segments`].
+    /// The segment ids of a chunk of [`KernelDims::segments`].
     pub segments: Option<ChunkSegments>,
 }
 
@@ -257,7 +257,7 @@ impl ChunkRows {
     }
 }
 
-/// Which rows of a chunk of [`ForwardDims::segments`] a mask keeps.
+/// Which rows of a chunk of [`KernelDims::segments`] a mask keeps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum SegmentRows {
     /// Tokens (not padding).
@@ -268,7 +268,7 @@ pub(super) enum SegmentRows {
     Last,
 }
 
-/// A chunk's segment ids ([`ForwardDims::segments`]) and the masks made of them: every
+/// A chunk's segment ids ([`KernelDims::segments`]) and the masks made of them: every
 /// boundary inside the chunk is a select, so a segment's results read only its own tokens,
 /// bitwise.
 pub(super) struct ChunkSegments {
@@ -338,7 +338,7 @@ impl ChunkSegments {
 
     /// The chunk terms `Aqk` and `L` (both parts) on each segment's pairs alone: the inverse of
     /// `I + L` then holds no pair of two segments either.
-    pub fn within_terms(&self, b: &mut Body, t: &mut super::blocks::ChunkTerms) -> Result<()> {
+    pub fn within_terms(&self, b: &mut Body, t: &mut super::terms::ChunkTerms) -> Result<()> {
         t.aqk = self.within(b, &t.aqk)?;
         t.l_blocks = self.within(b, &t.l_blocks)?;
         t.l_rest = self.within(b, &t.l_rest)?;
@@ -423,7 +423,7 @@ pub(super) fn window_at(b: &mut Body, t: &WindowTables, c: &V) -> Result<[V; 4]>
 /// `i` reads the row's steps from the last (the backward's order; fixed-length rows and lanes).
 pub(super) fn token_operand(
     name: &str,
-    d: &ForwardDims,
+    d: &KernelDims,
     tokens: Tokens,
     dtype: DType,
     w: i64,

@@ -5,8 +5,8 @@ use super::intra::{rowdot, ChunkTerms};
 use super::tiles::{col_side_sum, row_sides};
 use crate::hlo::Transpose;
 use crate::hlo::{FnBuilder, Value};
-use crate::op::ops::{causal_mask, diagonal, keep, row_sums, stored_transposes, Scan};
-use crate::op::spec::{KernelSpec, CHUNK};
+use crate::op::hlo_ops::{causal_mask, diagonal, keep, row_sums, stored_transposes, Scan};
+use crate::op::spec::{ProgramSpec, CHUNK};
 use crate::Result;
 
 /// `x^T y` over the last two axes: on a stored transpose in the CPU configuration (`stored`,
@@ -39,7 +39,7 @@ pub(super) struct ChunkGrads {
 /// directly.
 pub(super) fn chunk_grads(
     b: &mut FnBuilder,
-    s: &KernelSpec,
+    s: &ProgramSpec,
     [q, k, v, beta]: [Value; 4],
     ct: &ChunkTerms,
     [h, vn, dh, dvn]: [Value; 4],

@@ -6,7 +6,7 @@ pub use super::tiles::Decay;
 use super::tiles::{decay, grams};
 use crate::hlo::Transpose;
 use crate::hlo::{FnBuilder, Value};
-use crate::op::ops::sum_last_keep;
+use crate::op::hlo_ops::sum_last_keep;
 use crate::Result;
 
 /// What the forward computes chunk-parallel (everything but the state recurrence).

@@ -8,9 +8,9 @@ use super::recurrence::{run_grads, run_grads_window, run_output, run_states, run
 use crate::hlo::Transpose;
 use crate::hlo::{FnBuilder, TensorType, Value};
 use crate::op::args::{state_tab, Args, ChunkTables, GATE_FLOOR};
-use crate::op::ops::{i32t, keep, splat};
+use crate::op::hlo_ops::{i32t, keep, splat};
 use crate::op::prep::{self, GateParams};
-use crate::op::spec::{on_device, KernelSpec, CHUNK};
+use crate::op::spec::{on_device, ProgramSpec, CHUNK};
 use crate::Result;
 use kda_core::{BackwardStrategy, DType};
 
@@ -33,13 +33,13 @@ struct Working {
     betac: Value,
 }
 
-fn flat_chunks(b: &mut FnBuilder, s: &KernelSpec, x: Value, idx: Option<Value>) -> Result<Value> {
+fn flat_chunks(b: &mut FnBuilder, s: &ProgramSpec, x: Value, idx: Option<Value>) -> Result<Value> {
     let c = prep::to_chunks(b, s, x, idx)?;
     let d = c.dims()[3];
     b.reshape(c, &[(s.lanes() * s.chunks()) as i64, CHUNK as i64, d])
 }
 
-fn working(b: &mut FnBuilder, s: &KernelSpec, a: &Args) -> Result<Working> {
+fn working(b: &mut FnBuilder, s: &ProgramSpec, a: &Args) -> Result<Working> {
     let q = prep::head_first(b, s, a.q)?;
     let k = prep::head_first(b, s, a.k)?;
     let (q, k, q_rstd, k_rstd) = if s.options.l2norm {
@@ -71,7 +71,7 @@ fn working(b: &mut FnBuilder, s: &KernelSpec, a: &Args) -> Result<Working> {
 /// segmentation; the loops stop after the last chunk position that ends a segment (one past
 /// the largest `i` with `last[i] = 1`; 0 when every segment is empty), since only padding
 /// follows it. Fixed-length programs visit every position.
-fn loop_tables(b: &mut FnBuilder, s: &KernelSpec, t: ChunkTables) -> Result<ChunkTables> {
+fn loop_tables(b: &mut FnBuilder, s: &ProgramSpec, t: ChunkTables) -> Result<ChunkTables> {
     if s.packed_chunks.is_none() {
         return Ok(t);
     }
@@ -94,7 +94,7 @@ fn flat(b: &mut FnBuilder, x: Value) -> Result<Value> {
 /// Forward outputs from the chunk terms and the state run: `o` in the caller's layout and dtype.
 fn output(
     b: &mut FnBuilder,
-    s: &KernelSpec,
+    s: &ProgramSpec,
     a: &Args,
     ct: &ChunkTerms,
     h: Value,
@@ -120,7 +120,7 @@ struct Forward {
 
 fn forward_core(
     b: &mut FnBuilder,
-    s: &KernelSpec,
+    s: &ProgramSpec,
     a: &Args,
     w: &Working,
     ct: &ChunkTerms,
@@ -138,7 +138,7 @@ fn forward_core(
 /// Gradients in the caller's layout and dtypes, in `KdaGradients` order.
 fn backward_core(
     b: &mut FnBuilder,
-    s: &KernelSpec,
+    s: &ProgramSpec,
     a: &Args,
     w: &Working,
     ct: &ChunkTerms,
@@ -169,7 +169,7 @@ fn dh_terms(b: &mut FnBuilder, ct: &ChunkTerms, doc: Value, store: bool) -> Resu
 /// gate activation, into the caller's layout and dtypes, in `KdaGradients` order.
 fn finish_grads(
     b: &mut FnBuilder,
-    s: &KernelSpec,
+    s: &ProgramSpec,
     a: &Args,
     w: &Working,
     g: ChunkGrads,
@@ -229,7 +229,7 @@ fn finish_grads(
 /// computed for all chunks at once.
 pub(in crate::op) fn forward(
     f: &mut FnBuilder,
-    s: &KernelSpec,
+    s: &ProgramSpec,
     a: &Args,
     keep_h: bool,
 ) -> Result<Vec<Value>> {
@@ -275,7 +275,7 @@ pub(in crate::op) fn forward(
 /// `dht`: `dq dk dv dg dbeta [dh0] [da_log] [ddt_bias]`.
 pub(in crate::op) fn backward(
     f: &mut FnBuilder,
-    s: &KernelSpec,
+    s: &ProgramSpec,
     a: &Args,
     saved: Option<Value>,
     (d_o, dht): (Value, Option<Value>),
@@ -309,7 +309,7 @@ pub(in crate::op) fn backward(
 /// anyway.
 pub(in crate::op) fn fused(
     f: &mut FnBuilder,
-    s: &KernelSpec,
+    s: &ProgramSpec,
     a: &Args,
     strategy: BackwardStrategy,
     (d_o, dht): (Value, Option<Value>),
@@ -333,7 +333,7 @@ pub(in crate::op) fn fused(
 }
 
 /// `[L*NT, C, D]` chunk tensor as `[L, NTP, C, D]`, zero chunks appended up to `ntp`.
-fn lanes_padded(b: &mut FnBuilder, s: &KernelSpec, x: Value, ntp: i64) -> Result<Value> {
+fn lanes_padded(b: &mut FnBuilder, s: &ProgramSpec, x: Value, ntp: i64) -> Result<Value> {
     let (l, nt, d) = (s.lanes() as i64, s.chunks() as i64, x.dims()[2]);
     let x = b.reshape(x, &[l, nt, CHUNK as i64, d])?;
     let zero = b.constant_f32(0.0, TensorType::new(DType::F32, &[]))?;
@@ -378,7 +378,7 @@ struct Slabs {
 }
 
 impl Slabs {
-    fn new(b: &mut FnBuilder, s: &KernelSpec, a: &Args, w: &Working) -> Result<Slabs> {
+    fn new(b: &mut FnBuilder, s: &ProgramSpec, a: &Args, w: &Working) -> Result<Slabs> {
         let nt = s.chunks() as i64;
         let p = s.tuning.xla.slab as i64;
         let ns = (nt + p - 1) / p;
@@ -452,7 +452,7 @@ struct SlabForward {
 /// intermediates are live at a time.
 fn forward_slabs(
     b: &mut FnBuilder,
-    s: &KernelSpec,
+    s: &ProgramSpec,
     a: &Args,
     sl: &Slabs,
     keep: SlabKeep,
@@ -514,7 +514,7 @@ fn forward_slabs(
 /// at each slab boundary and re-runs the slab.
 fn fused_slabs(
     b: &mut FnBuilder,
-    s: &KernelSpec,
+    s: &ProgramSpec,
     a: &Args,
     w: &Working,
     strategy: BackwardStrategy,

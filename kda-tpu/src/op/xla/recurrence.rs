@@ -5,8 +5,8 @@ use super::intra::ChunkTerms;
 use crate::hlo::Transpose;
 use crate::hlo::{FnBuilder, Value};
 use crate::op::args::ChunkTables;
-use crate::op::ops::{choose, element, i32t, put, splat, take};
-use crate::op::spec::{KernelSpec, CHUNK};
+use crate::op::hlo_ops::{choose, element, i32t, put, splat, take};
+use crate::op::spec::{ProgramSpec, CHUNK};
 use crate::Result;
 
 /// `for i in 0..nt`, or `0..used` when the tables bound the loop at run time.
@@ -26,7 +26,7 @@ where
     }
 }
 
-fn lanes4(b: &mut FnBuilder, s: &KernelSpec, nt: i64, x: Value) -> Result<Value> {
+fn lanes4(b: &mut FnBuilder, s: &ProgramSpec, nt: i64, x: Value) -> Result<Value> {
     let l = s.lanes() as i64;
     let d = x.dims();
     let mut dims = vec![l, nt];
@@ -50,7 +50,7 @@ pub struct StateRun {
 /// slot's initial state at each segment's first chunk. Inputs are `[N, ...]` chunk tensors.
 pub fn run_states(
     b: &mut FnBuilder,
-    s: &KernelSpec,
+    s: &ProgramSpec,
     t: ChunkTables,
     h0: Value,
     ct: &ChunkTerms,
@@ -67,7 +67,7 @@ pub fn run_states(
 #[allow(clippy::too_many_arguments)]
 pub fn run_states_window(
     b: &mut FnBuilder,
-    s: &KernelSpec,
+    s: &ProgramSpec,
     nt: i64,
     t: ChunkTables,
     h0: Value,
@@ -108,7 +108,7 @@ pub fn run_states_window(
 /// and ends at the last chunk, with one state slot. The loops then start from the slot's
 /// initial state (or `dht`) and read the final one after the last chunk, with no per-chunk
 /// selects on the state (each a cost on every chunk of the loop).
-fn whole_rows(s: &KernelSpec, t: &ChunkTables) -> bool {
+fn whole_rows(s: &ProgramSpec, t: &ChunkTables) -> bool {
     s.packed_chunks.is_none() && t.used.is_none() && s.slots() == 1
 }
 
@@ -228,7 +228,7 @@ pub struct OutputRun {
 /// larger products take less time than the same work in four.
 pub fn run_output(
     b: &mut FnBuilder,
-    s: &KernelSpec,
+    s: &ProgramSpec,
     t: ChunkTables,
     h0: Value,
     ct: &ChunkTerms,
@@ -300,7 +300,7 @@ pub struct GradRun {
 /// steps 1-2), with `p = (p1, q2) = (Aqk^T dO, qg^T dO)` per chunk.
 pub fn run_grads(
     b: &mut FnBuilder,
-    s: &KernelSpec,
+    s: &ProgramSpec,
     t: ChunkTables,
     dht: Value,
     p: (Value, Value),
@@ -320,7 +320,7 @@ pub fn run_grads(
 #[allow(clippy::too_many_arguments)]
 pub fn run_grads_window(
     b: &mut FnBuilder,
-    s: &KernelSpec,
+    s: &ProgramSpec,
     nt: i64,
     t: ChunkTables,
     dht: Value,

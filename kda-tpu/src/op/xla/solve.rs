@@ -9,7 +9,7 @@
 
 use crate::hlo::Transpose;
 use crate::hlo::{Cmp, FnBuilder, Value};
-use crate::op::ops::{index_mask, keep, splat};
+use crate::op::hlo_ops::{index_mask, keep, splat};
 use crate::op::spec::{CHUNK, SUB};
 use crate::Result;
 

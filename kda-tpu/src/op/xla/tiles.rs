@@ -17,7 +17,7 @@
 //! exponentiated is `g` itself (see [`decay`]).
 
 use crate::hlo::{Cmp, FnBuilder, Value};
-use crate::op::ops::{f32t, index_mask, splat, stored_transposes};
+use crate::op::hlo_ops::{f32t, index_mask, splat, stored_transposes};
 use crate::Result;
 use kda_core::DType;
 

@@ -18,7 +18,7 @@ use kda_tpu::lang::{
     Binary, Cost, F32Dot, Feature, Index, Kernel, KernelBuilder, Lower, Lowering, MatPrecision, Mosaic,
     MosaicParams, Offset, Operand, Reduction, Ref, Semantics, Triton, TritonParams,
 };
-use kda_tpu::op::tpu_kernels::blocks::{TermMasks, TermScratch};
+use kda_tpu::op::tpu_kernels::terms::{TermMasks, TermScratch};
 use kda_tpu::{Result, TpuCompiler, DEFAULT_TOPOLOGY};
 use rstest::rstest;
 
@@ -478,7 +478,7 @@ fn unit_lower_inverse() -> Result<Case> {
     let out = kb.output(Operand::whole("a", t(DType::F32, &[64, 64])));
     let kernel = kb.build(|b| {
         let l = b.load_all(ls)?;
-        let a = kda_tpu::op::tpu_kernels::blocks::unit_lower_inverse(b, &l, MatPrecision::Highest)?;
+        let a = kda_tpu::op::tpu_kernels::terms::unit_lower_inverse(b, &l, MatPrecision::Highest)?;
         b.store_all(out, &a)
     })?;
     // Forward substitution in f64: (I + L) A = I, row by row.
@@ -529,7 +529,7 @@ fn chunk_terms() -> Result<Case> {
     let sums = kb.scratch("sums", ty(&[64, 128]));
     let kernel = kb.build(|b| {
         let x: Vec<_> = ins.iter().map(|i| b.load_all(*i)).collect::<Result<_>>()?;
-        let c = kda_tpu::op::tpu_kernels::blocks::chunk_terms(
+        let c = kda_tpu::op::tpu_kernels::terms::chunk_terms(
             b,
             &x[0],
             &x[1],
