@@ -7,7 +7,7 @@ use kda_core::DType;
 
 use crate::error::{Result, TpuError};
 use crate::hlo::Cmp;
-use crate::lang::ir::{Binary, V};
+use crate::lang::ir::{Binary, Op, V};
 
 /// `Deref` and `DerefMut` of an emitter struct to its `t: Text`, so that both lowerings write
 /// through the same [`Text`] methods.
@@ -86,6 +86,15 @@ impl Text {
         self.line(&format!("{n} = arith.{} {a}, {b} : i32", int_op(op)));
         Ok(())
     }
+    /// `out = a op b` elementwise of vectors of type `ty` (as the lowering spells it): the float
+    /// or the integer form by the element type.
+    pub(super) fn binary(&mut self, out: &V, op: Binary, a: &V, b: &V, ty: &str) -> Result<()> {
+        let (an, bn) = (self.name(a)?, self.name(b)?);
+        let name = if a.ty.elem.is_float() { float_op(op) } else { int_op(op) };
+        let n = self.def(out);
+        self.line(&format!("{n} = arith.{name} {an}, {bn} : {ty}"));
+        Ok(())
+    }
 }
 
 /// An MLIR literal of `value` in `dtype`: a decimal with a point, or the bit pattern for
@@ -142,6 +151,82 @@ pub(super) fn predicate(cmp: Cmp) -> (&'static str, &'static str) {
         Cmp::Le => ("ole", "sle"),
         Cmp::Gt => ("ogt", "sgt"),
         Cmp::Ge => ("oge", "sge"),
+    }
+}
+
+/// The rules of a lowering that writes MLIR text, one method per op of a body (each handed the
+/// op it is the rule of), and the dispatch over a body's ops written once for all of them.
+pub(super) trait OpRules: std::ops::DerefMut<Target = Text> {
+    /// The text of an `Op::ProgramId`.
+    fn emit_program_id(&mut self, op: &Op) -> Result<()>;
+    /// The text of an `Op::ReadTable`.
+    fn emit_read_table(&mut self, op: &Op) -> Result<()>;
+    /// The text of an `Op::Splat`.
+    fn emit_splat(&mut self, op: &Op) -> Result<()>;
+    /// The text of an `Op::Load`.
+    fn emit_load(&mut self, op: &Op) -> Result<()>;
+    /// The text of an `Op::Store`.
+    fn emit_store(&mut self, op: &Op) -> Result<()>;
+    /// The text of an `Op::Matmul`.
+    fn emit_matmul(&mut self, op: &Op) -> Result<()>;
+    /// The text of an `Op::Binary`.
+    fn emit_binary(&mut self, op: &Op) -> Result<()>;
+    /// The text of an `Op::Unary`.
+    fn emit_unary(&mut self, op: &Op) -> Result<()>;
+    /// The text of an `Op::Iota`.
+    fn emit_iota(&mut self, op: &Op) -> Result<()>;
+    /// The text of an `Op::Compare`.
+    fn emit_compare(&mut self, op: &Op) -> Result<()>;
+    /// The text of an `Op::Select`.
+    fn emit_select(&mut self, op: &Op) -> Result<()>;
+    /// The text of an `Op::Reduce`.
+    fn emit_reduce(&mut self, op: &Op) -> Result<()>;
+    /// The text of an `Op::Broadcast`.
+    fn emit_broadcast(&mut self, op: &Op) -> Result<()>;
+    /// The text of an `Op::Cast`.
+    fn emit_cast(&mut self, op: &Op) -> Result<()>;
+    /// The text of an `Op::Transpose`.
+    fn emit_transpose(&mut self, op: &Op) -> Result<()>;
+    /// The text of an `Op::Reshape`.
+    fn emit_reshape(&mut self, op: &Op) -> Result<()>;
+    /// The text of an `Op::Slice`.
+    fn emit_slice(&mut self, op: &Op) -> Result<()>;
+    /// The text of an `Op::Concat`.
+    fn emit_concat(&mut self, op: &Op) -> Result<()>;
+    /// The text of an `Op::If`.
+    fn emit_if(&mut self, op: &Op) -> Result<()>;
+    /// The text of an `Op::For`.
+    fn emit_for(&mut self, op: &Op) -> Result<()>;
+
+    /// Writes `op` by its rule (the index ops by the writer's own).
+    fn op(&mut self, op: &Op) -> Result<()> {
+        match op {
+            Op::IndexConst { out, value } => {
+                self.index_const(out, *value);
+                Ok(())
+            }
+            Op::IndexBinary { out, op, a, b } => self.index_binary(out, *op, a, b),
+            Op::ProgramId { .. } => self.emit_program_id(op),
+            Op::ReadTable { .. } => self.emit_read_table(op),
+            Op::Splat { .. } => self.emit_splat(op),
+            Op::Load { .. } => self.emit_load(op),
+            Op::Store { .. } => self.emit_store(op),
+            Op::Matmul { .. } => self.emit_matmul(op),
+            Op::Binary { .. } => self.emit_binary(op),
+            Op::Unary { .. } => self.emit_unary(op),
+            Op::Iota { .. } => self.emit_iota(op),
+            Op::Compare { .. } => self.emit_compare(op),
+            Op::Select { .. } => self.emit_select(op),
+            Op::Reduce { .. } => self.emit_reduce(op),
+            Op::Broadcast { .. } => self.emit_broadcast(op),
+            Op::Cast { .. } => self.emit_cast(op),
+            Op::Transpose { .. } => self.emit_transpose(op),
+            Op::Reshape { .. } => self.emit_reshape(op),
+            Op::Slice { .. } => self.emit_slice(op),
+            Op::Concat { .. } => self.emit_concat(op),
+            Op::If { .. } => self.emit_if(op),
+            Op::For { .. } => self.emit_for(op),
+        }
     }
 }
 

@@ -10,7 +10,7 @@ use kda_core::DType;
 mod ops;
 mod schedule;
 
-use super::arith::{derefs_to_text, Text};
+use super::arith::{derefs_to_text, OpRules, Text};
 use super::{custom_call_layouts, quote_line, refuse, Lower};
 use crate::error::{Result, TpuError};
 use crate::hlo::{FnBuilder, TensorType, Value};

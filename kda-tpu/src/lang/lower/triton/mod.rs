@@ -29,7 +29,7 @@ mod ops;
 
 pub use features::{features, Feature};
 
-use super::arith::{derefs_to_text, literal, Text};
+use super::arith::{derefs_to_text, literal, OpRules, Text};
 use super::{custom_call_layouts, quote_line, refuse, Lower};
 use crate::error::{Result, TpuError};
 use crate::hlo::{FnBuilder, Value};

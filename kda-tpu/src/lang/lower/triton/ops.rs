@@ -4,7 +4,7 @@ use std::collections::BTreeSet;
 
 use kda_core::DType;
 
-use super::super::arith::{cast_op, float_op, int_op, literal, predicate};
+use super::super::arith::{cast_op, literal, predicate, OpRules};
 use super::F32Dot;
 use super::{elem, padded, tty, vty, written, Emitter};
 use crate::error::{Result, TpuError};
@@ -15,35 +15,7 @@ fn internal(kind: &str) -> TpuError {
     TpuError::builder("triton lowering", format!("internal: not a {kind} op"))
 }
 
-impl Emitter<'_> {
-    pub(super) fn op(&mut self, op: &Op) -> Result<()> {
-        match op {
-            Op::ProgramId { .. } => self.emit_program_id(op)?,
-            Op::IndexConst { out, value } => self.index_const(out, *value),
-            Op::IndexBinary { out, op, a, b } => self.index_binary(out, *op, a, b)?,
-            Op::ReadTable { .. } => self.emit_read_table(op)?,
-            Op::Splat { .. } => self.emit_splat(op)?,
-            Op::Load { .. } => self.emit_load(op)?,
-            Op::Store { .. } => self.emit_store(op)?,
-            Op::Matmul { .. } => self.emit_matmul(op)?,
-            Op::Binary { .. } => self.emit_binary(op)?,
-            Op::Unary { .. } => self.emit_unary(op)?,
-            Op::Iota { .. } => self.emit_iota(op)?,
-            Op::Compare { .. } => self.emit_compare(op)?,
-            Op::Select { .. } => self.emit_select(op)?,
-            Op::Reduce { .. } => self.emit_reduce(op)?,
-            Op::Broadcast { .. } => self.emit_broadcast(op)?,
-            Op::Cast { .. } => self.emit_cast(op)?,
-            Op::Transpose { .. } => self.emit_transpose(op)?,
-            Op::Reshape { .. } => self.emit_reshape(op)?,
-            Op::Slice { .. } => self.emit_slice(op)?,
-            Op::Concat { .. } => self.emit_concat(op)?,
-            Op::If { .. } => self.emit_if(op)?,
-            Op::For { .. } => self.emit_for(op)?,
-        }
-        Ok(())
-    }
-
+impl OpRules for Emitter<'_> {
     /// The TTIR of `ProgramId`.
     fn emit_program_id(&mut self, op: &Op) -> Result<()> {
         let Op::ProgramId { out, axis } = op else {
@@ -166,11 +138,8 @@ impl Emitter<'_> {
         let Op::Binary { out, op, a, b } = op else {
             return Err(internal("Binary"));
         };
-        let (an, bn) = (self.name(a)?, self.name(b)?);
-        let name = if a.ty.elem.is_float() { float_op(*op) } else { int_op(*op) };
-        let n = self.def(out);
-        self.line(&format!("{n} = arith.{name} {an}, {bn} : {}", vty(out)));
-        Ok(())
+        let ty = vty(out);
+        self.t.binary(out, *op, a, b, &ty)
     }
 
     /// The TTIR of `Unary`.
