@@ -15,8 +15,8 @@ use kda_core::DType;
 use kda_tpu::aot::{GpuCompiler, H200};
 use kda_tpu::hlo::{Cmp, TensorType};
 use kda_tpu::lang::{
-    Binary, Cost, F32Dot, Feature, Index, Kernel, KernelBuilder, Lower, Lowering, MatPrecision, Mosaic,
-    MosaicParams, Offset, Operand, Reduction, Ref, Semantics, Triton, TritonParams,
+    Binary, Cost, F32Dot, Feature, Index, Interpret, Kernel, KernelBuilder, Lower, Lowering, MatPrecision,
+    Mosaic, MosaicParams, Offset, Operand, Reduction, Ref, Semantics, Triton, TritonParams,
 };
 use kda_tpu::op::tpu_kernels::terms::{TermMasks, TermScratch};
 use kda_tpu::{Result, TpuCompiler, DEFAULT_TOPOLOGY};
@@ -930,4 +930,124 @@ mod gpu {
         }
         Ok(())
     }
+}
+
+/// `x` rounded to nearest even to `mantissa` bits (f32 keeps 23): TF32's 10, bf16's 7.
+fn rounded(x: f32, mantissa: u32) -> f32 {
+    let drop = 23 - mantissa;
+    let bits = x.to_bits();
+    let half = 1u32 << (drop - 1);
+    let odd = (bits >> drop) & 1;
+    f32::from_bits((bits + half - 1 + odd) & !((1u32 << drop) - 1))
+}
+
+/// `[m, k] x [k, n]` of `x` and `y` rounded as a product at `precision` rounds them on a GPU,
+/// in f64 (the CPU's f32 sums differ from it by their own rounding only).
+fn gpu_product(x: &[f32], y: &[f32], (m, k, n): (usize, usize, usize), precision: MatPrecision) -> Vec<f64> {
+    let once = |v: &[f32], bits: u32| v.iter().map(|&a| rounded(a, bits)).collect::<Vec<_>>();
+    let product = |a: &[f32], b: &[f32]| -> Vec<f64> {
+        let mut out = vec![0.0; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                out[i * n + j] = (0..k).map(|c| f64::from(a[i * k + c]) * f64::from(b[c * n + j])).sum();
+            }
+        }
+        out
+    };
+    let split = |bits: u32| {
+        let (xh, yh) = (once(x, bits), once(y, bits));
+        let rest =
+            |v: &[f32], h: &[f32]| v.iter().zip(h).map(|(a, b)| rounded(a - b, bits)).collect::<Vec<_>>();
+        let (xl, yl) = (rest(x, &xh), rest(y, &yh));
+        let parts = [product(&xh, &yl), product(&xl, &yh), product(&xh, &yh)];
+        (0..m * n).map(|i| parts.iter().map(|p| p[i]).sum()).collect()
+    };
+    match precision {
+        MatPrecision::Default => product(&once(x, 7), &once(y, 7)),
+        MatPrecision::Tf32 => product(&once(x, 10), &once(y, 10)),
+        MatPrecision::Tf32x3 => split(10),
+        MatPrecision::Bf16x3 => split(7),
+        _ => product(x, y),
+    }
+}
+
+/// Each product precision through the interpret lowering with a GPU's numerics rounds as a GPU
+/// does (against the same rounding on the host, and apart from full f32 where it should be),
+/// and with a TPU's numerics every precision but the bf16 pass is full f32.
+#[rstest]
+#[case::bf16_pass(MatPrecision::Default, 1e-2)]
+#[case::tf32(MatPrecision::Tf32, 1e-4)]
+#[case::tf32x3(MatPrecision::Tf32x3, 0.0)]
+#[case::bf16x3(MatPrecision::Bf16x3, 1e-5)]
+#[case::ieee(MatPrecision::Ieee, 0.0)]
+fn products_round_as_their_precision_says(#[case] precision: MatPrecision, #[case] apart: f64) -> Result<()> {
+    let (m, k, n) = (64, 128, 64);
+    let (x, y) = (rand_vec(m * k, 11, -1.0, 1.0), rand_vec(k * n, 12, -1.0, 1.0));
+    let kernel = matmul_kernel(
+        "precisions",
+        DType::F32,
+        [[m as i64, k as i64], [k as i64, n as i64]],
+        (1, 0),
+        precision,
+    )?;
+    let inputs =
+        || vec![In::F32(x.clone(), vec![m as i64, k as i64]), In::F32(y.clone(), vec![k as i64, n as i64])];
+    let exact = gpu_product(&x, &y, (m, k, n), MatPrecision::Ieee);
+    let want = gpu_product(&x, &y, (m, k, n), precision);
+    let worst = |got: &[f32], want: &[f64]| {
+        got.iter().zip(want).map(|(&g, &w)| (f64::from(g) - w).abs()).fold(0.0, f64::max)
+    };
+    let gpu = run!(&kernel.module(&Interpret::TRITON_NUMERICS)?, inputs());
+    let tpu = run!(&kernel.module(&Interpret::MOSAIC_NUMERICS)?, inputs());
+    let (gpu, tpu) = (gpu[0].f32s(), tpu[0].f32s());
+    // f32 sums of 128 products: a few units in the last place of the largest partial sums.
+    assert!(worst(&gpu, &want) < 1e-5, "{precision:?}: {} from the host's rounding", worst(&gpu, &want));
+    let shows = want.iter().zip(&exact).map(|(w, e)| (w - e).abs()).fold(0.0, f64::max);
+    assert!(shows >= apart, "{precision:?}: the rounding shows ({shows})");
+    let tpu_want = if precision == MatPrecision::Default { &want } else { &exact };
+    assert!(worst(&tpu, tpu_want) < 1e-5, "{precision:?} on a TPU: {}", worst(&tpu, tpu_want));
+    Ok(())
+}
+
+/// Each precision's Triton form (`inputPrecision`) compiles for the H200, and its Mosaic form is
+/// the one bf16 pass or full precision.
+#[rstest]
+#[case::tf32(MatPrecision::Tf32, ", inputPrecision = tf32 ")]
+#[case::tf32x3(MatPrecision::Tf32x3, ", inputPrecision = tf32x3 ")]
+#[case::bf16x3(MatPrecision::Bf16x3, ", inputPrecision = bf16x3 ")]
+#[case::ieee(MatPrecision::Ieee, ", inputPrecision = ieee ")]
+fn each_product_precision_has_its_gpu_form(
+    #[case] precision: MatPrecision,
+    #[case] form: &str,
+) -> Result<()> {
+    let kernel = matmul_kernel("precision_forms", DType::F32, [[64, 64], [64, 64]], (1, 0), precision)?;
+    let ttir = Triton.text(&kernel)?;
+    assert!(ttir.contains(form), "{precision:?}: {ttir}");
+    assert!(Mosaic.text(&kernel)?.contains("contract_precision<fp32>"), "{precision:?} on a TPU");
+    let gpu = GpuCompiler::load().unwrap_or_else(|e| panic!("no CUDA plugin ({e}); run `cargo xtask setup`"));
+    gpu.compile(&kernel.module(&Triton)?, &H200).map_err(|e| Triton.explain(&kernel, e))?;
+    Ok(())
+}
+
+/// Three TF32 passes keep about 21 of f32's 24 bits, which random inputs' f32 sums hide: with
+/// `x = 1 + 2^-12 + 2^-23` and `y = 1 + 2^-12` (each split exactly) every product is
+/// `1 + 2^-11` under a GPU's numerics, so a row of 128 sums to `128 + 2^-4` exactly, where full
+/// f32 keeps the last bits.
+#[test]
+fn three_tf32_passes_drop_what_their_split_drops() -> Result<()> {
+    let (m, k, n) = (8, 128, 128);
+    let (xv, yv) = (1.0 + 2f32.powi(-12) + 2f32.powi(-23), 1.0 + 2f32.powi(-12));
+    let kernel = matmul_kernel("tf32x3", DType::F32, [[m, k], [k, n]], (1, 0), MatPrecision::Tf32x3)?;
+    let inputs = || {
+        let (m, k, n) = (m as usize, k as usize, n as usize);
+        vec![
+            In::F32(vec![xv; m * k], vec![m as i64, k as i64]),
+            In::F32(vec![yv; k * n], vec![k as i64, n as i64]),
+        ]
+    };
+    let gpu = run!(&kernel.module(&Interpret::TRITON_NUMERICS)?, inputs())[0].f32s();
+    let tpu = run!(&kernel.module(&Interpret::MOSAIC_NUMERICS)?, inputs())[0].f32s();
+    assert!(gpu.iter().all(|&v| v == 128.0 + 2f32.powi(-4)), "{:?}", &gpu[..4]);
+    assert!(tpu.iter().all(|&v| v > 128.0 + 2f32.powi(-4) && v < 128.0625 + 1e-4), "{:?}", &tpu[..4]);
+    Ok(())
 }

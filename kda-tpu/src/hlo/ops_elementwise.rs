@@ -206,6 +206,16 @@ impl FnBuilder {
         self.push_op1("convert", "stablehlo.convert", &[v], "", v.ty().with_elem(elem))
     }
 
+    /// `v` rounded (to nearest even) to a float of `exponent_bits` and `mantissa_bits`, kept in
+    /// its own type: TF32 is 8 and 10, bf16 8 and 7.
+    pub fn reduce_precision(&mut self, v: Value, exponent_bits: u32, mantissa_bits: u32) -> Result<Value> {
+        if !v.elem().is_float() || exponent_bits == 0 {
+            return Err(err("reduce_precision", format!("{} to e{exponent_bits}m{mantissa_bits}", v.ty())));
+        }
+        let attrs = format!("exponent_bits = {exponent_bits} : i32, mantissa_bits = {mantissa_bits} : i32");
+        self.push_op1("reduce_precision", "stablehlo.reduce_precision", &[v], &attrs, v.ty())
+    }
+
     /// Reinterprets bits as another element type of the same width (u16 <-> bf16, i32 <-> f32).
     pub fn bitcast_convert(&mut self, v: Value, elem: DType) -> Result<Value> {
         if v.elem().bit_width() != elem.bit_width() || elem == DType::I1 {

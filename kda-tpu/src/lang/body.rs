@@ -266,8 +266,8 @@ impl Body {
         if a.ty.dims[contract.0] != b.ty.dims[contract.1] {
             return Err(err("matmul", format!("contracting sizes differ: {}", shapes())));
         }
-        if precision == MatPrecision::Highest && a.ty.elem != DType::F32 {
-            return Err(err("matmul", format!("Highest precision needs f32 operands: {}", shapes())));
+        if precision != MatPrecision::Default && a.ty.elem != DType::F32 {
+            return Err(err("matmul", format!("{precision:?} precision needs f32 operands: {}", shapes())));
         }
         let dims = [a.ty.dims[1 - contract.0], b.ty.dims[1 - contract.1]];
         let out = self.fresh(TensorType::new(DType::F32, &dims));

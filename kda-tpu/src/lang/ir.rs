@@ -95,14 +95,24 @@ pub enum Reduction {
     Max,
 }
 
-/// Matmul precision: `Highest` runs f32 operands at full precision on the MXU (Mosaic's
-/// `fp32` contract precision); `Default` is the native bf16 pass (the only choice for bf16).
+/// Matmul precision, per product: `Default` is the native bf16 pass (the only choice for bf16
+/// operands); the others take f32 operands. On a TPU (Mosaic) every one but `Default` runs at
+/// full precision (the `fp32` contract precision); a GPU (Triton) runs each as it says.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MatPrecision {
-    /// The MXU's native precision.
+    /// One bf16 pass: f32 operands rounded to bf16, exact products, f32 sums.
     Default,
-    /// Full f32.
+    /// Full f32: Mosaic's `fp32`; on a GPU as the kernel's `TritonParams::f32_dot` says.
     Highest,
+    /// One TF32 pass (GPU tensor cores: operands rounded to 10 mantissa bits).
+    Tf32,
+    /// Three TF32 passes: each operand split into a TF32 part and the TF32 of its rest, the
+    /// three largest cross products summed (the small ones first).
+    Tf32x3,
+    /// Three bf16 passes, split as [`MatPrecision::Tf32x3`] with bf16 parts.
+    Bf16x3,
+    /// IEEE f32 products on a GPU's FMA units (no tensor cores).
+    Ieee,
 }
 
 /// One op of a body.

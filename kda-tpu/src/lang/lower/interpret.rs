@@ -13,6 +13,7 @@ use std::collections::HashMap;
 
 use kda_core::DType;
 
+use super::triton::{F32Dot, TritonParams};
 use super::Lower;
 use crate::error::{Result, TpuError};
 use crate::hlo::{FnBuilder, Precision, TensorType, Value};
@@ -49,12 +50,19 @@ pub enum Numerics {
     /// else in the values' own dtypes.
     #[default]
     Mosaic,
+    /// A GPU's under Triton: each product as its [`MatPrecision`] says (TF32 operands rounded
+    /// to 10 mantissa bits, three-pass products as their split sum, `Highest` as the kernel's
+    /// `TritonParams::f32_dot`), so that a GPU kernel run here meets GPU numerics.
+    Triton,
 }
 
 impl Interpret {
     /// The interpret lowering with a TPU's numerics under Mosaic.
     pub const MOSAIC_NUMERICS: Interpret =
         Interpret { params: InterpretParams { numerics: Numerics::Mosaic } };
+    /// The interpret lowering with a GPU's numerics under Triton.
+    pub const TRITON_NUMERICS: Interpret =
+        Interpret { params: InterpretParams { numerics: Numerics::Triton } };
 }
 
 impl Lower for Interpret {
@@ -71,9 +79,8 @@ impl Lower for Interpret {
     }
     /// The grid as nested loops around each step's blocks and body.
     fn call(&self, kernel: &Kernel, f: &mut FnBuilder, operands: &[Value]) -> Result<Vec<Value>> {
-        match self.params.numerics {
-            Numerics::Mosaic => call(kernel, f, operands),
-        }
+        let f32_dot = kernel.params::<TritonParams>().copied().unwrap_or_default().f32_dot;
+        call(kernel, f, operands, Products { numerics: self.params.numerics, f32_dot })
     }
 }
 
@@ -141,11 +148,20 @@ impl Refs {
 struct Operands<'a> {
     tables: &'a [Value],
     inputs: &'a [Value],
+    products: Products,
 }
 
 struct Step<'a> {
     grid: &'a [Value],
     tables: &'a [Value],
+    products: Products,
+}
+
+/// How the products of a kernel round: whose numerics, and a GPU's `Highest`.
+#[derive(Clone, Copy, Debug)]
+struct Products {
+    numerics: Numerics,
+    f32_dot: F32Dot,
 }
 
 impl Step<'_> {
@@ -234,7 +250,7 @@ impl Step<'_> {
                 return Ok(());
             }
             Op::Matmul { out, a, b: y, contract, precision } => {
-                (out, matmul(b, get(vals, a)?, get(vals, y)?, *contract, *precision)?)
+                (out, matmul(b, get(vals, a)?, get(vals, y)?, *contract, self.products.rounding(*precision))?)
             }
             Op::Binary { out, op, a, b: y } => {
                 let (x, y) = (get(vals, a)?, get(vals, y)?);
@@ -374,29 +390,85 @@ impl Step<'_> {
     }
 }
 
-/// `x y` contracting `contract`, as a TPU's MXU computes it at `precision`.
-fn matmul(
-    b: &mut FnBuilder,
-    mut x: Value,
-    mut y: Value,
-    contract: (usize, usize),
-    precision: MatPrecision,
-) -> Result<Value> {
-    // The MXU's one bf16 pass: f32 operands rounded to bf16, exact products, f32
-    // sums (the CPU plugin would otherwise multiply in f32 whatever the precision).
-    if precision == MatPrecision::Default {
-        for v in [&mut x, &mut y] {
-            if v.elem() == DType::F32 {
-                let r = b.convert(*v, DType::BF16)?;
-                *v = b.convert(r, DType::F32)?;
-            }
+/// How a product's operands round before exact f32 products and sums.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Rounding {
+    /// Not at all (full f32).
+    Exact,
+    /// Each operand once to a float of (exponent, mantissa) bits.
+    Once(u32, u32),
+    /// Each operand split into its rounding and the rounding of its rest, the three largest
+    /// cross products summed, the two small ones first.
+    Split(u32, u32),
+}
+
+/// bf16's exponent and mantissa bits.
+const BF16: (u32, u32) = (8, 7);
+/// TF32's exponent and mantissa bits.
+const TF32: (u32, u32) = (8, 10);
+
+impl Products {
+    /// The rounding of a product at `precision` under these numerics.
+    fn rounding(self, precision: MatPrecision) -> Rounding {
+        match (self.numerics, precision) {
+            (_, MatPrecision::Default) => Rounding::Once(BF16.0, BF16.1),
+            (Numerics::Mosaic, _) | (Numerics::Triton, MatPrecision::Ieee) => Rounding::Exact,
+            (Numerics::Triton, MatPrecision::Highest) => match self.f32_dot {
+                F32Dot::Ieee => Rounding::Exact,
+                F32Dot::Tf32x3 => Rounding::Split(TF32.0, TF32.1),
+            },
+            (Numerics::Triton, MatPrecision::Tf32) => Rounding::Once(TF32.0, TF32.1),
+            (Numerics::Triton, MatPrecision::Tf32x3) => Rounding::Split(TF32.0, TF32.1),
+            (Numerics::Triton, MatPrecision::Bf16x3) => Rounding::Split(BF16.0, BF16.1),
         }
     }
-    let before = b.dot_precision();
-    b.set_dot_precision(Precision::Highest);
-    let v = b.dot_general(x, y, &[], &[], &[contract.0 as i64], &[contract.1 as i64], DType::F32);
-    b.set_dot_precision(before);
-    v
+}
+
+/// `x y` contracting `contract` with the operands rounded as `rounding` says; the products
+/// and sums in f32 (the CPU plugin would otherwise multiply as it likes).
+fn matmul(
+    b: &mut FnBuilder,
+    x: Value,
+    y: Value,
+    contract: (usize, usize),
+    rounding: Rounding,
+) -> Result<Value> {
+    let exact = |b: &mut FnBuilder, x: Value, y: Value| -> Result<Value> {
+        let before = b.dot_precision();
+        b.set_dot_precision(Precision::Highest);
+        let v = b.dot_general(x, y, &[], &[], &[contract.0 as i64], &[contract.1 as i64], DType::F32);
+        b.set_dot_precision(before);
+        v
+    };
+    // bf16 operands are what they are; f32 ones round.
+    let round = |b: &mut FnBuilder, v: Value, (e, m): (u32, u32)| -> Result<Value> {
+        match (v.elem(), (e, m)) {
+            (DType::F32, BF16) => {
+                // As a bf16 pass rounds: through bf16 and back (the same values).
+                let r = b.convert(v, DType::BF16)?;
+                b.convert(r, DType::F32)
+            }
+            (DType::F32, _) => b.reduce_precision(v, e, m),
+            _ => Ok(v),
+        }
+    };
+    match rounding {
+        Rounding::Exact => exact(b, x, y),
+        Rounding::Once(e, m) => {
+            let (x, y) = (round(b, x, (e, m))?, round(b, y, (e, m))?);
+            exact(b, x, y)
+        }
+        Rounding::Split(e, m) => {
+            let (xh, yh) = (round(b, x, (e, m))?, round(b, y, (e, m))?);
+            let (xr, yr) = (b.sub(x, xh)?, b.sub(y, yh)?);
+            let (xl, yl) = (round(b, xr, (e, m))?, round(b, yr, (e, m))?);
+            let small = exact(b, xh, yl)?;
+            let other = exact(b, xl, yh)?;
+            let small = b.add(small, other)?;
+            let big = exact(b, xh, yh)?;
+            b.add(small, big)
+        }
+    }
 }
 
 fn get(vals: &HashMap<u32, Value>, v: &V) -> Result<Value> {
@@ -416,7 +488,7 @@ fn binary(b: &mut FnBuilder, op: Binary, x: Value, y: Value) -> Result<Value> {
 
 /// The kernel run on `operands` (the tables, then the inputs) as plain StableHLO in `b`:
 /// the interpret lowering, for any plugin.
-fn call(k: &Kernel, b: &mut FnBuilder, operands: &[Value]) -> Result<Vec<Value>> {
+fn call(k: &Kernel, b: &mut FnBuilder, operands: &[Value], products: Products) -> Result<Vec<Value>> {
     let want = k.operand_types();
     let got: Vec<TensorType> = operands.iter().map(Value::ty).collect();
     if got != want {
@@ -438,7 +510,7 @@ fn call(k: &Kernel, b: &mut FnBuilder, operands: &[Value]) -> Result<Vec<Value>>
             state.push(b.scalar_i32(-1)?);
         }
     }
-    let done = grid_loop(k, b, &[], Operands { tables, inputs }, &state)?;
+    let done = grid_loop(k, b, &[], Operands { tables, inputs, products }, &state)?;
     Ok(done[..k.outputs.len()].to_vec())
 }
 
@@ -451,7 +523,7 @@ fn grid_loop(
     state: &[Value],
 ) -> Result<Vec<Value>> {
     if grid.len() == k.grid.len() {
-        return step(k, b, &Step { grid, tables: x.tables }, x.inputs, state);
+        return step(k, b, &Step { grid, tables: x.tables, products: x.products }, x.inputs, state);
     }
     let steps = k.grid[grid.len()].0 as i32;
     b.for_loop(steps, state, |b, i, st| {

@@ -132,7 +132,7 @@ pub(super) fn level_grads(
 /// as what that rounding left (about 16 bits for them).
 pub(super) fn fold(b: &mut Body, masks_t: Ref, de: &V, p: MatPrecision, split: i64) -> Result<V> {
     let mt = b.load_all(masks_t)?;
-    let x = if p == MatPrecision::Highest {
+    let x = if p != MatPrecision::Default {
         let mt = b.to_dtype(&mt, DType::F32)?;
         b.matmul(&mt, de, (1, 0), MatPrecision::Highest)?
     } else {

@@ -279,7 +279,7 @@ impl KernelDims {
     pub fn mask_dtype(&self) -> DType {
         match self.precision() {
             MatPrecision::Default => DType::BF16,
-            MatPrecision::Highest => DType::F32,
+            _ => DType::F32,
         }
     }
 }

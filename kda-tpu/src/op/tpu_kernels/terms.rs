@@ -209,7 +209,7 @@ fn level_masks(b: &mut Body) -> Result<Vec<V>> {
 /// a small integer and a bf16 part is exact, the sums are f32): one pass for a `g` already
 /// bf16 (a pre-activated bf16 gate), two for about 16 bits.
 fn mask_sum(b: &mut Body, mask: &V, g: &V, data: MatPrecision, passes: usize) -> Result<V> {
-    if data == MatPrecision::Highest {
+    if data != MatPrecision::Default {
         return b.dot(mask, g);
     }
     let mask = b.to_dtype(mask, DType::BF16)?;
@@ -488,7 +488,11 @@ pub fn chunk_factors(
     // inputs): `G` alone, from `g` as it is (a bf16 `g` is exact in one pass), scaled after,
     // the other arrays differences of its rows ([`anchored`]).
     let sums = match data {
-        MatPrecision::Highest => {
+        MatPrecision::Highest
+        | MatPrecision::Tf32
+        | MatPrecision::Tf32x3
+        | MatPrecision::Bf16x3
+        | MatPrecision::Ieee => {
             let g2 = mul_const(b, g, std::f64::consts::LOG2_E)?;
             masks.iter().map(|m| mask_sum(b, m, &g2, data, g_passes)).collect::<Result<Vec<_>>>()?
         }
@@ -512,7 +516,11 @@ pub fn chunk_factors(
     };
     let (gc, gs, mid) = (&sums[0], &sums[1], &sums[2]);
     let last = match data {
-        MatPrecision::Highest => {
+        MatPrecision::Highest
+        | MatPrecision::Tf32
+        | MatPrecision::Tf32x3
+        | MatPrecision::Bf16x3
+        | MatPrecision::Ieee => {
             b.store_all(scratch.sums, gc)?;
             b.load(scratch.sums, &at(C - 1, 0), &[1, kd])?
         }

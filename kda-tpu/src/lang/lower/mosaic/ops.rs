@@ -93,9 +93,10 @@ impl OpRules for Emitter<'_> {
         let (cl, cr) = (contract.0, contract.1);
         let dims =
             format!("[{cl}], [{cr}], [{}], [{}], [0, {}, 1, {}], [], []", 1 - cl, 1 - cr, 1 - cl, 1 - cr);
+        // Every precision but the one bf16 pass is full precision on the MXU.
         let p = match precision {
-            MatPrecision::Highest => "precision = #tpu.contract_precision<fp32>, ",
             MatPrecision::Default => "",
+            _ => "precision = #tpu.contract_precision<fp32>, ",
         };
         let n = self.def(out);
         self.line(&format!(

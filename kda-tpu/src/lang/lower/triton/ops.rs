@@ -122,9 +122,15 @@ impl OpRules for Emitter<'_> {
         }
         let oe = if bf16 { DType::BF16 } else { e };
         let acc = self.let_(&format!("arith.constant dense<0.000000000e+00> : {}", vty(out)));
-        let p = match (oe, self.params.f32_dot) {
-            (DType::F32, F32Dot::Ieee) => ", inputPrecision = ieee",
-            (DType::F32, F32Dot::Tf32x3) => ", inputPrecision = tf32x3",
+        let p = match (oe, precision, self.params.f32_dot) {
+            (DType::F32, MatPrecision::Highest, F32Dot::Ieee) | (DType::F32, MatPrecision::Ieee, _) => {
+                ", inputPrecision = ieee"
+            }
+            (DType::F32, MatPrecision::Highest, F32Dot::Tf32x3) | (DType::F32, MatPrecision::Tf32x3, _) => {
+                ", inputPrecision = tf32x3"
+            }
+            (DType::F32, MatPrecision::Tf32, _) => ", inputPrecision = tf32",
+            (DType::F32, MatPrecision::Bf16x3, _) => ", inputPrecision = bf16x3",
             _ => "",
         };
         let (at, bt) = (tty(&padded(&ad), elem(oe)), tty(&padded(&bd), elem(oe)));
