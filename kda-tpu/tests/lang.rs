@@ -16,7 +16,7 @@ use kda_tpu::aot::{GpuCompiler, H200};
 use kda_tpu::hlo::{Cmp, TensorType};
 use kda_tpu::lang::{
     Binary, Cost, F32Dot, Feature, Index, Interpret, Kernel, KernelBuilder, Lower, Lowering, MatPrecision,
-    Mosaic, MosaicParams, Offset, Operand, Reduction, Ref, Semantics, Triton, TritonParams,
+    Mosaic, MosaicParams, Offset, Operand, Reduction, Ref, Scan, Semantics, Triton, TritonParams,
 };
 use kda_tpu::op::tpu_kernels::terms::{TermMasks, TermScratch};
 use kda_tpu::{Result, TpuCompiler, DEFAULT_TOPOLOGY};
@@ -1049,5 +1049,93 @@ fn three_tf32_passes_drop_what_their_split_drops() -> Result<()> {
     let tpu = run!(&kernel.module(&Interpret::MOSAIC_NUMERICS)?, inputs())[0].f32s();
     assert!(gpu.iter().all(|&v| v == 128.0 + 2f32.powi(-4)), "{:?}", &gpu[..4]);
     assert!(tpu.iter().all(|&v| v > 128.0 + 2f32.powi(-4) && v < 128.0625 + 1e-4), "{:?}", &tpu[..4]);
+    Ok(())
+}
+
+/// A cumsum kernel: `x` `[R, N]` summed along `axis` as `scan` says, restarting where `x`'s
+/// companion input `marks` is positive when `segments`.
+fn cumsum_kernel(name: &str, dims: [i64; 2], axis: usize, scan: Scan, segments: bool) -> Result<Kernel> {
+    let ty = t(DType::F32, &dims);
+    whole_kernel(name, &[ty.clone(), ty.clone()], &[ty], |b, ins, outs| {
+        let (x, marks) = (b.load_all(ins[0])?, b.load_all(ins[1])?);
+        let zero = b.splat(0.0, DType::F32, &dims)?;
+        let starts = b.compare(Cmp::Gt, &marks, &zero)?;
+        let s = b.cumsum(&x, axis, scan, segments.then_some(&starts))?;
+        b.store_all(outs[0], &s)
+    })
+}
+
+/// The host's running sums of `x` `[r, n]` along `axis`, restarting at each positive mark.
+fn host_cumsum(
+    x: &[f32],
+    marks: &[f32],
+    [r, n]: [usize; 2],
+    axis: usize,
+    scan: Scan,
+    segments: bool,
+) -> Vec<f32> {
+    let at = |i: usize, j: usize| if axis == 1 { i * n + j } else { j * n + i };
+    let (lines, len) = if axis == 1 { (r, n) } else { (n, r) };
+    let mut out = vec![0.0f32; r * n];
+    for l in 0..lines {
+        let seg: Vec<usize> = (0..len)
+            .scan(0, |s, j| {
+                *s += usize::from(segments && marks[at(l, j)] > 0.0);
+                Some(*s)
+            })
+            .collect();
+        for i in 0..len {
+            let inside = |j: usize| {
+                let order = if scan.reverse { j >= i } else { j <= i };
+                order && (j != i || !scan.exclusive) && seg[j] == seg[i]
+            };
+            out[at(l, i)] =
+                (0..len).filter(|&j| inside(j)).map(|j| f64::from(x[at(l, j)])).sum::<f64>() as f32;
+        }
+    }
+    out
+}
+
+/// Cumsums (forward and reverse, inclusive and exclusive, with and without segments, along
+/// either axis of a width that is no power of two) through the interpret lowering meet the
+/// host's; the Mosaic lowering refuses them by name, and the Triton lowering writes `tt.scan`.
+#[rstest]
+#[case::forward(1, false, false, false)]
+#[case::reverse_exclusive(1, true, true, false)]
+#[case::forward_exclusive_segments(1, false, true, true)]
+#[case::reverse_segments(1, true, false, true)]
+#[case::down_rows_segments(0, false, false, true)]
+fn cumsums_are_direct_running_sums(
+    #[case] axis: usize,
+    #[case] reverse: bool,
+    #[case] exclusive: bool,
+    #[case] segments: bool,
+) -> Result<()> {
+    let (r, n) = (8, 96);
+    let scan = Scan { reverse, exclusive };
+    let kernel = cumsum_kernel("cumsum", [r as i64, n as i64], axis, scan, segments)?;
+    let (x, marks) = (rand_vec(r * n, 21, -1.0, 1.0), rand_vec(r * n, 22, -4.0, 1.0));
+    let dims = vec![r as i64, n as i64];
+    let got = run!(
+        &kernel.module(&Lowering::Interpret)?,
+        vec![In::F32(x.clone(), dims.clone()), In::F32(marks.clone(), dims)]
+    );
+    assert_close("cumsum", &got[0].f32s(), &host_cumsum(&x, &marks, [r, n], axis, scan, segments), 1e-5);
+    let e = kernel.module(&Lowering::Mosaic).expect_err("no Mosaic scan");
+    assert!(e.to_string().contains("mosaic lowering of kernel cumsum: a cumsum"), "{e}");
+    if !(reverse && segments) {
+        assert!(Triton.text(&kernel)?.contains("\"tt.scan\""), "a Triton scan");
+    }
+    Ok(())
+}
+
+/// The Triton forms of a plain and a segmented exclusive cumsum compile for the H200.
+#[rstest]
+#[case::plain(false)]
+#[case::segments(true)]
+fn cumsums_compile_for_the_h200(#[case] segments: bool) -> Result<()> {
+    let kernel = cumsum_kernel("cumsum", [64, 64], 1, Scan { reverse: false, exclusive: true }, segments)?;
+    let gpu = GpuCompiler::load().unwrap_or_else(|e| panic!("no CUDA plugin ({e}); run `cargo xtask setup`"));
+    gpu.compile(&kernel.module(&Triton)?, &H200).map_err(|e| Triton.explain(&kernel, e))?;
     Ok(())
 }

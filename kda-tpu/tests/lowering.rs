@@ -45,7 +45,7 @@ impl Lower for Counting {
 
 /// Every op of the language by the name its `Debug` form starts with: the list this test keeps
 /// itself, so that a kind the walk skips or misnames shows as a difference.
-const OP_NAMES: [&str; 22] = [
+const OP_NAMES: [&str; 23] = [
     "ProgramId",
     "IndexConst",
     "IndexBinary",
@@ -60,6 +60,7 @@ const OP_NAMES: [&str; 22] = [
     "Compare",
     "Select",
     "Reduce",
+    "Cumsum",
     "Broadcast",
     "Cast",
     "Transpose",

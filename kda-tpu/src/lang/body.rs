@@ -4,7 +4,7 @@
 
 use kda_core::DType;
 
-use super::ir::{Binary, MatPrecision, Offset, Op, Place, Reduction, Ref, Table, Unary, V};
+use super::ir::{Binary, MatPrecision, Offset, Op, Place, Reduction, Ref, Scan, Table, Unary, V};
 use crate::error::{Result, TpuError};
 use crate::hlo::{Cmp, TensorType};
 
@@ -434,6 +434,27 @@ impl Body {
         dims[axis] = 1;
         let out = self.fresh(TensorType::new(DType::F32, &dims));
         self.push(Op::Reduce { out: out.clone(), op, a: a.clone(), axis });
+        Ok(out)
+    }
+
+    /// Running sums of the f32 `a` `[R, N]` along `axis` (0 or 1), as `scan` says (forward or
+    /// reverse, inclusive or exclusive), and with `starts` (i1 of `a`'s dims) restarting at each
+    /// element where it holds: an element then sums only the elements of its own segment, the
+    /// run from the last start at or before it to the element before the next start. Direct
+    /// sums: no difference of two running totals is ever formed.
+    pub fn cumsum(&mut self, a: &V, axis: usize, scan: Scan, starts: Option<&V>) -> Result<V> {
+        self.uses("cumsum", &[a])?;
+        if let Some(s) = starts {
+            self.uses("cumsum", &[s])?;
+            if s.ty != TensorType::new(DType::I1, &a.ty.dims) {
+                return Err(err("cumsum", format!("starts {} for {}", fmt_ty(&s.ty), fmt_ty(&a.ty))));
+            }
+        }
+        if a.ty.dims.len() != 2 || axis > 1 || a.ty.elem != DType::F32 {
+            return Err(err("cumsum", format!("axis {axis} of {} (an f32 [R, N])", fmt_ty(&a.ty))));
+        }
+        let out = self.fresh(a.ty.clone());
+        self.push(Op::Cumsum { out: out.clone(), a: a.clone(), axis, scan, starts: starts.cloned() });
         Ok(out)
     }
 

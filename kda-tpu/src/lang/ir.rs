@@ -95,6 +95,15 @@ pub enum Reduction {
     Max,
 }
 
+/// How [`super::Body::cumsum`] runs along its axis.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Scan {
+    /// From the last element to the first: each element sums itself and what follows it.
+    pub reverse: bool,
+    /// Each element's sum leaves itself out (the first element of a segment sums to 0).
+    pub exclusive: bool,
+}
+
 /// Matmul precision, per product: `Default` is the native bf16 pass (the only choice for bf16
 /// operands); the others take f32 operands. On a TPU (Mosaic) every one but `Default` runs at
 /// full precision (the `fp32` contract precision); a GPU (Triton) runs each as it says.
@@ -147,6 +156,8 @@ pub enum Op {
     Select { out: V, cond: V, a: V, b: V },
     /// Reduction over `axis`, kept with size 1.
     Reduce { out: V, op: Reduction, a: V, axis: usize },
+    /// Running sums of `a` along `axis` as `scan` says, restarting where the i1 `starts` holds.
+    Cumsum { out: V, a: V, axis: usize, scan: Scan, starts: Option<V> },
     /// Stretches size-1 dims (and prepends leading ones) to `out`'s dims.
     Broadcast { out: V, a: V },
     /// Element type conversion.
@@ -207,6 +218,8 @@ pub enum OpKind {
     Select,
     /// A reduction over an axis ([`super::Body::reduce`]).
     Reduce,
+    /// Running sums along an axis ([`super::Body::cumsum`]).
+    Cumsum,
     /// A broadcast ([`super::Body::broadcast`]).
     Broadcast,
     /// An element type conversion ([`super::Body::cast`]).
@@ -243,6 +256,7 @@ impl Op {
             Op::Compare { .. } => OpKind::Compare,
             Op::Select { .. } => OpKind::Select,
             Op::Reduce { .. } => OpKind::Reduce,
+            Op::Cumsum { .. } => OpKind::Cumsum,
             Op::Broadcast { .. } => OpKind::Broadcast,
             Op::Cast { .. } => OpKind::Cast,
             Op::Transpose { .. } => OpKind::Transpose,

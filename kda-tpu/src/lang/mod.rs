@@ -41,7 +41,7 @@ pub mod lower;
 
 pub use body::Body;
 pub use call::{Bindings, Returned};
-pub use ir::{Binary, MatPrecision, Offset, OpKind, Reduction, Ref, Table, Unary, V};
+pub use ir::{Binary, MatPrecision, Offset, OpKind, Reduction, Ref, Scan, Table, Unary, V};
 pub use kernel::{Cost, Index, Kernel, KernelBuilder, Operand, Semantics};
 pub use lower::renamed::*;
 pub use lower::{
@@ -228,6 +228,7 @@ mod tests {
     #[case::unaligned_slice(Feature::UnalignedPart, &[1])]
     #[case::four_parallel_axes(Feature::WideGrid, &[1, 1, 1, 1])]
     #[case::tall_second_axis(Feature::WideGrid, &[1, 65_536])]
+    #[case::reverse_segmented_scan(Feature::ReverseSegmentedScan, &[1])]
     fn triton_refuses_what_it_has_no_form_for(
         #[case] feature: Feature,
         #[case] grid: &[i64],
@@ -252,6 +253,12 @@ mod tests {
                 }
                 Feature::UnalignedPart => {
                     b.slice(&v, &[0, 32], &[8, 64])?;
+                }
+                Feature::ReverseSegmentedScan => {
+                    let z = b.splat(0.0, DType::F32, &[8, 128])?;
+                    let starts = b.compare(crate::hlo::Cmp::Eq, &v, &z)?;
+                    let scan = super::Scan { reverse: true, exclusive: false };
+                    b.cumsum(&v, 1, scan, Some(&starts))?;
                 }
                 Feature::WideGrid | Feature::HugeArray => {}
             }

@@ -181,6 +181,8 @@ pub(super) trait OpRules: std::ops::DerefMut<Target = Text> {
     fn emit_select(&mut self, op: &Op) -> Result<()>;
     /// The text of an `Op::Reduce`.
     fn emit_reduce(&mut self, op: &Op) -> Result<()>;
+    /// The text of an `Op::Cumsum`.
+    fn emit_cumsum(&mut self, op: &Op) -> Result<()>;
     /// The text of an `Op::Broadcast`.
     fn emit_broadcast(&mut self, op: &Op) -> Result<()>;
     /// The text of an `Op::Cast`.
@@ -218,6 +220,7 @@ pub(super) trait OpRules: std::ops::DerefMut<Target = Text> {
             Op::Compare { .. } => self.emit_compare(op),
             Op::Select { .. } => self.emit_select(op),
             Op::Reduce { .. } => self.emit_reduce(op),
+            Op::Cumsum { .. } => self.emit_cumsum(op),
             Op::Broadcast { .. } => self.emit_broadcast(op),
             Op::Cast { .. } => self.emit_cast(op),
             Op::Transpose { .. } => self.emit_transpose(op),

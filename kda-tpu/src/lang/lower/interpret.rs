@@ -16,8 +16,8 @@ use kda_core::DType;
 use super::triton::{F32Dot, TritonParams};
 use super::Lower;
 use crate::error::{Result, TpuError};
-use crate::hlo::{FnBuilder, Precision, TensorType, Value};
-use crate::lang::ir::{Binary, MatPrecision, Offset, Op, Place, Reduction, Ref, Unary, V};
+use crate::hlo::{Cmp, FnBuilder, Precision, TensorType, Value};
+use crate::lang::ir::{Binary, MatPrecision, Offset, Op, Place, Reduction, Ref, Scan, Unary, V};
 use crate::lang::kernel::{Index, Kernel};
 
 fn err(message: impl Into<String>) -> TpuError {
@@ -304,6 +304,11 @@ impl Step<'_> {
                 let x = get(vals, a)?;
                 (out, b.transpose(x, &[1, 0])?)
             }
+            Op::Cumsum { out, a, axis, scan, starts } => {
+                let x = get(vals, a)?;
+                let starts = starts.as_ref().map(|s| get(vals, s)).transpose()?;
+                (out, cumsum(b, x, *axis, *scan, starts)?)
+            }
             Op::Reshape { out, a } => {
                 let x = get(vals, a)?;
                 (out, b.reshape(x, &out.ty.dims)?)
@@ -468,6 +473,69 @@ fn matmul(
             let big = exact(b, xh, yh)?;
             b.add(small, big)
         }
+    }
+}
+
+/// Running sums of `x` `[R, N]` along `axis` as products with a 0/1 mask (`M[j, i] = 1` where
+/// element `j` is in element `i`'s sum), each sum direct; with `starts`, the mask also asks
+/// `j` and `i` to share a segment (their counts of starts so far equal), one mask per row.
+fn cumsum(b: &mut FnBuilder, x: Value, axis: usize, scan: Scan, starts: Option<Value>) -> Result<Value> {
+    let (x, starts) = match axis {
+        0 => (b.transpose(x, &[1, 0])?, starts.map(|s| b.transpose(s, &[1, 0])).transpose()?),
+        _ => (x, starts),
+    };
+    let (r, n) = (x.dims()[0], x.dims()[1]);
+    let square = TensorType::new(DType::I32, &[n, n]);
+    let (j, i) = (b.iota(square.clone(), 0)?, b.iota(square, 1)?);
+    let cmp = match (scan.reverse, scan.exclusive) {
+        (false, false) => Cmp::Le,
+        (false, true) => Cmp::Lt,
+        (true, false) => Cmp::Ge,
+        (true, true) => Cmp::Gt,
+    };
+    let within = b.compare(cmp, j, i)?;
+    let f32_of = |b: &mut FnBuilder, m: Value, dims: &[i64]| -> Result<Value> {
+        let (one, zero) = (
+            b.constant_f32(1.0, TensorType::new(DType::F32, dims))?,
+            b.constant_f32(0.0, TensorType::new(DType::F32, dims))?,
+        );
+        b.select(m, one, zero)
+    };
+    let exact = |b: &mut FnBuilder, x: Value, m: Value, batch: bool| -> Result<Value> {
+        let before = b.dot_precision();
+        b.set_dot_precision(Precision::Highest);
+        let v = match batch {
+            false => b.dot_general(x, m, &[], &[], &[1], &[0], DType::F32),
+            true => b.dot_general(x, m, &[0], &[0], &[2], &[1], DType::F32),
+        };
+        b.set_dot_precision(before);
+        v
+    };
+    let sums = match starts {
+        None => {
+            let m = f32_of(b, within, &[n, n])?;
+            exact(b, x, m, false)?
+        }
+        Some(s) => {
+            // Each element's segment: the count of starts up to it (exact in f32 below 2^24).
+            let counts = f32_of(b, s, &[r, n])?;
+            let upto = b.compare(Cmp::Le, j, i)?;
+            let upto = f32_of(b, upto, &[n, n])?;
+            let seg = exact(b, counts, upto, false)?;
+            let seg_j = b.broadcast_in_dim(seg, &[r, n, n], &[0, 1])?;
+            let seg_i = b.broadcast_in_dim(seg, &[r, n, n], &[0, 2])?;
+            let same = b.compare(Cmp::Eq, seg_j, seg_i)?;
+            let within = b.broadcast_in_dim(within, &[r, n, n], &[1, 2])?;
+            let m = b.and(same, within)?;
+            let m = f32_of(b, m, &[r, n, n])?;
+            let x3 = b.reshape(x, &[r, 1, n])?;
+            let y = exact(b, x3, m, true)?;
+            b.reshape(y, &[r, n])?
+        }
+    };
+    match axis {
+        0 => b.transpose(sums, &[1, 0]),
+        _ => Ok(sums),
     }
 }
 

@@ -16,6 +16,7 @@ use crate::error::{Result, TpuError};
 use crate::hlo::{FnBuilder, TensorType, Value};
 use crate::lang::ir::{Offset, Op, Place, Ref, V};
 use crate::lang::kernel::{Index, Kernel, Operand, Semantics};
+use crate::lang::OpKind;
 
 fn vty(t: &TensorType) -> String {
     if t.dims.is_empty() {
@@ -47,6 +48,10 @@ pub(crate) fn base64(bytes: &[u8]) -> String {
     }
     out
 }
+
+/// Why the Mosaic lowering refuses a cumsum.
+const CUMSUM_REFUSED: &str =
+    "a cumsum (no scan in this lowering: write a prefix sum as a product with a triangular mask)";
 
 /// The Mosaic lowering: a kernel as a Mosaic TPU kernel inside a `tpu_custom_call`, for
 /// libtpu. Reads each kernel's [`MosaicParams`] (defaults where it has none).
@@ -155,6 +160,11 @@ impl Lower for Mosaic {
         let params = Mosaic::params(kernel);
         if let Some(bytes) = params.vmem_limit.filter(|&b| b <= 0) {
             return Err(refuse(self, kernel, format!("a vmem limit of {bytes} bytes")));
+        }
+        let mut scans = false;
+        kernel.walk(&mut |kind| scans |= kind == OpKind::Cumsum);
+        if scans {
+            return Err(refuse(self, kernel, CUMSUM_REFUSED));
         }
         for o in kernel.inputs.iter().chain(&kernel.outputs) {
             if let Some(why) = params.tiling.off(o) {

@@ -4,7 +4,7 @@ use kda_core::DType;
 
 use super::super::arith::{cast_op, literal, predicate, OpRules};
 use super::{internal, memref, vty, Emitter};
-use crate::error::Result;
+use crate::error::{Result, TpuError};
 use crate::hlo::TensorType;
 use crate::lang::ir::{MatPrecision, Op, Reduction, Unary};
 
@@ -337,5 +337,10 @@ impl OpRules for Emitter<'_> {
             return Err(internal("Reshape"));
         };
         self.conversion("vector.shape_cast", out, a)
+    }
+
+    /// A cumsum has no Mosaic form (the lowering's check refuses it first).
+    fn emit_cumsum(&mut self, _op: &Op) -> Result<()> {
+        Err(TpuError::unsupported("mosaic lowering", super::CUMSUM_REFUSED))
     }
 }

@@ -53,6 +53,12 @@ fn reads(op: &Op, vals: &mut Vec<u32>, refs: &mut Vec<Ref>, writes: &mut bool) {
             v(b)
         }
         Op::ReadTable { index, .. } => v(index),
+        Op::Cumsum { a, starts, .. } => {
+            v(a);
+            if let Some(s) = starts {
+                v(s)
+            }
+        }
         Op::Unary { a, .. }
         | Op::Reduce { a, .. }
         | Op::Broadcast { a, .. }
@@ -107,6 +113,7 @@ fn defines(op: &Op) -> Vec<u32> {
         | Op::Compare { out, .. }
         | Op::Select { out, .. }
         | Op::Reduce { out, .. }
+        | Op::Cumsum { out, .. }
         | Op::Broadcast { out, .. }
         | Op::Cast { out, .. }
         | Op::Transpose { out, .. }

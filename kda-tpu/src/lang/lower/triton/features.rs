@@ -27,6 +27,8 @@ pub enum Feature {
     WideGrid,
     /// An array of 2^31 elements or more (Triton offsets are i32).
     HugeArray,
+    /// A reverse cumsum with segments (the segmented scan here runs forward only).
+    ReverseSegmentedScan,
 }
 
 impl Feature {
@@ -44,6 +46,7 @@ impl Feature {
             }
             Feature::WideGrid => "more than 3 parallel grid axes, or over 65,535 steps on the 2nd or 3rd",
             Feature::HugeArray => "an array of 2^31 elements or more",
+            Feature::ReverseSegmentedScan => "a reverse cumsum with segments (forward only here)",
         }
     }
 }
@@ -101,6 +104,9 @@ fn used(k: &Kernel, ops: &[Op], out: &mut Vec<(Feature, String)>) {
                     let dims: Vec<_> = parts.iter().map(|p| p.ty.dims.clone()).collect();
                     out.push((Feature::UnalignedPart, format!("concat of {dims:?} along {dim}")));
                 }
+            }
+            Op::Cumsum { scan, starts: Some(_), .. } if scan.reverse => {
+                out.push((Feature::ReverseSegmentedScan, "cumsum".to_string()))
             }
             Op::If { then, .. } => used(k, then, out),
             Op::For { body, .. } => used(k, body, out),

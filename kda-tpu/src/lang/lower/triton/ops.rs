@@ -418,4 +418,58 @@ impl OpRules for Emitter<'_> {
         }
         Ok(())
     }
+
+    /// `tt.scan` along the axis, the padding zero first; the exclusive form subtracts each
+    /// element after (exact: it is the inclusive sum's last term); segments scan (value, start
+    /// flag) pairs that restart at each flag. Reverse scans with segments are refused in the
+    /// check.
+    fn emit_cumsum(&mut self, op: &Op) -> Result<()> {
+        let Op::Cumsum { out, a, axis, scan, starts } = op else {
+            return Err(internal("Cumsum"));
+        };
+        let an = self.name(a)?;
+        let x = self.fill_padding(&an, &a.ty.dims, DType::F32, *axis, 0.0);
+        let p = padded(&a.ty.dims);
+        let (f, i) = (tty(&p, "f32"), tty(&p, "i32"));
+        let attrs = format!("<{{axis = {axis} : i32, reverse = {}}}>", scan.reverse);
+        let r = self.temp();
+        match starts {
+            None => {
+                let (u, w, s) = (self.temp(), self.temp(), self.temp());
+                self.line(&format!("{r} = \"tt.scan\"({x}) {attrs} ({{"));
+                self.line(&format!("^bb0({u}: f32, {w}: f32):"));
+                self.depth += 1;
+                self.line(&format!("{s} = arith.addf {u}, {w} : f32"));
+                self.line(&format!("tt.scan.return {s} : f32"));
+                self.depth -= 1;
+                self.line(&format!("}}) : ({f}) -> {f}"));
+            }
+            Some(st) => {
+                let sn = self.name(st)?;
+                let flags = self.let_(&format!("arith.extui {sn} : {} to {i}", tty(&p, "i1")));
+                let (av, af, bv, bf) = (self.temp(), self.temp(), self.temp(), self.temp());
+                let (zero, sum, restart, v, o) =
+                    (self.temp(), self.temp(), self.temp(), self.temp(), self.temp());
+                self.line(&format!("{r}:2 = \"tt.scan\"({x}, {flags}) {attrs} ({{"));
+                self.line(&format!("^bb0({av}: f32, {af}: i32, {bv}: f32, {bf}: i32):"));
+                self.depth += 1;
+                self.line(&format!("{zero} = arith.constant 0 : i32"));
+                self.line(&format!("{sum} = arith.addf {av}, {bv} : f32"));
+                self.line(&format!("{restart} = arith.cmpi ne, {bf}, {zero} : i32"));
+                self.line(&format!("{v} = arith.select {restart}, {bv}, {sum} : f32"));
+                self.line(&format!("{o} = arith.ori {af}, {bf} : i32"));
+                self.line(&format!("tt.scan.return {v}, {o} : f32, i32"));
+                self.depth -= 1;
+                self.line(&format!("}}) : ({f}, {i}) -> ({f}, {i})"));
+            }
+        }
+        let sums = if starts.is_some() { format!("{r}#0") } else { r };
+        if scan.exclusive {
+            let n = self.def(out);
+            self.line(&format!("{n} = arith.subf {sums}, {x} : {f}"));
+        } else {
+            self.names.insert(out.id, sums);
+        }
+        Ok(())
+    }
 }
