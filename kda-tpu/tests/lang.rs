@@ -1139,3 +1139,55 @@ fn cumsums_compile_for_the_h200(#[case] segments: bool) -> Result<()> {
     gpu.compile(&kernel.module(&Triton)?, &H200).map_err(|e| Triton.explain(&kernel, e))?;
     Ok(())
 }
+
+/// A loop to a run-time bound (a table entry `n`: `0..min(16, n)`, counted in every element of
+/// `trips`) and a load of the rows below `n` (the rest read as 0, summed in `rows`).
+fn run_time_bounds() -> Result<Kernel> {
+    let mut k = one_step("run_time_bounds");
+    let n = k.table("n", 1);
+    let x = k.input(Operand::whole("x", t(DType::F32, &[16, 128])));
+    let trips = k.output(Operand::whole("trips", t(DType::F32, &[8, 128])));
+    let rows = k.output(Operand::whole("rows", t(DType::F32, &[1, 128])));
+    k.build(|b| {
+        let at = b.index(0)?;
+        let n = b.read_table(n, &at)?;
+        let zero = b.splat(0.0, DType::F32, &[8, 128])?;
+        let counted = b.for_range_until(0, 16, &n, &[zero], |b, _, acc| {
+            let one = b.splat(1.0, DType::F32, &[8, 128])?;
+            Ok(vec![b.add(&acc[0], &one)?])
+        })?;
+        b.store_all(trips, &counted[0])?;
+        let y = b.load_rows(x, &[Offset::Const(0), Offset::Const(0)], &[16, 128], &n, 0.0)?;
+        let s = b.reduce(Reduction::Sum, &y, 0)?;
+        b.store_all(rows, &s)
+    })
+}
+
+/// The interpret lowering stops the loop at the table's bound (or at its static one) and reads
+/// only the rows below it.
+#[rstest]
+#[case::below_the_static_bound(5)]
+#[case::past_it(40)]
+fn loops_and_loads_stop_at_run_time_bounds(#[case] n: i32) -> Result<()> {
+    let kernel = run_time_bounds()?;
+    let x = rand_vec(16 * 128, 31, -1.0, 1.0);
+    let inputs = vec![In::I32(vec![n], vec![1]), In::F32(x.clone(), vec![16, 128])];
+    let outs = run!(&kernel.module(&Lowering::Interpret)?, inputs);
+    let kept = n.clamp(0, 16) as usize;
+    assert!(outs[0].f32s().iter().all(|&v| v == kept as f32), "{n}: {:?}", &outs[0].f32s()[..4]);
+    let want: Vec<f32> = (0..128).map(|c| (0..kept).map(|r| x[r * 128 + c]).sum()).collect();
+    assert_close("rows", &outs[1].f32s(), &want, 1e-6);
+    Ok(())
+}
+
+/// The run-time bounds compile through libtpu (a loop to `min(16, n)`) and for the H200.
+#[test]
+fn mosaic_kernel_with_run_time_bounds_compiles() -> Result<()> {
+    let kernel = run_time_bounds()?;
+    let tpu = TpuCompiler::load().unwrap_or_else(|e| panic!("no libtpu ({e}); run `cargo xtask setup`"));
+    tpu.compile(&kernel.module(&Lowering::Mosaic)?, DEFAULT_TOPOLOGY)
+        .map_err(|e| Mosaic.explain(&kernel, e))?;
+    let gpu = GpuCompiler::load().unwrap_or_else(|e| panic!("no CUDA plugin ({e}); run `cargo xtask setup`"));
+    gpu.compile(&kernel.module(&Triton)?, &H200).map_err(|e| Triton.explain(&kernel, e))?;
+    Ok(())
+}

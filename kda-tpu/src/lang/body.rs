@@ -235,6 +235,28 @@ impl Body {
         self.load(from, &zeros, &ty.dims)
     }
 
+    /// A `dims` block of `from` at `offsets` whose rows (dim 0) from the run-time count `rows`
+    /// (an i32 scalar) on hold `fill`, whatever memory holds there: the rows past a packed
+    /// chunk's tokens, say.
+    pub fn load_rows(
+        &mut self,
+        from: Ref,
+        offsets: &[Offset],
+        dims: &[i64],
+        rows: &V,
+        fill: f64,
+    ) -> Result<V> {
+        if rows.ty != TensorType::scalar(DType::I32) || dims.len() < 2 {
+            return Err(err("load_rows", format!("{} rows of a {dims:?} block", fmt_ty(&rows.ty))));
+        }
+        let x = self.load(from, offsets, dims)?;
+        let row = self.iota(dims, 0)?;
+        let count = self.broadcast(rows, dims)?;
+        let kept = self.compare(Cmp::Lt, &row, &count)?;
+        let fill = self.splat(fill, x.ty.elem, dims)?;
+        self.select(&kept, &x, &fill)
+    }
+
     /// Writes `value` into `to` at `offsets` (same element type).
     pub fn store(&mut self, to: Ref, offsets: &[Offset], value: &V) -> Result<()> {
         self.uses("store", &[value])?;
@@ -585,6 +607,37 @@ impl Body {
         init: &[V],
         body: impl FnOnce(&mut Body, &V, &[V]) -> Result<Vec<V>>,
     ) -> Result<Vec<V>> {
+        self.counted(lo, hi, None, init, body)
+    }
+
+    /// [`Body::for_range`] stopping at the run-time bound `until` (an i32 scalar, such as a
+    /// table entry) where it is below `hi`: `for i in lo..min(hi, until)`. `hi` bounds the trips
+    /// where a lowering needs a static count (the interpret lowering runs them all, the ones
+    /// from `until` on leaving every value and reference as it was).
+    pub fn for_range_until(
+        &mut self,
+        lo: i64,
+        hi: i64,
+        until: &V,
+        init: &[V],
+        body: impl FnOnce(&mut Body, &V, &[V]) -> Result<Vec<V>>,
+    ) -> Result<Vec<V>> {
+        self.uses("for_range_until", &[until])?;
+        if until.ty != TensorType::scalar(DType::I32) {
+            return Err(err("for_range_until", format!("a bound of {}: an i32 scalar", fmt_ty(&until.ty))));
+        }
+        self.counted(lo, hi, Some(until), init, body)
+    }
+
+    /// A counted loop, stopping early at `until` when given.
+    fn counted(
+        &mut self,
+        lo: i64,
+        hi: i64,
+        until: Option<&V>,
+        init: &[V],
+        body: impl FnOnce(&mut Body, &V, &[V]) -> Result<Vec<V>>,
+    ) -> Result<Vec<V>> {
         self.uses("for_range", &init.iter().collect::<Vec<_>>())?;
         if lo > hi || i32::try_from(hi).is_err() || i32::try_from(lo).is_err() {
             return Err(err("for_range", format!("bounds {lo}..{hi}")));
@@ -609,6 +662,7 @@ impl Body {
         self.push(Op::For {
             lo,
             hi,
+            until: until.cloned(),
             index,
             init: init.to_vec(),
             args,

@@ -172,10 +172,12 @@ pub enum Op {
     Concat { out: V, parts: Vec<V>, dim: usize },
     /// Runs `then` when the i1 scalar `cond` holds (stores only; no values come out).
     If { cond: V, then: Vec<Op> },
-    /// `for i in lo..hi` carrying `init` as `args`; the body's `yields` become `outs`.
+    /// `for i in lo..hi` carrying `init` as `args`; the body's `yields` become `outs`. With
+    /// `until` (an i32 scalar) the loop stops there when it is below `hi`: `lo..min(hi, until)`.
     For {
         lo: i64,
         hi: i64,
+        until: Option<V>,
         index: V,
         init: Vec<V>,
         args: Vec<V>,

@@ -26,7 +26,7 @@ pub use kda_core::Implementation;
 
 /// The VMEM a packed kernel's head-resident results may take by default (f32,
 /// double-buffered): the forward's `o` and the backward's gradients read in place within it,
-/// else through lanes ([`Tuning::packed_result_bytes`]).
+/// else through lanes ([`TpuKernelConfig::packed_result_bytes`]).
 pub const PACKED_RESULT_BYTES: usize = 12 << 20;
 
 /// The spec of a program under its earlier name.

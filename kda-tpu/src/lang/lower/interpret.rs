@@ -365,9 +365,10 @@ impl Step<'_> {
         vals: &mut HashMap<u32, Value>,
         refs: &mut Refs,
     ) -> Result<()> {
-        let Op::For { lo, hi, index, init, args, body, yields, outs } = op else {
+        let Op::For { lo, hi, until, index, init, args, body, yields, outs } = op else {
             return Err(err("internal: a loop region expected"));
         };
+        let until = until.as_ref().map(|u| get(vals, u)).transpose()?;
         let mut state: Vec<Value> = init.iter().map(|v| get(vals, v)).collect::<Result<_>>()?;
         let carried = state.len();
         state.extend(refs.all());
@@ -377,7 +378,8 @@ impl Step<'_> {
         let done = b.for_loop(trips, &state, |b, i, st| {
             let mut inner_vals = outer;
             let lo = b.scalar_i32(*lo as i32)?;
-            inner_vals.insert(index.id, b.add(i, lo)?);
+            let at = b.add(i, lo)?;
+            inner_vals.insert(index.id, at);
             for (a, v) in args.iter().zip(st) {
                 inner_vals.insert(a.id, *v);
             }
@@ -385,6 +387,14 @@ impl Step<'_> {
             self.ops(b, body, &mut inner_vals, &mut inner)?;
             let mut next: Vec<Value> = yields.iter().map(|v| get(&inner_vals, v)).collect::<Result<_>>()?;
             next.extend(inner.all());
+            // Trips from `until` on leave everything as it was.
+            if let Some(u) = until {
+                let running = b.compare(Cmp::Lt, at, u)?;
+                for (n, &old) in next.iter_mut().zip(st) {
+                    let keep = b.broadcast_in_dim(running, n.dims(), &[])?;
+                    *n = b.select(keep, *n, old)?;
+                }
+            }
             Ok(next)
         })?;
         for (o, v) in outs.iter().zip(&done) {

@@ -23,7 +23,7 @@ use crate::op::spec::{on_device, ProgramSpec, CHUNK};
 use crate::Result;
 
 /// How the backward kernel reads tokens: as the forward kernel does, packed tokens in place
-/// while a head's gradients fit [`Tuning::packed_result_bytes`](crate::op::Tuning::packed_result_bytes),
+/// while a head's gradients fit [`TpuKernelConfig::packed_result_bytes`](crate::op::TpuKernelConfig::packed_result_bytes),
 /// else through lanes (XLA gathers the inputs and compacts the
 /// gradients).
 fn backward_tokens(s: &ProgramSpec) -> Tokens {

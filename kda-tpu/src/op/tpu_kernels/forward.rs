@@ -12,7 +12,7 @@
 //!
 //! Its per-token operands hold their tokens as [`Tokens`] says (the caller's head-first or
 //! batch-first tensors in place, or lanes `[L, NT * 64, D]` that XLA made); the kernel widens
-//! bf16 blocks, L2-normalises q and k when asked, applies the [`Gate`] and the floor to `g`, and
+//! bf16 blocks, L2-normalises q and k when asked, applies the gate ([`kda_core::GateKind`]) and the floor to `g`, and
 //! accumulates everything in f32. `h0` and `ht` are `[L, S, K, V]` f32 (`S` state slots per
 //! lane), `h` `[L, NT, K, V]` the state entering every chunk (what the saved-state
 //! backward reads; f32, or with the chunk terms [`KernelDims::state_dtype`]).
@@ -40,7 +40,7 @@ pub(super) struct ForwardRefs {
     pub tabs: ChunkTabs,
     /// `q k v g beta`.
     pub tokens: PerToken<TokenIn>,
-    /// The gate parameters `[H, 2, K]` of an in-kernel gate ([`Gate`]).
+    /// The gate parameters `[H, 2, K]` of an in-kernel gate ([`kda_core::GateKind`]).
     pub gate: Option<Ref>,
     /// `h0` `[L, S, K, V]`.
     pub h0: Option<Ref>,

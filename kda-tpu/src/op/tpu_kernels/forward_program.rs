@@ -100,7 +100,7 @@ fn ended(b: &mut FnBuilder, s: &ProgramSpec, last: Value, slot: Value) -> Result
 
 /// Whether the kernels read a packed spec's rows as one row of whole 64-token blocks with
 /// segment ids ([`KernelDims::segments`]): packed tokens filling whole blocks, no per-segment
-/// states in or out, the tuning's [`Tuning::packed_blocks`](crate::op::Tuning::packed_blocks)
+/// states in or out, the tuning's [`TpuKernelConfig::packed_blocks`](crate::op::TpuKernelConfig::packed_blocks)
 /// and a nonzero result budget (0 sends every packed row through lanes).
 pub(super) fn segment_blocks(s: &ProgramSpec) -> bool {
     let p = s.dims.b * s.dims.t;
@@ -295,7 +295,7 @@ pub(super) fn token_inputs(
     Ok((PerToken { q, k, v, g, beta }, g_dtype))
 }
 
-/// Whether results of `width` lanes per packed token fit [`Tuning::packed_result_bytes`](crate::op::Tuning::packed_result_bytes).
+/// Whether results of `width` lanes per packed token fit [`TpuKernelConfig::packed_result_bytes`](crate::op::TpuKernelConfig::packed_result_bytes).
 pub(super) fn packed_fits(s: &ProgramSpec, width: usize) -> bool {
     2 * 4 * s.dims.b * s.dims.t * width <= s.tuning.tpu_kernels.packed_result_bytes
 }

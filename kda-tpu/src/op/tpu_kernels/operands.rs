@@ -169,7 +169,7 @@ impl KernelDims {
         Ok(PerToken { q, k: kk, v, g, beta })
     }
 
-    /// Declares the gate parameters `[H, 2, K]` of an in-kernel gate ([`Gate`]).
+    /// Declares the gate parameters `[H, 2, K]` of an in-kernel gate ([`kda_core::GateKind`]).
     pub(super) fn declare_gate(&self, kb: &mut KernelBuilder) -> Option<Ref> {
         (self.gate != GateKind::Preactivated).then(|| {
             let at = vec![Index::Grid(0), Index::Const(0), Index::Const(0)];

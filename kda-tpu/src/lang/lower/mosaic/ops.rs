@@ -278,13 +278,18 @@ impl OpRules for Emitter<'_> {
 
     /// The Mosaic text of `For`.
     fn emit_for(&mut self, op: &Op) -> Result<()> {
-        let Op::For { lo, hi, index, init, args, body, yields, outs } = op else {
+        let Op::For { lo, hi, until, index, init, args, body, yields, outs } = op else {
             return Err(internal("For"));
         };
-        let (l, h, s) = (self.temp(), self.temp(), self.temp());
+        let (l, mut h, s) = (self.temp(), self.temp(), self.temp());
         self.line(&format!("{l} = arith.constant {lo} : i32"));
         self.line(&format!("{h} = arith.constant {hi} : i32"));
         self.line(&format!("{s} = arith.constant 1 : i32"));
+        if let Some(u) = until {
+            let (u, m) = (self.name(u)?, self.temp());
+            self.line(&format!("{m} = arith.minsi {h}, {u} : i32"));
+            h = m;
+        }
         let inits = init.iter().map(|v| self.name(v)).collect::<Result<Vec<_>>>()?;
         let types: Vec<String> = init.iter().map(|v| vty(&v.ty)).collect();
         let r = self.temp();

@@ -88,8 +88,9 @@ fn reads(op: &Op, vals: &mut Vec<u32>, refs: &mut Vec<Ref>, writes: &mut bool) {
                 reads(o, vals, refs, writes);
             }
         }
-        Op::For { init, body, .. } => {
+        Op::For { init, until, body, .. } => {
             init.iter().for_each(&mut v);
+            until.iter().for_each(&mut v);
             for o in body {
                 reads(o, vals, refs, writes);
             }

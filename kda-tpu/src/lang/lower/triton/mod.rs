@@ -435,7 +435,7 @@ impl<'k> Emitter<'k> {
     fn counted_loop(
         &mut self,
         lo: i64,
-        hi: i64,
+        (hi, until): (i64, Option<&str>),
         index: &str,
         values: &[String],
         args: &[String],
@@ -443,7 +443,10 @@ impl<'k> Emitter<'k> {
         carried: &[usize],
         body: impl FnOnce(&mut Self) -> Result<Vec<String>>,
     ) -> Result<Vec<String>> {
-        let (l, h, one) = (self.i32_const(lo), self.i32_const(hi), self.i32_const(1));
+        let (l, mut h, one) = (self.i32_const(lo), self.i32_const(hi), self.i32_const(1));
+        if let Some(u) = until {
+            h = self.let_(&format!("arith.minsi {h}, {u} : i32"));
+        }
         let mut all_types: Vec<String> = types.to_vec();
         all_types.extend(carried.iter().map(|&i| self.scratch_type(i)));
         let mut inits: Vec<String> = values.to_vec();
@@ -638,7 +641,7 @@ impl Emitter<'_> {
         };
         let i = self.temp();
         self.grid[axis] = i.clone();
-        self.counted_loop(0, n, &i, &[], &[], &[], carried, |e| {
+        self.counted_loop(0, (n, None), &i, &[], &[], &[], carried, |e| {
             e.arbitrary_steps(&loops[1..], carried)?;
             Ok(Vec::new())
         })?;

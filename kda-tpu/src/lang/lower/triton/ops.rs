@@ -389,9 +389,10 @@ impl OpRules for Emitter<'_> {
 
     /// The TTIR of `For`.
     fn emit_for(&mut self, op: &Op) -> Result<()> {
-        let Op::For { lo, hi, index, init, args, body, yields, outs } = op else {
+        let Op::For { lo, hi, until, index, init, args, body, yields, outs } = op else {
             return Err(internal("For"));
         };
+        let until = until.as_ref().map(|u| self.name(u)).transpose()?;
         let mut w = BTreeSet::new();
         written(body, &mut w);
         let w: Vec<usize> = w.into_iter().collect();
@@ -401,7 +402,7 @@ impl OpRules for Emitter<'_> {
         let i = self.def(index);
         let yields_outs = self.counted_loop(
             *lo,
-            *hi,
+            (*hi, until.as_deref()),
             &i,
             &inits,
             &arg_names,
