@@ -86,6 +86,30 @@ impl Text {
         self.line(&format!("{n} = arith.{} {a}, {b} : i32", int_op(op)));
         Ok(())
     }
+    /// `out = a cmp b` of vectors (or i32 scalars) of type `ty`: the float or the integer
+    /// comparison by the element type.
+    pub(super) fn compare(&mut self, out: &V, cmp: Cmp, a: &V, b: &V, ty: &str) -> Result<()> {
+        let (an, bn) = (self.name(a)?, self.name(b)?);
+        let (f, i) = predicate(cmp);
+        let n = self.def(out);
+        let (op, pred) = if a.ty.elem.is_float() { ("cmpf", f) } else { ("cmpi", i) };
+        self.line(&format!("{n} = arith.{op} {pred}, {an}, {bn} : {ty}"));
+        Ok(())
+    }
+    /// `out = cond ? a : b` elementwise, the condition of type `cond_ty` and the values of `ty`.
+    pub(super) fn select(
+        &mut self,
+        out: &V,
+        cond: &V,
+        a: &V,
+        b: &V,
+        (cond_ty, ty): (&str, &str),
+    ) -> Result<()> {
+        let (c, an, bn) = (self.name(cond)?, self.name(a)?, self.name(b)?);
+        let n = self.def(out);
+        self.line(&format!("{n} = arith.select {c}, {an}, {bn} : {cond_ty}, {ty}"));
+        Ok(())
+    }
     /// `out = a op b` elementwise of vectors of type `ty` (as the lowering spells it): the float
     /// or the integer form by the element type.
     pub(super) fn binary(&mut self, out: &V, op: Binary, a: &V, b: &V, ty: &str) -> Result<()> {

@@ -110,6 +110,25 @@ pub(crate) fn refuse(lowering: &dyn Lower, kernel: &Kernel, why: impl Into<Strin
     TpuError::unsupported(format!("{} lowering of kernel {}", lowering.name(), kernel.name()), why)
 }
 
+/// A compile error of `kernel`'s text `text` in a lowering, with the line the message locates
+/// as `MARKER LINE:COL` quoted after `what` (the body, the TTIR); the error as it came when there
+/// is no such line.
+pub(crate) fn quoted_error(
+    error: TpuError,
+    kernel: &Kernel,
+    text: Option<String>,
+    marker: &str,
+    what: &str,
+) -> TpuError {
+    let TpuError::Compile { message } = error else { return error };
+    match text.and_then(|text| quote_line(&text, &message, marker)) {
+        Some(line) => {
+            TpuError::Compile { message: format!("{message}\n  kernel {} {what}{line}", kernel.name()) }
+        }
+        None => TpuError::Compile { message },
+    }
+}
+
 /// The line of `body` that `message` locates as `MARKER LINE:COL` (Mosaic's `loc("-":`,
 /// Triton's `-:`), with its number.
 pub fn quote_line(body: &str, message: &str, marker: &str) -> Option<String> {

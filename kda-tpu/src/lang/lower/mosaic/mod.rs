@@ -11,7 +11,7 @@ mod ops;
 mod schedule;
 
 use super::arith::{derefs_to_text, OpRules, Text};
-use super::{custom_call_layouts, quote_line, refuse, Lower};
+use super::{custom_call_layouts, quoted_error, refuse, Lower};
 use crate::error::{Result, TpuError};
 use crate::hlo::{FnBuilder, TensorType, Value};
 use crate::lang::ir::{Offset, Op, Place, Ref, V};
@@ -190,14 +190,7 @@ impl Lower for Mosaic {
     /// Quotes the body line the compiler points at (`loc("-":LINE:COL)`), so the message shows
     /// the op libtpu refused.
     fn explain(&self, kernel: &Kernel, error: TpuError) -> TpuError {
-        let TpuError::Compile { message } = error else { return error };
-        let quoted = self.text(kernel).ok().and_then(|text| quote_line(&text, &message, "loc(\"-\":"));
-        match quoted {
-            Some(line) => {
-                TpuError::Compile { message: format!("{message}\n  kernel {} body: {line}", kernel.name) }
-            }
-            None => TpuError::Compile { message },
-        }
+        quoted_error(error, kernel, self.text(kernel).ok(), "loc(\"-\":", "body: ")
     }
 }
 

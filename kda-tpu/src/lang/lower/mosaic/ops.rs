@@ -2,7 +2,7 @@
 
 use kda_core::DType;
 
-use super::super::arith::{cast_op, literal, predicate, OpRules};
+use super::super::arith::{cast_op, literal, OpRules};
 use super::{internal, memref, vty, Emitter};
 use crate::error::{Result, TpuError};
 use crate::hlo::TensorType;
@@ -150,12 +150,8 @@ impl OpRules for Emitter<'_> {
         let Op::Compare { out, cmp, a, b } = op else {
             return Err(internal("Compare"));
         };
-        let (an, bn) = (self.name(a)?, self.name(b)?);
-        let (f, i) = predicate(*cmp);
-        let n = self.def(out);
-        let (op, pred) = if a.ty.elem.is_float() { ("cmpf", f) } else { ("cmpi", i) };
-        self.line(&format!("{n} = arith.{op} {pred}, {an}, {bn} : {}", vty(&a.ty)));
-        Ok(())
+        let ty = vty(&a.ty);
+        self.t.compare(out, *cmp, a, b, &ty)
     }
 
     /// The Mosaic text of `Select`.
@@ -163,10 +159,8 @@ impl OpRules for Emitter<'_> {
         let Op::Select { out, cond, a, b } = op else {
             return Err(internal("Select"));
         };
-        let (c, an, bn) = (self.name(cond)?, self.name(a)?, self.name(b)?);
-        let n = self.def(out);
-        self.line(&format!("{n} = arith.select {c}, {an}, {bn} : {}, {}", vty(&cond.ty), vty(&out.ty)));
-        Ok(())
+        let types = (vty(&cond.ty), vty(&out.ty));
+        self.t.select(out, cond, a, b, (&types.0, &types.1))
     }
 
     /// The Mosaic text of `Reduce`.

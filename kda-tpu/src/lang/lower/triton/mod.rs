@@ -30,7 +30,7 @@ mod ops;
 pub use features::{features, Feature};
 
 use super::arith::{derefs_to_text, literal, OpRules, Text};
-use super::{custom_call_layouts, quote_line, refuse, Lower};
+use super::{custom_call_layouts, quoted_error, refuse, Lower};
 use crate::error::{Result, TpuError};
 use crate::hlo::{FnBuilder, Value};
 use crate::lang::ir::{Offset, Op, Place, Ref, Unary, V};
@@ -130,18 +130,17 @@ impl Lower for Triton {
     }
     /// Quotes the TTIR line the compiler points at (`-:LINE:COL: error`).
     fn explain(&self, kernel: &Kernel, error: TpuError) -> TpuError {
-        let TpuError::Compile { mut message } = error else { return error };
-        // The plugin appends the whole module; the quoted line says where.
-        if let Some(at) = message.find("\ninput ir:") {
-            message.truncate(at);
-        }
-        let quoted = self.text(kernel).ok().and_then(|text| quote_line(&text, &message, "-:"));
-        match quoted {
-            Some(line) => {
-                TpuError::Compile { message: format!("{message}\n  kernel {} TTIR {line}", kernel.name) }
+        let error = match error {
+            // The plugin appends the whole module; the quoted line says where.
+            TpuError::Compile { mut message } => {
+                if let Some(at) = message.find("\ninput ir:") {
+                    message.truncate(at);
+                }
+                TpuError::Compile { message }
             }
-            None => TpuError::Compile { message },
-        }
+            other => other,
+        };
+        quoted_error(error, kernel, self.text(kernel).ok(), "-:", "TTIR ")
     }
 }
 
@@ -489,15 +488,29 @@ impl<'k> Emitter<'k> {
     fn reduce(&mut self, x: &str, dims: &[i64], axis: usize, e: &str, kind: &str) -> String {
         let mut reduced = dims.to_vec();
         reduced.remove(axis);
+        let (from, to) = (tty(dims, e), tty(&reduced, e));
+        self.combining("tt.reduce", x, &format!("axis = {axis} : i32"), (e, kind), (&from, &to))
+    }
+
+    /// `op` (`tt.reduce`, `tt.scan`) of `x` with `attrs` and the combiner `kind` (an `arith` op
+    /// of `e`), from type `types.0` to `types.1`.
+    pub(super) fn combining(
+        &mut self,
+        op: &str,
+        x: &str,
+        attrs: &str,
+        (e, kind): (&str, &str),
+        (from, to): (&str, &str),
+    ) -> String {
         let (a, b, c) = (self.temp(), self.temp(), self.temp());
         let r = self.temp();
-        self.line(&format!("{r} = \"tt.reduce\"({x}) <{{axis = {axis} : i32}}> ({{"));
+        self.line(&format!("{r} = \"{op}\"({x}) <{{{attrs}}}> ({{"));
         self.line(&format!("^bb0({a}: {e}, {b}: {e}):"));
         self.depth += 1;
         self.line(&format!("{c} = {kind} {a}, {b} : {e}"));
-        self.line(&format!("tt.reduce.return {c} : {e}"));
+        self.line(&format!("{op}.return {c} : {e}"));
         self.depth -= 1;
-        self.line(&format!("}}) : ({}) -> {}", tty(dims, e), tty(&reduced, e)));
+        self.line(&format!("}}) : ({from}) -> {to}"));
         r
     }
 

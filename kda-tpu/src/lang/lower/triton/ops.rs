@@ -4,7 +4,7 @@ use std::collections::BTreeSet;
 
 use kda_core::DType;
 
-use super::super::arith::{cast_op, literal, predicate, OpRules};
+use super::super::arith::{cast_op, literal, OpRules};
 use super::F32Dot;
 use super::{elem, padded, tty, vty, written, Emitter};
 use crate::error::{Result, TpuError};
@@ -182,12 +182,8 @@ impl OpRules for Emitter<'_> {
         let Op::Compare { out, cmp, a, b } = op else {
             return Err(internal("Compare"));
         };
-        let (an, bn) = (self.name(a)?, self.name(b)?);
-        let (f, i) = predicate(*cmp);
-        let (op, pred) = if a.ty.elem.is_float() { ("cmpf", f) } else { ("cmpi", i) };
-        let n = self.def(out);
-        self.line(&format!("{n} = arith.{op} {pred}, {an}, {bn} : {}", vty(a)));
-        Ok(())
+        let ty = vty(a);
+        self.t.compare(out, *cmp, a, b, &ty)
     }
 
     /// The TTIR of `Select`.
@@ -195,10 +191,8 @@ impl OpRules for Emitter<'_> {
         let Op::Select { out, cond, a, b } = op else {
             return Err(internal("Select"));
         };
-        let (c, an, bn) = (self.name(cond)?, self.name(a)?, self.name(b)?);
-        let n = self.def(out);
-        self.line(&format!("{n} = arith.select {c}, {an}, {bn} : {}, {}", vty(cond), vty(out)));
-        Ok(())
+        let types = (vty(cond), vty(out));
+        self.t.select(out, cond, a, b, (&types.0, &types.1))
     }
 
     /// The TTIR of `Reduce`.
@@ -432,26 +426,17 @@ impl OpRules for Emitter<'_> {
         let x = self.fill_padding(&an, &a.ty.dims, DType::F32, *axis, 0.0);
         let p = padded(&a.ty.dims);
         let (f, i) = (tty(&p, "f32"), tty(&p, "i32"));
-        let attrs = format!("<{{axis = {axis} : i32, reverse = {}}}>", scan.reverse);
-        let r = self.temp();
-        match starts {
-            None => {
-                let (u, w, s) = (self.temp(), self.temp(), self.temp());
-                self.line(&format!("{r} = \"tt.scan\"({x}) {attrs} ({{"));
-                self.line(&format!("^bb0({u}: f32, {w}: f32):"));
-                self.depth += 1;
-                self.line(&format!("{s} = arith.addf {u}, {w} : f32"));
-                self.line(&format!("tt.scan.return {s} : f32"));
-                self.depth -= 1;
-                self.line(&format!("}}) : ({f}) -> {f}"));
-            }
+        let attrs = format!("axis = {axis} : i32, reverse = {}", scan.reverse);
+        let sums = match starts {
+            None => self.combining("tt.scan", &x, &attrs, ("f32", "arith.addf"), (&f, &f)),
             Some(st) => {
+                let r = self.temp();
                 let sn = self.name(st)?;
                 let flags = self.let_(&format!("arith.extui {sn} : {} to {i}", tty(&p, "i1")));
                 let (av, af, bv, bf) = (self.temp(), self.temp(), self.temp(), self.temp());
                 let (zero, sum, restart, v, o) =
                     (self.temp(), self.temp(), self.temp(), self.temp(), self.temp());
-                self.line(&format!("{r}:2 = \"tt.scan\"({x}, {flags}) {attrs} ({{"));
+                self.line(&format!("{r}:2 = \"tt.scan\"({x}, {flags}) <{{{attrs}}}> ({{"));
                 self.line(&format!("^bb0({av}: f32, {af}: i32, {bv}: f32, {bf}: i32):"));
                 self.depth += 1;
                 self.line(&format!("{zero} = arith.constant 0 : i32"));
@@ -462,9 +447,9 @@ impl OpRules for Emitter<'_> {
                 self.line(&format!("tt.scan.return {v}, {o} : f32, i32"));
                 self.depth -= 1;
                 self.line(&format!("}}) : ({f}, {i}) -> ({f}, {i})"));
+                format!("{r}#0")
             }
-        }
-        let sums = if starts.is_some() { format!("{r}#0") } else { r };
+        };
         if scan.exclusive {
             let n = self.def(out);
             self.line(&format!("{n} = arith.subf {sums}, {x} : {f}"));
