@@ -130,12 +130,22 @@ pub enum Implementation {
     /// The Mosaic kernels' interpret lowering: the same kernels as plain StableHLO, on
     /// any plugin (what the CPU checks).
     Interpret,
+    /// The GPU kernels lowered to Triton in XLA's Triton custom calls (the CUDA plugin on a
+    /// Hopper GPU); the backward runs XLA's chunk loops from the kernels' forward.
+    Triton,
+    /// The GPU kernels' interpret lowering with a GPU's numerics: the same kernels as plain
+    /// StableHLO on any plugin (what the CPU checks of the GPU kernels).
+    TritonInterpret,
 }
 
 impl Implementation {
-    /// Parses a name ([`Implementation::name`]: `xla`, `mosaic` or `interpret`).
+    /// Every implementation, in order.
+    pub const ALL: [Implementation; 5] =
+        [Self::Xla, Self::Mosaic, Self::Interpret, Self::Triton, Self::TritonInterpret];
+    /// Parses a name ([`Implementation::name`]: `xla`, `mosaic`, `interpret`, `triton` or
+    /// `triton-interpret`).
     pub fn parse(s: &str) -> Option<Self> {
-        [Self::Xla, Self::Mosaic, Self::Interpret].into_iter().find(|x| x.name() == s)
+        Self::ALL.into_iter().find(|x| x.name() == s)
     }
     /// The command-line name.
     pub fn name(self) -> &'static str {
@@ -143,6 +153,8 @@ impl Implementation {
             Self::Xla => "xla",
             Self::Mosaic => "mosaic",
             Self::Interpret => "interpret",
+            Self::Triton => "triton",
+            Self::TritonInterpret => "triton-interpret",
         }
     }
 }

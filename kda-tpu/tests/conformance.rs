@@ -587,6 +587,105 @@ mod context_parallel {
     }
 }
 
+/// The GPU kernels through their interpret lowering with a GPU's numerics
+/// (`Implementation::TritonInterpret`: the kernels XLA's CUDA plugin compiles, as plain
+/// StableHLO) against the reference at the limits of docs/kda.md, Accuracy: a covering set of
+/// the forward (fixed and packed, both layouts, widths padded to the kernels' powers of two, K
+/// up to 256, the in-kernel gates and L2 norm, hard resets, every segment empty) and of the
+/// backward (XLA's chunk loops from the kernels' forward), bitwise causality at a boundary
+/// inside a sub-chunk, segment isolation; the rest of the table under `full::`.
+mod triton_interpret {
+    use kda_core::{BackwardStrategy, DType};
+    use kda_testkit::conformance::{backward, forward, Path};
+    use kda_tpu::{Implementation, PjrtBackend};
+    use rstest::rstest;
+    use BackwardStrategy::{Rematerialize, SavedState};
+
+    use super::interpret::{forward_twice_on, tokens};
+    use DType::{BF16, F32};
+    use Path::{Fused, Split};
+
+    pub fn backend() -> PjrtBackend {
+        PjrtBackend::new()
+            .and_then(|b| {
+                b.clone().with_tuning(b.tuning().with_implementation(Implementation::TritonInterpret))
+            })
+            .expect("PJRT plugin (run `cargo xtask setup`)")
+    }
+
+    pub fn run(r: Result<kda_testkit::conformance::Report, String>) {
+        match r {
+            Ok(report) => eprint!("{report}"),
+            Err(failure) => panic!("conformance failure:\n{failure}"),
+        }
+    }
+
+    #[rstest]
+    #[case::fixed_small_f32("fixed_small", F32)]
+    #[case::batch_first_b2_bf16("fixed_batch_first_b2", BF16)]
+    #[case::singleton_f32("singleton_h1_b1_t1", F32)]
+    #[case::k129_v127_f32("k129_v127", F32)]
+    #[case::k256_v32_bf16("k256_v32", BF16)]
+    #[case::lower_bound_l2norm_bf16("gate_lower_bound_l2norm", BF16)]
+    #[case::softplus_f32("gate_softplus", F32)]
+    #[case::hard_reset_f32("hard_reset", F32)]
+    #[case::packed_lengths_f32("packed_lengths_1_63_64_65_0", F32)]
+    #[case::packed_rows_differ_bf16("packed_rows_differ", BF16)]
+    #[case::packed_all_empty_f32("packed_all_empty", F32)]
+    fn forward_meets_the_reference(#[case] name: &str, #[case] dtype: DType) {
+        run(forward(&backend(), name, dtype));
+    }
+
+    /// The backward (XLA's chunk loops) from the GPU kernels' forward: the split saved-state
+    /// backward reads the recurrence kernel's per-chunk states, the fused program its own.
+    #[rstest]
+    #[case::fixed_small_saved_split_f32("fixed_small", F32, SavedState, Split)]
+    #[case::packed_rows_differ_saved_fused_bf16("packed_rows_differ", BF16, SavedState, Fused)]
+    #[case::lower_bound_l2norm_remat_fused_f32("gate_lower_bound_l2norm", F32, Rematerialize, Fused)]
+    #[case::packed_lengths_saved_split_f32("packed_lengths_1_63_64_65_0", F32, SavedState, Split)]
+    fn backward_meets_the_reference(
+        #[case] name: &str,
+        #[case] dtype: DType,
+        #[case] strategy: BackwardStrategy,
+        #[case] path: Path,
+    ) {
+        run(backward(&backend(), name, dtype, strategy, path));
+    }
+
+    /// Every input of every token from `t0` on drawn again leaves each row's outputs before
+    /// `t0` bitwise the same: `t0` inside a sub-chunk of the second chunk, and one token into a
+    /// chunk.
+    #[rstest]
+    fn the_gpu_forward_is_bitwise_causal(#[values(83, 129)] t0: usize) {
+        let case = kda_testkit::cases::case("fixed_batch_first_b2").expect("case");
+        assert!(case.t > t0, "the case reaches token {t0}");
+        let later = |_: usize, t: usize| t >= t0;
+        let (case, [a, b]) = forward_twice_on(&backend(), case, &later);
+        let earlier = |_: usize, t: usize| t < t0;
+        assert_eq!(tokens(&a.o, &case, &earlier), tokens(&b.o, &case, &earlier), "outputs before {t0}");
+        assert_ne!(tokens(&a.o, &case, &later), tokens(&b.o, &case, &later), "outputs from {t0} on");
+    }
+
+    /// Changing the tokens of one segment (row 0's second of `packed_rows_differ`) leaves every
+    /// other token's output and every other segment's final state bitwise equal.
+    #[test]
+    fn the_gpu_forward_isolates_segments() {
+        let case = kda_testkit::cases::case("packed_rows_differ").expect("case");
+        let inside = |r: usize, t: usize| r == 0 && (30..100).contains(&t);
+        let (case, [a, b]) = forward_twice_on(&backend(), case, &inside);
+        let outside = |r: usize, t: usize| !inside(r, t);
+        assert_eq!(tokens(&a.o, &case, &outside), tokens(&b.o, &case, &outside), "outputs outside");
+        assert_ne!(tokens(&a.o, &case, &inside), tokens(&b.o, &case, &inside));
+        let (fa, fb) = (a.final_state.expect("final states"), b.final_state.expect("final states"));
+        let (fa, fb) = (fa.to_f32_vec(), fb.to_f32_vec());
+        let per_slot = fa.len() / (case.b * 3);
+        for (slot, (x, y)) in fa.chunks(per_slot).zip(fb.chunks(per_slot)).enumerate() {
+            let same = x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits());
+            assert_eq!(same, slot != 1, "final state of slot {slot}");
+        }
+    }
+}
+
 /// The forward programs through the Mosaic forward kernel's interpret lowering
 /// (`Implementation::Interpret`: the kernel libtpu compiles, as plain StableHLO) against the
 /// reference at the limits of docs/kda.md, Accuracy: a covering set here (fixed and packed,
@@ -661,6 +760,15 @@ mod interpret {
     /// The case's inputs with the tokens `pick` selects drawn again (another seed's values),
     /// and the forward's outputs of both.
     fn forward_twice(case: Case, pick: &dyn Fn(usize, usize) -> bool) -> (Case, [KdaOutputs; 2]) {
+        forward_twice_on(&backend(), case, pick)
+    }
+
+    /// [`forward_twice`] on the backend `be`.
+    pub fn forward_twice_on(
+        be: &PjrtBackend,
+        case: Case,
+        pick: &dyn Fn(usize, usize) -> bool,
+    ) -> (Case, [KdaOutputs; 2]) {
         let a = kda_testkit::case_data(&case, F32).expect("inputs").inputs;
         let other = kda_testkit::case_data(&Case { name: "another_draw", ..case.clone() }, F32)
             .expect("inputs")
@@ -673,13 +781,12 @@ mod interpret {
         b.v = splice(&a.v, &other.v, layout, dims, pick);
         b.g = splice(&a.g, &other.g, layout, dims, pick);
         b.beta = splice(&a.beta, &other.beta, layout, dims, pick);
-        let be = backend();
         let run = |x: &KdaInputs| be.forward(x, BackwardStrategy::Rematerialize).expect("forward").0;
         (case, [run(&a), run(&b)])
     }
 
     /// `o` at the tokens `pick` selects, in the case's layout.
-    fn tokens(o: &HostTensor, case: &Case, pick: &dyn Fn(usize, usize) -> bool) -> Vec<u32> {
+    pub fn tokens(o: &HostTensor, case: &Case, pick: &dyn Fn(usize, usize) -> bool) -> Vec<u32> {
         let zero = HostTensor::zeros(o.shape(), F32);
         let picked = splice(&zero, o, case.layout, (case.h, case.b, case.t), pick);
         picked.to_f32_vec().iter().map(|x| x.to_bits()).collect()

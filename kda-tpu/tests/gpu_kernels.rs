@@ -14,7 +14,7 @@ use kda_testkit::metrics::agreement;
 use kda_testkit::tolerance::{rms_limit, Quantity};
 use kda_testkit::Rng;
 use kda_tpu::aot::{GpuCompiler, H200};
-use kda_tpu::lang::Lowering;
+use kda_tpu::lang::{Interpret, Lower, Triton};
 use kda_tpu::op::gpu_kernels::{forward_module, ForwardShape};
 use kda_tpu::Result;
 use rstest::rstest;
@@ -124,11 +124,11 @@ fn reference(s: &ForwardShape, d: &Data) -> (Vec<f64>, Vec<f64>) {
 #[case::f32_narrow_values(ForwardShape::new(1, 128, 128, 64, DType::F32), false)]
 #[case::bf16_with_state(ForwardShape { h0: true, ..ForwardShape::new(2, 128, 64, 128, DType::BF16) }, false)]
 fn gpu_forward_meets_the_reference(#[case] s: ForwardShape, #[case] resets: bool) -> Result<()> {
-    meets_the_reference(&s, resets, Lowering::Interpret)
+    meets_the_reference(&s, resets, &Interpret::TRITON_NUMERICS)
 }
 
 /// Runs the forward of `s` lowered as `lowering` on the default plugin against the reference.
-fn meets_the_reference(s: &ForwardShape, resets: bool, lowering: Lowering) -> Result<()> {
+fn meets_the_reference(s: &ForwardShape, resets: bool, lowering: &dyn Lower) -> Result<()> {
     let s = *s;
     let d = data(&s, 7, resets);
     let (want_o, want_ht) = reference(&s, &d);
@@ -174,7 +174,7 @@ fn gpu_forward_is_bitwise_causal(#[case] dtype: DType, #[case] t0: usize) -> Res
             x[from..to].copy_from_slice(&y[from..to]);
         }
     }
-    let text = forward_module(&s, Lowering::Interpret)?;
+    let text = forward_module(&s, &Interpret::TRITON_NUMERICS)?;
     let (oa, ob) = (run!(&text, operands(&s, &a)), run!(&text, operands(&s, &b)));
     let (xa, xb) = (oa[0].f32s(), ob[0].f32s());
     let mut changed_after = false;
@@ -189,13 +189,15 @@ fn gpu_forward_is_bitwise_causal(#[case] dtype: DType, #[case] t0: usize) -> Res
     Ok(())
 }
 
-/// Both GPU forward kernels compile deviceless for the H200 at the primary shape (H=8, T=1024,
-/// K=V=128, an initial state) in bf16: the terms kernel one program per lane and chunk (16
-/// warps), the recurrence one per lane and 64 state columns (8); their registers and spills printed
-/// (docs/performance.md, Design figures, keeps them). f32 (two and a half minutes) is under `full::`.
+/// The three GPU forward kernels compile deviceless for the H200 at the primary shape (H=8,
+/// T=1024, K=V=128, an initial state) in bf16: one program per lane and chunk for the intra
+/// and WY kernels, one per lane and 32 state columns for the recurrence, 8 warps each, within
+/// the H200's 232,448 B of shared memory, no atomics in the Triton text; each kernel's spill
+/// stores at most its recorded figure (zero for the WY kernel and the recurrence;
+/// docs/kernels/gpu-forward.md). f32 (over a minute) is under `full::`.
 #[test]
 fn gpu_forward_compiles_for_the_h200_in_bf16() -> Result<()> {
-    compiles_for_the_h200(DType::BF16)
+    compiles_for_the_h200(DType::BF16, [72, 0, 0])
 }
 
 mod full {
@@ -203,25 +205,35 @@ mod full {
 
     #[test]
     fn gpu_forward_compiles_for_the_h200_in_f32() -> Result<()> {
-        compiles_for_the_h200(DType::F32)
+        compiles_for_the_h200(DType::F32, [824, 740, 1652])
     }
 }
 
-fn compiles_for_the_h200(dtype: DType) -> Result<()> {
+/// Compiles the forward of the primary shape in `dtype`; `spills` bounds each kernel's spill
+/// stores (intra, WY, recurrence).
+fn compiles_for_the_h200(dtype: DType, spills: [u64; 3]) -> Result<()> {
     let s = ForwardShape { h0: true, ..ForwardShape::new(8, 1024, 128, 128, dtype) };
-    let text = forward_module(&s, Lowering::Triton)?;
+    let text = forward_module(&s, &Triton)?;
+    assert!(!text.contains("atomic"), "an atomic in the Triton text");
     let gpu = GpuCompiler::load()
         .unwrap_or_else(|e| panic!("no CUDA plugin ({e}); run `cargo xtask setup`"))
         .with_figures(std::env::temp_dir().join("kda-gpu-kernel-dumps"));
     let report = gpu.compile(&text, &H200)?;
-    for k in &report.kernels {
+    let kernels: Vec<_> = report.kernels.iter().filter(|k| k.name.starts_with("kda_gpu")).collect();
+    for k in &kernels {
         eprintln!("{dtype} {k:?}");
     }
-    let grids: Vec<(&str, [u64; 3])> = report.kernels.iter().map(|k| (k.name.as_str(), k.grid)).collect();
-    assert_eq!(grids, [("kda_gpu_terms", [8, 16, 1]), ("kda_gpu_recurrence", [8, 2, 1])]);
-    let threads: Vec<u64> = report.kernels.iter().map(|k| k.threads[0]).collect();
-    assert_eq!(threads, [512, 256], "16 and 8 warps");
-    assert!(report.kernels.iter().all(|k| k.registers.is_some()));
+    let grids: Vec<(&str, [u64; 3])> = kernels.iter().map(|k| (k.name.as_str(), k.grid)).collect();
+    assert_eq!(
+        grids,
+        [("kda_gpu_intra", [8, 16, 1]), ("kda_gpu_wy", [8, 16, 1]), ("kda_gpu_recurrence", [8, 4, 1])]
+    );
+    for (k, most) in kernels.iter().zip(spills) {
+        assert_eq!(k.threads[0], 256, "{}: 8 warps", k.name);
+        assert!(k.shared_memory_bytes <= 232_448, "{}: {} B of shared memory", k.name, k.shared_memory_bytes);
+        let spilled = k.spill_store_bytes.expect("ptxas figures");
+        assert!(spilled <= most, "{}: {spilled} B of spill stores, over {most}", k.name);
+    }
     Ok(())
 }
 
@@ -240,6 +252,6 @@ mod gpu {
             platform.contains("cuda"),
             "the gpu:: tier runs on a GPU (`cargo xtask gpu-check`), not on {platform}"
         );
-        meets_the_reference(&s, resets, Lowering::Triton)
+        meets_the_reference(&s, resets, &Triton)
     }
 }

@@ -27,10 +27,12 @@ options:
                        docs/kda.md, Benchmarks; long: H=8, T=32,768 fixed, with 100
                        balanced segments, with 1,000 segments of 1 to 64 tokens
   --dtype f32|bf16|both  input dtype (default bf16)
-  --implementation xla|mosaic|interpret
+  --implementation xla|mosaic|interpret|triton|triton-interpret
                        what runs the programs' chunk loops (default xla): mosaic compiles
                        the Mosaic forward and backward kernels (and reports their VMEM),
-                       interpret their plain-StableHLO lowering
+                       interpret their plain-StableHLO lowering; triton the GPU forward
+                       kernels (with --target), triton-interpret their plain-StableHLO
+                       lowering
   --devices N          compile the context-parallel programs for N devices (replicas) and
                        report the memory per device (default 1: the single-device programs);
                        on tpu7x:2x2x1 libtpu counts 8 devices, one per TensorCore
@@ -268,7 +270,7 @@ pub fn parse_args(args: &[String]) -> Result<Option<AotOptions>, String> {
             "--implementation" => {
                 let v = flags.value(flag)?;
                 o.implementation = kda_core::Implementation::parse(&v)
-                    .ok_or_else(|| format!("`{flag}` takes xla, mosaic or interpret, got `{v}`"))?;
+                    .ok_or_else(|| format!("`{flag}` takes {}, got `{v}`", cli::IMPLEMENTATIONS))?;
             }
             "--shape" => {
                 let v = flags.value(flag)?;
@@ -309,6 +311,10 @@ pub fn parse_args(args: &[String]) -> Result<Option<AotOptions>, String> {
         if o.implementation == kda_core::Implementation::Mosaic {
             return Err(format!("`--target {t}`: the Mosaic kernels are TPU kernels (use xla or interpret)"));
         }
+    } else if o.implementation == kda_core::Implementation::Triton {
+        return Err(
+            "`--implementation triton`: the Triton kernels are GPU kernels (add `--target h200`)".to_string()
+        );
     }
     Ok(Some(o))
 }

@@ -3,6 +3,9 @@
 
 use lexopt::Arg;
 
+/// The names `--implementation` takes, for errors.
+pub const IMPLEMENTATIONS: &str = "xla, mosaic, interpret, triton or triton-interpret";
+
 /// One command-line item.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Item {

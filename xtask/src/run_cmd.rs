@@ -41,7 +41,9 @@ options:
                                   a_log.npy [H] and, if present, dt_bias.npy [H*K]; writes
                                   da_log and ddt_bias with the other gradients
   --implementation NAME           pjrt: xla (default), mosaic (the Mosaic forward kernel;
-                                  needs a TPU plugin) or interpret (its interpret lowering)
+                                  needs a TPU plugin), interpret (its interpret lowering),
+                                  triton (the GPU forward kernels; the CUDA plugin on a
+                                  Hopper GPU) or triton-interpret (their interpret lowering)
   --devices N                     pjrt: split every row into N pieces over N devices (context
                                   parallelism; on the CPU plugin, N CPU devices); default 1
   -h, --help                      show this text";
@@ -207,7 +209,7 @@ pub fn parse_args(args: &[String]) -> Result<Option<(String, RunOptions)>, Strin
             "--implementation" => {
                 let v = &take_value(flag)?;
                 opts.implementation =
-                    kda_core::Implementation::parse(v).ok_or_else(|| bad("xla, mosaic or interpret", v))?;
+                    kda_core::Implementation::parse(v).ok_or_else(|| bad(crate::cli::IMPLEMENTATIONS, v))?;
             }
             _ => return Err(format!("unknown argument `{flag}`")),
         }

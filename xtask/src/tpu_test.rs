@@ -21,10 +21,11 @@ target/kda-compile-cache (keyed by plugin build and host CPU, among others).
 options:
   --plugin PATH   PJRT plugin to test (default: the CPU plugin `cargo xtask setup` installed;
                   on a TPU host pass libtpu.so, with a GPU the CUDA plugin)
-  --implementation xla|mosaic|interpret
+  --implementation xla|mosaic|interpret|triton|triton-interpret
                   what runs the forward programs (KDA_IMPLEMENTATION for the suite; default
                   xla): mosaic needs libtpu (--plugin), interpret runs the Mosaic kernel's
-                  interpret lowering on any plugin
+                  interpret lowering on any plugin; triton needs the CUDA plugin on a Hopper
+                  GPU, triton-interpret runs the GPU kernels' interpret lowering anywhere
   --full          the sweep's whole product (1280 points) as well
   --shard i/n     run shard i of n (1-based; needs cargo-nextest)
   -- ARGS         passed on to the test runner (e.g. a test-name filter)
@@ -60,10 +61,10 @@ pub fn parse_args(args: &[String]) -> Result<Option<TpuTestOptions>, String> {
             "--full" => o.full = true,
             "--implementation" => {
                 let v = flags_own.value(&flag)?;
-                o.implementation = Some(
-                    kda_core::Implementation::parse(&v)
-                        .ok_or_else(|| format!("`{flag}` takes xla, mosaic or interpret, got `{v}`"))?,
-                );
+                o.implementation =
+                    Some(kda_core::Implementation::parse(&v).ok_or_else(|| {
+                        format!("`{flag}` takes {}, got `{v}`", crate::cli::IMPLEMENTATIONS)
+                    })?);
             }
             _ => return Err(format!("unknown argument `{flag}`")),
         }

@@ -370,7 +370,7 @@ fn errors_name_the_file(#[case] breaks: Break, #[case] needles: &[&str]) {
 #[case::zero_devices(&["--devices", "0"], "`--devices` needs a positive whole number")]
 #[case::devices_need_pjrt(&["--backend", "ref", "--devices", "2", "--inputs", "a", "--out", "b"], "needs `--backend pjrt`")]
 #[case::implementation_needs_pjrt(&["--backend", "ref", "--implementation", "interpret", "--inputs", "a", "--out", "b"], "needs `--backend pjrt`")]
-#[case::bad_implementation(&["--implementation", "pallas"], "xla, mosaic or interpret")]
+#[case::bad_implementation(&["--implementation", "pallas"], "xla, mosaic, interpret, triton or triton-interpret")]
 fn argument_errors(#[case] args: &[&str], #[case] needle: &str) {
     let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
     let err = run_cmd::run(&args).expect_err("must fail");

@@ -7,7 +7,7 @@ use super::args::Declared;
 use super::interface::{ProgramKind, ProgramSignature};
 use super::spec::ProgramSpec;
 use super::table::{row, Family};
-use super::{tpu_kernels, xla};
+use super::{gpu_kernels, tpu_kernels, xla};
 use crate::hlo::{FnBuilder, Module, TensorType, Value};
 use crate::lang::Lower;
 use crate::Result;
@@ -37,7 +37,7 @@ fn body(
             if let Some(l) = lowering {
                 return Err(crate::TpuError::unsupported(
                     format!("{} lowering", l.name()),
-                    "the kernels of a TPU-kernel implementation (mosaic or interpret); xla has none",
+                    "the kernels of a kernel implementation (mosaic, interpret, triton, triton-interpret); xla has none",
                 ));
             }
             match kind {
@@ -54,6 +54,16 @@ fn body(
                 // Both strategies are one program on the kernels: the forward's states are in
                 // the executable anyway (docs/kernels/tpu-backward.md, The fused program).
                 ProgramKind::Fused(_) => tpu_kernels::fused(f, s, &a, cotangents()?, l),
+            }
+        }
+        Family::GpuKernels(built_in) => {
+            let l = lowering.unwrap_or(&built_in);
+            match kind {
+                ProgramKind::Forward(st) => gpu_kernels::program::forward(f, s, &a, keep_h(st), l),
+                ProgramKind::Backward(st) => {
+                    gpu_kernels::program::backward(f, s, &a, saved(st)?, cotangents()?)
+                }
+                ProgramKind::Fused(st) => gpu_kernels::program::fused(f, s, &a, st, cotangents()?, l),
             }
         }
     }

@@ -4,19 +4,17 @@
 //! builders (`api`). Beside them one folder per implementation: `xla` (the chunk loops as
 //! StableHLO, built with [`crate::hlo`]), `tpu_kernels` (the TPU kernels written in
 //! [`crate::lang`], their building blocks and their program wiring) and `gpu_kernels` (the
-//! GPU kernels in the same language; so far the fixed-row forward, not yet in the table).
+//! GPU forward kernels in the same language and their programs).
 
 mod api;
 mod args;
 pub mod chunk;
 pub mod compose;
 pub mod context_parallel;
-/// The GPU kernels: public with the `harness` feature (their tests), private otherwise (not
-/// yet in the table of implementations).
+/// The GPU kernels: public with the `harness` feature (their tests), private otherwise.
 #[cfg(feature = "harness")]
 pub mod gpu_kernels;
 #[cfg(not(feature = "harness"))]
-#[allow(dead_code)]
 mod gpu_kernels;
 mod hlo_ops;
 pub mod interface;

@@ -16,6 +16,9 @@ pub enum Family {
     /// The TPU kernels (`op/tpu_kernels`) lowered as the row says, tuned by
     /// [`super::TpuKernelConfig`].
     TpuKernels(Lowering),
+    /// The GPU forward kernels (`op/gpu_kernels`) lowered as the row says; the backward as
+    /// XLA's chunk loops.
+    GpuKernels(Lowering),
 }
 
 /// One row of the table.
@@ -33,7 +36,7 @@ pub struct Row {
 }
 
 /// The rows, in [`Implementation`]'s order.
-const ROWS: [Row; 3] = [
+const ROWS: [Row; 5] = [
     Row { implementation: Implementation::Xla, family: Family::Xla, platforms: None, elsewhere: "" },
     Row {
         implementation: Implementation::Mosaic,
@@ -44,6 +47,18 @@ const ROWS: [Row; 3] = [
     Row {
         implementation: Implementation::Interpret,
         family: Family::TpuKernels(Lowering::Interpret),
+        platforms: None,
+        elsewhere: "",
+    },
+    Row {
+        implementation: Implementation::Triton,
+        family: Family::GpuKernels(Lowering::Triton),
+        platforms: Some(&["cuda"]),
+        elsewhere: "use triton-interpret to run the GPU kernels here",
+    },
+    Row {
+        implementation: Implementation::TritonInterpret,
+        family: Family::GpuKernels(Lowering::TritonInterpret),
         platforms: None,
         elsewhere: "",
     },
@@ -90,7 +105,7 @@ mod tests {
 
     #[test]
     fn every_implementation_has_a_row_that_names_itself() {
-        for implementation in [Implementation::Xla, Implementation::Mosaic, Implementation::Interpret] {
+        for implementation in Implementation::ALL {
             assert_eq!(row(implementation).expect("a row").implementation, implementation);
         }
         let mosaic = row(Implementation::Mosaic).expect("a row");

@@ -70,11 +70,15 @@ pub enum Lowering {
     Interpret,
     /// [`Triton`]: a `__gpu$xla.gpu.triton` custom call holding the Triton IR text.
     Triton,
+    /// [`Interpret`] with a GPU's numerics under Triton ([`Interpret::TRITON_NUMERICS`]): the
+    /// GPU kernels checked on any plugin.
+    TritonInterpret,
 }
 
 static MOSAIC: Mosaic = Mosaic;
 static TRITON: Triton = Triton;
 static INTERPRET: Interpret = Interpret::MOSAIC_NUMERICS;
+static TRITON_INTERPRET: Interpret = Interpret::TRITON_NUMERICS;
 
 impl Lowering {
     /// The lowering itself.
@@ -83,6 +87,7 @@ impl Lowering {
             Lowering::Mosaic => &MOSAIC,
             Lowering::Interpret => &INTERPRET,
             Lowering::Triton => &TRITON,
+            Lowering::TritonInterpret => &TRITON_INTERPRET,
         }
     }
 }

@@ -1,27 +1,32 @@
-//! The GPU kernels of the KDA op, written in [`crate::lang`] and tiled for a GPU (lowered to
-//! Triton for XLA's CUDA plugin, or through the interpret lowering on any plugin). So far the
-//! fixed-row forward: a chunk-parallel terms kernel ([`terms`]: one program per lane and
-//! chunk) and a state recurrence ([`recurrence`]: one program per lane and block of state
-//! columns, looping over the chunks), wired by [`forward_module`].
+//! The GPU kernels of the KDA op, written in [`crate::lang`] and tiled for a GPU: lowered to
+//! Triton for XLA's CUDA plugin (the `triton` row of the op table), or through the interpret
+//! lowering with a GPU's numerics on any plugin (`triton-interpret`). The forward is three
+//! kernels (docs/kernels/gpu-forward.md): [`intra`] (the chunk's pair terms and inverse, one
+//! program per lane and chunk), [`wy`] (the factors the recurrence reads, likewise) and
+//! [`recurrence`] (one program per lane and block of state columns, looping over the chunks),
+//! wired by [`call_forward`]; the programs around them are in `program`.
 
+pub mod intra;
+pub(in crate::op) mod program;
 pub mod recurrence;
-pub mod terms;
+pub mod tokens;
+pub mod wy;
 
-use kda_core::DType;
+use kda_core::{DType, GateKind};
 
 use crate::error::{Result, TpuError};
-use crate::hlo::{FnBuilder, Module, TensorType};
-use crate::lang::{Lowering, MatPrecision, Ref, TritonParams};
+use crate::hlo::{Cmp, FnBuilder, Module, TensorType, Value};
+use crate::lang::{Lower, MatPrecision, Ref, TritonParams};
 
 /// Tokens per chunk.
 pub use super::chunk::C;
-/// Tokens per sub-chunk of the terms kernel.
+/// Tokens per sub-chunk of the intra kernel.
 pub const SUB: i64 = 16;
 /// The widest block of state columns one recurrence program holds.
-pub const MAX_BV: i64 = 64;
+pub const MAX_BV: i64 = 32;
 
-/// What the terms kernel hands the recurrence per chunk (`u` and `eg` in f32, the others in
-/// [`ForwardShape::factor_dtype`]): its results, the recurrence's inputs.
+/// What the chunk kernels hand the recurrence per chunk (`u` and `eg` in f32, the others in
+/// [`ForwardShape::factor_dtype`]).
 #[derive(Clone, Copy, Debug)]
 pub struct Factors {
     /// `w = A (beta k e^G)` `[L, T, K]`.
@@ -45,34 +50,45 @@ impl Factors {
     }
 }
 
-/// The problem the GPU forward kernels take: `lanes` (heads x rows) of `t` tokens, fixed length.
+/// The problem the GPU forward kernels take: `lanes` (heads x rows) of `t` aligned token slots
+/// (whole chunks; a packed row's segments each start a chunk), `slots` state slots per lane.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ForwardShape {
     /// Heads times rows.
     pub lanes: i64,
-    /// Tokens per lane, a multiple of 64.
+    /// Token slots per lane, a multiple of 64.
     pub t: i64,
-    /// Key width, a power of two up to 256.
+    /// Key width, a power of two from 16 to 256.
     pub k: i64,
-    /// Value width, a power of two up to 256.
+    /// Value width, a power of two from 16 to 256.
     pub v: i64,
     /// The dtype of `q`, `k`, `v`, `beta` (f32 or bf16); `g` is f32.
     pub dtype: DType,
-    /// Whether an initial state is given.
-    pub h0: bool,
+    /// How the kernels activate `g` (in-kernel gates read `[L, 2, K]` parameters).
+    pub gate: GateKind,
+    /// Whether the kernels L2-normalise `q` and `k`.
+    pub l2norm: bool,
     /// The query scale.
     pub scale: f64,
-    /// How the terms kernel launches on a GPU.
-    pub terms_launch: TritonParams,
-    /// How the recurrence launches on a GPU.
+    /// State slots per lane (segments of a packed row; 1 for fixed-length rows).
+    pub slots: i64,
+    /// Whether initial states are given.
+    pub h0: bool,
+    /// Whether the recurrence writes the state entering every chunk (for the saved-state
+    /// backward).
+    pub keep_h: bool,
+    /// How the intra kernel launches on a GPU.
+    pub intra_launch: TritonParams,
+    /// How the WY kernel launches.
+    pub wy_launch: TritonParams,
+    /// How the recurrence launches.
     pub recurrence_launch: TritonParams,
 }
 
 impl ForwardShape {
-    /// `lanes` of `t` tokens, `k` and `v` wide, in `dtype`, scale `k^-1/2`, no initial state.
-    /// The launches spill least at the primary shape (H200, bf16): 16 warps for a terms
-    /// program (a whole chunk's tiles), 8 for a recurrence program; one pipeline stage (two
-    /// asked 160 KiB of shared memory for the recurrence's loads and did not spill less).
+    /// `lanes` of `t` tokens, `k` and `v` wide, in `dtype`, scale `k^-1/2`, a pre-activated
+    /// gate, no L2 norm, one slot, no initial state. Launches: 8 warps and one pipeline stage
+    /// each, the configuration that compiles without spills (docs/kernels/gpu-forward.md).
     pub fn new(lanes: i64, t: i64, k: i64, v: i64, dtype: DType) -> Self {
         let launch = |num_warps| TritonParams { num_warps, num_stages: 1, ..TritonParams::default() };
         ForwardShape {
@@ -81,24 +97,29 @@ impl ForwardShape {
             k,
             v,
             dtype,
-            h0: false,
+            gate: GateKind::Preactivated,
+            l2norm: false,
             scale: 1.0 / (k as f64).sqrt(),
-            terms_launch: launch(16),
+            slots: 1,
+            h0: false,
+            keep_h: false,
+            intra_launch: launch(8),
+            wy_launch: launch(8),
             recurrence_launch: launch(8),
         }
     }
 
-    /// The products' precision: one bf16 pass for bf16 inputs, full f32 for f32 ones.
+    /// The products' precision: one bf16 pass for bf16 inputs, three TF32 passes for f32 ones.
     pub fn precision(&self) -> MatPrecision {
         match self.dtype {
             DType::BF16 => MatPrecision::Default,
-            _ => MatPrecision::Highest,
+            _ => MatPrecision::Tf32x3,
         }
     }
 
-    /// The type the terms kernel hands over the factors that only feed products (`w`, `qg`,
-    /// `kg`, `aqk`): the input dtype, since a bf16 product rounds its operands to bf16 anyway
-    /// (the same bits, half the traffic and registers); `u` and `eg` stay f32.
+    /// The type the chunk kernels hand over the factors that only feed products (`w`, `qg`,
+    /// `kg`, `aqk`, `A`): the input dtype, since a bf16 product rounds its operands to bf16
+    /// anyway (the same bits, half the traffic and registers); `u` and `eg` stay f32.
     pub fn factor_dtype(&self) -> DType {
         self.dtype
     }
@@ -110,15 +131,15 @@ impl ForwardShape {
 
     /// An `Unsupported` error naming the limit the shape is past.
     pub fn check(&self) -> Result<()> {
-        let pow2 = |n: i64| n > 0 && n & (n - 1) == 0;
-        let limit = if !(pow2(self.k) && pow2(self.v) && self.k <= 256 && self.v <= 256) {
-            Some(format!("K = {}, V = {}: the GPU kernels take powers of two up to 256", self.k, self.v))
+        let width = |n: i64| (16..=256).contains(&n) && n & (n - 1) == 0;
+        let limit = if !(width(self.k) && width(self.v)) {
+            Some(format!("K = {}, V = {}: the GPU kernels take powers of two from 16 to 256", self.k, self.v))
         } else if self.t < C || self.t % C != 0 {
             Some(format!("T = {}: the GPU kernels take whole 64-token chunks", self.t))
         } else if !matches!(self.dtype, DType::F32 | DType::BF16) {
             Some(format!("{}: the GPU kernels take f32 or bf16", self.dtype))
-        } else if self.lanes < 1 {
-            Some("no lanes".to_string())
+        } else if self.lanes < 1 || self.slots < 1 {
+            Some("no lanes or no state slots".to_string())
         } else {
             None
         };
@@ -129,10 +150,122 @@ impl ForwardShape {
     }
 }
 
+/// The forward's operands as the kernels take them (see [`ForwardShape`] for the shapes).
+#[derive(Clone, Copy, Debug)]
+pub struct ForwardInputs {
+    /// `q` `[L, T, K]`.
+    pub q: Value,
+    /// `k` `[L, T, K]`.
+    pub k: Value,
+    /// `v` `[L, T, V]`.
+    pub v: Value,
+    /// The raw or pre-activated log-decay `[L, T, K]` f32.
+    pub g: Value,
+    /// `beta` `[L, T, 1]`.
+    pub beta: Value,
+    /// The in-kernel gate's `[L, 2, K]` (`exp(a_log)`, `dt_bias`).
+    pub gate: Option<Value>,
+    /// The initial states `[L, slots, K, V]` f32.
+    pub h0: Option<Value>,
+    /// Tokens per chunk position `[NT]` i32.
+    pub valid: Value,
+    /// 1 at a segment's first chunk position `[NT]` i32.
+    pub first: Value,
+    /// 1 at a segment's last chunk position `[NT]` i32.
+    pub last: Value,
+    /// The state slot of each chunk position `[NT]` i32.
+    pub slot: Value,
+}
+
+/// What the forward kernels return: `o` `[L, T, V]` f32, the final states `[L, slots, K, V]`
+/// (slots without chunks unwritten) and, with [`ForwardShape::keep_h`], the state entering each
+/// chunk `[L, NT, K, V]`.
+#[derive(Clone, Copy, Debug)]
+pub struct ForwardOutputs {
+    /// The output.
+    pub o: Value,
+    /// The final states.
+    pub ht: Value,
+    /// The entering states.
+    pub h: Option<Value>,
+}
+
+/// Calls the three forward kernels of `s` on `x` in `f`, lowered by `lowering`.
+pub fn call_forward(
+    f: &mut FnBuilder,
+    s: &ForwardShape,
+    x: &ForwardInputs,
+    lowering: &dyn Lower,
+) -> Result<ForwardOutputs> {
+    s.check()?;
+    let (ik, ir) = intra::intra_kernel(s)?;
+    let bind_tokens = |a: &mut crate::lang::Bindings, t: &tokens::TokenRefs| -> Result<()> {
+        for (r, v) in [(t.q, x.q), (t.k, x.k), (t.g, x.g), (t.beta, x.beta)] {
+            a.input(r, v)?;
+        }
+        if let Some(r) = t.v {
+            a.input(r, x.v)?;
+        }
+        if let (Some(r), Some(v)) = (t.gate, x.gate) {
+            a.input(r, v)?;
+        }
+        a.table(t.valid, x.valid)
+    };
+    let mut a = ik.bindings();
+    bind_tokens(&mut a, &ir.tokens)?;
+    let intra = ik.call(f, lowering, a)?;
+    let (wk, wr) = wy::wy_kernel(s)?;
+    let mut a = wk.bindings();
+    bind_tokens(&mut a, &wr.tokens)?;
+    a.input(wr.a, intra.get(ir.a)?)?;
+    let wy = wk.call(f, lowering, a)?;
+    let (rk, rr) = recurrence::recurrence_kernel(s)?;
+    let mut a = rk.bindings();
+    let from =
+        [wy.get(wr.w)?, wy.get(wr.u)?, wy.get(wr.qg)?, wy.get(wr.kg)?, intra.get(ir.aqk)?, wy.get(wr.eg)?];
+    for (r, v) in rr.factors.all().into_iter().zip(from) {
+        a.input(r, v)?;
+    }
+    if let (Some(r), Some(v)) = (rr.h0, x.h0) {
+        a.input(r, v)?;
+    }
+    a.table(rr.first, x.first)?;
+    a.table(rr.last, x.last)?;
+    a.table(rr.slot, x.slot)?;
+    let out = rk.call(f, lowering, a)?;
+    let h = match rr.h {
+        Some(h) => Some(out.get(h)?),
+        None => None,
+    };
+    Ok(ForwardOutputs { o: out.get(rr.o)?, ht: out.get(rr.ht)?, h })
+}
+
+/// The tables of fixed-length lanes of `t` tokens in `nt` chunk positions: `valid` (64 but the
+/// last chunk's remainder), `first`, `last`, `slot` (all 0).
+pub fn fixed_tables(f: &mut FnBuilder, t: i64, nt: i64) -> Result<[Value; 4]> {
+    let ty = TensorType::new(DType::I32, &[nt]);
+    let pos = f.iota(ty.clone(), 0)?;
+    let c = f.constant_i32(C as i32, ty.clone())?;
+    let start = f.mul(pos, c)?;
+    let total = f.constant_i32(t as i32, ty.clone())?;
+    let left = f.sub(total, start)?;
+    let valid = f.min(left, c)?;
+    let flag = |f: &mut FnBuilder, at: i64| -> Result<Value> {
+        let at = f.constant_i32(at as i32, ty.clone())?;
+        let hit = f.compare(Cmp::Eq, pos, at)?;
+        f.convert(hit, DType::I32)
+    };
+    let (first, last) = (flag(f, 0)?, flag(f, nt - 1)?);
+    let slot = f.constant_i32(0, ty.clone())?;
+    Ok([valid, first, last, slot])
+}
+
 /// A module whose `@main(q, k, v, g, beta[, h0])` (`[L, T, K]`, `[L, T, K]`, `[L, T, V]` in the
-/// shape's dtype, `g` `[L, T, K]` f32, `beta` `[L, T, 1]`, `h0` `[L, K, V]` f32) returns
-/// `(o [L, T, V], ht [L, K, V])` in f32, the two kernels lowered as `lowering` says.
-pub fn forward_module(s: &ForwardShape, lowering: Lowering) -> Result<String> {
+/// shape's dtype, `g` `[L, T, K]` f32 pre-activated, `beta` `[L, T, 1]`, `h0` `[L, K, V]` f32)
+/// returns `(o [L, T, V], ht [L, K, V])` in f32: fixed-length lanes, the kernels lowered by
+/// `lowering`.
+#[cfg_attr(not(feature = "harness"), allow(dead_code))] // the GPU kernels' tests (harness feature)
+pub fn forward_module(s: &ForwardShape, lowering: &dyn Lower) -> Result<String> {
     s.check()?;
     let (l, t, k, v) = (s.lanes, s.t, s.k, s.v);
     let ty = |d: DType, dims: &[i64]| TensorType::new(d, dims);
@@ -142,23 +275,21 @@ pub fn forward_module(s: &ForwardShape, lowering: Lowering) -> Result<String> {
     let vv = f.arg(ty(s.dtype, &[l, t, v]))?;
     let g = f.arg(ty(DType::F32, &[l, t, k]))?;
     let beta = f.arg(ty(s.dtype, &[l, t, 1]))?;
-    let h0 = if s.h0 { Some(f.arg(ty(DType::F32, &[l, k, v]))?) } else { None };
-    let (tk, tr) = terms::terms_kernel(s)?;
-    let mut a = tk.bindings();
-    for (r, x) in [(tr.q, q), (tr.k, kk), (tr.v, vv), (tr.g, g), (tr.beta, beta)] {
-        a.input(r, x)?;
-    }
-    let terms = tk.call(&mut f, &lowering, a)?;
-    let (rk, rr) = recurrence::recurrence_kernel(s)?;
-    let mut a = rk.bindings();
-    for (r, from) in rr.factors.all().into_iter().zip(tr.factors.all()) {
-        a.input(r, terms.get(from)?)?;
-    }
-    if let (Some(r), Some(x)) = (rr.h0, h0) {
-        a.input(r, x)?;
-    }
-    let out = rk.call(&mut f, &lowering, a)?;
-    f.ret(&[out.get(rr.o)?, out.get(rr.ht)?])?;
+    let h0 = match s.h0 {
+        true => {
+            let h = f.arg(ty(DType::F32, &[l, k, v]))?;
+            Some(f.reshape(h, &[l, 1, k, v])?)
+        }
+        false => None,
+    };
+    let [valid, first, last, slot] = fixed_tables(&mut f, t, t / C)?;
+    let shape = ForwardShape { gate: GateKind::Preactivated, slots: 1, ..*s };
+    let x = ForwardInputs { q, k: kk, v: vv, g, beta, gate: None, h0, valid, first, last, slot };
+    let out = call_forward(&mut f, &shape, &x, lowering)?;
+    let ht = f.reshape(out.ht, &[l, k, v])?;
+    let mut outs = vec![out.o, ht];
+    outs.extend(out.h);
+    f.ret(&outs)?;
     let mut m = Module::new();
     m.add(f)?;
     Ok(m.to_text())

@@ -41,10 +41,12 @@ impl Tokens {
 /// `Softplus` or `LowerBound` the per-head `exp(a_log)` and `dt_bias` come as the operand `gate`
 /// `[H, 2, K]`: row 0 `exp(a_log[h])` on every channel, row 1 `dt_bias[h, :]`).
 #[deprecated(since = "0.3.0", note = "use kda_core::GateKind")]
+#[cfg_attr(not(feature = "harness"), allow(dead_code))]
 pub type Gate = kda_core::GateKind;
 
 /// The kernels' dims under their earlier name.
 #[deprecated(since = "0.3.0", note = "renamed KernelDims: the forward and the backward kernel read them")]
+#[cfg_attr(not(feature = "harness"), allow(dead_code))]
 pub type ForwardDims = KernelDims;
 
 /// The dims and options of one forward kernel.

@@ -23,7 +23,7 @@ use crate::Result;
 use kda_core::{GateKind, Layout};
 
 /// A per-token tensor in the caller's layout to head-first `[H, B, T, D]`, in its own dtype.
-pub(super) fn lanes_first(b: &mut FnBuilder, s: &ProgramSpec, x: Value) -> Result<Value> {
+pub(in crate::op) fn lanes_first(b: &mut FnBuilder, s: &ProgramSpec, x: Value) -> Result<Value> {
     match s.options.layout {
         Layout::HeadFirst => Ok(x),
         Layout::BatchFirst => prep::heads_outermost(b, s, x),
@@ -31,7 +31,7 @@ pub(super) fn lanes_first(b: &mut FnBuilder, s: &ProgramSpec, x: Value) -> Resul
 }
 
 /// Head-first `[H, B, T, D]` to the kernel's `[L, NT * 64, D]` (packed: gathered by `slot_token`).
-pub(super) fn kernel_tokens(
+pub(in crate::op) fn kernel_tokens(
     b: &mut FnBuilder,
     s: &ProgramSpec,
     x: Value,
@@ -44,7 +44,7 @@ pub(super) fn kernel_tokens(
 
 /// The slot table the kernels read: `slot` itself for fixed length (all zeros), else its
 /// [`running_max`].
-pub(super) fn kernel_slots(b: &mut FnBuilder, s: &ProgramSpec, slot: Value) -> Result<Value> {
+pub(in crate::op) fn kernel_slots(b: &mut FnBuilder, s: &ProgramSpec, slot: Value) -> Result<Value> {
     match s.packed_chunks {
         None => Ok(slot),
         Some(_) => running_max(b, slot),
@@ -54,7 +54,7 @@ pub(super) fn kernel_slots(b: &mut FnBuilder, s: &ProgramSpec, slot: Value) -> R
 /// `slot` with every entry raised to the largest before it: the real chunks' slots never
 /// decrease, and the padding chunks after them (slot 0 in the tables) then keep the last
 /// segment's slot, so the kernel's `ht` block is never revisited.
-pub(super) fn running_max(b: &mut FnBuilder, slot: Value) -> Result<Value> {
+pub(in crate::op) fn running_max(b: &mut FnBuilder, slot: Value) -> Result<Value> {
     let n = slot.dims()[0];
     let at = b.iota(i32t(&[n, n]), 0)?;
     let before = b.iota(i32t(&[n, n]), 1)?;
@@ -68,7 +68,7 @@ pub(super) fn running_max(b: &mut FnBuilder, slot: Value) -> Result<Value> {
 /// The kernel's per-slot state table `state` where some chunk ended the slot's segment, else
 /// `passed` (zeros when `None`): a segment without chunks passes its starting state straight
 /// through (`h0` to `ht` forward, `dht` to `dh0` backward).
-pub(super) fn or_passed(
+pub(in crate::op) fn or_passed(
     b: &mut FnBuilder,
     s: &ProgramSpec,
     tables: &ChunkTables,
@@ -238,7 +238,7 @@ pub(super) fn window_tables(b: &mut FnBuilder, s: &ProgramSpec, slot_token: Valu
 }
 
 /// The kernel's gate parameters `[H, 2, K]`: `exp(a_log)` on every channel, then `dt_bias`.
-pub(super) fn gate_operand(
+pub(in crate::op) fn gate_operand(
     b: &mut FnBuilder,
     s: &ProgramSpec,
     a_log: Value,

@@ -10,7 +10,7 @@ mod backward_operands;
 mod backward_program;
 pub mod dims;
 pub mod forward;
-mod forward_program;
+pub(in crate::op) mod forward_program;
 mod operands;
 pub mod terms;
 

@@ -1,0 +1,203 @@
+//! The programs of the GPU rows (`triton`, `triton-interpret`): the forward runs the three GPU
+//! kernels on the inputs XLA lays out as aligned chunks (packed rows gathered by `slot_token`,
+//! the gate parameters per lane); the backward runs the XLA chunk loops, from the forward
+//! kernels' saved states where the strategy keeps them.
+
+use kda_core::{BackwardStrategy, DType};
+
+use super::{call_forward, fixed_tables, ForwardInputs, ForwardShape, C};
+use crate::hlo::{Cmp, FnBuilder, TensorType, Value};
+use crate::lang::Lower;
+use crate::op::args::{state_tab, Args};
+use crate::op::prep;
+use crate::op::spec::{on_device, ProgramSpec};
+use crate::op::tpu_kernels::forward_program::{
+    gate_operand, kernel_slots, kernel_tokens, lanes_first, or_passed,
+};
+use crate::op::xla;
+use crate::Result;
+
+/// The kernels' dtype for inputs held in `dtype` on the device: bf16 stays, the rest is f32.
+fn kernel_dtype(dtype: DType) -> DType {
+    match dtype {
+        DType::BF16 => DType::BF16,
+        _ => DType::F32,
+    }
+}
+
+/// A width as the kernels take it: the next power of two, at least 16 (the columns past the
+/// caller's are zero: inert in every product, sliced off the results).
+fn padded(d: usize) -> i64 {
+    (d.max(16) as u64).next_power_of_two() as i64
+}
+
+/// `x` with its last axis zero-padded to `to`.
+fn pad_last(f: &mut FnBuilder, x: Value, to: i64) -> Result<Value> {
+    let dims = x.dims().to_vec();
+    let n = dims.len();
+    let extra = to - dims[n - 1];
+    if extra == 0 {
+        return Ok(x);
+    }
+    let zero = f.constant_f32(0.0, TensorType::scalar(x.elem()))?;
+    let (lo, mut hi) = (vec![0; n], vec![0; n]);
+    hi[n - 1] = extra;
+    f.pad(x, zero, &lo, &hi, &vec![0; n])
+}
+
+/// `x` with axis `axis` cut to its first `to`.
+fn cut(f: &mut FnBuilder, x: Value, axis: usize, to: usize) -> Result<Value> {
+    match x.dims()[axis] == to as i64 {
+        true => Ok(x),
+        false => f.slice_axis(x, axis, 0, to as i64),
+    }
+}
+
+/// The forward kernels' shape for `s` (widths padded).
+fn shape(s: &ProgramSpec, dtype: DType, keep_h: bool) -> ForwardShape {
+    let base = ForwardShape::new(
+        s.lanes() as i64,
+        (s.chunks() * C as usize) as i64,
+        padded(s.dims.k),
+        padded(s.dims.v),
+        dtype,
+    );
+    ForwardShape {
+        gate: s.options.gate,
+        l2norm: s.options.l2norm,
+        scale: s.options.scale,
+        slots: s.slots() as i64,
+        h0: s.options.has_h0,
+        keep_h,
+        ..base
+    }
+}
+
+/// A per-token input in the caller's layout as the kernels' `[L, NT * 64, D]` in `dtype`, `D`
+/// padded.
+fn tokens(f: &mut FnBuilder, s: &ProgramSpec, a: &Args, x: Value, dtype: DType) -> Result<Value> {
+    let x = if x.elem() == dtype { x } else { f.convert(x, dtype)? };
+    let x = lanes_first(f, s, x)?;
+    let x = kernel_tokens(f, s, x, a.slot_token)?;
+    let d = *x.dims().last().unwrap_or(&1);
+    pad_last(f, x, padded(d as usize))
+}
+
+/// Tokens per chunk position `[NT]`: from `slot_token` for packed rows (a padding slot points
+/// past the tokens), else 64 but the last chunk's remainder.
+fn valid(f: &mut FnBuilder, s: &ProgramSpec, a: &Args) -> Result<Value> {
+    let nt = s.chunks() as i64;
+    let Some(st) = a.slot_token else {
+        let [valid, ..] = fixed_tables(f, s.dims.t as i64, nt)?;
+        return Ok(valid);
+    };
+    let ty = TensorType::new(DType::I32, &[nt * C]);
+    let pad = f.constant_i32((s.dims.b * s.dims.t) as i32, ty)?;
+    let real = f.compare(Cmp::Ne, st, pad)?;
+    let real = f.convert(real, DType::I32)?;
+    let real = f.reshape(real, &[nt, C])?;
+    f.reduce_sum(real, &[1])
+}
+
+/// The forward: `o [final_state] [h]`, the GPU kernels lowered by `lowering`.
+pub(in crate::op) fn forward(
+    f: &mut FnBuilder,
+    s: &ProgramSpec,
+    a: &Args,
+    keep_h: bool,
+    lowering: &dyn Lower,
+) -> Result<Vec<Value>> {
+    let dtype = kernel_dtype(a.q.elem());
+    let sh = shape(s, dtype, keep_h);
+    let g = prep::head_first(f, s, a.g)?;
+    let beta = prep::beta_head_first(f, s, a.beta)?;
+    let beta = f.convert(beta, dtype)?;
+    let g = kernel_tokens(f, s, g, a.slot_token)?;
+    let h0 = match a.h0 {
+        Some(_) => Some(state_tab(f, s, a.h0)?),
+        None => None,
+    };
+    let gate = match a.a_log {
+        Some(al) => Some(lane_gate(f, s, al, a.dt_bias)?),
+        None => None,
+    };
+    let h0_padded = match h0 {
+        Some(h) => {
+            let h = pad_last(f, h, sh.v)?;
+            let h = f.transpose(h, &[0, 1, 3, 2])?;
+            let h = pad_last(f, h, sh.k)?;
+            Some(f.transpose(h, &[0, 1, 3, 2])?)
+        }
+        None => None,
+    };
+    let x = ForwardInputs {
+        q: tokens(f, s, a, a.q, dtype)?,
+        k: tokens(f, s, a, a.k, dtype)?,
+        v: tokens(f, s, a, a.v, dtype)?,
+        g: pad_last(f, g, sh.k)?,
+        beta: kernel_tokens(f, s, beta, a.slot_token)?,
+        gate: match gate {
+            Some(p) => Some(pad_last(f, p, sh.k)?),
+            None => None,
+        },
+        h0: h0_padded,
+        valid: valid(f, s, a)?,
+        first: a.tables.first,
+        last: a.tables.last,
+        slot: kernel_slots(f, s, a.tables.slot)?,
+    };
+    let out = call_forward(f, &sh, &x, lowering)?;
+    let (l, nt, v) = (s.lanes() as i64, s.chunks() as i64, s.dims.v as i64);
+    let o = cut(f, out.o, 2, s.dims.v)?;
+    let o = f.reshape(o, &[l, nt, C, v])?;
+    let o = prep::from_chunks(f, s, o, a.token_slot)?;
+    let mut outs = vec![prep::to_caller(f, s, o, on_device(s.options.dtype))?];
+    if s.options.final_state {
+        let ht = cut(f, out.ht, 2, s.dims.k)?;
+        let ht = cut(f, ht, 3, s.dims.v)?;
+        let ht = or_passed(f, s, &a.tables, ht, h0)?;
+        outs.push(prep::state_from_table(f, s, ht)?);
+    }
+    if let Some(h) = out.h {
+        let h = cut(f, h, 2, s.dims.k)?;
+        outs.push(cut(f, h, 3, s.dims.v)?);
+    }
+    Ok(outs)
+}
+
+/// The in-kernel gate's parameters per lane `[L, 2, K]` (lane `h B + b` takes head `h`'s).
+fn lane_gate(f: &mut FnBuilder, s: &ProgramSpec, a_log: Value, dt_bias: Option<Value>) -> Result<Value> {
+    let (h, bb, k) = (s.dims.h as i64, s.dims.b as i64, s.dims.k as i64);
+    let p = gate_operand(f, s, a_log, dt_bias)?;
+    let p = f.broadcast_in_dim(p, &[h, bb, 2, k], &[0, 2, 3])?;
+    f.reshape(p, &[h * bb, 2, k])
+}
+
+/// The backward: the XLA chunk loops, from the saved states `saved` (the forward kernels'
+/// `h`) or re-running the recurrence.
+pub(in crate::op) fn backward(
+    f: &mut FnBuilder,
+    s: &ProgramSpec,
+    a: &Args,
+    saved: Option<Value>,
+    cotangents: (Value, Option<Value>),
+) -> Result<Vec<Value>> {
+    xla::backward(f, s, a, saved, cotangents)
+}
+
+/// The fused forward+VJP: the forward kernels keeping the entering states, then the XLA
+/// backward from them (both strategies: the states are in the executable anyway).
+pub(in crate::op) fn fused(
+    f: &mut FnBuilder,
+    s: &ProgramSpec,
+    a: &Args,
+    _strategy: BackwardStrategy,
+    cotangents: (Value, Option<Value>),
+    lowering: &dyn Lower,
+) -> Result<Vec<Value>> {
+    let mut outs = forward(f, s, a, true, lowering)?;
+    let h = outs.pop();
+    let grads = xla::backward(f, s, a, h, cotangents)?;
+    outs.extend(grads);
+    Ok(outs)
+}

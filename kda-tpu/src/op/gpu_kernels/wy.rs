@@ -1,0 +1,86 @@
+//! The WY kernel of the GPU forward: one program per (lane, chunk position) turns the chunk's
+//! inverse `A` into the factors the recurrence reads: `w = A (beta k e^G)`, `u = A (beta v)`,
+//! `qg = scale q e^G`, `kg = k e^(G_C - G)` and `e^(G_C)`, with `G` the chunk's running sums
+//! of the gates (inclusive forward, exclusive reverse: direct sums, every factor at most 1).
+
+use kda_core::DType;
+
+use crate::error::{Result, TpuError};
+use crate::hlo::TensorType;
+use crate::lang::{Body, Index, Kernel, KernelBuilder, Operand, Ref, Scan, Semantics};
+use crate::op::chunk::mul_const;
+
+use super::tokens::{self, f32_block, store, TokenRefs};
+use super::{ForwardShape, C};
+
+/// The WY kernel's operands by name.
+#[derive(Clone, Copy, Debug)]
+pub struct WyRefs {
+    /// The per-token inputs (`v` included).
+    pub tokens: TokenRefs,
+    /// The intra kernel's `A` `[L, T, C]`.
+    pub a: Ref,
+    /// `w` `[L, T, K]`.
+    pub w: Ref,
+    /// `u` `[L, T, V]` f32.
+    pub u: Ref,
+    /// `scale q e^G` `[L, T, K]`.
+    pub qg: Ref,
+    /// `k e^(G_C - G)` `[L, T, K]`.
+    pub kg: Ref,
+    /// `e^(G_C)` `[L, NT, K]` f32.
+    pub eg: Ref,
+}
+
+/// The WY kernel of `s`: grid (lanes, chunk positions), both parallel.
+pub fn wy_kernel(s: &ForwardShape) -> Result<(Kernel, WyRefs)> {
+    let (l, t, nt, k, v) = (s.lanes, s.t, s.t / C, s.k, s.v);
+    let mut kb = KernelBuilder::new("kda_gpu_wy");
+    kb.grid(l, Semantics::Parallel).grid(nt, Semantics::Parallel);
+    let tokens = tokens::declare(&mut kb, s, true);
+    let at = || vec![Index::Grid(0), Index::Grid(1), Index::Const(0)];
+    let ty = |d: DType, dims: &[i64]| TensorType::new(d, dims);
+    let fd = s.factor_dtype();
+    let a = kb.input(Operand::blocked("a", ty(fd, &[l, t, C]), &[1, C, C], at()));
+    let mut res =
+        |name: &str, d: DType, w: i64| kb.output(Operand::blocked(name, ty(d, &[l, t, w]), &[1, C, w], at()));
+    let (w, u, qg, kg) = (res("w", fd, k), res("u", DType::F32, v), res("qg", fd, k), res("kg", fd, k));
+    let eg = kb.output(Operand::blocked("eg", ty(DType::F32, &[l, nt, k]), &[1, 1, k], at()));
+    kb.params(s.wy_launch);
+    let refs = WyRefs { tokens, a, w, u, qg, kg, eg };
+    let kernel = kb.build(|b| chunk_wy(b, s, &refs))?;
+    Ok((kernel, refs))
+}
+
+/// The body: one chunk's factors.
+fn chunk_wy(b: &mut Body, s: &ForwardShape, r: &WyRefs) -> Result<()> {
+    let (k, v, p, fd) = (s.k, s.v, s.precision(), s.factor_dtype());
+    let x = tokens::load(b, s, &r.tokens)?;
+    let a = b.load_all(r.a)?;
+    let a = b.reshape(&a, &[C, C])?;
+    let a = b.to_dtype(&a, DType::F32)?;
+    let gc = b.cumsum(&x.g, 0, Scan { reverse: false, exclusive: false }, None)?; // G_t
+    let egc = b.exp(&gc)?;
+    let wide_beta = b.broadcast(&x.beta, &[C, k])?;
+    let bk = b.mul(&x.k, &wide_beta)?;
+    let kbg = b.mul(&bk, &egc)?;
+    let wv = b.matmul(&a, &kbg, (1, 0), p)?;
+    store(b, r.w, &wv, fd)?;
+    let qg = b.mul(&x.q, &egc)?;
+    let qg = mul_const(b, &qg, s.scale)?;
+    store(b, r.qg, &qg, fd)?;
+    let total = b.slice(&gc, &[C - 1, 0], &[1, k])?;
+    let eg = b.exp(&total)?;
+    let eg = b.reshape(&eg, &[1, 1, k])?;
+    b.store_all(r.eg, &eg)?;
+    let gs = b.cumsum(&x.g, 0, Scan { reverse: true, exclusive: true }, None)?; // G_C - G_t
+    let egs = b.exp(&gs)?;
+    let kg = b.mul(&x.k, &egs)?;
+    store(b, r.kg, &kg, fd)?;
+    let v_in = r.tokens.v.ok_or_else(|| TpuError::builder("kda_gpu_wy", "internal: no v operand"))?;
+    let vx = f32_block(b, v_in, v)?;
+    let beta_v = b.broadcast(&x.beta, &[C, v])?;
+    let bv = b.mul(&vx, &beta_v)?;
+    let uv = b.matmul(&a, &bv, (1, 0), p)?;
+    store(b, r.u, &uv, DType::F32)
+}
