@@ -6,6 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use super::gpu_model::{hlo_launches, ProgramModel};
 use crate::error::{Result, TpuError};
 use crate::runtime::guard::guarded;
 use crate::runtime::plugin::{self, PluginLocation};
@@ -69,6 +70,10 @@ pub struct GpuAotReport {
     /// Kernel launches of one call, in program order (empty unless figures were asked for:
     /// [`GpuCompiler::with_figures`]).
     pub kernels: Vec<GpuKernelFigures>,
+    /// The static model's compulsory HBM bytes of each op of the optimized program's entry
+    /// computation (loop bodies not counted; empty unless figures were asked for); FLOPs are
+    /// added from the kernels' definitions ([`super::gpu_model::kernel_work`]).
+    pub model: ProgramModel,
 }
 
 /// XLA's CUDA plugin loaded for deviceless compiles, with the CUDA tools folder (`ptxas`,
@@ -146,15 +151,15 @@ impl GpuCompiler {
             self.raw.compile_deviceless("", &described, program, &encoded, |raw, exe| raw.memory_stats(exe))
         })?;
         let compile_time = started.elapsed();
-        let kernels = match &dump {
+        let (kernels, model) = match &dump {
             Some(d) => {
                 let read = read_figures(d, &self.cuda_dir.join("bin/ptxas"), target.arch);
                 let _ = std::fs::remove_dir_all(d);
                 read?
             }
-            None => Vec::new(),
+            None => (Vec::new(), ProgramModel::default()),
         };
-        Ok(GpuAotReport { target: target.name.to_string(), memory, compile_time, kernels })
+        Ok(GpuAotReport { target: target.name.to_string(), memory, compile_time, kernels, model })
     }
 }
 
@@ -174,8 +179,8 @@ fn io(what: &Path, e: std::io::Error) -> TpuError {
 }
 
 /// The kernel launches of the thunk sequence in `dump`, with the registers and spills that
-/// `ptxas -v` reports for the dumped PTX.
-fn read_figures(dump: &Path, ptxas: &Path, arch: &str) -> Result<Vec<GpuKernelFigures>> {
+/// `ptxas -v` reports for the dumped PTX, and the entry computation's ops with their bytes.
+fn read_figures(dump: &Path, ptxas: &Path, arch: &str) -> Result<(Vec<GpuKernelFigures>, ProgramModel)> {
     let mut files: Vec<PathBuf> =
         std::fs::read_dir(dump).map_err(|e| io(dump, e))?.filter_map(|e| e.ok().map(|e| e.path())).collect();
     files.sort();
@@ -199,7 +204,12 @@ fn read_figures(dump: &Path, ptxas: &Path, arch: &str) -> Result<Vec<GpuKernelFi
             (k.registers, k.spill_store_bytes, k.spill_load_bytes) = (Some(regs), Some(stores), Some(loads));
         }
     }
-    Ok(kernels)
+    let mut model = ProgramModel::default();
+    if let Some(hlo) = named("after_optimizations.txt").next_back() {
+        let text = std::fs::read_to_string(hlo).map_err(|e| io(hlo, e))?;
+        model.launches = hlo_launches(&text);
+    }
+    Ok((kernels, model))
 }
 
 /// `kCustomKernel NAME grid: [x, y, z] threads: [x, y, z] shared_memory: N bytes` lines (and

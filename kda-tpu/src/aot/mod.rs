@@ -4,6 +4,7 @@
 
 pub mod cycles;
 pub mod gpu;
+pub mod gpu_model;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -38,6 +38,7 @@ mod call;
 mod ir;
 mod kernel;
 pub mod lower;
+pub mod work;
 
 pub use body::Body;
 pub use call::{Bindings, Returned};

@@ -50,6 +50,13 @@ pub use xla::parts;
 pub const TABLE_NAMES: [&str; 6] =
     ["chunk_first", "chunk_last", "chunk_slot", "slot_token", "token_slot", "token_segment"];
 
+/// The GPU forward kernels the `triton` rows run for `spec` (intra, WY, recurrence; with
+/// `keep_h` the recurrence writes every chunk's entering state, as the saved-state and fused
+/// programs ask), for figures and models (`aot::gpu_model::kernel_work`).
+pub fn gpu_forward_kernels(spec: &ProgramSpec, keep_h: bool) -> crate::Result<Vec<crate::lang::Kernel>> {
+    gpu_kernels::program::forward_kernels(spec, on_device(spec.options.dtype), keep_h)
+}
+
 /// The signature of program `kind` of `spec` as the backend runs it on `devices` replicas:
 /// [`ProgramSignature::of`], or in the context-parallel form
 /// [`context_parallel::signature`].

@@ -4,6 +4,7 @@ use super::{compile_aot_replicas, err, kind, problem_of};
 use crate::aot_cmd::{AotOptions, Program, Shape};
 use crate::bench::Memory;
 use kda_testkit::CaseSegments;
+use kda_tpu::aot::gpu_model::{kernel_work, ProgramModel, H200_PEAKS};
 use kda_tpu::PjrtBackend;
 
 fn mb(bytes: i64) -> String {
@@ -111,6 +112,85 @@ fn each_program(
     Ok(())
 }
 
+/// Tokens times heads of `case`: what the model's bytes are counted per.
+fn token_heads(case: &kda_testkit::Case) -> f64 {
+    (case.h * case.b * case.t) as f64
+}
+
+/// The static model of `program`: the compiled program's launches with their bytes, the GPU
+/// rows' kernels with their FLOPs and exponentials from the kernels' definitions.
+fn gpu_model(
+    o: &AotOptions,
+    be: &PjrtBackend,
+    case: &kda_testkit::Case,
+    dtype: kda_core::DType,
+    program: crate::aot_cmd::Program,
+    compiled: &ProgramModel,
+) -> Result<ProgramModel, String> {
+    use kda_core::{BackwardStrategy::SavedState, Implementation};
+    use kda_tpu::op::ProgramKind;
+    let mut model = compiled.clone();
+    if !matches!(o.implementation, Implementation::Triton | Implementation::TritonInterpret) {
+        return Ok(model);
+    }
+    let keep_h = match kind(program) {
+        ProgramKind::Forward(st) => Some(st == SavedState),
+        ProgramKind::Fused(_) => Some(true),
+        _ => None,
+    };
+    let Some(keep_h) = keep_h else { return Ok(model) };
+    let (problem, _) = pieces(o, case, dtype)?;
+    let spec = be.spec(&problem, case.final_state).map_err(err)?;
+    let tuning = spec.tuning.with_implementation(o.implementation);
+    let spec = spec.with_tuning(tuning);
+    for k in kda_tpu::op::gpu_forward_kernels(&spec, keep_h).map_err(err)? {
+        let work = kernel_work(&k);
+        if let Some(l) = model.launches.iter_mut().find(|l| l.name == work.name) {
+            (l.tensor_flops, l.fma_flops, l.exps) = (work.tensor_flops, work.fma_flops, work.exps);
+        }
+    }
+    Ok(model)
+}
+
+/// The model's lines: per launch that moves at least 1% of the bytes or does arithmetic, then
+/// the program's sum, per token and head and as floors at the H200's peaks.
+fn print_model(model: &ProgramModel, case: &kda_testkit::Case) {
+    let th = token_heads(case);
+    let total = model.bytes();
+    println!("  static model (not a time; floors at H200 peaks: 4.8 TB/s, 989 TFLOP/s, 66.9 TFLOP/s FMA, 4.2 T exp/s):");
+    for l in &model.launches {
+        let arithmetic = l.tensor_flops + l.fma_flops + l.exps > 0.0;
+        if !arithmetic && l.bytes < 0.01 * total {
+            continue;
+        }
+        let f = l.floors(&H200_PEAKS);
+        println!(
+            "    {:<28} {:>7.0} B/token-head | TC {:>8.2} GFLOP | FMA {:>7.2} GFLOP | exp {:>7.3} G | floor {:>7.1} us (mem {:.1}, TC {:.1}, FMA {:.1}, exp {:.1})",
+            l.name,
+            l.bytes / th,
+            l.tensor_flops / 1e9,
+            l.fma_flops / 1e9,
+            l.exps / 1e9,
+            f.max() * 1e6,
+            f.memory * 1e6,
+            f.tensor * 1e6,
+            f.fma * 1e6,
+            f.exp * 1e6
+        );
+    }
+    let f = model.floors(&H200_PEAKS);
+    println!(
+        "    program: {} launches in the entry computation, {:.0} B per token and head, floor {:.1} us (summed per resource: mem {:.1}, TC {:.1}, FMA {:.1}, exp {:.1})",
+        model.launches(),
+        model.bytes_per_token_head(th),
+        model.floor(&H200_PEAKS) * 1e6,
+        f.memory * 1e6,
+        f.tensor * 1e6,
+        f.fma * 1e6,
+        f.exp * 1e6
+    );
+}
+
 /// `--target`: every (shape, dtype, program) of `o` compiled deviceless for a GPU, with its
 /// kernel launches and each kernel's figures.
 fn run_gpu(o: &AotOptions, be: &PjrtBackend, target: &str) -> Result<(), String> {
@@ -158,6 +238,8 @@ fn run_gpu(o: &AotOptions, be: &PjrtBackend, target: &str) -> Result<(), String>
             "  kernel launches: {} (each loop body once); most registers {regs}; spill stores {spills} B",
             r.kernels.len()
         );
+        let model = gpu_model(o, be, case, dtype, program, &r.model)?;
+        print_model(&model, case);
         records.push(serde_json::json!({
             "program": program.name(),
             "implementation": o.implementation.name(),
@@ -175,6 +257,8 @@ fn run_gpu(o: &AotOptions, be: &PjrtBackend, target: &str) -> Result<(), String>
             "argument_bytes": m.argument_bytes,
             "output_bytes": m.output_bytes,
             "launches": r.kernels.len(),
+            "model_hbm_bytes_per_token_head": model.bytes_per_token_head(token_heads(case)),
+            "model_floor_us": model.floor(&H200_PEAKS) * 1e6,
             "kernels": r.kernels.iter().map(|k| serde_json::json!({
                 "name": k.name,
                 "grid": k.grid,

@@ -1,15 +1,16 @@
 //! The intra-chunk kernel of the GPU forward: one program per (lane, chunk position) computes
 //! the chunk's pair terms `Aqk` and the inverse `A = (I + L)^-1` from its own tokens alone,
-//! every decay an exponential of a direct sum of gates at most 0 (no difference of running
-//! sums, no factor above 1), so that strongly decayed chunks keep f32 accuracy and every row
-//! reads only its own and earlier tokens.
+//! sub-chunk by sub-chunk (`[16, K]` rows read for each), every decay an exponential of a
+//! direct sum of gates at most 0 (running sums, never the difference of two; no factor above
+//! 1), so that strongly decayed chunks keep f32 accuracy and every row reads only its own and
+//! earlier tokens.
 //!
-//! With 16-token sub-chunks:
-//! - a pair `j < t` in different sub-chunks factors at the last token `a` before `t`'s
-//!   sub-chunk: `e^(G_t - G_a) e^(G_a - G_j)`, a row factor (the segmented running sum over
-//!   `t`'s sub-chunk up to `t`) and a column factor per anchor (the reverse exclusive running
-//!   sum of the gates up to `a`); one product per anchor holds every such pair of a sub-chunk;
-//! - a pair inside a sub-chunk (the diagonal `t = j` included for `Aqk`) takes its own exponent
+//! For the rows of 16-token sub-chunk `i`:
+//! - a pair with a column `j` of an earlier sub-chunk factors at the anchor `a = 16 i - 1`:
+//!   `e^(G_t - G_a) e^(G_a - G_j)`, a row factor (the running sum over the sub-chunk up to `t`)
+//!   and a column factor (the reverse exclusive running sum of the chunk's gates up to `a`);
+//!   one `[16, K] x [K, 64]` product per side holds them all;
+//! - a pair inside the sub-chunk (the diagonal included for `Aqk`) takes its own exponent
 //!   `sum_{j < s <= t} g_s`, accumulated over the 16 columns from the last back (each step adds
 //!   the next gate on the left), and its term as a lane reduction, as fla does.
 
@@ -50,147 +51,133 @@ pub fn intra_kernel(s: &ForwardShape) -> Result<(Kernel, IntraRefs)> {
     Ok((kernel, refs))
 }
 
-/// Index grids of a `dims` tile: its rows' tokens, their sub-chunks and positions inside them.
-pub(super) struct Rows {
-    pub(super) token: V,
-    pub(super) sub: V,
-    pub(super) local: V,
-}
-
-pub(super) fn rows_of(b: &mut Body, dims: &[i64], axis: usize) -> Result<Rows> {
-    let token = b.iota(dims, axis)?;
-    let (zero, one) = (b.splat(0.0, DType::I32, dims)?, b.splat(1.0, DType::I32, dims)?);
-    let mut sub = zero.clone();
-    for edge in (SUB..C).step_by(SUB as usize) {
-        let e = b.splat(edge as f64, DType::I32, dims)?;
-        let past = b.compare(Cmp::Ge, &token, &e)?;
-        let step = b.select(&past, &one, &zero)?;
-        sub = b.add(&sub, &step)?;
-    }
-    let width = b.splat(SUB as f64, DType::I32, dims)?;
-    let start = b.mul(&sub, &width)?;
-    let local = b.sub(&token, &start)?;
-    Ok(Rows { token, sub, local })
-}
-
 /// `x and y` of two i1 tiles.
 fn and(b: &mut Body, x: &V, y: &V) -> Result<V> {
     b.select(x, y, x)
 }
 
-/// Row `idx` (a position inside a sub-chunk, i32 scalar) of each sub-chunk of `x` `[C, w]`,
-/// stretched over that sub-chunk's rows; `-inf` rows where there is none (`idx` = 16). Exact:
-/// a max over one value and `-inf`s.
-fn sub_row(b: &mut Body, x: &V, local: &V, idx: &V) -> Result<V> {
-    let w = x.ty.dims[1];
-    let at = b.broadcast(idx, &[C, w])?;
+/// Row `idx` (an i32 scalar) of the `[16, w]` tile `x`, stretched over its rows; `-inf` rows
+/// where there is none (`idx` = 16). Exact: a max over one value and `-inf`s.
+fn row_of(b: &mut Body, x: &V, local: &V, idx: &V) -> Result<V> {
+    let dims = x.ty.dims.clone();
+    let at = b.broadcast(idx, &dims)?;
     let hit = b.compare(Cmp::Eq, local, &at)?;
-    let none = b.splat(f64::NEG_INFINITY, DType::F32, &[C, w])?;
+    let none = b.splat(f64::NEG_INFINITY, DType::F32, &dims)?;
     let kept = b.select(&hit, x, &none)?;
-    let parts = b.reshape(&kept, &[C / SUB, SUB, w])?;
-    let row = b.reduce(Reduction::Max, &parts, 1)?;
-    let rows = b.broadcast(&row, &[C / SUB, SUB, w])?;
-    b.reshape(&rows, &[C, w])
+    let row = b.reduce(Reduction::Max, &kept, 0)?;
+    b.broadcast(&row, &dims)
 }
 
-/// The pairs of `Aqk` and `L` in different sub-chunks, `[C, C]` each (zero elsewhere): rows of
-/// sub-chunk `i` (read as `[16, K]` rows of the inputs) against the columns before it, through
-/// the anchor `a = 16 i - 1`.
-fn across_sub_chunks(
-    b: &mut Body,
-    s: &ForwardShape,
-    r: &IntraRefs,
-    x: &tokens::Chunk,
-    rk: &Rows,
-) -> Result<(V, V)> {
-    let (k, p, fd) = (s.k, s.precision(), s.factor_dtype());
-    let zero = b.splat(0.0, DType::F32, &[SUB, C])?;
-    let (mut aqk, mut l) = (vec![zero.clone()], vec![zero]);
-    let col = b.iota(&[SUB, C], 1)?;
-    for i in 1..(C / SUB) {
-        // Row factors: the running sums over the sub-chunk up to each row.
-        let y = tokens::load_rows(b, s, &r.tokens, SUB * i, SUB)?;
-        let rsum = b.cumsum(&y.g, 0, Scan { reverse: false, exclusive: false }, None)?;
-        let er = b.exp(&rsum)?;
-        let qr = b.mul(&y.q, &er)?;
-        let qr = b.to_dtype(&qr, fd)?;
-        let wide_beta = b.broadcast(&y.beta, &[SUB, k])?;
-        let kr = b.mul(&y.k, &wide_beta)?;
-        let kr = b.mul(&kr, &er)?;
-        let kr = b.to_dtype(&kr, fd)?;
-        // Column factors: sum_{j < s <= a} g_s on row j, the reverse exclusive sums of the gates
-        // up to a.
-        let anchor = b.splat((SUB * i - 1) as f64, DType::I32, &[C, k])?;
-        let to_anchor = b.compare(Cmp::Le, &rk.token, &anchor)?;
-        let zg = b.splat(0.0, DType::F32, &[C, k])?;
-        let upto = b.select(&to_anchor, &x.g, &zg)?;
-        let cs = b.cumsum(&upto, 0, Scan { reverse: true, exclusive: true }, None)?;
-        let ec = b.exp(&cs)?;
-        let cols = b.mul(&x.k, &ec)?;
-        let cols = b.to_dtype(&cols, fd)?;
-        let edge = b.splat((SUB * i) as f64, DType::I32, &[SUB, C])?;
-        let before = b.compare(Cmp::Lt, &col, &edge)?;
-        let zero = b.splat(0.0, DType::F32, &[SUB, C])?;
-        let pq = b.matmul(&qr, &cols, (1, 1), p)?;
-        aqk.push(b.select(&before, &pq, &zero)?);
-        let pl = b.matmul(&kr, &cols, (1, 1), p)?;
-        l.push(b.select(&before, &pl, &zero)?);
-    }
-    Ok((b.concat(&aqk, 0)?, b.concat(&l, 0)?))
-}
-
-/// The body: one chunk's `Aqk` and `A`.
-fn chunk_intra(b: &mut Body, s: &ForwardShape, r: &IntraRefs) -> Result<()> {
-    let (k, p, fd) = (s.k, s.precision(), s.factor_dtype());
-    let x = tokens::load(b, s, &r.tokens)?;
-    let (q, kx, g, beta) = (&x.q, &x.k, &x.g, &x.beta);
-    let (aqk, l) = {
-        let rk = rows_of(b, &[C, k], 0)?;
-        across_sub_chunks(b, s, r, &x, &rk)?
-    };
-    // Pairs inside a sub-chunk, column by column from the last: `d` holds
-    // sum_{j < s <= t} g_s on the rows at or after position j.
-    let d0 = b.splat(0.0, DType::F32, &[C, k])?;
-    let outs = b.for_range(0, SUB, &[d0, aqk, l], |b, i, carried| {
-        // The index grids made here, not held across the loop.
-        let (mr, mc, rk) = (rows_of(b, &[C, C], 0)?, rows_of(b, &[C, C], 1)?, rows_of(b, &[C, k], 0)?);
-        let same = b.compare(Cmp::Eq, &mc.sub, &mr.sub)?;
+/// The pairs of sub-chunk `y` (`[16, K]` rows) with itself, the diagonal included for `Aqk`:
+/// `[16, 16]` blocks of `Aqk` and `L`. Column by column from the last, `d` holds
+/// `sum_{j < s <= t} g_s` on the rows at or after position `j`; each column's terms are lane
+/// reductions.
+fn within_sub_chunk(b: &mut Body, k: i64, y: &tokens::Chunk) -> Result<(V, V)> {
+    let d0 = b.splat(0.0, DType::F32, &[SUB, k])?;
+    let z = b.splat(0.0, DType::F32, &[SUB, SUB])?;
+    let outs = b.for_range(0, SUB, &[d0, z.clone(), z], |b, i, carried| {
+        let local = b.iota(&[SUB, k], 0)?;
         let last = b.index(SUB - 1)?;
         let j = b.index_op(Binary::Sub, &last, i)?;
         let one = b.index(1)?;
         let next = b.index_op(Binary::Add, &j, &one)?;
-        let gn = sub_row(b, g, &rk.local, &next)?;
-        let nexts = b.broadcast(&next, &[C, k])?;
-        let after = b.compare(Cmp::Ge, &rk.local, &nexts)?;
+        let gn = row_of(b, &y.g, &local, &next)?;
+        let nexts = b.broadcast(&next, &[SUB, k])?;
+        let after = b.compare(Cmp::Ge, &local, &nexts)?;
         let grown = b.add(&carried[0], &gn)?;
-        let zk = b.splat(0.0, DType::F32, &[C, k])?;
+        let zk = b.splat(0.0, DType::F32, &[SUB, k])?;
         let d = b.select(&after, &grown, &zk)?;
         let f = b.exp(&d)?;
-        let kj = sub_row(b, kx, &rk.local, &j)?;
+        let kj = row_of(b, &y.k, &local, &j)?;
         let kf = b.mul(&kj, &f)?;
-        let qa = b.mul(q, &kf)?;
+        let qa = b.mul(&y.q, &kf)?;
         let a_col = b.reduce(Reduction::Sum, &qa, 1)?;
-        let la = b.mul(kx, &kf)?;
+        let la = b.mul(&y.k, &kf)?;
         let l_col = b.reduce(Reduction::Sum, &la, 1)?;
-        // Column 16 sb(t) + j of row t: at (t, j) with j at or before t (Aqk) or before it (L).
-        let js = b.broadcast(&j, &[C, C])?;
-        let col_here = b.compare(Cmp::Eq, &mc.local, &js)?;
-        let col_here = and(b, &col_here, &same)?;
-        let row_at = b.compare(Cmp::Ge, &mr.local, &js)?;
-        let row_after = b.compare(Cmp::Gt, &mr.local, &js)?;
+        let l_col = b.mul(&l_col, &y.beta)?;
+        // Column j of row t: with j at or before t (Aqk), before it (L).
+        let (rows, cols) = (b.iota(&[SUB, SUB], 0)?, b.iota(&[SUB, SUB], 1)?);
+        let js = b.broadcast(&j, &[SUB, SUB])?;
+        let col_here = b.compare(Cmp::Eq, &cols, &js)?;
+        let row_at = b.compare(Cmp::Ge, &rows, &js)?;
+        let row_after = b.compare(Cmp::Gt, &rows, &js)?;
         let put_a = and(b, &col_here, &row_at)?;
         let put_l = and(b, &col_here, &row_after)?;
-        let a_wide = b.broadcast(&a_col, &[C, C])?;
-        let l_wide = b.broadcast(&l_col, &[C, C])?;
+        let a_wide = b.broadcast(&a_col, &[SUB, SUB])?;
+        let l_wide = b.broadcast(&l_col, &[SUB, SUB])?;
         let aqk = b.select(&put_a, &a_wide, &carried[1])?;
-        let bl = b.broadcast(beta, &[C, C])?;
-        let l_wide = b.mul(&l_wide, &bl)?;
         let l = b.select(&put_l, &l_wide, &carried[2])?;
         Ok(vec![d, aqk, l])
     })?;
+    Ok((outs[1].clone(), outs[2].clone()))
+}
+
+/// The pairs of sub-chunk `i` (its rows `y`) with the columns before it, through the anchor
+/// `a = 16 i - 1`: `[16, 64]` rows of `Aqk` and `L` (zero from column `16 i` on). The row
+/// factors are the running sums over the sub-chunk up to each row; the column factors
+/// `sum_{j < s <= a} g_s` the reverse exclusive running sums of the chunk's gates up to `a`.
+fn across_sub_chunks(
+    b: &mut Body,
+    s: &ForwardShape,
+    i: i64,
+    y: &tokens::Chunk,
+    x: &tokens::Chunk,
+) -> Result<(V, V)> {
+    let (k, p, fd) = (s.k, s.precision(), s.factor_dtype());
+    let rsum = b.cumsum(&y.g, 0, Scan { reverse: false, exclusive: false }, None)?;
+    let er = b.exp(&rsum)?;
+    let qr = b.mul(&y.q, &er)?;
+    let qr = b.to_dtype(&qr, fd)?;
+    let wide_beta = b.broadcast(&y.beta, &[SUB, k])?;
+    let kr = b.mul(&y.k, &wide_beta)?;
+    let kr = b.mul(&kr, &er)?;
+    let kr = b.to_dtype(&kr, fd)?;
+    let token = b.iota(&[C, k], 0)?;
+    let anchor = b.splat((SUB * i - 1) as f64, DType::I32, &[C, k])?;
+    let to_anchor = b.compare(Cmp::Le, &token, &anchor)?;
+    let zg = b.splat(0.0, DType::F32, &[C, k])?;
+    let upto = b.select(&to_anchor, &x.g, &zg)?;
+    let cs = b.cumsum(&upto, 0, Scan { reverse: true, exclusive: true }, None)?;
+    let ec = b.exp(&cs)?;
+    let cols = b.mul(&x.k, &ec)?;
+    let cols = b.to_dtype(&cols, fd)?;
+    let col = b.iota(&[SUB, C], 1)?;
+    let edge = b.splat((SUB * i) as f64, DType::I32, &[SUB, C])?;
+    let before = b.compare(Cmp::Lt, &col, &edge)?;
+    let zero = b.splat(0.0, DType::F32, &[SUB, C])?;
+    let pq = b.matmul(&qr, &cols, (1, 1), p)?;
+    let pl = b.matmul(&kr, &cols, (1, 1), p)?;
+    Ok((b.select(&before, &pq, &zero)?, b.select(&before, &pl, &zero)?))
+}
+
+/// `[16, 64]` rows with `block` `[16, 16]` at column block `i`, zero elsewhere.
+fn placed(b: &mut Body, block: &V, i: i64) -> Result<V> {
+    let z = b.splat(0.0, DType::F32, &[SUB, SUB])?;
+    let parts: Vec<V> = (0..C / SUB).map(|c| if c == i { block.clone() } else { z.clone() }).collect();
+    b.concat(&parts, 1)
+}
+
+/// The body: one chunk's `Aqk` and `A`, sub-chunk by sub-chunk.
+fn chunk_intra(b: &mut Body, s: &ForwardShape, r: &IntraRefs) -> Result<()> {
+    let (p, fd) = (s.precision(), s.factor_dtype());
+    let x = tokens::load(b, s, &r.tokens)?;
+    let (mut aqk, mut l) = (Vec::new(), Vec::new());
+    for i in 0..(C / SUB) {
+        let y = tokens::load_rows(b, s, &r.tokens, SUB * i, SUB)?;
+        let (ad, ld) = within_sub_chunk(b, s.k, &y)?;
+        let (mut a_row, mut l_row) = (placed(b, &ad, i)?, placed(b, &ld, i)?);
+        if i > 0 {
+            let (ao, lo) = across_sub_chunks(b, s, i, &y, &x)?;
+            a_row = b.add(&a_row, &ao)?;
+            l_row = b.add(&l_row, &lo)?;
+        }
+        aqk.push(a_row);
+        l.push(l_row);
+    }
+    let (aqk, l) = (b.concat(&aqk, 0)?, b.concat(&l, 0)?);
     let scale = b.splat(s.scale, DType::F32, &[C, C])?;
-    let aqk = b.mul(&outs[1], &scale)?;
+    let aqk = b.mul(&aqk, &scale)?;
     store(b, r.aqk, &aqk, fd)?;
-    let a = unit_lower_inverse(b, &outs[2], p)?;
+    let a = unit_lower_inverse(b, &l, p)?;
     store(b, r.a, &a, fd)
 }

@@ -7,7 +7,7 @@ use kda_core::{BackwardStrategy, DType};
 
 use super::{call_forward, fixed_tables, ForwardInputs, ForwardShape, C};
 use crate::hlo::{Cmp, FnBuilder, TensorType, Value};
-use crate::lang::Lower;
+use crate::lang::{Kernel, Lower};
 use crate::op::args::{state_tab, Args};
 use crate::op::prep;
 use crate::op::spec::{on_device, ProgramSpec};
@@ -81,6 +81,19 @@ fn tokens(f: &mut FnBuilder, s: &ProgramSpec, a: &Args, x: Value, dtype: DType) 
     let x = kernel_tokens(f, s, x, a.slot_token)?;
     let d = *x.dims().last().unwrap_or(&1);
     pad_last(f, x, padded(d as usize))
+}
+
+/// The three forward kernels of `s`'s GPU rows (intra, WY, recurrence), as its forward program
+/// builds them (`keep_h`: the recurrence writes every chunk's entering state), inputs held in
+/// `dtype` on the device.
+pub(in crate::op) fn forward_kernels(s: &ProgramSpec, dtype: DType, keep_h: bool) -> Result<Vec<Kernel>> {
+    let sh = shape(s, kernel_dtype(dtype), keep_h);
+    sh.check()?;
+    Ok(vec![
+        super::intra::intra_kernel(&sh)?.0,
+        super::wy::wy_kernel(&sh)?.0,
+        super::recurrence::recurrence_kernel(&sh)?.0,
+    ])
 }
 
 /// Tokens per chunk position `[NT]`: from `slot_token` for packed rows (a padding slot points
