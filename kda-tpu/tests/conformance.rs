@@ -686,6 +686,72 @@ mod triton_interpret {
     }
 }
 
+/// On a GPU host only (`cargo xtask gpu-check`): the `triton` row on the CUDA plugin, the
+/// covering set of the forward and backward against the reference, and one forward repeated
+/// with the same inputs bitwise the same.
+mod gpu {
+    use kda_core::{BackwardStrategy, DType};
+    use kda_testkit::conformance::{backward, forward, Path};
+    use kda_tpu::{Implementation, PjrtBackend};
+    use rstest::rstest;
+
+    use super::triton_interpret::run;
+    use DType::{BF16, F32};
+
+    fn backend() -> PjrtBackend {
+        let be = PjrtBackend::new().expect("PJRT plugin (KDA_PJRT_PLUGIN: the CUDA plugin)");
+        let platform = be.platform().to_lowercase();
+        assert!(
+            platform.contains("cuda"),
+            "the gpu:: tier runs on a GPU (`cargo xtask gpu-check`), not on {platform}"
+        );
+        let tuning = be.tuning().with_implementation(Implementation::Triton);
+        be.with_tuning(tuning).expect("the triton row")
+    }
+
+    #[rstest]
+    #[case::fixed_small_f32("fixed_small", F32)]
+    #[case::batch_first_b2_bf16("fixed_batch_first_b2", BF16)]
+    #[case::k129_v127_f32("k129_v127", F32)]
+    #[case::lower_bound_l2norm_bf16("gate_lower_bound_l2norm", BF16)]
+    #[case::softplus_f32("gate_softplus", F32)]
+    #[case::hard_reset_f32("hard_reset", F32)]
+    #[case::packed_lengths_f32("packed_lengths_1_63_64_65_0", F32)]
+    #[case::packed_rows_differ_bf16("packed_rows_differ", BF16)]
+    fn triton_forward_meets_the_reference(#[case] name: &str, #[case] dtype: DType) {
+        run(forward(&backend(), name, dtype));
+    }
+
+    #[rstest]
+    #[case::fixed_small_saved_split_f32("fixed_small", F32, BackwardStrategy::SavedState, Path::Split)]
+    #[case::packed_rows_differ_saved_fused_bf16(
+        "packed_rows_differ",
+        BF16,
+        BackwardStrategy::SavedState,
+        Path::Fused
+    )]
+    fn triton_backward_meets_the_reference(
+        #[case] name: &str,
+        #[case] dtype: DType,
+        #[case] strategy: BackwardStrategy,
+        #[case] path: Path,
+    ) {
+        run(backward(&backend(), name, dtype, strategy, path));
+    }
+
+    #[test]
+    fn a_repeated_triton_forward_is_bitwise_the_same() {
+        let case = kda_testkit::cases::case("packed_rows_differ").expect("case");
+        let inputs = kda_testkit::case_data(&case, BF16).expect("inputs").inputs;
+        let be = backend();
+        let once = || be.forward(&inputs, BackwardStrategy::Rematerialize).expect("forward").0;
+        let (a, b) = (once(), once());
+        let bits =
+            |o: &kda_core::KdaOutputs| o.o.to_f32_vec().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&a), bits(&b));
+    }
+}
+
 /// The forward programs through the Mosaic forward kernel's interpret lowering
 /// (`Implementation::Interpret`: the kernel libtpu compiles, as plain StableHLO) against the
 /// reference at the limits of docs/kda.md, Accuracy: a covering set here (fixed and packed,

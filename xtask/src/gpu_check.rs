@@ -1,5 +1,7 @@
 //! `cargo xtask gpu-check`: stages what a GPU host without cargo runs in one go: the test
-//! binaries of the `gpu::` tier and a script that runs them on the host's CUDA plugin.
+//! binaries of the `gpu::` tier, the `xtask` binary for `gpu-bench`, fla-core 0.6.0's wheel
+//! with `einops` and a timing script for fla's forward, and `run.sh`, which runs them all on the
+//! host's CUDA plugin.
 
 use crate::cargo_cmd::{cargo, root};
 use crate::cli;
@@ -12,11 +14,15 @@ use std::process::Stdio;
 pub const USAGE: &str = "\
 usage: cargo xtask gpu-check [--dir DIR]
 
-Builds the test binaries of the `gpu::` tier (each kernel of the kernel language's op tests
-through its Triton lowering on a GPU against the host computation, the GPU forward kernels
-against the f64 reference) and stages them with
-run.sh in DIR (default target/gpu-check, at most 64 MiB), for a GPU host that has jax 0.11.2
-with jax-cuda13-pjrt 0.11.2 installed and no cargo (x86-64 Linux, like this machine). There:
+Builds the test binaries of the `gpu::` tier in release (each kernel of the kernel language's
+op tests through its Triton lowering on a GPU against the host computation, the GPU forward
+kernels against the f64 reference, the `triton` row's conformance covering set and a repeated
+forward compared bitwise) and the `xtask` binary (for `gpu-bench`: this library's `triton` and
+`xla` forwards at the benchmark shapes), downloads fla-core 0.6.0's wheel and einops (checked
+to install offline into a fresh virtual environment here), and stages them with fla_forward.py
+(fla's chunk_kda forward at the same shapes) and run.sh in DIR (default target/gpu-check, at
+most 64 MiB), for a GPU host that has jax 0.11.2 with jax-cuda13-pjrt 0.11.2, torch and triton
+installed and no cargo (x86-64 Linux, like this machine). There:
 
   bash target/gpu-check/run.sh     # results under $OUT (else DIR/out); exits non-zero on a failure
 
@@ -28,7 +34,14 @@ options:
   -h, --help   show this text";
 
 /// The test binaries the GPU host runs, each with the filter of its `gpu::` tests.
-const BINARIES: [(&str, &str, &str); 2] = [("kda-tpu", "lang", "gpu::"), ("kda-tpu", "gpu_kernels", "gpu::")];
+const BINARIES: [(&str, &str, &str); 3] =
+    [("kda-tpu", "lang", "gpu::"), ("kda-tpu", "gpu_kernels", "gpu::"), ("kda-tpu", "conformance", "gpu::")];
+
+/// The Python packages the fla timing needs beside the host's torch and triton, as pip pins.
+const WHEELS: [&str; 2] = ["fla-core==0.6.0", "einops==0.8.1"];
+
+/// The fla timing script.
+const FLA_SCRIPT: &str = include_str!("../scripts/fla_forward.py");
 
 /// Parsed flags: the staging folder; `None` means help was asked for.
 pub fn parse_args(args: &[String]) -> Result<Option<PathBuf>, String> {
@@ -64,6 +77,14 @@ pub fn gpu_check(args: &[String]) -> Result<(), String> {
         total += fs::metadata(&to).map(|m| m.len()).unwrap_or(0);
         eprintln!("gpu-check: staged {} ({:.1} MiB)", to.display(), mib(&to));
     }
+    let exe = build_xtask(&paths)?;
+    let to = bin.join("xtask");
+    fs::copy(&exe, &to).map_err(|e| format!("copy {} -> {}: {e}", exe.display(), to.display()))?;
+    total += fs::metadata(&to).map(|m| m.len()).unwrap_or(0);
+    eprintln!("gpu-check: staged {} ({:.1} MiB)", to.display(), mib(&to));
+    total += stage_wheels(&dir.join("wheels"))?;
+    fs::write(dir.join("fla_forward.py"), FLA_SCRIPT).map_err(|e| format!("write fla_forward.py: {e}"))?;
+    total += FLA_SCRIPT.len() as u64;
     if total > 64 << 20 {
         return Err(format!(
             "gpu-check: {:.1} MiB staged, over the 64 MiB a device run carries",
@@ -85,10 +106,64 @@ fn mib(p: &Path) -> f64 {
     fs::metadata(p).map(|m| m.len() as f64 / 1048576.0).unwrap_or(0.0)
 }
 
-/// Builds `package`'s test `test` with every feature (the test profile) and returns its
-/// executable, read from cargo's JSON messages.
+/// Downloads [`WHEELS`] into `dir` and installs them offline into a fresh virtual environment
+/// (no dependencies: the GPU host brings torch and triton); returns their bytes.
+fn stage_wheels(dir: &Path) -> Result<u64, String> {
+    fs::create_dir_all(dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
+    let run = |what: &str, cmd: &mut std::process::Command| -> Result<(), String> {
+        let out = cmd.output().map_err(|e| format!("{what}: {e}"))?;
+        match out.status.success() {
+            true => Ok(()),
+            false => Err(format!("{what} failed: {}", String::from_utf8_lossy(&out.stderr))),
+        }
+    };
+    let mut download = std::process::Command::new("python3");
+    download.args(["-m", "pip", "download", "--no-deps", "--dest"]).arg(dir).args(WHEELS);
+    run("pip download", &mut download)?;
+    let venv = std::env::temp_dir().join(format!("kda-gpu-check-venv-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&venv);
+    run("python3 -m venv", std::process::Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
+    let mut install = std::process::Command::new(venv.join("bin/pip"));
+    install.args(["install", "--no-index", "--no-deps", "--find-links"]).arg(dir).args(WHEELS);
+    let installed = run("pip install (offline)", &mut install);
+    let _ = fs::remove_dir_all(&venv);
+    installed?;
+    eprintln!("gpu-check: {} install offline into a fresh virtual environment", WHEELS.join(" and "));
+    let mut total = 0;
+    for e in fs::read_dir(dir).map_err(|e| format!("read {}: {e}", dir.display()))?.flatten() {
+        total += e.metadata().map(|m| m.len()).unwrap_or(0);
+    }
+    Ok(total)
+}
+
+/// Builds the `xtask` binary with its `pjrt` feature in release and returns it.
+fn build_xtask(paths: &setup::Paths) -> Result<PathBuf, String> {
+    let args = ["build", "--release", "-p", "xtask", "--features", "pjrt", "--message-format=json"];
+    let out = cargo(paths, &args)
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|e| format!("cargo {}: {e}", args.join(" ")))?;
+    if !out.status.success() {
+        return Err(format!("cargo {} failed ({})", args.join(" "), out.status));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    executable(&text, "xtask").ok_or_else(|| "cargo built no xtask executable".to_string())
+}
+
+/// Builds `package`'s test `test` with every feature in release (small binaries, fast tests)
+/// and returns its executable, read from cargo's JSON messages.
 fn build_test(paths: &setup::Paths, package: &str, test: &str) -> Result<PathBuf, String> {
-    let args = ["test", "-p", package, "--all-features", "--test", test, "--no-run", "--message-format=json"];
+    let args = [
+        "test",
+        "--release",
+        "-p",
+        package,
+        "--all-features",
+        "--test",
+        test,
+        "--no-run",
+        "--message-format=json",
+    ];
     let out = cargo(paths, &args)
         .stderr(Stdio::inherit())
         .output()
@@ -120,6 +195,7 @@ fn run_script() -> String {
     for (_, test, filter) in BINARIES {
         runs.push_str(&format!("run_tests {test} \"$here/bin/{test}\" {filter}\n"));
     }
+    let wheels = WHEELS.join(" ");
     format!(
         r#"#!/usr/bin/env bash
 # Written by `cargo xtask gpu-check`: runs the gpu:: tier of the staged test binaries on this
@@ -152,7 +228,12 @@ run_tests() {{
   echo "$name $filter: exit $status in $((SECONDS - start)) s" | tee -a "$out/summary.txt"
   [ "$status" -eq 0 ] || failed=1
 }}
-{runs}exit $failed
+{runs}# This library's forwards, then fla's, at the benchmark shapes (times are reported, not gated).
+"$here/bin/xtask" gpu-bench --implementation triton,xla --json "$out/gpu-bench.json" 2>&1 | tee "$out/gpu-bench.log"
+python3 -m venv --system-site-packages "$out/venv" \
+  && "$out/venv/bin/pip" install --no-index --no-deps --find-links "$here/wheels" {wheels} > "$out/venv.log" 2>&1 \
+  && "$out/venv/bin/python" "$here/fla_forward.py" --json "$out/fla.json" 2>&1 | tee "$out/fla.log"
+exit $failed
 "#
     )
 }
@@ -177,6 +258,10 @@ mod tests {
         assert!(s.contains("run_tests lang \"$here/bin/lang\" gpu::"), "{s}");
         assert!(s.contains("export KDA_PJRT_PLUGIN=\"$plugin\""));
         assert!(s.contains("--xla_gpu_cuda_data_dir=$cuda"));
+        assert!(s.contains("run_tests conformance \"$here/bin/conformance\" gpu::"), "{s}");
+        assert!(s.contains("\"$here/bin/xtask\" gpu-bench --implementation triton,xla"), "{s}");
+        assert!(s.contains("--find-links \"$here/wheels\" fla-core==0.6.0 einops==0.8.1"), "{s}");
+        assert!(s.contains("\"$here/fla_forward.py\""), "{s}");
     }
 
     #[test]

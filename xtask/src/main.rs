@@ -16,6 +16,7 @@ mod cli;
 mod commands;
 #[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
 mod demo;
+mod gpu_bench;
 mod gpu_check;
 #[cfg(test)]
 mod house;
@@ -47,8 +48,11 @@ commands:
   tpu-test [--plugin PATH] [--full] [--shard i/n]
                       kda-tpu's conformance suite on a PJRT plugin (default: setup's CPU plugin)
   gpu-check [--dir DIR]
-                      stage the gpu:: tier's test binaries and run.sh for a GPU host without
-                      cargo (see `cargo xtask gpu-check --help`)
+                      stage the gpu:: tier's test binaries, a gpu-bench binary, fla's wheel
+                      and run.sh for a GPU host without cargo (see `cargo xtask gpu-check --help`)
+  gpu-bench [--shape LIST] [--implementation LIST] [--dtype ..] [--iterations N]
+                      time the forward programs on the default plugin (the CUDA plugin on a
+                      GPU host; see `cargo xtask gpu-bench --help`)
   run --backend ref|pjrt --inputs DIR --out DIR [...]
                       run a backend on .npy tensors (see `cargo xtask run --help`)
   demo [--ref-only]   forward+VJP at the primary benchmark shape: the f64 reference, then the
@@ -72,6 +76,7 @@ fn dispatch(cmd: &str, rest: &[String]) -> Result<(), String> {
         "ci" => test_cmd::ci(rest),
         "tpu-test" => tpu_test::tpu_test(rest),
         "gpu-check" => gpu_check::gpu_check(rest),
+        "gpu-bench" => gpu_bench::gpu_bench(rest),
         "run" => run_cmd::run(rest),
         "demo" => commands::demo(rest),
         "bench" => commands::bench(rest),

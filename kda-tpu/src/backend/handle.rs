@@ -10,7 +10,7 @@ use kda_packed::StaticCapacity;
 
 use super::options::{PjrtOptions, Split};
 use super::tensor::{DeviceProgram, DeviceTensor, TableCache, TransferStats};
-use super::worker::{self, BufferInfo, Shared, Worker};
+use super::worker::{self, BufferInfo, RuntimeInfo, Shared, Worker};
 use crate::error::{Result, TpuError};
 use crate::op::{Implementation, ProgramKind, ProgramSpec, Tuning};
 use crate::runtime::{CompileOptions, XlaOption};
@@ -182,10 +182,12 @@ impl Worker {
     }
 }
 
-/// `Ok` when the table's row of `implementation` runs on `platform` (the Mosaic kernels compile
-/// only through libtpu).
-fn check_implementation(implementation: Implementation, platform: &str) -> Result<()> {
-    crate::op::row(implementation)?.supported_on(platform)
+/// `Ok` when the table's row of `implementation` runs on the plugin of `info` (the Mosaic
+/// kernels compile only through libtpu, the Triton kernels on a Hopper GPU).
+fn check_implementation(implementation: Implementation, info: &RuntimeInfo) -> Result<()> {
+    let row = crate::op::row(implementation)?;
+    row.supported_on(&info.platform)?;
+    row.supported_by(&info.device_kind, info.compute_capability.as_deref())
 }
 
 impl PjrtBackend {
@@ -198,7 +200,7 @@ impl PjrtBackend {
         let xla = Arc::new(options.xla_choice()?);
         let shared = Shared::start(&options)?;
         let tuning = options.tuning_choice(&shared.info.platform)?;
-        check_implementation(tuning.implementation, &shared.info.platform)?;
+        check_implementation(tuning.implementation, &shared.info)?;
         Ok(Self { shared, tuning, split: options.split_choice(), xla, tables: Arc::default() })
     }
 
@@ -206,7 +208,7 @@ impl PjrtBackend {
     /// steps, packed results' VMEM); other clones keep theirs. `Mosaic` on another platform
     /// than a TPU is an `Unsupported` error naming it.
     pub fn with_tuning(mut self, tuning: Tuning) -> kda_core::Result<Self> {
-        check_implementation(tuning.implementation, &self.shared.info.platform).map_err(e)?;
+        check_implementation(tuning.implementation, &self.shared.info).map_err(e)?;
         self.tuning = tuning;
         Ok(self)
     }

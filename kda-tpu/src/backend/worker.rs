@@ -99,6 +99,10 @@ pub(crate) struct BufferInfo {
 #[derive(Debug, Clone)]
 pub(crate) struct RuntimeInfo {
     pub(crate) platform: String,
+    /// The first device's compute capability, where the plugin reports one.
+    pub(crate) compute_capability: Option<String>,
+    /// The first device's kind.
+    pub(crate) device_kind: String,
     pub(crate) plugin_path: PathBuf,
     pub(crate) plugin_version: (i32, i32),
     pub(crate) devices: usize,
@@ -302,6 +306,8 @@ fn run(
     };
     let info = RuntimeInfo {
         platform: rt.platform().to_string(),
+        compute_capability: rt.compute_capability().map(str::to_string),
+        device_kind: rt.device_kind().to_string(),
         plugin_path: rt.plugin_path().to_path_buf(),
         plugin_version: rt.plugin_version(),
         devices: rt.device_count(),

@@ -91,6 +91,26 @@ impl Row {
         }
     }
 
+    /// `Ok` when the row runs on a device of kind `device_kind` with `compute_capability` (a
+    /// CUDA device's `9.0`): the `triton` row takes Hopper (9.x) until other GPUs are checked,
+    /// else an `Unsupported` error naming the device.
+    pub fn supported_by(&self, device_kind: &str, compute_capability: Option<&str>) -> Result<()> {
+        if self.family != Family::GpuKernels(Lowering::Triton) {
+            return Ok(());
+        }
+        match compute_capability {
+            Some(cc) if cc.starts_with("9.") => Ok(()),
+            other => Err(TpuError::unsupported(
+                format!("implementation {}", self.implementation.name()),
+                format!(
+                    "a Hopper GPU (compute capability 9.x; others are not checked yet); this device is \
+                     {device_kind} (compute capability {})",
+                    other.unwrap_or("unknown")
+                ),
+            )),
+        }
+    }
+
     /// Whether its programs take the per-token inputs in the kernels' forms (batch-first
     /// `[B*T, H*D]`, `beta` `[B*T, H]`; [`super::ProgramSpec::kernel_token_dims`]), as a handle on
     /// this row holds its device tensors; else in the caller's shapes.
@@ -113,5 +133,10 @@ mod tests {
         let e = mosaic.supported_on("cpu").expect_err("libtpu only");
         assert!(e.to_string().contains("implementation mosaic") && e.to_string().contains("cpu"), "{e}");
         assert!(row(Implementation::Interpret).expect("a row").supported_on("cpu").is_ok());
+        let triton = row(Implementation::Triton).expect("a row");
+        assert!(triton.supported_by("NVIDIA H200", Some("9.0")).is_ok());
+        let e = triton.supported_by("NVIDIA A100-SXM4-80GB", Some("8.0")).expect_err("Hopper only");
+        assert!(e.to_string().contains("A100") && e.to_string().contains("8.0"), "{e}");
+        assert!(row(Implementation::TritonInterpret).expect("a row").supported_by("cpu", None).is_ok());
     }
 }

@@ -69,6 +69,8 @@ pub struct Runtime {
     raw: RawApi,
     plugin_path: PathBuf,
     platform: String,
+    device_kind: String,
+    compute_capability: Option<String>,
     cache: RefCell<HashMap<CacheKey, Rc<Executable>>>,
     cache_hits: Cell<u64>,
     disk: Option<disk_cache::DiskCache>,
@@ -156,6 +158,14 @@ impl Runtime {
             }
             let devices: Vec<Device> = all.into_iter().take(devices).collect();
             let platform = client.platform_name().into_owned();
+            let description = devices[0].description();
+            let device_kind = description.kind().into_owned();
+            // The attribute's value type is not exported by the crate: read its Debug form,
+            // `String("9.0")`.
+            let compute_capability = description.attributes().get("compute_capability").map(|v| {
+                let text = format!("{v:?}");
+                text.trim_start_matches("String(").trim_end_matches(')').trim_matches('"').to_string()
+            });
             tracing::debug!(platform = %platform, plugin = %loc.path.display(), "PJRT runtime ready");
             Ok(Self {
                 api: api.clone(),
@@ -164,6 +174,8 @@ impl Runtime {
                 raw,
                 plugin_path: loc.path.clone(),
                 platform,
+                device_kind,
+                compute_capability,
                 cache: RefCell::new(HashMap::new()),
                 cache_hits: Cell::new(0),
                 disk: disk_cache::DiskCache::from_env(&loc.path, plugin::plugin_version(&api)),
@@ -181,6 +193,16 @@ impl Runtime {
     pub fn platform(&self) -> &str {
         &self.platform
     }
+    /// The first device's kind (`NVIDIA H100 80GB HBM3`, `cpu`).
+    pub fn device_kind(&self) -> &str {
+        &self.device_kind
+    }
+
+    /// The first device's compute capability (`9.0`), where the plugin reports one (CUDA).
+    pub fn compute_capability(&self) -> Option<&str> {
+        self.compute_capability.as_deref()
+    }
+
     /// The plugin file this runtime loaded.
     pub fn plugin_path(&self) -> &Path {
         &self.plugin_path

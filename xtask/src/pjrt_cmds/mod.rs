@@ -4,6 +4,7 @@
 pub mod aot;
 pub mod bench;
 pub mod demo;
+pub mod gpu_bench;
 
 use crate::aot_cmd::Program;
 use crate::bench::Memory;
