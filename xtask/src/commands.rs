@@ -46,6 +46,25 @@ pub fn bench(args: &[String]) -> Result<(), String> {
     }
 }
 
+/// The entry point of `cargo xtask gpu-bench`; `args` are the arguments after `gpu-bench`.
+pub fn gpu_bench(args: &[String]) -> Result<(), String> {
+    let Some(opts) = crate::gpu_bench::parse_args(args)
+        .map_err(|e| format!("xtask gpu-bench: {e}\n\n{}", crate::gpu_bench::USAGE))?
+    else {
+        println!("{}", crate::gpu_bench::USAGE);
+        return Ok(());
+    };
+    #[cfg(feature = "pjrt")]
+    {
+        crate::pjrt_cmds::gpu_bench::run(&opts)
+    }
+    #[cfg(not(feature = "pjrt"))]
+    {
+        let _ = opts;
+        reexec("gpu-bench", args)
+    }
+}
+
 /// The entry point of `cargo xtask demo`.
 pub fn demo(args: &[String]) -> Result<(), String> {
     match args.iter().map(String::as_str).collect::<Vec<_>>()[..] {

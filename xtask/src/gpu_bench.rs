@@ -96,23 +96,6 @@ pub fn parse_args(args: &[String]) -> Result<Option<GpuBenchOptions>, String> {
     Ok(Some(o))
 }
 
-/// The entry point of `cargo xtask gpu-bench`.
-pub fn gpu_bench(args: &[String]) -> Result<(), String> {
-    let Some(opts) = parse_args(args).map_err(|e| format!("xtask gpu-bench: {e}\n\n{USAGE}"))? else {
-        println!("{USAGE}");
-        return Ok(());
-    };
-    #[cfg(feature = "pjrt")]
-    {
-        crate::pjrt_cmds::gpu_bench::run(&opts)
-    }
-    #[cfg(not(feature = "pjrt"))]
-    {
-        let _ = opts;
-        crate::cargo_cmd::reexec_with_pjrt(&[&["gpu-bench".to_string()], args].concat())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

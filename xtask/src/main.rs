@@ -76,7 +76,7 @@ fn dispatch(cmd: &str, rest: &[String]) -> Result<(), String> {
         "ci" => test_cmd::ci(rest),
         "tpu-test" => tpu_test::tpu_test(rest),
         "gpu-check" => gpu_check::gpu_check(rest),
-        "gpu-bench" => gpu_bench::gpu_bench(rest),
+        "gpu-bench" => commands::gpu_bench(rest),
         "run" => run_cmd::run(rest),
         "demo" => commands::demo(rest),
         "bench" => commands::bench(rest),
