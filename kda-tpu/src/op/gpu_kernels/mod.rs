@@ -25,7 +25,7 @@ pub const SUB: i64 = 16;
 /// The widest block of state columns one recurrence program holds.
 pub const MAX_BV: i64 = 32;
 
-/// What the chunk kernels hand the recurrence per chunk (`u` and `eg` in f32, the others in
+/// What the chunk kernels hand the recurrence per chunk (`eg` in f32, the others in
 /// [`ForwardShape::factor_dtype`]).
 #[derive(Clone, Copy, Debug)]
 pub struct Factors {
@@ -62,8 +62,10 @@ pub struct ForwardShape {
     pub k: i64,
     /// Value width, a power of two from 16 to 256.
     pub v: i64,
-    /// The dtype of `q`, `k`, `v`, `beta` (f32 or bf16); `g` is f32.
+    /// The dtype of `q`, `k`, `v`, `beta` and `o` (f32 or bf16).
     pub dtype: DType,
+    /// The dtype of `g` (f32 or bf16; the kernels widen it).
+    pub g_dtype: DType,
     /// How the kernels activate `g` (in-kernel gates read `[L, 2, K]` parameters).
     pub gate: GateKind,
     /// Whether the kernels L2-normalise `q` and `k`.
@@ -97,6 +99,7 @@ impl ForwardShape {
             k,
             v,
             dtype,
+            g_dtype: DType::F32,
             gate: GateKind::Preactivated,
             l2norm: false,
             scale: 1.0 / (k as f64).sqrt(),
@@ -119,7 +122,8 @@ impl ForwardShape {
 
     /// The type the chunk kernels hand over the factors that only feed products (`w`, `qg`,
     /// `kg`, `aqk`, `A`): the input dtype, since a bf16 product rounds its operands to bf16
-    /// anyway (the same bits, half the traffic and registers); `u` and `eg` stay f32.
+    /// anyway (the same bits, half the traffic and registers); `u` too (it enters `v_new`,
+    /// which a bf16 product rounds the same way); `eg` stays f32.
     pub fn factor_dtype(&self) -> DType {
         self.dtype
     }
@@ -159,7 +163,7 @@ pub struct ForwardInputs {
     pub k: Value,
     /// `v` `[L, T, V]`.
     pub v: Value,
-    /// The raw or pre-activated log-decay `[L, T, K]` f32.
+    /// The raw or pre-activated log-decay `[L, T, K]` in the shape's `g_dtype`.
     pub g: Value,
     /// `beta` `[L, T, 1]`.
     pub beta: Value,
@@ -177,7 +181,7 @@ pub struct ForwardInputs {
     pub slot: Value,
 }
 
-/// What the forward kernels return: `o` `[L, T, V]` f32, the final states `[L, slots, K, V]`
+/// What the forward kernels return: `o` `[L, T, V]` in the input dtype, the final states `[L, slots, K, V]`
 /// (slots without chunks unwritten) and, with [`ForwardShape::keep_h`], the state entering each
 /// chunk `[L, NT, K, V]`.
 #[derive(Clone, Copy, Debug)]
@@ -287,7 +291,11 @@ pub fn forward_module(s: &ForwardShape, lowering: &dyn Lower) -> Result<String> 
     let x = ForwardInputs { q, k: kk, v: vv, g, beta, gate: None, h0, valid, first, last, slot };
     let out = call_forward(&mut f, &shape, &x, lowering)?;
     let ht = f.reshape(out.ht, &[l, k, v])?;
-    let mut outs = vec![out.o, ht];
+    let o = match out.o.elem() {
+        DType::F32 => out.o,
+        _ => f.convert(out.o, DType::F32)?,
+    };
+    let mut outs = vec![o, ht];
     outs.extend(out.h);
     f.ret(&outs)?;
     let mut m = Module::new();

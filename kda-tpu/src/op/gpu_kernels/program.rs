@@ -87,7 +87,8 @@ fn tokens(f: &mut FnBuilder, s: &ProgramSpec, a: &Args, x: Value, dtype: DType) 
 /// builds them (`keep_h`: the recurrence writes every chunk's entering state), inputs held in
 /// `dtype` on the device.
 pub(in crate::op) fn forward_kernels(s: &ProgramSpec, dtype: DType, keep_h: bool) -> Result<Vec<Kernel>> {
-    let sh = shape(s, kernel_dtype(dtype), keep_h);
+    let g_dtype = kernel_dtype(crate::op::spec::on_device(s.options.g_dtype));
+    let sh = ForwardShape { g_dtype, ..shape(s, kernel_dtype(dtype), keep_h) };
     sh.check()?;
     Ok(vec![
         super::intra::intra_kernel(&sh)?.0,
@@ -121,11 +122,9 @@ pub(in crate::op) fn forward(
     lowering: &dyn Lower,
 ) -> Result<Vec<Value>> {
     let dtype = kernel_dtype(a.q.elem());
-    let sh = shape(s, dtype, keep_h);
-    let g = prep::head_first(f, s, a.g)?;
+    let sh = ForwardShape { g_dtype: kernel_dtype(a.g.elem()), ..shape(s, dtype, keep_h) };
     let beta = prep::beta_head_first(f, s, a.beta)?;
     let beta = f.convert(beta, dtype)?;
-    let g = kernel_tokens(f, s, g, a.slot_token)?;
     let h0 = match a.h0 {
         Some(_) => Some(state_tab(f, s, a.h0)?),
         None => None,
@@ -147,7 +146,7 @@ pub(in crate::op) fn forward(
         q: tokens(f, s, a, a.q, dtype)?,
         k: tokens(f, s, a, a.k, dtype)?,
         v: tokens(f, s, a, a.v, dtype)?,
-        g: pad_last(f, g, sh.k)?,
+        g: tokens(f, s, a, a.g, sh.g_dtype)?,
         beta: kernel_tokens(f, s, beta, a.slot_token)?,
         gate: match gate {
             Some(p) => Some(pad_last(f, p, sh.k)?),

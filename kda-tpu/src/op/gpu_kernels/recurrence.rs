@@ -27,7 +27,7 @@ pub struct RecurrenceRefs {
     pub slot: Table,
     /// The initial states `[L, slots, K, V]` f32, when given.
     pub h0: Option<Ref>,
-    /// `o` `[L, T, V]` f32.
+    /// `o` `[L, T, V]` in the input dtype.
     pub o: Ref,
     /// The final states `[L, slots, K, V]` f32 (a slot without chunks is not written).
     pub ht: Ref,
@@ -53,7 +53,7 @@ pub fn recurrence_kernel(s: &ForwardShape) -> Result<(Kernel, RecurrenceRefs)> {
     let w = chunk("w", k);
     let (qg, kg, aqk) = (chunk("qg", k), chunk("kg", k), chunk("aqk", C));
     let cols = || vec![g0.clone(), g2.clone(), g1.clone()];
-    let u = kb.input(Operand::blocked("u", ty(&[l, t, v]), &[1, C, bv], cols()));
+    let u = kb.input(Operand::blocked("u", fty(&[l, t, v]), &[1, C, bv], cols()));
     let eg = kb.input(Operand::blocked(
         "eg",
         ty(&[l, nt, k]),
@@ -64,7 +64,7 @@ pub fn recurrence_kernel(s: &ForwardShape) -> Result<(Kernel, RecurrenceRefs)> {
     let state_at = || vec![g0.clone(), Index::table(slot, g2.clone()), Index::Const(0), g1.clone()];
     let h0 =
         s.h0.then(|| kb.input(Operand::blocked("h0", ty(&[l, slots, k, v]), &[1, 1, k, bv], state_at())));
-    let o = kb.output(Operand::blocked("o", ty(&[l, t, v]), &[1, C, bv], cols()));
+    let o = kb.output(Operand::blocked("o", TensorType::new(s.dtype, &[l, t, v]), &[1, C, bv], cols()));
     let ht = kb.output(Operand::blocked("ht", ty(&[l, slots, k, v]), &[1, 1, k, bv], state_at()));
     let h = s.keep_h.then(|| {
         let at = vec![g0.clone(), g2.clone(), Index::Const(0), g1.clone()];
@@ -107,7 +107,9 @@ fn step(b: &mut Body, s: &ForwardShape, r: &RecurrenceRefs) -> Result<()> {
         let x = b.reshape(&state, &[1, 1, k, bv])?;
         b.store_all(h, &x)?;
     }
-    let (w, u) = (block(b, r.factors.w, &[C, k])?, block(b, r.factors.u, &[C, bv])?);
+    let w = block(b, r.factors.w, &[C, k])?;
+    let u = block(b, r.factors.u, &[C, bv])?;
+    let u = b.to_dtype(&u, DType::F32)?;
     let (qg, kg, aqk) = (
         block(b, r.factors.qg, &[C, k])?,
         block(b, r.factors.kg, &[C, k])?,
@@ -127,6 +129,7 @@ fn step(b: &mut Body, s: &ForwardShape, r: &RecurrenceRefs) -> Result<()> {
         precision: p,
     };
     let (vnd, o) = chunk_output(b, &update, &mut whole_terms)?;
+    let o = b.to_dtype(&o, s.dtype)?;
     let o = b.reshape(&o, &[1, C, bv])?;
     b.store_all(r.o, &o)?;
     let next = chunk_state_next(b, &update, &vnd, &mut whole_terms)?;

@@ -20,7 +20,7 @@ pub struct TokenRefs {
     pub k: Ref,
     /// `v` `[L, T, V]`, for kernels that read it.
     pub v: Option<Ref>,
-    /// The raw or pre-activated log-decay `[L, T, K]` f32.
+    /// The raw or pre-activated log-decay `[L, T, K]` in [`ForwardShape::g_dtype`].
     pub g: Ref,
     /// `beta` `[L, T, 1]`.
     pub beta: Ref,
@@ -40,7 +40,7 @@ pub fn declare(kb: &mut KernelBuilder, s: &ForwardShape, with_v: bool) -> TokenR
     };
     let (q, kk) = (tok("q", s.dtype, k), tok("k", s.dtype, k));
     let v = with_v.then(|| tok("v", s.dtype, s.v));
-    let g = tok("g", DType::F32, k);
+    let g = tok("g", s.g_dtype, k);
     let beta = tok("beta", s.dtype, 1);
     let gate = (s.gate != GateKind::Preactivated).then(|| {
         let ty = TensorType::new(DType::F32, &[l, 2, k]);

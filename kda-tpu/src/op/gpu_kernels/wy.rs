@@ -22,7 +22,7 @@ pub struct WyRefs {
     pub a: Ref,
     /// `w` `[L, T, K]`.
     pub w: Ref,
-    /// `u` `[L, T, V]` f32.
+    /// `u` `[L, T, V]`.
     pub u: Ref,
     /// `scale q e^G` `[L, T, K]`.
     pub qg: Ref,
@@ -44,7 +44,7 @@ pub fn wy_kernel(s: &ForwardShape) -> Result<(Kernel, WyRefs)> {
     let a = kb.input(Operand::blocked("a", ty(fd, &[l, t, C]), &[1, C, C], at()));
     let mut res =
         |name: &str, d: DType, w: i64| kb.output(Operand::blocked(name, ty(d, &[l, t, w]), &[1, C, w], at()));
-    let (w, u, qg, kg) = (res("w", fd, k), res("u", DType::F32, v), res("qg", fd, k), res("kg", fd, k));
+    let (w, u, qg, kg) = (res("w", fd, k), res("u", fd, v), res("qg", fd, k), res("kg", fd, k));
     let eg = kb.output(Operand::blocked("eg", ty(DType::F32, &[l, nt, k]), &[1, 1, k], at()));
     kb.params(s.wy_launch);
     let refs = WyRefs { tokens, a, w, u, qg, kg, eg };
@@ -82,5 +82,5 @@ fn chunk_wy(b: &mut Body, s: &ForwardShape, r: &WyRefs) -> Result<()> {
     let beta_v = b.broadcast(&x.beta, &[C, v])?;
     let bv = b.mul(&vx, &beta_v)?;
     let uv = b.matmul(&a, &bv, (1, 0), p)?;
-    store(b, r.u, &uv, DType::F32)
+    store(b, r.u, &uv, fd)
 }
