@@ -595,8 +595,9 @@ mod context_parallel {
 /// backward (XLA's chunk loops from the kernels' forward), bitwise causality at a boundary
 /// inside a sub-chunk, segment isolation; the rest of the table under `full::`.
 mod triton_interpret {
-    use kda_core::{BackwardStrategy, DType};
+    use kda_core::{BackwardStrategy, DType, Layout};
     use kda_testkit::conformance::{backward, forward, Path};
+    use kda_testkit::{Case, CaseGate};
     use kda_tpu::{Implementation, PjrtBackend};
     use rstest::rstest;
     use BackwardStrategy::{Rematerialize, SavedState};
@@ -634,6 +635,24 @@ mod triton_interpret {
     #[case::packed_all_empty_f32("packed_all_empty", F32)]
     fn forward_meets_the_reference(#[case] name: &str, #[case] dtype: DType) {
         run(forward(&backend(), name, dtype));
+    }
+
+    /// Batch-first rows of whole chunks, read and written in place by the kernels (two rows,
+    /// so that the state restarts at the second): pre-activated, and with the lower-bound gate
+    /// and the L2 norm.
+    #[rstest]
+    #[case::preactivated_f32(Case { layout: Layout::BatchFirst, ..Case::base("rows_in_place", 2, 2, 128, 32, 16) }, F32)]
+    #[case::lower_bound_l2norm_bf16(Case { layout: Layout::BatchFirst, gate: CaseGate::LowerBound(-5.0), l2norm: true, ..Case::base("rows_in_place_gate", 2, 2, 192, 16, 32) }, BF16)]
+    fn in_place_rows_meet_the_reference(#[case] case: Case, #[case] dtype: DType) {
+        run(kda_testkit::conformance::forward_case(&backend(), &case, dtype));
+    }
+
+    /// The fused saved-state forward+VJP and the split saved-state backward from the rows'
+    /// per-chunk states.
+    #[rstest]
+    fn in_place_rows_backward_meets_the_reference(#[values(Split, Fused)] path: Path) {
+        let case = Case { layout: Layout::BatchFirst, ..Case::base("rows_in_place", 2, 2, 128, 32, 16) };
+        run(kda_testkit::conformance::backward_case(&backend(), &case, F32, SavedState, path));
     }
 
     /// The backward (XLA's chunk loops) from the GPU kernels' forward: the split saved-state

@@ -50,6 +50,18 @@ impl Factors {
     }
 }
 
+/// How the kernels read the per-token inputs and write `o`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TokenLayout {
+    /// Lane-major `[L, T, D]` (`beta` `[L, T, 1]`): a head-first caller's tensors, or XLA's
+    /// aligned chunks of packed rows.
+    Lanes,
+    /// The caller's batch-first rows read in place: `[T, L * D]` (`beta` `[T, L]`), lanes being
+    /// heads and `T` the rows' tokens one row after another (each row whole chunks; the tables
+    /// restart the state at each row).
+    Rows,
+}
+
 /// The problem the GPU forward kernels take: `lanes` (heads x rows) of `t` aligned token slots
 /// (whole chunks; a packed row's segments each start a chunk), `slots` state slots per lane.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -66,6 +78,8 @@ pub struct ForwardShape {
     pub dtype: DType,
     /// The dtype of `g` (f32 or bf16; the kernels widen it).
     pub g_dtype: DType,
+    /// How the per-token operands and `o` are laid out.
+    pub layout: TokenLayout,
     /// How the kernels activate `g` (in-kernel gates read `[L, 2, K]` parameters).
     pub gate: GateKind,
     /// Whether the kernels L2-normalise `q` and `k`.
@@ -100,6 +114,7 @@ impl ForwardShape {
             v,
             dtype,
             g_dtype: DType::F32,
+            layout: TokenLayout::Lanes,
             gate: GateKind::Preactivated,
             l2norm: false,
             scale: 1.0 / (k as f64).sqrt(),

@@ -3,9 +3,9 @@
 //! the gate parameters per lane); the backward runs the XLA chunk loops, from the forward
 //! kernels' saved states where the strategy keeps them.
 
-use kda_core::{BackwardStrategy, DType};
+use kda_core::{BackwardStrategy, DType, Layout};
 
-use super::{call_forward, fixed_tables, ForwardInputs, ForwardShape, C};
+use super::{call_forward, fixed_tables, ForwardInputs, ForwardShape, TokenLayout, C};
 use crate::hlo::{Cmp, FnBuilder, TensorType, Value};
 use crate::lang::{Kernel, Lower};
 use crate::op::args::{state_tab, Args};
@@ -88,7 +88,12 @@ fn tokens(f: &mut FnBuilder, s: &ProgramSpec, a: &Args, x: Value, dtype: DType) 
 /// `dtype` on the device.
 pub(in crate::op) fn forward_kernels(s: &ProgramSpec, dtype: DType, keep_h: bool) -> Result<Vec<Kernel>> {
     let g_dtype = kernel_dtype(crate::op::spec::on_device(s.options.g_dtype));
-    let sh = ForwardShape { g_dtype, ..shape(s, kernel_dtype(dtype), keep_h) };
+    let base = shape(s, kernel_dtype(dtype), keep_h);
+    let sh = match in_place(s) {
+        true => rows_shape(s, base),
+        false => base,
+    };
+    let sh = ForwardShape { g_dtype, ..sh };
     sh.check()?;
     Ok(vec![
         super::intra::intra_kernel(&sh)?.0,
@@ -113,6 +118,86 @@ fn valid(f: &mut FnBuilder, s: &ProgramSpec, a: &Args) -> Result<Value> {
     f.reduce_sum(real, &[1])
 }
 
+/// Whether the kernels read the caller's tensors in place: batch-first fixed-length rows of
+/// whole chunks and widths the kernels take as they are.
+fn in_place(s: &ProgramSpec) -> bool {
+    s.options.layout == Layout::BatchFirst
+        && s.packed_chunks.is_none()
+        && s.dims.t.is_multiple_of(C as usize)
+        && padded(s.dims.k) == s.dims.k as i64
+        && padded(s.dims.v) == s.dims.v as i64
+}
+
+/// `base` for rows read in place: lanes are heads, the rows' tokens one after another, a state
+/// slot per row.
+fn rows_shape(s: &ProgramSpec, base: ForwardShape) -> ForwardShape {
+    let (h, bb, t) = (s.dims.h as i64, s.dims.b as i64, s.dims.t as i64);
+    ForwardShape { layout: TokenLayout::Rows, lanes: h, t: bb * t, slots: bb, ..base }
+}
+
+/// The forward of batch-first fixed-length rows, read and written in place (`TokenLayout::Rows`:
+/// lanes are heads, the rows' tokens one row after another, the state restarting at each row).
+fn forward_rows(
+    f: &mut FnBuilder,
+    s: &ProgramSpec,
+    a: &Args,
+    keep_h: bool,
+    lowering: &dyn Lower,
+) -> Result<Vec<Value>> {
+    let (h, bb, t, k, v) =
+        (s.dims.h as i64, s.dims.b as i64, s.dims.t as i64, s.dims.k as i64, s.dims.v as i64);
+    let (dtype, nt) = (kernel_dtype(a.q.elem()), t / C);
+    let sh = ForwardShape { g_dtype: kernel_dtype(a.g.elem()), ..rows_shape(s, shape(s, dtype, keep_h)) };
+    let rows = |f: &mut FnBuilder, x: Value, dtype: DType, w: i64| -> Result<Value> {
+        let x = if x.elem() == dtype { x } else { f.convert(x, dtype)? };
+        f.reshape(x, &[bb * t, h * w])
+    };
+    let pos = f.iota(TensorType::new(DType::I32, &[bb * nt]), 0)?;
+    let i32s = |f: &mut FnBuilder, c: i64| f.constant_i32(c as i32, TensorType::new(DType::I32, &[bb * nt]));
+    let n = i32s(f, nt)?;
+    let row = f.div(pos, n)?;
+    let start = f.mul(row, n)?;
+    let within = f.sub(pos, start)?;
+    let flag = |f: &mut FnBuilder, at: i64| -> Result<Value> {
+        let at = i32s(f, at)?;
+        let hit = f.compare(Cmp::Eq, within, at)?;
+        f.convert(hit, DType::I32)
+    };
+    let h0 = match a.h0 {
+        Some(_) => {
+            let tab = state_tab(f, s, a.h0)?;
+            Some(f.reshape(tab, &[h, bb, k, v])?)
+        }
+        None => None,
+    };
+    let x = ForwardInputs {
+        q: rows(f, a.q, dtype, k)?,
+        k: rows(f, a.k, dtype, k)?,
+        v: rows(f, a.v, dtype, v)?,
+        g: rows(f, a.g, sh.g_dtype, k)?,
+        beta: rows(f, a.beta, dtype, 1)?,
+        gate: match a.a_log {
+            Some(al) => Some(gate_operand(f, s, al, a.dt_bias)?),
+            None => None,
+        },
+        h0,
+        valid: i32s(f, C)?,
+        first: flag(f, 0)?,
+        last: flag(f, nt - 1)?,
+        slot: row,
+    };
+    let out = call_forward(f, &sh, &x, lowering)?;
+    let mut outs = vec![f.reshape(out.o, &[bb * t * h, v])?];
+    if s.options.final_state {
+        let ht = f.reshape(out.ht, &[h * bb, 1, k, v])?;
+        outs.push(prep::state_from_table(f, s, ht)?);
+    }
+    if let Some(hs) = out.h {
+        outs.push(f.reshape(hs, &[h * bb, nt, k, v])?);
+    }
+    Ok(outs)
+}
+
 /// The forward: `o [final_state] [h]`, the GPU kernels lowered by `lowering`.
 pub(in crate::op) fn forward(
     f: &mut FnBuilder,
@@ -121,6 +206,9 @@ pub(in crate::op) fn forward(
     keep_h: bool,
     lowering: &dyn Lower,
 ) -> Result<Vec<Value>> {
+    if in_place(s) {
+        return forward_rows(f, s, a, keep_h, lowering);
+    }
     let dtype = kernel_dtype(a.q.elem());
     let sh = ForwardShape { g_dtype: kernel_dtype(a.g.elem()), ..shape(s, dtype, keep_h) };
     let beta = prep::beta_head_first(f, s, a.beta)?;

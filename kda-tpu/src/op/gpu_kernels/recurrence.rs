@@ -12,7 +12,7 @@ use crate::hlo::{Cmp, TensorType};
 use crate::lang::{Body, Index, Kernel, KernelBuilder, Operand, Ref, Semantics, Table, V};
 
 use super::super::chunk::{chunk_output, chunk_state_next, whole_terms, ChunkUpdate};
-use super::{Factors, ForwardShape, C};
+use super::{Factors, ForwardShape, TokenLayout, C};
 
 /// The recurrence kernel's operands by name.
 #[derive(Clone, Copy, Debug)]
@@ -27,7 +27,7 @@ pub struct RecurrenceRefs {
     pub slot: Table,
     /// The initial states `[L, slots, K, V]` f32, when given.
     pub h0: Option<Ref>,
-    /// `o` `[L, T, V]` in the input dtype.
+    /// `o` `[L, T, V]` in the input dtype (`[T, L * V]` in rows).
     pub o: Ref,
     /// The final states `[L, slots, K, V]` f32 (a slot without chunks is not written).
     pub ht: Ref,
@@ -64,7 +64,15 @@ pub fn recurrence_kernel(s: &ForwardShape) -> Result<(Kernel, RecurrenceRefs)> {
     let state_at = || vec![g0.clone(), Index::table(slot, g2.clone()), Index::Const(0), g1.clone()];
     let h0 =
         s.h0.then(|| kb.input(Operand::blocked("h0", ty(&[l, slots, k, v]), &[1, 1, k, bv], state_at())));
-    let o = kb.output(Operand::blocked("o", TensorType::new(s.dtype, &[l, t, v]), &[1, C, bv], cols()));
+    let o = kb.output(match s.layout {
+        TokenLayout::Lanes => {
+            Operand::blocked("o", TensorType::new(s.dtype, &[l, t, v]), &[1, C, bv], cols())
+        }
+        TokenLayout::Rows => {
+            let at = vec![g2.clone(), g0.clone() * (v / bv) + g1.clone()];
+            Operand::blocked("o", TensorType::new(s.dtype, &[t, l * v]), &[C, bv], at)
+        }
+    });
     let ht = kb.output(Operand::blocked("ht", ty(&[l, slots, k, v]), &[1, 1, k, bv], state_at()));
     let h = s.keep_h.then(|| {
         let at = vec![g0.clone(), g2.clone(), Index::Const(0), g1.clone()];
@@ -130,7 +138,10 @@ fn step(b: &mut Body, s: &ForwardShape, r: &RecurrenceRefs) -> Result<()> {
     };
     let (vnd, o) = chunk_output(b, &update, &mut whole_terms)?;
     let o = b.to_dtype(&o, s.dtype)?;
-    let o = b.reshape(&o, &[1, C, bv])?;
+    let o = match s.layout {
+        TokenLayout::Lanes => b.reshape(&o, &[1, C, bv])?,
+        TokenLayout::Rows => o,
+    };
     b.store_all(r.o, &o)?;
     let next = chunk_state_next(b, &update, &vnd, &mut whole_terms)?;
     b.store_all(r.state, &next)?;

@@ -9,7 +9,7 @@ use crate::hlo::{Cmp, TensorType};
 use crate::lang::{Body, Index, KernelBuilder, Offset, Operand, Ref, Table, V};
 use crate::op::chunk::{activate, l2_normalise};
 
-use super::{ForwardShape, C};
+use super::{ForwardShape, TokenLayout, C};
 
 /// The per-token operands of a chunk-parallel kernel (grid: lanes, chunk positions).
 #[derive(Clone, Copy, Debug)]
@@ -28,15 +28,26 @@ pub struct TokenRefs {
     pub gate: Option<Ref>,
     /// Tokens held by each chunk position `[NT]` (the rest is padding).
     pub valid: Table,
+    /// How the per-token operands are laid out.
+    pub layout: TokenLayout,
 }
 
 /// Declares the per-token operands of `s` on `kb`, whose grid is (lanes, chunk positions).
 pub fn declare(kb: &mut KernelBuilder, s: &ForwardShape, with_v: bool) -> TokenRefs {
     let (l, t, k) = (s.lanes, s.t, s.k);
-    let at = || vec![Index::Grid(0), Index::Grid(1), Index::Const(0)];
     let valid = kb.table("valid", t / C);
     let mut tok = |name: &str, d: DType, w: i64| {
-        kb.input(Operand::blocked(name, TensorType::new(d, &[l, t, w]), &[1, C, w], at()))
+        let operand = match s.layout {
+            TokenLayout::Lanes => {
+                let at = vec![Index::Grid(0), Index::Grid(1), Index::Const(0)];
+                Operand::blocked(name, TensorType::new(d, &[l, t, w]), &[1, C, w], at)
+            }
+            TokenLayout::Rows => {
+                let at = vec![Index::Grid(1), Index::Grid(0)];
+                Operand::blocked(name, TensorType::new(d, &[t, l * w]), &[C, w], at)
+            }
+        };
+        kb.input(operand)
     };
     let (q, kk) = (tok("q", s.dtype, k), tok("k", s.dtype, k));
     let v = with_v.then(|| tok("v", s.dtype, s.v));
@@ -51,7 +62,7 @@ pub fn declare(kb: &mut KernelBuilder, s: &ForwardShape, with_v: bool) -> TokenR
             vec![Index::Grid(0), Index::Const(0), Index::Const(0)],
         ))
     });
-    TokenRefs { q, k: kk, v, g, beta, gate, valid }
+    TokenRefs { q, k: kk, v, g, beta, gate, valid, layout: s.layout }
 }
 
 /// A chunk's inputs in f32, as the kernels use them.
@@ -67,15 +78,20 @@ pub struct Chunk {
 }
 
 /// `r`'s block as a `[C, w]` f32 tile.
-pub fn f32_block(b: &mut Body, r: Ref, w: i64) -> Result<V> {
-    f32_rows(b, r, 0, C, w)
+pub fn f32_block(b: &mut Body, r: Ref, w: i64, layout: TokenLayout) -> Result<V> {
+    f32_rows(b, r, 0, C, w, layout)
 }
 
-/// Rows `start..start + rows` of `r`'s `[1, C, w]` block as an f32 tile.
-pub fn f32_rows(b: &mut Body, r: Ref, start: i64, rows: i64, w: i64) -> Result<V> {
-    let at = [Offset::Const(0), Offset::Const(start), Offset::Const(0)];
-    let x = b.load(r, &at, &[1, rows, w])?;
-    let x = b.reshape(&x, &[rows, w])?;
+/// Rows `start..start + rows` of `r`'s block (`[1, C, w]`, or `[C, w]` in rows) as an f32 tile.
+pub fn f32_rows(b: &mut Body, r: Ref, start: i64, rows: i64, w: i64, layout: TokenLayout) -> Result<V> {
+    let x = match layout {
+        TokenLayout::Lanes => {
+            let at = [Offset::Const(0), Offset::Const(start), Offset::Const(0)];
+            let x = b.load(r, &at, &[1, rows, w])?;
+            b.reshape(&x, &[rows, w])?
+        }
+        TokenLayout::Rows => b.load(r, &[Offset::Const(start), Offset::Const(0)], &[rows, w])?,
+    };
     b.to_dtype(&x, DType::F32)
 }
 
@@ -95,12 +111,13 @@ pub fn load(b: &mut Body, s: &ForwardShape, r: &TokenRefs) -> Result<Chunk> {
 /// [`load`] of rows `start..start + rows` of the chunk.
 pub fn load_rows(b: &mut Body, s: &ForwardShape, r: &TokenRefs, start: i64, rows: i64) -> Result<Chunk> {
     let k = s.k;
-    let (mut q, mut kx) = (f32_rows(b, r.q, start, rows, k)?, f32_rows(b, r.k, start, rows, k)?);
+    let lay = r.layout;
+    let (mut q, mut kx) = (f32_rows(b, r.q, start, rows, k, lay)?, f32_rows(b, r.k, start, rows, k, lay)?);
     if s.l2norm {
         q = l2_normalise(b, &q)?;
         kx = l2_normalise(b, &kx)?;
     }
-    let raw = f32_rows(b, r.g, start, rows, k)?;
+    let raw = f32_rows(b, r.g, start, rows, k, lay)?;
     let g = activate(b, &raw, s.gate, r.gate)?;
     let at = b.program_id(1)?;
     let n = b.read_table(r.valid, &at)?;
@@ -111,6 +128,6 @@ pub fn load_rows(b: &mut Body, s: &ForwardShape, r: &TokenRefs, start: i64, rows
     let real = b.compare(Cmp::Lt, &row, &n)?;
     let zero = b.splat(0.0, DType::F32, &[rows, k])?;
     let g = b.select(&real, &g, &zero)?;
-    let beta = f32_rows(b, r.beta, start, rows, 1)?;
+    let beta = f32_rows(b, r.beta, start, rows, 1, lay)?;
     Ok(Chunk { q, k: kx, g, beta })
 }

@@ -78,7 +78,7 @@ fn chunk_wy(b: &mut Body, s: &ForwardShape, r: &WyRefs) -> Result<()> {
     let kg = b.mul(&x.k, &egs)?;
     store(b, r.kg, &kg, fd)?;
     let v_in = r.tokens.v.ok_or_else(|| TpuError::builder("kda_gpu_wy", "internal: no v operand"))?;
-    let vx = f32_block(b, v_in, v)?;
+    let vx = f32_block(b, v_in, v, r.tokens.layout)?;
     let beta_v = b.broadcast(&x.beta, &[C, v])?;
     let bv = b.mul(&vx, &beta_v)?;
     let uv = b.matmul(&a, &bv, (1, 0), p)?;
