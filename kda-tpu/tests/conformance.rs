@@ -1277,10 +1277,12 @@ mod full {
         #[values(DType::F32, DType::BF16)] dtype: DType,
     ) {
         let be = super::interpret::backend();
-        let failures: Vec<String> = kda_testkit::CASE_NAMES
-            .iter()
-            .filter_map(|name| kda_testkit::conformance::backward(&be, name, dtype, strategy, path).err())
-            .collect();
+        every_case(|name| kda_testkit::conformance::backward(&be, name, dtype, strategy, path).err());
+    }
+
+    /// `check` on every case of the table (its failure, if any), all failures reported at once.
+    fn every_case(check: impl Fn(&str) -> Option<String>) {
+        let failures: Vec<String> = kda_testkit::CASE_NAMES.iter().filter_map(|name| check(name)).collect();
         assert!(failures.is_empty(), "{} cases failed:\n{}", failures.len(), failures.join("\n"));
     }
 
@@ -1326,14 +1328,24 @@ mod full {
         assert!(failures.is_empty(), "{} cases failed:\n{}", failures.len(), failures.join("\n"));
     }
 
+    /// The GPU kernels' interpret lowering on every case of the table, forward and backward.
+    #[rstest]
+    fn triton_interpret_every_case(
+        #[values(BackwardStrategy::SavedState, BackwardStrategy::Rematerialize)] strategy: BackwardStrategy,
+        #[values(Path::Fused, Path::Split)] path: Path,
+        #[values(DType::F32, DType::BF16)] dtype: DType,
+    ) {
+        let be = super::triton_interpret::backend();
+        every_case(|name| {
+            let forward = kda_testkit::conformance::forward(&be, name, dtype).err();
+            forward.or_else(|| kda_testkit::conformance::backward(&be, name, dtype, strategy, path).err())
+        });
+    }
+
     #[rstest]
     fn interpret_forward_every_case(#[values(DType::F32, DType::BF16)] dtype: DType) {
         let be = super::interpret::backend();
-        let failures: Vec<String> = kda_testkit::CASE_NAMES
-            .iter()
-            .filter_map(|name| kda_testkit::conformance::forward(&be, name, dtype).err())
-            .collect();
-        assert!(failures.is_empty(), "{} cases failed:\n{}", failures.len(), failures.join("\n"));
+        every_case(|name| kda_testkit::conformance::forward(&be, name, dtype).err());
     }
 }
 
@@ -1413,6 +1425,20 @@ mod causality {
         #[case] path: Path,
     ) {
         holds(Implementation::Interpret, 1, place, Setup { rows, dtype, strategy, path });
+    }
+
+    /// The GPU kernels through their interpret lowering, the backward XLA's loops from their
+    /// forward: fixed rows (in place, batch-first), packed rows through lanes.
+    #[rstest]
+    #[case::fixed_f32_saved_fused(Fixed, F32, Saved, Fused)]
+    #[case::packed_bf16_remat_split(Packed, BF16, Remat, Staged)]
+    fn triton_interpret(
+        #[case] rows: Rows,
+        #[case] dtype: DType,
+        #[case] strategy: BackwardStrategy,
+        #[case] path: Path,
+    ) {
+        holds(Implementation::TritonInterpret, 1, Place::InPlace, Setup { rows, dtype, strategy, path });
     }
 
     /// Two devices, each row cut into two pieces at token 128 (`Split::Context`).

@@ -1,6 +1,7 @@
 //! The programs of the GPU rows (`triton`, `triton-interpret`): the forward runs the three GPU
-//! kernels on the inputs XLA lays out as aligned chunks (packed rows gathered by `slot_token`,
-//! the gate parameters per lane); the backward runs the XLA chunk loops, from the forward
+//! kernels on the caller's batch-first rows in place (fixed length, whole chunks, widths the
+//! kernels take), else on the inputs XLA lays out as aligned chunks (packed rows gathered by
+//! `slot_token`, widths zero-padded); the backward runs the XLA chunk loops, from the forward
 //! kernels' saved states where the strategy keeps them.
 
 use kda_core::{BackwardStrategy, DType, Layout};
