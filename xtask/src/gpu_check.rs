@@ -139,19 +139,11 @@ fn stage_wheels(dir: &Path) -> Result<u64, String> {
 /// Builds the `xtask` binary with its `pjrt` feature in release and returns it.
 fn build_xtask(paths: &setup::Paths) -> Result<PathBuf, String> {
     let args = ["build", "--release", "-p", "xtask", "--features", "pjrt", "--message-format=json"];
-    let out = cargo(paths, &args)
-        .stderr(Stdio::inherit())
-        .output()
-        .map_err(|e| format!("cargo {}: {e}", args.join(" ")))?;
-    if !out.status.success() {
-        return Err(format!("cargo {} failed ({})", args.join(" "), out.status));
-    }
-    let text = String::from_utf8_lossy(&out.stdout);
-    executable(&text, "xtask").ok_or_else(|| "cargo built no xtask executable".to_string())
+    built(paths, &args, "xtask")
 }
 
 /// Builds `package`'s test `test` with every feature in release (small binaries, fast tests)
-/// and returns its executable, read from cargo's JSON messages.
+/// and returns its executable.
 fn build_test(paths: &setup::Paths, package: &str, test: &str) -> Result<PathBuf, String> {
     let args = [
         "test",
@@ -164,7 +156,13 @@ fn build_test(paths: &setup::Paths, package: &str, test: &str) -> Result<PathBuf
         "--no-run",
         "--message-format=json",
     ];
-    let out = cargo(paths, &args)
+    built(paths, &args, test)
+}
+
+/// Runs cargo with `args` (JSON messages) and returns the executable of target `target`, read
+/// from cargo's messages.
+fn built(paths: &setup::Paths, args: &[&str], target: &str) -> Result<PathBuf, String> {
+    let out = cargo(paths, args)
         .stderr(Stdio::inherit())
         .output()
         .map_err(|e| format!("cargo {}: {e}", args.join(" ")))?;
@@ -172,7 +170,7 @@ fn build_test(paths: &setup::Paths, package: &str, test: &str) -> Result<PathBuf
         return Err(format!("cargo {} failed ({})", args.join(" "), out.status));
     }
     let text = String::from_utf8_lossy(&out.stdout);
-    executable(&text, test).ok_or_else(|| format!("cargo built no executable for test `{test}`"))
+    executable(&text, target).ok_or_else(|| format!("cargo built no executable for `{target}`"))
 }
 
 /// The `"executable"` of the compiler-artifact message of test target `test`.
