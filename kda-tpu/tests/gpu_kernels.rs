@@ -189,15 +189,16 @@ fn gpu_forward_is_bitwise_causal(#[case] dtype: DType, #[case] t0: usize) -> Res
     Ok(())
 }
 
-/// The three GPU forward kernels compile deviceless for the H200 at the primary shape (H=8,
-/// T=1024, K=V=128, an initial state) in bf16: one program per lane and chunk for the intra
-/// and WY kernels, one per lane and 32 state columns for the recurrence, 8 warps each, within
-/// the H200's 232,448 B of shared memory, no atomics in the Triton text, and no spill stores.
-/// f32 (over a minute) is under `full::`, its spill stores at most the recorded figures
-/// (docs/kernels/gpu-forward.md).
+/// The GPU forward kernels compile deviceless for the H200 at the primary shape (H=8, T=1024,
+/// K=V=128, an initial state) in bf16: one program per lane and chunk for the intra and WY
+/// kernels, one per lane and 32 state columns for the recurrence, 8 warps each, within the
+/// H200's 232,448 B of shared memory, no atomics in the Triton text, and no spill stores. f32
+/// (about a minute) is under `full::`.
 #[test]
 fn gpu_forward_compiles_for_the_h200_in_bf16() -> Result<()> {
-    compiles_for_the_h200(DType::BF16, [0, 0, 0])
+    let grids =
+        [("kda_gpu_intra", [8, 16, 1]), ("kda_gpu_wy", [8, 16, 1]), ("kda_gpu_recurrence", [8, 4, 1])];
+    compiles_for_the_h200(DType::BF16, &grids)
 }
 
 mod full {
@@ -207,21 +208,32 @@ mod full {
     use kda_tpu::op::ProgramKind;
     use kda_tpu::{Implementation, PjrtBackend};
 
+    /// f32 holds every operand of a three-pass product twice: the intra kernel runs a program
+    /// per sub-chunk and hands `L` to the inverse kernel, the WY kernel a program per block of
+    /// 64 key or value columns, the recurrence 16 state columns per program; none spills.
     #[test]
     fn gpu_forward_compiles_for_the_h200_in_f32() -> Result<()> {
-        compiles_for_the_h200(DType::F32, [1728, 740, 1652])
+        let grids = [
+            ("kda_gpu_intra", [8, 16, 4]),
+            ("kda_gpu_inverse", [8, 16, 1]),
+            ("kda_gpu_wy", [8, 16, 4]),
+            ("kda_gpu_recurrence", [8, 8, 1]),
+        ];
+        compiles_for_the_h200(DType::F32, &grids)
     }
 
     /// The `triton` row's forward program at the benchmark shapes of docs/kda.md (the
     /// secondary: H=32, T=8192, L2 norm and the lower-bound gate; fixed, and packed into 25
-    /// segments; the primary packed), bf16: every GPU kernel without spill stores and within
-    /// the H200's shared memory, whatever the shape (registers depend on the tiles alone).
+    /// segments; the primary packed), bf16 and f32: every GPU kernel without spill stores and
+    /// within the H200's shared memory, whatever the shape (registers depend on the tiles
+    /// alone).
     #[rstest]
     fn the_triton_forward_program_compiles_without_spills(
         #[values("bench_primary_packed", "bench_secondary", "bench_secondary_packed")] name: &str,
+        #[values(DType::BF16, DType::F32)] dtype: DType,
     ) -> Result<()> {
         let case = benchmark_cases().into_iter().find(|c| c.name == name).expect("benchmark case");
-        let data = case_data(&case, DType::BF16).expect("inputs");
+        let data = case_data(&case, dtype).expect("inputs");
         let problem = data.inputs.validate().expect("valid inputs");
         let cpu = PjrtBackend::new()?;
         let spec = cpu.spec(&problem, case.final_state)?;
@@ -231,9 +243,9 @@ mod full {
         let gpu = GpuCompiler::load()?.with_figures(std::env::temp_dir().join("kda-gpu-kernel-dumps"));
         let report = gpu.compile(&text, &H200)?;
         let kernels: Vec<_> = report.kernels.iter().filter(|k| k.name.starts_with("kda_gpu")).collect();
-        assert_eq!(kernels.len(), 3, "{:?}", report.kernels);
+        assert!(matches!(kernels.len(), 3 | 4), "{:?}", report.kernels);
         for k in kernels {
-            eprintln!("{name} {k:?}");
+            eprintln!("{name} {dtype} {k:?}");
             assert_eq!(k.spill_store_bytes, Some(0), "{}: spills", k.name);
             assert!(
                 k.shared_memory_bytes <= 232_448,
@@ -246,9 +258,9 @@ mod full {
     }
 }
 
-/// Compiles the forward of the primary shape in `dtype`; `spills` bounds each kernel's spill
-/// stores (intra, WY, recurrence).
-fn compiles_for_the_h200(dtype: DType, spills: [u64; 3]) -> Result<()> {
+/// Compiles the forward of the primary shape in `dtype`: its kernels launch on `grids`, with
+/// 8 warps, no spill stores and at most the H200's shared memory.
+fn compiles_for_the_h200(dtype: DType, grids: &[(&str, [u64; 3])]) -> Result<()> {
     let s = ForwardShape { h0: true, ..ForwardShape::new(8, 1024, 128, 128, dtype) };
     let text = forward_module(&s, &Triton)?;
     assert!(!text.contains("atomic"), "an atomic in the Triton text");
@@ -260,16 +272,12 @@ fn compiles_for_the_h200(dtype: DType, spills: [u64; 3]) -> Result<()> {
     for k in &kernels {
         eprintln!("{dtype} {k:?}");
     }
-    let grids: Vec<(&str, [u64; 3])> = kernels.iter().map(|k| (k.name.as_str(), k.grid)).collect();
-    assert_eq!(
-        grids,
-        [("kda_gpu_intra", [8, 16, 1]), ("kda_gpu_wy", [8, 16, 1]), ("kda_gpu_recurrence", [8, 4, 1])]
-    );
-    for (k, most) in kernels.iter().zip(spills) {
+    let launched: Vec<(&str, [u64; 3])> = kernels.iter().map(|k| (k.name.as_str(), k.grid)).collect();
+    assert_eq!(launched, grids);
+    for k in &kernels {
         assert_eq!(k.threads[0], 256, "{}: 8 warps", k.name);
         assert!(k.shared_memory_bytes <= 232_448, "{}: {} B of shared memory", k.name, k.shared_memory_bytes);
-        let spilled = k.spill_store_bytes.expect("ptxas figures");
-        assert!(spilled <= most, "{}: {spilled} B of spill stores, over {most}", k.name);
+        assert_eq!(k.spill_store_bytes, Some(0), "{}: spill stores", k.name);
     }
     Ok(())
 }

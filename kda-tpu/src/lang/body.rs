@@ -607,13 +607,13 @@ impl Body {
         init: &[V],
         body: impl FnOnce(&mut Body, &V, &[V]) -> Result<Vec<V>>,
     ) -> Result<Vec<V>> {
-        self.counted(lo, hi, None, init, body)
+        self.counted(lo, hi, None, (hi - lo) as f64, init, body)
     }
 
     /// [`Body::for_range`] stopping at the run-time bound `until` (an i32 scalar, such as a
     /// table entry) where it is below `hi`: `for i in lo..min(hi, until)`. `hi` bounds the trips
-    /// where a lowering needs a static count (the interpret lowering runs them all, the ones
-    /// from `until` on leaving every value and reference as it was).
+    /// where a lowering needs a static count (Triton and the interpret lowering stop at
+    /// `min(hi, until)` at run time).
     pub fn for_range_until(
         &mut self,
         lo: i64,
@@ -626,7 +626,26 @@ impl Body {
         if until.ty != TensorType::scalar(DType::I32) {
             return Err(err("for_range_until", format!("a bound of {}: an i32 scalar", fmt_ty(&until.ty))));
         }
-        self.counted(lo, hi, Some(until), init, body)
+        self.counted(lo, hi, Some(until), (hi - lo) as f64, init, body)
+    }
+
+    /// [`Body::for_range_until`] whose trips average `mean` over the programs (a static count of
+    /// the work takes that instead of `hi - lo`): the chunks of a packed row's sequences, one
+    /// sequence a program, say.
+    pub fn for_range_until_mean(
+        &mut self,
+        lo: i64,
+        hi: i64,
+        until: &V,
+        mean: f64,
+        init: &[V],
+        body: impl FnOnce(&mut Body, &V, &[V]) -> Result<Vec<V>>,
+    ) -> Result<Vec<V>> {
+        self.uses("for_range_until", &[until])?;
+        if until.ty != TensorType::scalar(DType::I32) {
+            return Err(err("for_range_until", format!("a bound of {}: an i32 scalar", fmt_ty(&until.ty))));
+        }
+        self.counted(lo, hi, Some(until), mean, init, body)
     }
 
     /// A counted loop, stopping early at `until` when given.
@@ -635,6 +654,7 @@ impl Body {
         lo: i64,
         hi: i64,
         until: Option<&V>,
+        mean_trips: f64,
         init: &[V],
         body: impl FnOnce(&mut Body, &V, &[V]) -> Result<Vec<V>>,
     ) -> Result<Vec<V>> {
@@ -663,6 +683,7 @@ impl Body {
             lo,
             hi,
             until: until.cloned(),
+            mean_trips,
             index,
             init: init.to_vec(),
             args,

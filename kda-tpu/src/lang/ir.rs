@@ -178,6 +178,9 @@ pub enum Op {
         lo: i64,
         hi: i64,
         until: Option<V>,
+        /// The trips a static count of the work takes ([`super::work`]): `hi - lo`, or the
+        /// mean over the programs that a run-time bound gives.
+        mean_trips: f64,
         index: V,
         init: Vec<V>,
         args: Vec<V>,

@@ -27,8 +27,9 @@ fn elements(ty: &TensorType) -> f64 {
     ty.num_elements() as f64
 }
 
-/// The work of `k`: each op on every grid step, a loop's body on each of its static trips, a
-/// conditional region as if it ran every time (an upper bound).
+/// The work of `k`: each op on every grid step, a loop's body on each of its trips (its static
+/// count, or the mean a run-time bound declares), a conditional region as if it ran every time
+/// (an upper bound).
 pub fn work(k: &Kernel) -> Work {
     let bytes = k
         .inputs
@@ -66,7 +67,7 @@ fn count(ops: &[Op], times: f64, highest_is_ieee: bool, w: &mut Work) {
             Op::Binary { out, .. } | Op::Select { out, .. } => w.fma_flops += elements(&out.ty) * times,
             Op::Reduce { a, .. } | Op::Cumsum { a, .. } => w.fma_flops += elements(&a.ty) * times,
             Op::If { then, .. } => count(then, times, highest_is_ieee, w),
-            Op::For { lo, hi, body, .. } => count(body, times * (hi - lo) as f64, highest_is_ieee, w),
+            Op::For { mean_trips, body, .. } => count(body, times * mean_trips, highest_is_ieee, w),
             _ => {}
         }
     }

@@ -47,13 +47,19 @@ pub fn l2_normalise_with_scale(b: &mut Body, x: &V) -> Result<(V, V)> {
 /// The activated, floored log-decay of the raw gate `x` `[64, K]`; the gate parameters (of an
 /// in-kernel gate) are the block `params` (`[1, 2, K]`: `exp(a_log)`, `dt_bias`).
 pub fn activate(b: &mut Body, x: &V, gate: GateKind, params: Option<Ref>) -> Result<V> {
+    activate_columns(b, x, gate, params, 0)
+}
+
+/// [`activate`] of the gate's columns `col..` (a block of a wider gate, whose parameters are
+/// read from the same columns).
+pub fn activate_columns(b: &mut Body, x: &V, gate: GateKind, params: Option<Ref>, col: i64) -> Result<V> {
     let dims = x.ty.dims.clone();
     let g = match gate {
         GateKind::Preactivated => x.clone(),
         GateKind::Softplus | GateKind::LowerBound(_) => {
             let params = gate_params(params)?;
             let row = |b: &mut Body, i: i64| {
-                let at = [Offset::Const(0), Offset::Const(i), Offset::Const(0)];
+                let at = [Offset::Const(0), Offset::Const(i), Offset::Const(col)];
                 let r = b.load(params, &at, &[1, 1, dims[1]])?;
                 b.reshape(&r, &[1, dims[1]])
             };

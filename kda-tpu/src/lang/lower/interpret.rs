@@ -365,7 +365,7 @@ impl Step<'_> {
         vals: &mut HashMap<u32, Value>,
         refs: &mut Refs,
     ) -> Result<()> {
-        let Op::For { lo, hi, until, index, init, args, body, yields, outs } = op else {
+        let Op::For { lo, hi, until, index, init, args, body, yields, outs, .. } = op else {
             return Err(err("internal: a loop region expected"));
         };
         let until = until.as_ref().map(|u| get(vals, u)).transpose()?;
@@ -375,7 +375,7 @@ impl Step<'_> {
         let trips = i32::try_from(hi - lo).map_err(|_| err("loop bounds"))?;
         let shape = refs.clone();
         let outer = vals.clone();
-        let done = b.for_loop(trips, &state, |b, i, st| {
+        let step = |b: &mut FnBuilder, i: Value, st: &[Value]| -> Result<Vec<Value>> {
             let mut inner_vals = outer;
             let lo = b.scalar_i32(*lo as i32)?;
             let at = b.add(i, lo)?;
@@ -387,16 +387,21 @@ impl Step<'_> {
             self.ops(b, body, &mut inner_vals, &mut inner)?;
             let mut next: Vec<Value> = yields.iter().map(|v| get(&inner_vals, v)).collect::<Result<_>>()?;
             next.extend(inner.all());
-            // Trips from `until` on leave everything as it was.
-            if let Some(u) = until {
-                let running = b.compare(Cmp::Lt, at, u)?;
-                for (n, &old) in next.iter_mut().zip(st) {
-                    let keep = b.broadcast_in_dim(running, n.dims(), &[])?;
-                    *n = b.select(keep, *n, old)?;
-                }
-            }
             Ok(next)
-        })?;
+        };
+        let done = match until {
+            // `for i in lo..min(hi, until)`: max(0, min(hi, until) - lo) trips.
+            Some(u) => {
+                let hi = b.scalar_i32(*hi as i32)?;
+                let end = b.min(hi, u)?;
+                let lo_v = b.scalar_i32(*lo as i32)?;
+                let n = b.sub(end, lo_v)?;
+                let zero = b.scalar_i32(0)?;
+                let n = b.max(n, zero)?;
+                b.for_loop_until(n, &state, step)?
+            }
+            None => b.for_loop(trips, &state, step)?,
+        };
         for (o, v) in outs.iter().zip(&done) {
             vals.insert(o.id, *v);
         }

@@ -16,9 +16,13 @@
 
 use kda_core::DType;
 
-use crate::error::Result;
+use crate::error::{Result, TpuError};
 use crate::hlo::{Cmp, TensorType};
-use crate::lang::{Binary, Body, Index, Kernel, KernelBuilder, Operand, Reduction, Ref, Scan, Semantics, V};
+use crate::lang::{
+    Binary, Body, Index, Kernel, KernelBuilder, MatPrecision, Offset, Operand, Reduction, Ref, Scan,
+    Semantics, V,
+};
+
 use crate::op::tpu_kernels::terms::unit_lower_inverse;
 
 use super::tokens::{self, store, TokenRefs};
@@ -31,20 +35,31 @@ pub struct IntraRefs {
     pub tokens: TokenRefs,
     /// `scale Aqk` `[L, T, C]`, each chunk's rows, in the factors' dtype.
     pub aqk: Ref,
-    /// `A = (I + L)^-1` `[L, T, C]`, each chunk's rows, in the factors' dtype.
+    /// The result the WY kernel's `A` comes from: `A = (I + L)^-1` itself in the factors' dtype
+    /// where one program makes the whole chunk, else `L` `[L, T, C]` f32 for [`super::inverse`].
     pub a: Ref,
 }
 
-/// The intra kernel of `s`: grid (lanes, chunk positions), both parallel.
+/// The intra kernel of `s`: grid (lanes, chunk positions, [`ForwardShape::intra_programs`]),
+/// all parallel.
 pub fn intra_kernel(s: &ForwardShape) -> Result<(Kernel, IntraRefs)> {
     let (l, t, nt) = (s.lanes, s.t, s.t / C);
     let mut kb = KernelBuilder::new("kda_gpu_intra");
-    kb.grid(l, Semantics::Parallel).grid(nt, Semantics::Parallel);
+    kb.grid(l, Semantics::Parallel)
+        .grid(nt, Semantics::Parallel)
+        .grid(s.intra_programs(), Semantics::Parallel);
     let tokens = tokens::declare(&mut kb, s, false);
     let at = vec![Index::Grid(0), Index::Grid(1), Index::Const(0)];
-    let ty = TensorType::new(s.factor_dtype(), &[l, t, C]);
-    let aqk = kb.output(Operand::blocked("aqk", ty.clone(), &[1, C, C], at.clone()));
-    let a = kb.output(Operand::blocked("a", ty, &[1, C, C], at));
+    let aqk = kb.output(Operand::blocked(
+        "aqk",
+        TensorType::new(s.factor_dtype(), &[l, t, C]),
+        &[1, C, C],
+        at.clone(),
+    ));
+    let a = match s.intra_programs() {
+        1 => kb.output(Operand::blocked("a", TensorType::new(s.factor_dtype(), &[l, t, C]), &[1, C, C], at)),
+        _ => kb.output(Operand::blocked("l", TensorType::new(DType::F32, &[l, t, C]), &[1, C, C], at)),
+    };
     kb.params(s.intra_launch);
     let refs = IntraRefs { tokens, aqk, a };
     let kernel = kb.build(|b| chunk_intra(b, s, &refs))?;
@@ -123,7 +138,7 @@ fn across_sub_chunks(
     y: &tokens::Chunk,
     x: &tokens::Chunk,
 ) -> Result<(V, V)> {
-    let (k, p, fd) = (s.k, s.precision(), s.factor_dtype());
+    let (k, p, fd) = (y.g.ty.dims[1], s.precision(), s.factor_dtype());
     let rsum = b.cumsum(&y.g, 0, Scan { reverse: false, exclusive: false }, None)?;
     let er = b.exp(&rsum)?;
     let qr = b.mul(&y.q, &er)?;
@@ -157,27 +172,145 @@ fn placed(b: &mut Body, block: &V, i: i64) -> Result<V> {
     b.concat(&parts, 1)
 }
 
-/// The body: one chunk's `Aqk` and `A`, sub-chunk by sub-chunk.
-fn chunk_intra(b: &mut Body, s: &ForwardShape, r: &IntraRefs) -> Result<()> {
-    let (p, fd) = (s.precision(), s.factor_dtype());
-    let x = tokens::load(b, s, &r.tokens)?;
-    let (mut aqk, mut l) = (Vec::new(), Vec::new());
-    for i in 0..(C / SUB) {
-        let y = tokens::load_rows(b, s, &r.tokens, SUB * i, SUB)?;
-        let (ad, ld) = within_sub_chunk(b, s.k, &y)?;
-        let (mut a_row, mut l_row) = (placed(b, &ad, i)?, placed(b, &ld, i)?);
-        if i > 0 {
-            let (ao, lo) = across_sub_chunks(b, s, i, &y, &x)?;
-            a_row = b.add(&a_row, &ao)?;
-            l_row = b.add(&l_row, &lo)?;
-        }
-        aqk.push(a_row);
-        l.push(l_row);
+/// `x + y`, or `y` alone where there is no `x` yet.
+fn summed(b: &mut Body, x: Option<V>, y: V) -> Result<V> {
+    match x {
+        Some(x) => b.add(&x, &y),
+        None => Ok(y),
     }
-    let (aqk, l) = (b.concat(&aqk, 0)?, b.concat(&l, 0)?);
-    let scale = b.splat(s.scale, DType::F32, &[C, C])?;
+}
+
+/// The body: one chunk's `Aqk` and `A` where one program makes the chunk (bf16: the inverse
+/// by one-pass `[64, 64]` products, which fit the registers); else program `i` of grid axis 2
+/// makes the rows of sub-chunk `i` of `Aqk` and `L` (f32: [`super::inverse`] inverts `L`).
+fn chunk_intra(b: &mut Body, s: &ForwardShape, r: &IntraRefs) -> Result<()> {
+    let fd = s.factor_dtype();
+    let norms = if s.bk() < s.k { tokens::norms(b, s, &r.tokens)? } else { None };
+    let norms = norms.as_ref();
+    if s.intra_programs() == 1 {
+        let (mut aqk, mut l) = (Vec::new(), Vec::new());
+        for i in 0..(C / SUB) {
+            let rows = sub_chunk_rows(b, s, r, i, norms)?;
+            l.push(l_rows(b, &rows, i)?);
+            aqk.push(rows.aqk);
+        }
+        let (aqk, l) = (b.concat(&aqk, 0)?, b.concat(&l, 0)?);
+        store(b, r.aqk, &aqk, fd)?;
+        let a = unit_lower_inverse(b, &l, s.precision())?;
+        return store(b, r.a, &a, fd);
+    }
+    let at = b.program_id(2)?;
+    for i in 0..(C / SUB) {
+        let here = b.index(i)?;
+        let here = b.compare(Cmp::Eq, &at, &here)?;
+        b.when(&here, |b| {
+            let rows = sub_chunk_rows(b, s, r, i, norms)?;
+            store_rows(b, r.aqk, SUB * i, &rows.aqk, fd)?;
+            let l = l_rows(b, &rows, i)?;
+            store_rows(b, r.a, SUB * i, &l, DType::F32)
+        })?;
+    }
+    Ok(())
+}
+
+/// Sub-chunk `i`'s `[16, 64]` rows of `L`.
+fn l_rows(b: &mut Body, rows: &SubChunkRows, i: i64) -> Result<V> {
+    let l = placed(b, &rows.l_diagonal, i)?;
+    match &rows.l_before {
+        Some(lo) => b.add(&l, lo),
+        None => Ok(l),
+    }
+}
+
+/// Stores the `[16, 64]` rows `x` at row `at` of `r`'s `[1, C, C]` block, in `dtype`.
+fn store_rows(b: &mut Body, r: Ref, at: i64, x: &V, dtype: DType) -> Result<()> {
+    let x = b.to_dtype(x, dtype)?;
+    let x = b.reshape(&x, &[1, SUB, C])?;
+    b.store(r, &[Offset::Const(0), Offset::Const(at), Offset::Const(0)], &x)
+}
+
+/// The rows of sub-chunk `i` of the chunk's terms.
+struct SubChunkRows {
+    /// `scale Aqk` `[16, 64]`.
+    aqk: V,
+    /// `L`'s diagonal block `[16, 16]`.
+    l_diagonal: V,
+    /// `L` left of the diagonal block `[16, 64]` (zero from column `16 i`), past sub-chunk 0.
+    l_before: Option<V>,
+}
+
+/// Sub-chunk `i`'s rows of `scale Aqk` and `L`, each pair term summed over blocks of `BK` key
+/// columns.
+fn sub_chunk_rows(
+    b: &mut Body,
+    s: &ForwardShape,
+    r: &IntraRefs,
+    i: i64,
+    norms: Option<&tokens::Norms>,
+) -> Result<SubChunkRows> {
+    let (k, bk) = (s.k, s.bk());
+    let (mut a_row, mut l_diag, mut l_before) = (None, None, None);
+    for col in (0..k).step_by(bk as usize) {
+        let y = tokens::load_tile(b, s, &r.tokens, (SUB * i, SUB), (col, bk), norms)?;
+        let (ad, ld) = within_sub_chunk(b, bk, &y)?;
+        let mut ad = placed(b, &ad, i)?;
+        l_diag = Some(summed(b, l_diag, ld)?);
+        if i > 0 {
+            let x = tokens::load_tile(b, s, &r.tokens, (0, C), (col, bk), norms)?;
+            let (ao, lo) = across_sub_chunks(b, s, i, &y, &x)?;
+            ad = b.add(&ad, &ao)?;
+            l_before = Some(summed(b, l_before, lo)?);
+        }
+        a_row = Some(summed(b, a_row, ad)?);
+    }
+    let internal = || TpuError::builder("kda_gpu_intra", "internal: no key columns");
+    let aqk = a_row.ok_or_else(internal)?;
+    let scale = b.splat(s.scale, DType::F32, &[SUB, C])?;
     let aqk = b.mul(&aqk, &scale)?;
-    store(b, r.aqk, &aqk, fd)?;
-    let a = unit_lower_inverse(b, &l, p)?;
-    store(b, r.a, &a, fd)
+    Ok(SubChunkRows { aqk, l_diagonal: l_diag.ok_or_else(internal)?, l_before })
+}
+
+/// `A = (I + L)^-1` of the chunk's strictly lower `L` given as its `[16, 16]` blocks (`l[i][j]`,
+/// `j <= i`), as `[16, 64]` row blocks: each diagonal block's inverse `D_i` by the nilpotent
+/// series `(I - L_ii)(I + L_ii^2)(I + L_ii^4)(I + L_ii^8)`, then block forward substitution
+/// `A_ij = -D_i sum_{j <= m < i} L_im A_mj`. Every product is `[16, 16] x [16, 16]`, so that no
+/// operand of a three-pass f32 product outgrows the registers.
+pub(super) fn block_inverse(b: &mut Body, l: &[Vec<V>], p: MatPrecision) -> Result<Vec<V>> {
+    let rows = b.iota(&[SUB, SUB], 0)?;
+    let cols = b.iota(&[SUB, SUB], 1)?;
+    let on = b.compare(Cmp::Eq, &rows, &cols)?;
+    let (one, zero) = (b.splat(1.0, DType::F32, &[SUB, SUB])?, b.splat(0.0, DType::F32, &[SUB, SUB])?);
+    let eye = b.select(&on, &one, &zero)?;
+    let mut a: Vec<Vec<V>> = Vec::new();
+    for (i, li) in l.iter().enumerate() {
+        let mut d = b.sub(&eye, &li[i])?;
+        let mut pow = li[i].clone();
+        for _ in 0..3 {
+            pow = b.matmul(&pow, &pow, (1, 0), p)?;
+            let f = b.add(&eye, &pow)?;
+            d = b.matmul(&d, &f, (1, 0), p)?;
+        }
+        let mut row = Vec::new();
+        for j in 0..i {
+            let mut sum = None;
+            for (lim, am) in li[j..i].iter().zip(&a[j..i]) {
+                let x = b.matmul(lim, &am[j], (1, 0), p)?;
+                sum = Some(summed(b, sum, x)?);
+            }
+            let sum =
+                sum.ok_or_else(|| TpuError::builder("kda_gpu_intra", "internal: an empty block sum"))?;
+            let x = b.matmul(&d, &sum, (1, 0), p)?;
+            row.push(b.neg(&x)?);
+        }
+        row.push(d);
+        a.push(row);
+    }
+    a.into_iter()
+        .map(|mut row| {
+            while row.len() < (C / SUB) as usize {
+                row.push(zero.clone());
+            }
+            b.concat(&row, 1)
+        })
+        .collect()
 }

@@ -1,12 +1,14 @@
 //! The GPU kernels of the KDA op, written in [`crate::lang`] and tiled for a GPU: lowered to
 //! Triton for XLA's CUDA plugin (the `triton` row of the op table), or through the interpret
 //! lowering with a GPU's numerics on any plugin (`triton-interpret`). The forward is three
-//! kernels (docs/kernels/gpu-forward.md): [`intra`] (the chunk's pair terms and inverse, one
-//! program per lane and chunk), [`wy`] (the factors the recurrence reads, likewise) and
-//! [`recurrence`] (one program per lane and block of state columns, looping over the chunks),
-//! wired by [`call_forward`]; the programs around them are in `program`.
+//! kernels, four in f32 (docs/kernels/gpu-forward.md): [`intra`] (the chunk's pair terms and
+//! its inverse; in f32 a program per sub-chunk and the inverse in [`inverse`]), [`wy`] (the
+//! factors the recurrence reads) and [`recurrence`] (one program per lane, block of state
+//! columns and state slot, looping over the slot's chunks), wired by [`call_forward`]; the
+//! programs around them are in `program`.
 
 pub mod intra;
+pub mod inverse;
 pub(in crate::op) mod program;
 pub mod recurrence;
 pub mod tokens;
@@ -88,6 +90,12 @@ pub struct ForwardShape {
     pub scale: f64,
     /// State slots per lane (segments of a packed row; 1 for fixed-length rows).
     pub slots: i64,
+    /// The most chunk positions one slot's run takes: the recurrence's static trip bound
+    /// (`t / 64` unless every run is known shorter, as batch-first rows are).
+    pub run_chunks: i64,
+    /// Whether the slots' runs come from the segment tables (packed rows); otherwise slot `s`
+    /// runs positions `s * run_chunks ..` for `run_chunks`, with no tables to compute.
+    pub segmented: bool,
     /// Whether initial states are given.
     pub h0: bool,
     /// Whether the recurrence writes the state entering every chunk (for the saved-state
@@ -119,6 +127,8 @@ impl ForwardShape {
             l2norm: false,
             scale: 1.0 / (k as f64).sqrt(),
             slots: 1,
+            run_chunks: t / C,
+            segmented: false,
             h0: false,
             keep_h: false,
             intra_launch: launch(8),
@@ -143,9 +153,47 @@ impl ForwardShape {
         self.dtype
     }
 
-    /// State columns per recurrence program.
+    /// Key columns a kernel holds at once (the recurrence's state rows per buffer): 64 for f32,
+    /// whose three-pass products hold each operand twice, 128 for bf16 (the register files of
+    /// docs/kernels/gpu-forward.md).
+    pub fn bk(&self) -> i64 {
+        self.k.min(match self.dtype {
+            DType::BF16 => 128,
+            _ => 64,
+        })
+    }
+
+    /// Value columns the WY kernel makes `u` for at once: as [`ForwardShape::bk`].
+    pub fn bu(&self) -> i64 {
+        self.v.min(self.bk().max(16))
+    }
+
+    /// WY programs per lane and chunk: one for bf16; for f32, one per block of key columns and
+    /// one per block of value columns, so that a program holds one three-pass product.
+    pub fn wy_programs(&self) -> i64 {
+        match self.dtype {
+            DType::BF16 => 1,
+            _ => self.k / self.bk() + self.v / self.bu(),
+        }
+    }
+
+    /// Intra programs per lane and chunk: one for bf16; for f32, one per 16-token sub-chunk,
+    /// whose `L` rows the inverse kernel ([`inverse`]) then inverts (a program holding the
+    /// chunk's three-pass products and its inverse together spills).
+    pub fn intra_programs(&self) -> i64 {
+        match self.dtype {
+            DType::BF16 => 1,
+            _ => C / SUB,
+        }
+    }
+
+    /// State columns per recurrence program: 32 for bf16, 16 for f32 (whose three-pass
+    /// products hold each operand twice).
     pub fn bv(&self) -> i64 {
-        self.v.min(MAX_BV)
+        self.v.min(match self.dtype {
+            DType::BF16 => MAX_BV,
+            _ => MAX_BV / 2,
+        })
     }
 
     /// An `Unsupported` error naming the limit the shape is past.
@@ -233,10 +281,17 @@ pub fn call_forward(
     let mut a = ik.bindings();
     bind_tokens(&mut a, &ir.tokens)?;
     let intra = ik.call(f, lowering, a)?;
+    let mut inverse = intra.get(ir.a)?;
+    if s.intra_programs() > 1 {
+        let (vk, vr) = inverse::inverse_kernel(s)?;
+        let mut a = vk.bindings();
+        a.input(vr.l, inverse)?;
+        inverse = vk.call(f, lowering, a)?.get(vr.a)?;
+    }
     let (wk, wr) = wy::wy_kernel(s)?;
     let mut a = wk.bindings();
     bind_tokens(&mut a, &wr.tokens)?;
-    a.input(wr.a, intra.get(ir.a)?)?;
+    a.input(wr.a, inverse)?;
     let wy = wk.call(f, lowering, a)?;
     let (rk, rr) = recurrence::recurrence_kernel(s)?;
     let mut a = rk.bindings();
@@ -248,15 +303,30 @@ pub fn call_forward(
     if let (Some(r), Some(v)) = (rr.h0, x.h0) {
         a.input(r, v)?;
     }
-    a.table(rr.first, x.first)?;
+    if let Some((start_t, chunks_t)) = rr.runs {
+        let (start, chunks) = recurrence::runs(f, s.slots, x.first, x.slot)?;
+        a.table(start_t, start)?;
+        a.table(chunks_t, chunks)?;
+    }
     a.table(rr.last, x.last)?;
-    a.table(rr.slot, x.slot)?;
     let out = rk.call(f, lowering, a)?;
     let h = match rr.h {
         Some(h) => Some(out.get(h)?),
         None => None,
     };
     Ok(ForwardOutputs { o: out.get(rr.o)?, ht: out.get(rr.ht)?, h })
+}
+
+/// The kernels of the forward of `s`, in launch order (intra, the inverse where the intra kernel
+/// splits the chunk, WY, recurrence).
+pub fn forward_kernels(s: &ForwardShape) -> Result<Vec<crate::lang::Kernel>> {
+    let mut kernels = vec![intra::intra_kernel(s)?.0];
+    if s.intra_programs() > 1 {
+        kernels.push(inverse::inverse_kernel(s)?.0);
+    }
+    kernels.push(wy::wy_kernel(s)?.0);
+    kernels.push(recurrence::recurrence_kernel(s)?.0);
+    Ok(kernels)
 }
 
 /// The tables of fixed-length lanes of `t` tokens in `nt` chunk positions: `valid` (64 but the

@@ -1,4 +1,4 @@
-//! The programs of the GPU rows (`triton`, `triton-interpret`): the forward runs the three GPU
+//! The programs of the GPU rows (`triton`, `triton-interpret`): the forward runs the GPU
 //! kernels on the caller's batch-first rows in place (fixed length, whole chunks, widths the
 //! kernels take), else on the inputs XLA lays out as aligned chunks (packed rows gathered by
 //! `slot_token`, widths zero-padded); the backward runs the XLA chunk loops, from the forward
@@ -68,6 +68,7 @@ fn shape(s: &ProgramSpec, dtype: DType, keep_h: bool) -> ForwardShape {
         l2norm: s.options.l2norm,
         scale: s.options.scale,
         slots: s.slots() as i64,
+        segmented: s.packed_chunks.is_some(),
         h0: s.options.has_h0,
         keep_h,
         ..base
@@ -84,7 +85,7 @@ fn tokens(f: &mut FnBuilder, s: &ProgramSpec, a: &Args, x: Value, dtype: DType) 
     pad_last(f, x, padded(d as usize))
 }
 
-/// The three forward kernels of `s`'s GPU rows (intra, WY, recurrence), as its forward program
+/// The forward kernels of `s`'s GPU rows ([`super::forward_kernels`]), as its forward program
 /// builds them (`keep_h`: the recurrence writes every chunk's entering state), inputs held in
 /// `dtype` on the device.
 pub(in crate::op) fn forward_kernels(s: &ProgramSpec, dtype: DType, keep_h: bool) -> Result<Vec<Kernel>> {
@@ -96,11 +97,7 @@ pub(in crate::op) fn forward_kernels(s: &ProgramSpec, dtype: DType, keep_h: bool
     };
     let sh = ForwardShape { g_dtype, ..sh };
     sh.check()?;
-    Ok(vec![
-        super::intra::intra_kernel(&sh)?.0,
-        super::wy::wy_kernel(&sh)?.0,
-        super::recurrence::recurrence_kernel(&sh)?.0,
-    ])
+    super::forward_kernels(&sh)
 }
 
 /// Tokens per chunk position `[NT]`: from `slot_token` for packed rows (a padding slot points
@@ -133,7 +130,7 @@ fn in_place(s: &ProgramSpec) -> bool {
 /// slot per row.
 fn rows_shape(s: &ProgramSpec, base: ForwardShape) -> ForwardShape {
     let (h, bb, t) = (s.dims.h as i64, s.dims.b as i64, s.dims.t as i64);
-    ForwardShape { layout: TokenLayout::Rows, lanes: h, t: bb * t, slots: bb, ..base }
+    ForwardShape { layout: TokenLayout::Rows, lanes: h, t: bb * t, slots: bb, run_chunks: t / C, ..base }
 }
 
 /// The forward of batch-first fixed-length rows, read and written in place (`TokenLayout::Rows`:

@@ -7,7 +7,7 @@ use kda_core::{DType, GateKind};
 use crate::error::Result;
 use crate::hlo::{Cmp, TensorType};
 use crate::lang::{Body, Index, KernelBuilder, Offset, Operand, Ref, Table, V};
-use crate::op::chunk::{activate, l2_normalise};
+use crate::op::chunk::{activate_columns, l2_normalise_with_scale};
 
 use super::{ForwardShape, TokenLayout, C};
 
@@ -77,57 +77,111 @@ pub struct Chunk {
     pub beta: V,
 }
 
-/// `r`'s block as a `[C, w]` f32 tile.
-pub fn f32_block(b: &mut Body, r: Ref, w: i64, layout: TokenLayout) -> Result<V> {
-    f32_rows(b, r, 0, C, w, layout)
-}
-
-/// Rows `start..start + rows` of `r`'s block (`[1, C, w]`, or `[C, w]` in rows) as an f32 tile.
-pub fn f32_rows(b: &mut Body, r: Ref, start: i64, rows: i64, w: i64, layout: TokenLayout) -> Result<V> {
+/// Rows `start..start + n` and columns `col..col + w` of `r`'s block (`[1, C, D]`, or `[C, D]`
+/// in rows) as an f32 tile.
+pub fn f32_tile(
+    b: &mut Body,
+    r: Ref,
+    (start, n): (i64, i64),
+    (col, w): (i64, i64),
+    layout: TokenLayout,
+) -> Result<V> {
     let x = match layout {
         TokenLayout::Lanes => {
-            let at = [Offset::Const(0), Offset::Const(start), Offset::Const(0)];
-            let x = b.load(r, &at, &[1, rows, w])?;
-            b.reshape(&x, &[rows, w])?
+            let at = [Offset::Const(0), Offset::Const(start), Offset::Const(col)];
+            let x = b.load(r, &at, &[1, n, w])?;
+            b.reshape(&x, &[n, w])?
         }
-        TokenLayout::Rows => b.load(r, &[Offset::Const(start), Offset::Const(0)], &[rows, w])?,
+        TokenLayout::Rows => b.load(r, &[Offset::Const(start), Offset::Const(col)], &[n, w])?,
     };
     b.to_dtype(&x, DType::F32)
 }
 
 /// Stores the `[C, w]` tile `x` into `r`'s `[1, C, w]` block, in `dtype`.
 pub fn store(b: &mut Body, r: Ref, x: &V, dtype: DType) -> Result<()> {
+    store_columns(b, r, 0, x, dtype)
+}
+
+/// Stores the `[C, w]` tile `x` at columns `col..col + w` of `r`'s `[1, C, D]` block, in
+/// `dtype`.
+pub fn store_columns(b: &mut Body, r: Ref, col: i64, x: &V, dtype: DType) -> Result<()> {
     let dims = x.ty.dims.clone();
     let x = b.to_dtype(x, dtype)?;
     let x = b.reshape(&x, &[1, dims[0], dims[1]])?;
-    b.store_all(r, &x)
+    b.store(r, &[Offset::Const(0), Offset::Const(0), Offset::Const(col)], &x)
 }
 
-/// The chunk's `q`, `k`, `g` and `beta` (the chunk position is grid index 1).
-pub fn load(b: &mut Body, s: &ForwardShape, r: &TokenRefs) -> Result<Chunk> {
-    load_rows(b, s, r, 0, C)
+/// The per-row L2 scales `rsqrt(sum(x^2) + eps)` `[C, 1]` of the chunk's `q` and `k`, read
+/// whole, for kernels that then read them in blocks of columns.
+#[derive(Clone)]
+pub struct Norms {
+    /// `q`'s scales.
+    pub q: V,
+    /// `k`'s scales.
+    pub k: V,
 }
 
-/// [`load`] of rows `start..start + rows` of the chunk.
-pub fn load_rows(b: &mut Body, s: &ForwardShape, r: &TokenRefs, start: i64, rows: i64) -> Result<Chunk> {
-    let k = s.k;
-    let lay = r.layout;
-    let (mut q, mut kx) = (f32_rows(b, r.q, start, rows, k, lay)?, f32_rows(b, r.k, start, rows, k, lay)?);
-    if s.l2norm {
-        q = l2_normalise(b, &q)?;
-        kx = l2_normalise(b, &kx)?;
+/// The chunk's [`Norms`] when the shape L2-normalises (none otherwise).
+pub fn norms(b: &mut Body, s: &ForwardShape, r: &TokenRefs) -> Result<Option<Norms>> {
+    if !s.l2norm {
+        return Ok(None);
     }
-    let raw = f32_rows(b, r.g, start, rows, k, lay)?;
-    let g = activate(b, &raw, s.gate, r.gate)?;
+    let mut scales = |x: Ref| -> Result<V> {
+        let x = f32_tile(b, x, (0, C), (0, s.k), r.layout)?;
+        Ok(l2_normalise_with_scale(b, &x)?.1)
+    };
+    Ok(Some(Norms { q: scales(r.q)?, k: scales(r.k)? }))
+}
+
+/// The chunk's `q`, `k`, `g` and `beta` (the chunk position is grid index 1) at rows
+/// `start..start + n` and key columns `col..col + w`, in f32; the L2 norm, when the shape has
+/// one, scales by `norms` (whole rows) or, with all the columns and no `norms`, by the rows'
+/// own.
+pub fn load_tile(
+    b: &mut Body,
+    s: &ForwardShape,
+    r: &TokenRefs,
+    (start, n): (i64, i64),
+    (col, w): (i64, i64),
+    norms: Option<&Norms>,
+) -> Result<Chunk> {
+    let lay = r.layout;
+    let (mut q, mut kx) =
+        (f32_tile(b, r.q, (start, n), (col, w), lay)?, f32_tile(b, r.k, (start, n), (col, w), lay)?);
+    if s.l2norm {
+        match norms {
+            Some(nm) => {
+                let scaled = |b: &mut Body, x: &V, scale: &V| -> Result<V> {
+                    let scale = b.slice(scale, &[start, 0], &[n, 1])?;
+                    let scale = b.broadcast(&scale, &[n, w])?;
+                    b.mul(x, &scale)
+                };
+                q = scaled(b, &q, &nm.q)?;
+                kx = scaled(b, &kx, &nm.k)?;
+            }
+            None if w == s.k => {
+                q = l2_normalise_with_scale(b, &q)?.0;
+                kx = l2_normalise_with_scale(b, &kx)?.0;
+            }
+            None => {
+                return Err(crate::error::TpuError::builder(
+                    "gpu tokens",
+                    "internal: a column block without its norms",
+                ))
+            }
+        }
+    }
+    let raw = f32_tile(b, r.g, (start, n), (col, w), lay)?;
+    let g = activate_columns(b, &raw, s.gate, r.gate, col)?;
     let at = b.program_id(1)?;
-    let n = b.read_table(r.valid, &at)?;
-    let row = b.iota(&[rows, k], 0)?;
-    let first = b.splat(start as f64, DType::I32, &[rows, k])?;
+    let valid = b.read_table(r.valid, &at)?;
+    let row = b.iota(&[n, w], 0)?;
+    let first = b.splat(start as f64, DType::I32, &[n, w])?;
     let row = b.add(&row, &first)?;
-    let n = b.broadcast(&n, &[rows, k])?;
-    let real = b.compare(Cmp::Lt, &row, &n)?;
-    let zero = b.splat(0.0, DType::F32, &[rows, k])?;
+    let valid = b.broadcast(&valid, &[n, w])?;
+    let real = b.compare(Cmp::Lt, &row, &valid)?;
+    let zero = b.splat(0.0, DType::F32, &[n, w])?;
     let g = b.select(&real, &g, &zero)?;
-    let beta = f32_rows(b, r.beta, start, rows, 1, lay)?;
+    let beta = f32_tile(b, r.beta, (start, n), (0, 1), lay)?;
     Ok(Chunk { q, k: kx, g, beta })
 }

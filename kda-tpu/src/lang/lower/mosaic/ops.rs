@@ -272,7 +272,7 @@ impl OpRules for Emitter<'_> {
 
     /// The Mosaic text of `For`.
     fn emit_for(&mut self, op: &Op) -> Result<()> {
-        let Op::For { lo, hi, until, index, init, args, body, yields, outs } = op else {
+        let Op::For { lo, hi, until, index, init, args, body, yields, outs, .. } = op else {
             return Err(internal("For"));
         };
         let (l, mut h, s) = (self.temp(), self.temp(), self.temp());

@@ -383,7 +383,7 @@ impl OpRules for Emitter<'_> {
 
     /// The TTIR of `For`.
     fn emit_for(&mut self, op: &Op) -> Result<()> {
-        let Op::For { lo, hi, until, index, init, args, body, yields, outs } = op else {
+        let Op::For { lo, hi, until, index, init, args, body, yields, outs, .. } = op else {
             return Err(internal("For"));
         };
         let until = until.as_ref().map(|u| self.name(u)).transpose()?;
