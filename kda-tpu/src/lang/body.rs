@@ -622,11 +622,7 @@ impl Body {
         init: &[V],
         body: impl FnOnce(&mut Body, &V, &[V]) -> Result<Vec<V>>,
     ) -> Result<Vec<V>> {
-        self.uses("for_range_until", &[until])?;
-        if until.ty != TensorType::scalar(DType::I32) {
-            return Err(err("for_range_until", format!("a bound of {}: an i32 scalar", fmt_ty(&until.ty))));
-        }
-        self.counted(lo, hi, Some(until), (hi - lo) as f64, init, body)
+        self.for_range_until_mean(lo, hi, until, (hi - lo) as f64, init, body)
     }
 
     /// [`Body::for_range_until`] whose trips average `mean` over the programs (a static count of
