@@ -121,6 +121,26 @@ mod gate_gradients {
         }
     }
 
+    /// The GPU rows through their interpret lowering (the state-gradient kernel's `dh`):
+    /// fixed and packed, with the in-kernel gates.
+    #[rstest]
+    #[case::rows_saved_split("strong_decay_rows", Saved, Path::Split)]
+    #[case::packed_edges_lower_bound_remat_fused(
+        "strong_decay_packed_edges_lower_bound_l2norm",
+        Remat,
+        Path::Fused
+    )]
+    fn on_the_gpu_kernels_under_strong_decay(
+        #[case] name: &str,
+        #[case] strategy: BackwardStrategy,
+        #[case] path: Path,
+    ) {
+        match gate_gradients(&super::triton_interpret::backend(), name, strategy, path) {
+            Ok(report) => eprint!("{report}"),
+            Err(failure) => panic!("gate gradient failure:\n{failure}"),
+        }
+    }
+
     /// The same on the TPU kernels through their interpret lowering (their own `dg` fold).
     #[rstest]
     #[case::rows_saved_fused("strong_decay_rows", Saved, Path::Fused)]
@@ -592,8 +612,9 @@ mod context_parallel {
 /// StableHLO) against the reference at the limits of docs/kda.md, Accuracy: a covering set of
 /// the forward (fixed and packed, both layouts, widths padded to the kernels' powers of two, K
 /// up to 256, the in-kernel gates and L2 norm, hard resets, every segment empty) and of the
-/// backward (XLA's chunk loops from the kernels' forward), bitwise causality at a boundary
-/// inside a sub-chunk, segment isolation; the rest of the table under `full::`.
+/// backward (the state-gradient kernel between XLA's chunk-parallel work, from the kernels'
+/// forward), bitwise causality at a boundary inside a sub-chunk, segment isolation; the rest of
+/// the table under `full::`.
 mod triton_interpret {
     use kda_core::{BackwardStrategy, DType, Layout};
     use kda_testkit::conformance::{backward, forward, Path};
@@ -647,6 +668,16 @@ mod triton_interpret {
         run(kda_testkit::conformance::forward_case(&backend(), &case, dtype));
     }
 
+    /// Packed rows (two of them, segments of 1, 63, 0 and 30 tokens) with the in-kernel gates:
+    /// the gate parameters per head, a packed program's lanes.
+    #[rstest]
+    #[case::softplus_bf16("strong_decay_packed_edges_softplus", BF16)]
+    #[case::lower_bound_l2norm_f32("strong_decay_packed_edges_lower_bound_l2norm", F32)]
+    fn packed_rows_with_the_gate_meet_the_reference(#[case] name: &str, #[case] dtype: DType) {
+        let case = kda_testkit::cases::strong_decay_gate_case(name).expect("case");
+        run(kda_testkit::conformance::forward_case(&backend(), &case, dtype));
+    }
+
     /// The fused saved-state forward+VJP and the split saved-state backward from the rows'
     /// per-chunk states.
     #[rstest]
@@ -655,13 +686,19 @@ mod triton_interpret {
         run(kda_testkit::conformance::backward_case(&backend(), &case, F32, SavedState, path));
     }
 
-    /// The backward (XLA's chunk loops) from the GPU kernels' forward: the split saved-state
-    /// backward reads the recurrence kernel's per-chunk states, the fused program its own.
+    /// The backward (the state-gradient kernel between XLA's chunk terms and chunk-parallel
+    /// gradients) from the GPU kernels' forward: the split saved-state backward reads the
+    /// recurrence kernel's per-chunk states, the fused program its own; widths padded (K = 129,
+    /// V = 127), K = 256 in two parts, hard resets, every segment empty (`dh0` is `dht`).
     #[rstest]
     #[case::fixed_small_saved_split_f32("fixed_small", F32, SavedState, Split)]
     #[case::packed_rows_differ_saved_fused_bf16("packed_rows_differ", BF16, SavedState, Fused)]
     #[case::lower_bound_l2norm_remat_fused_f32("gate_lower_bound_l2norm", F32, Rematerialize, Fused)]
     #[case::packed_lengths_saved_split_f32("packed_lengths_1_63_64_65_0", F32, SavedState, Split)]
+    #[case::k129_v127_remat_split_f32("k129_v127", F32, Rematerialize, Split)]
+    #[case::k256_v32_saved_split_bf16("k256_v32", BF16, SavedState, Split)]
+    #[case::hard_reset_remat_split_bf16("hard_reset", BF16, Rematerialize, Split)]
+    #[case::packed_all_empty_saved_fused_f32("packed_all_empty", F32, SavedState, Fused)]
     fn backward_meets_the_reference(
         #[case] name: &str,
         #[case] dtype: DType,

@@ -1,6 +1,7 @@
-//! `cargo xtask gpu-bench`: times the forward program of the benchmark shapes on the default
-//! PJRT plugin (the CUDA plugin on a GPU host: `KDA_PJRT_PLUGIN`), one implementation after
-//! another, for the device check to set beside fla's. `bench` keeps the CPU record's suites;
+//! `cargo xtask gpu-bench`: times the forward and the fused forward+VJP programs of the
+//! benchmark shapes on the default PJRT plugin (the CUDA plugin on a GPU host:
+//! `KDA_PJRT_PLUGIN`), one implementation after another, for the device check to set beside
+//! fla's. `bench` keeps the CPU record's suites;
 //! this command is the lean path a GPU host without cargo runs from the staged binary.
 
 use crate::cli;
@@ -8,11 +9,11 @@ use kda_core::{DType, Implementation};
 
 /// The usage text.
 pub const USAGE: &str = "\
-usage: cargo xtask gpu-bench [--shape LIST] [--implementation LIST] [--dtype f32|bf16|both]
-                             [--iterations N] [--json PATH]
+usage: cargo xtask gpu-bench [--shape LIST] [--program LIST] [--implementation LIST]
+                             [--dtype f32|bf16|both] [--iterations N] [--json PATH]
 
-Times the forward program (no residuals kept) of each shape and implementation on the default
-PJRT plugin (set KDA_PJRT_PLUGIN to the CUDA plugin on a GPU host): inputs uploaded once, the
+Times each program of each shape and implementation on the default PJRT plugin (set
+KDA_PJRT_PLUGIN to the CUDA plugin on a GPU host): inputs and cotangents uploaded once, the
 program compiled and run once outside the timed part, then N runs, each a host wall-clock span
 that ends when PJRT reports the execution complete; median, min and max.
 
@@ -20,6 +21,8 @@ options:
   --shape LIST           primary (H=8, T=1024), primary-packed, secondary (H=32, T=8192, L2 norm,
                          lower-bound gate), secondary-packed (25 segments); default
                          primary,secondary,secondary-packed
+  --program LIST         forward (no residuals kept), fused (the saved-state forward+VJP in one
+                         program: o and every gradient); default forward,fused
   --implementation LIST  xla, triton, triton-interpret, interpret, mosaic; default xla,triton
   --dtype f32|bf16|both  input dtype (default bf16)
   --iterations N         timed runs (default 20)
@@ -34,11 +37,32 @@ pub const SHAPES: [(&str, &str); 4] = [
     ("secondary-packed", "bench_secondary_packed"),
 ];
 
+/// A timed program.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BenchProgram {
+    /// The forward, no residuals kept.
+    Forward,
+    /// The saved-state forward+VJP as one program.
+    Fused,
+}
+
+impl BenchProgram {
+    /// The name `--program` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            BenchProgram::Forward => "forward",
+            BenchProgram::Fused => "fused",
+        }
+    }
+}
+
 /// Parsed flags.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GpuBenchOptions {
     /// Benchmark case names, in run order.
     pub cases: Vec<&'static str>,
+    /// Programs, in run order.
+    pub programs: Vec<BenchProgram>,
     /// Implementations, in run order.
     pub implementations: Vec<Implementation>,
     /// Input dtypes.
@@ -53,6 +77,7 @@ pub struct GpuBenchOptions {
 pub fn parse_args(args: &[String]) -> Result<Option<GpuBenchOptions>, String> {
     let mut o = GpuBenchOptions {
         cases: vec!["bench_primary", "bench_secondary", "bench_secondary_packed"],
+        programs: vec![BenchProgram::Forward, BenchProgram::Fused],
         implementations: vec![Implementation::Xla, Implementation::Triton],
         dtypes: vec![DType::BF16],
         iterations: 20,
@@ -74,6 +99,18 @@ pub fn parse_args(args: &[String]) -> Result<Option<GpuBenchOptions>, String> {
                             .find(|(n, _)| *n == s)
                             .map(|(_, c)| *c)
                             .ok_or_else(|| format!("`{flag}` takes {}, got `{s}`", names.join(", ")))
+                    })
+                    .collect::<Result<_, _>>()?;
+            }
+            "--program" => {
+                let v = flags.value(flag)?;
+                o.programs = v
+                    .split(',')
+                    .map(|s| {
+                        [BenchProgram::Forward, BenchProgram::Fused]
+                            .into_iter()
+                            .find(|p| p.name() == s)
+                            .ok_or_else(|| format!("`{flag}` takes forward, fused, got `{s}`"))
                     })
                     .collect::<Result<_, _>>()?;
             }
@@ -113,6 +150,11 @@ mod tests {
         assert_eq!(o.cases, ["bench_primary", "bench_secondary_packed"]);
         assert_eq!(o.implementations, [Implementation::Triton, Implementation::Xla]);
         assert_eq!(o.iterations, 3);
+        assert_eq!(o.programs, [BenchProgram::Forward, BenchProgram::Fused]);
+        let o = parse_args(&args("--program fused")).unwrap().unwrap();
+        assert_eq!(o.programs, [BenchProgram::Fused]);
+        let e = parse_args(&args("--program backward")).unwrap_err();
+        assert!(e.contains("forward, fused"), "{e}");
         let e = parse_args(&args("--shape tertiary")).unwrap_err();
         assert!(e.contains("primary, primary-packed, secondary, secondary-packed"), "{e}");
         let e = parse_args(&args("--implementation pallas")).unwrap_err();

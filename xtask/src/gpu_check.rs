@@ -1,6 +1,6 @@
 //! `cargo xtask gpu-check`: stages what a GPU host without cargo runs in one go: the test
 //! binaries of the `gpu::` tier, the `xtask` binary for `gpu-bench`, fla-core 0.6.0's wheel
-//! with `einops` and a timing script for fla's forward, and `run.sh`, which runs them all on the
+//! with `einops` and a timing script for fla's forward and forward+backward, and `run.sh`, which runs them all on the
 //! host's CUDA plugin.
 
 use crate::cargo_cmd::{cargo, root};
@@ -18,9 +18,10 @@ Builds the test binaries of the `gpu::` tier in release (each kernel of the kern
 op tests through its Triton lowering on a GPU against the host computation, the GPU forward
 kernels against the f64 reference, the `triton` row's conformance covering set and a repeated
 forward compared bitwise) and the `xtask` binary (for `gpu-bench`: this library's `triton` and
-`xla` forwards at the benchmark shapes), downloads fla-core 0.6.0's wheel and einops (checked
-to install offline into a fresh virtual environment here), and stages them with fla_forward.py
-(fla's chunk_kda forward at the same shapes) and run.sh in DIR (default target/gpu-check, at
+`xla` forwards and fused forward+VJPs at the benchmark shapes), downloads fla-core 0.6.0's
+wheel and einops (checked to install offline into a fresh virtual environment here), and stages
+them with fla_bench.py (fla's chunk_kda forward, and forward plus backward(), at the same
+shapes) and run.sh in DIR (default target/gpu-check, at
 most 64 MiB), for a GPU host that has jax 0.11.2 with jax-cuda13-pjrt 0.11.2, torch and triton
 installed and no cargo (x86-64 Linux, like this machine). There:
 
@@ -41,7 +42,7 @@ const BINARIES: [(&str, &str, &str); 3] =
 const WHEELS: [&str; 2] = ["fla-core==0.6.0", "einops==0.8.1"];
 
 /// The fla timing script.
-const FLA_SCRIPT: &str = include_str!("../scripts/fla_forward.py");
+const FLA_SCRIPT: &str = include_str!("../scripts/fla_bench.py");
 
 /// Parsed flags: the staging folder; `None` means help was asked for.
 pub fn parse_args(args: &[String]) -> Result<Option<PathBuf>, String> {
@@ -83,7 +84,7 @@ pub fn gpu_check(args: &[String]) -> Result<(), String> {
     total += fs::metadata(&to).map(|m| m.len()).unwrap_or(0);
     eprintln!("gpu-check: staged {} ({:.1} MiB)", to.display(), mib(&to));
     total += stage_wheels(&dir.join("wheels"))?;
-    fs::write(dir.join("fla_forward.py"), FLA_SCRIPT).map_err(|e| format!("write fla_forward.py: {e}"))?;
+    fs::write(dir.join("fla_bench.py"), FLA_SCRIPT).map_err(|e| format!("write fla_bench.py: {e}"))?;
     total += FLA_SCRIPT.len() as u64;
     if total > 64 << 20 {
         return Err(format!(
@@ -226,11 +227,12 @@ run_tests() {{
   echo "$name $filter: exit $status in $((SECONDS - start)) s" | tee -a "$out/summary.txt"
   [ "$status" -eq 0 ] || failed=1
 }}
-{runs}# This library's forwards, then fla's, at the benchmark shapes (times are reported, not gated).
+{runs}# This library's forwards and fused forward+VJPs, then fla's, at the benchmark shapes (times
+# are reported, not gated).
 "$here/bin/xtask" gpu-bench --implementation triton,xla --json "$out/gpu-bench.json" 2>&1 | tee "$out/gpu-bench.log"
 python3 -m venv --system-site-packages "$out/venv" \
   && "$out/venv/bin/pip" install --no-index --no-deps --find-links "$here/wheels" {wheels} > "$out/venv.log" 2>&1 \
-  && "$out/venv/bin/python" "$here/fla_forward.py" --json "$out/fla.json" 2>&1 | tee "$out/fla.log"
+  && "$out/venv/bin/python" "$here/fla_bench.py" --json "$out/fla.json" 2>&1 | tee "$out/fla.log"
 exit $failed
 "#
     )
@@ -259,7 +261,7 @@ mod tests {
         assert!(s.contains("run_tests conformance \"$here/bin/conformance\" gpu::"), "{s}");
         assert!(s.contains("\"$here/bin/xtask\" gpu-bench --implementation triton,xla"), "{s}");
         assert!(s.contains("--find-links \"$here/wheels\" fla-core==0.6.0 einops==0.8.1"), "{s}");
-        assert!(s.contains("\"$here/fla_forward.py\""), "{s}");
+        assert!(s.contains("\"$here/fla_bench.py\""), "{s}");
     }
 
     #[test]

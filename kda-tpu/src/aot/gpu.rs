@@ -117,7 +117,9 @@ impl GpuCompiler {
     }
 
     /// Reads each kernel's figures ([`GpuAotReport::kernels`]) from dumps the compiler writes
-    /// under `dir` (one fresh folder per compile, removed after reading).
+    /// under `dir` (one fresh folder per compile, removed after reading unless
+    /// `KDA_KEEP_DUMPS` is set: each kernel's Triton passes are then in
+    /// `main.<kernel>.triton-to-llvm.txt`, where register pressure is read).
     pub fn with_figures(mut self, dir: impl Into<PathBuf>) -> Self {
         self.figures = Some(dir.into());
         self
@@ -154,7 +156,9 @@ impl GpuCompiler {
         let (kernels, model) = match &dump {
             Some(d) => {
                 let read = read_figures(d, &self.cuda_dir.join("bin/ptxas"), target.arch);
-                let _ = std::fs::remove_dir_all(d);
+                if std::env::var_os("KDA_KEEP_DUMPS").is_none() {
+                    let _ = std::fs::remove_dir_all(d);
+                }
                 read?
             }
             None => (Vec::new(), ProgramModel::default()),

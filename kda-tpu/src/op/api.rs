@@ -61,7 +61,7 @@ fn body(
             match kind {
                 ProgramKind::Forward(st) => gpu_kernels::program::forward(f, s, &a, keep_h(st), l),
                 ProgramKind::Backward(st) => {
-                    gpu_kernels::program::backward(f, s, &a, saved(st)?, cotangents()?)
+                    gpu_kernels::program::backward(f, s, &a, saved(st)?, cotangents()?, l)
                 }
                 ProgramKind::Fused(st) => gpu_kernels::program::fused(f, s, &a, st, cotangents()?, l),
             }

@@ -57,6 +57,12 @@ pub fn gpu_forward_kernels(spec: &ProgramSpec, keep_h: bool) -> crate::Result<Ve
     gpu_kernels::program::forward_kernels(spec, on_device(spec.options.dtype), keep_h)
 }
 
+/// The GPU backward kernels the `triton` rows run for `spec` (the state gradient), for figures
+/// and models.
+pub fn gpu_backward_kernels(spec: &ProgramSpec) -> crate::Result<Vec<crate::lang::Kernel>> {
+    gpu_kernels::program::backward_kernels(spec, on_device(spec.options.dtype))
+}
+
 /// The signature of program `kind` of `spec` as the backend runs it on `devices` replicas:
 /// [`ProgramSignature::of`], or in the context-parallel form
 /// [`context_parallel::signature`].

@@ -133,17 +133,25 @@ fn gpu_model(
     if !matches!(o.implementation, Implementation::Triton | Implementation::TritonInterpret) {
         return Ok(model);
     }
-    let keep_h = match kind(program) {
-        ProgramKind::Forward(st) => Some(st == SavedState),
-        ProgramKind::Fused(_) => Some(true),
-        _ => None,
+    // The forward kernels (keeping `h` where a backward reads it; the rematerializing
+    // backward runs them again) and the backward's.
+    let (forward, keep_h, backward) = match kind(program) {
+        ProgramKind::Forward(st) => (true, st == SavedState, false),
+        ProgramKind::Backward(st) => (st != SavedState, true, true),
+        ProgramKind::Fused(_) => (true, true, true),
     };
-    let Some(keep_h) = keep_h else { return Ok(model) };
     let (problem, _) = pieces(o, case, dtype)?;
     let spec = be.spec(&problem, case.final_state).map_err(err)?;
     let tuning = spec.tuning.with_implementation(o.implementation);
     let spec = spec.with_tuning(tuning);
-    for k in kda_tpu::op::gpu_forward_kernels(&spec, keep_h).map_err(err)? {
+    let mut kernels = Vec::new();
+    if forward {
+        kernels.extend(kda_tpu::op::gpu_forward_kernels(&spec, keep_h).map_err(err)?);
+    }
+    if backward {
+        kernels.extend(kda_tpu::op::gpu_backward_kernels(&spec).map_err(err)?);
+    }
+    for k in kernels {
         let work = kernel_work(&k);
         if let Some(l) = model.launches.iter_mut().find(|l| l.name == work.name) {
             (l.tensor_flops, l.fma_flops, l.exps) = (work.tensor_flops, work.fma_flops, work.exps);

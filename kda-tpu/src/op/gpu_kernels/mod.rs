@@ -4,13 +4,15 @@
 //! kernels, four in f32 (docs/kernels/gpu-forward.md): [`intra`] (the chunk's pair terms and
 //! its inverse; in f32 a program per sub-chunk and the inverse in [`inverse`]), [`wy`] (the
 //! factors the recurrence reads) and [`recurrence`] (one program per lane, block of state
-//! columns and state slot, looping over the slot's chunks), wired by [`call_forward`]; the
-//! programs around them are in `program`.
+//! columns and state slot, looping over the slot's chunks), wired by [`call_forward`]. The
+//! backward's state gradient is [`state_grad`] (docs/kernels/gpu-backward.md). The programs
+//! around them are in `program`.
 
 pub mod intra;
 pub mod inverse;
 pub(in crate::op) mod program;
 pub mod recurrence;
+pub mod state_grad;
 pub mod tokens;
 pub mod wy;
 
@@ -64,7 +66,7 @@ pub enum TokenLayout {
     Rows,
 }
 
-/// The problem the GPU forward kernels take: `lanes` (heads x rows) of `t` aligned token slots
+/// The problem the GPU kernels take: `lanes` (heads x rows) of `t` aligned token slots
 /// (whole chunks; a packed row's segments each start a chunk), `slots` state slots per lane.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ForwardShape {
@@ -107,6 +109,8 @@ pub struct ForwardShape {
     pub wy_launch: TritonParams,
     /// How the recurrence launches.
     pub recurrence_launch: TritonParams,
+    /// How the backward's state-gradient kernel launches.
+    pub state_grad_launch: TritonParams,
 }
 
 impl ForwardShape {
@@ -134,6 +138,7 @@ impl ForwardShape {
             intra_launch: launch(8),
             wy_launch: launch(8),
             recurrence_launch: launch(8),
+            state_grad_launch: launch(8),
         }
     }
 
@@ -196,6 +201,24 @@ impl ForwardShape {
         })
     }
 
+    /// State rows per part of the state-gradient kernel's `dh`: as [`ForwardShape::bk`] for
+    /// bf16; up to 128 for f32, where one part with 8 columns per program keeps its three-pass
+    /// products within the registers (two 64-row parts spill).
+    pub fn grad_bk(&self) -> i64 {
+        match self.dtype {
+            DType::BF16 => self.bk(),
+            _ => self.k.min(128),
+        }
+    }
+
+    /// State columns per state-gradient program: as [`ForwardShape::bv`] for bf16, 8 for f32.
+    pub fn grad_bv(&self) -> i64 {
+        match self.dtype {
+            DType::BF16 => self.bv(),
+            _ => self.v.min(8),
+        }
+    }
+
     /// An `Unsupported` error naming the limit the shape is past.
     pub fn check(&self) -> Result<()> {
         let width = |n: i64| (16..=256).contains(&n) && n & (n - 1) == 0;
@@ -211,7 +234,7 @@ impl ForwardShape {
             None
         };
         match limit {
-            Some(m) => Err(TpuError::unsupported("GPU forward kernels", m)),
+            Some(m) => Err(TpuError::unsupported("GPU kernels", m)),
             None => Ok(()),
         }
     }

@@ -1,11 +1,13 @@
 //! The programs of the GPU rows (`triton`, `triton-interpret`): the forward runs the GPU
 //! kernels on the caller's batch-first rows in place (fixed length, whole chunks, widths the
 //! kernels take), else on the inputs XLA lays out as aligned chunks (packed rows gathered by
-//! `slot_token`, widths zero-padded); the backward runs the XLA chunk loops, from the forward
-//! kernels' saved states where the strategy keeps them.
+//! `slot_token`, widths zero-padded); the backward runs the state gradient as a GPU kernel
+//! between XLA's chunk terms and chunk-parallel gradients, from the forward kernels' saved
+//! states where the strategy keeps them.
 
 use kda_core::{BackwardStrategy, DType, Layout};
 
+use super::state_grad::{call_state_grad, StateGradInputs};
 use super::{call_forward, fixed_tables, ForwardInputs, ForwardShape, TokenLayout, C};
 use crate::hlo::{Cmp, FnBuilder, TensorType, Value};
 use crate::lang::{Kernel, Lower};
@@ -15,7 +17,7 @@ use crate::op::spec::{on_device, ProgramSpec};
 use crate::op::tpu_kernels::forward_program::{
     gate_operand, kernel_slots, kernel_tokens, lanes_first, or_passed,
 };
-use crate::op::xla;
+use crate::op::xla::{self, ChunkTerms};
 use crate::Result;
 
 /// The kernels' dtype for inputs held in `dtype` on the device: bf16 stays, the rest is f32.
@@ -98,6 +100,14 @@ pub(in crate::op) fn forward_kernels(s: &ProgramSpec, dtype: DType, keep_h: bool
     let sh = ForwardShape { g_dtype, ..sh };
     sh.check()?;
     super::forward_kernels(&sh)
+}
+
+/// The backward kernels of `s`'s GPU rows (the state gradient), inputs held in `dtype` on the
+/// device; `dht` is read when the forward returns final states.
+pub(in crate::op) fn backward_kernels(s: &ProgramSpec, dtype: DType) -> Result<Vec<Kernel>> {
+    let sh = shape(s, kernel_dtype(dtype), false);
+    sh.check()?;
+    Ok(vec![super::state_grad::state_grad_kernel(&sh, s.options.final_state)?.0])
 }
 
 /// Tokens per chunk position `[NT]`: from `slot_token` for packed rows (a padding slot points
@@ -220,12 +230,7 @@ pub(in crate::op) fn forward(
         None => None,
     };
     let h0_padded = match h0 {
-        Some(h) => {
-            let h = pad_last(f, h, sh.v)?;
-            let h = f.transpose(h, &[0, 1, 3, 2])?;
-            let h = pad_last(f, h, sh.k)?;
-            Some(f.transpose(h, &[0, 1, 3, 2])?)
-        }
+        Some(h) => Some(pad_state(f, h, sh.k, sh.v)?),
         None => None,
     };
     let x = ForwardInputs {
@@ -263,28 +268,42 @@ pub(in crate::op) fn forward(
     Ok(outs)
 }
 
-/// The in-kernel gate's parameters per lane `[L, 2, K]` (lane `h B + b` takes head `h`'s).
+/// The in-kernel gate's parameters per lane `[L, 2, K]` (lane `h B + b` takes head `h`'s; a
+/// packed program's lanes are its heads).
 fn lane_gate(f: &mut FnBuilder, s: &ProgramSpec, a_log: Value, dt_bias: Option<Value>) -> Result<Value> {
     let (h, bb, k) = (s.dims.h as i64, s.dims.b as i64, s.dims.k as i64);
     let p = gate_operand(f, s, a_log, dt_bias)?;
+    if s.packed_chunks.is_some() {
+        return Ok(p);
+    }
     let p = f.broadcast_in_dim(p, &[h, bb, 2, k], &[0, 2, 3])?;
     f.reshape(p, &[h * bb, 2, k])
 }
 
-/// The backward: the XLA chunk loops, from the saved states `saved` (the forward kernels'
-/// `h`) or re-running the recurrence.
+/// The backward: the XLA chunk terms and chunk-parallel gradients around the GPU
+/// state-gradient kernel, from the saved states `saved` (the forward kernels' `h`) or, when
+/// rematerializing, the states of the forward kernels run again.
 pub(in crate::op) fn backward(
     f: &mut FnBuilder,
     s: &ProgramSpec,
     a: &Args,
     saved: Option<Value>,
     cotangents: (Value, Option<Value>),
+    lowering: &dyn Lower,
 ) -> Result<Vec<Value>> {
-    xla::backward(f, s, a, saved, cotangents)
+    let saved = match saved {
+        Some(h) => Some(h),
+        None => forward(f, s, a, true, lowering)?.pop(),
+    };
+    let dh =
+        |f: &mut FnBuilder, s: &ProgramSpec, a: &Args, ct: &ChunkTerms, doc: Value, dht: Option<Value>| {
+            state_grads(f, s, a, ct, doc, dht, lowering)
+        };
+    xla::backward_with(f, s, a, saved, cotangents, &dh)
 }
 
-/// The fused forward+VJP: the forward kernels keeping the entering states, then the XLA
-/// backward from them (both strategies: the states are in the executable anyway).
+/// The fused forward+VJP: the forward kernels keeping the entering states, then the backward
+/// from them (both strategies: the states are in the executable anyway).
 pub(in crate::op) fn fused(
     f: &mut FnBuilder,
     s: &ProgramSpec,
@@ -295,7 +314,71 @@ pub(in crate::op) fn fused(
 ) -> Result<Vec<Value>> {
     let mut outs = forward(f, s, a, true, lowering)?;
     let h = outs.pop();
-    let grads = xla::backward(f, s, a, h, cotangents)?;
+    let grads = backward(f, s, a, h, cotangents, lowering)?;
     outs.extend(grads);
     Ok(outs)
+}
+
+/// A `[L, slots, K, V]` state table with `K` and `V` zero-padded to the kernels' widths.
+fn pad_state(f: &mut FnBuilder, x: Value, k: i64, v: i64) -> Result<Value> {
+    let x = pad_last(f, x, v)?;
+    let x = f.transpose(x, &[0, 1, 3, 2])?;
+    let x = pad_last(f, x, k)?;
+    f.transpose(x, &[0, 1, 3, 2])
+}
+
+/// The backward's `dh` recurrence as the GPU state-gradient kernel
+/// ([`super::state_grad`]) on XLA's chunk terms: the factors in the kernels' dtype, widths
+/// padded, `qg` scaled as the forward kernels hand it over.
+fn state_grads(
+    f: &mut FnBuilder,
+    s: &ProgramSpec,
+    a: &Args,
+    ct: &ChunkTerms,
+    doc: Value,
+    dht: Option<Value>,
+    lowering: &dyn Lower,
+) -> Result<xla::DhRun> {
+    let sh = shape(s, kernel_dtype(a.q.elem()), false);
+    sh.check()?;
+    let (l, nt, k, v) = (s.lanes() as i64, s.chunks() as i64, s.dims.k, s.dims.v);
+    let lanes = |f: &mut FnBuilder, x: Value, dtype: DType| -> Result<Value> {
+        let d = x.dims()[2];
+        let x = f.reshape(x, &[l, nt * C, d])?;
+        let x = pad_last(f, x, padded(d as usize))?;
+        if x.elem() == dtype {
+            Ok(x)
+        } else {
+            f.convert(x, dtype)
+        }
+    };
+    let fd = sh.factor_dtype();
+    let qg = f.mul_const(ct.qg, s.options.scale as f32)?;
+    let eg = f.reshape(ct.dc.eg_last, &[l, nt, k as i64])?;
+    let dht = match dht {
+        Some(d) => {
+            let tab = state_tab(f, s, Some(d))?;
+            Some(pad_state(f, tab, sh.k, sh.v)?)
+        }
+        None => None,
+    };
+    let x = StateGradInputs {
+        w: lanes(f, ct.w, fd)?,
+        qg: lanes(f, qg, fd)?,
+        kg: lanes(f, ct.kg, fd)?,
+        aqk: lanes(f, ct.aqk, fd)?,
+        eg: pad_last(f, eg, sh.k)?,
+        d_o: lanes(f, doc, sh.dtype)?,
+        dht,
+        first: a.tables.first,
+        slot: kernel_slots(f, s, a.tables.slot)?,
+    };
+    let out = call_state_grad(f, &sh, &x, lowering)?;
+    let dh = cut(f, out.dh, 2, k)?;
+    let dh = cut(f, dh, 3, v)?;
+    let dv = cut(f, out.dv, 2, v)?;
+    let dv_new = f.reshape(dv, &[l, nt, C, v as i64])?;
+    let dh0 = cut(f, out.dh0, 2, k)?;
+    let dh0_tab = cut(f, dh0, 3, v)?;
+    Ok(xla::DhRun { dh, dv_new, dh0_tab })
 }

@@ -11,4 +11,5 @@ mod recurrence;
 mod solve;
 mod tiles;
 
-pub(super) use programs::{backward, forward, fused};
+pub(super) use intra::ChunkTerms;
+pub(super) use programs::{backward, backward_with, forward, fused, DhRun};

@@ -135,7 +135,37 @@ fn forward_core(
     Ok(Forward { o, final_state, h: run.h, v_new: run.v_new })
 }
 
+/// What the backward's `dh` recurrence hands the chunk-parallel gradients: `dh` leaving every
+/// chunk `[L, NT, K, V]`, `dv_new` `[L, NT, C, V]` and the `dh0` table `[L, slots, K, V]`.
+pub(in crate::op) struct DhRun {
+    pub(in crate::op) dh: Value,
+    pub(in crate::op) dv_new: Value,
+    pub(in crate::op) dh0_tab: Value,
+}
+
+/// Runs the backward's `dh` recurrence from the chunk terms, `dO` in chunks (`[L*NT, C, V]`
+/// f32) and `dht` as the caller gave it: XLA's chunk loop ([`xla_dh`]) or a kernel.
+pub(in crate::op) type DhRecurrence<'a> =
+    &'a dyn Fn(&mut FnBuilder, &ProgramSpec, &Args, &ChunkTerms, Value, Option<Value>) -> Result<DhRun>;
+
+/// The `dh` recurrence as XLA's chunk loop.
+fn xla_dh(
+    b: &mut FnBuilder,
+    s: &ProgramSpec,
+    a: &Args,
+    ct: &ChunkTerms,
+    doc: Value,
+    dht: Option<Value>,
+) -> Result<DhRun> {
+    let (p1, q2) = dh_terms(b, ct, doc, !s.in_slabs())?;
+    let dht_tab = state_tab(b, s, dht)?;
+    let tables = loop_tables(b, s, a.tables)?;
+    let run = run_grads(b, s, tables, dht_tab, (p1, q2), ct)?;
+    Ok(DhRun { dh: run.dh, dv_new: run.dv_new, dh0_tab: run.dh0_tab })
+}
+
 /// Gradients in the caller's layout and dtypes, in `KdaGradients` order.
+#[allow(clippy::too_many_arguments)]
 fn backward_core(
     b: &mut FnBuilder,
     s: &ProgramSpec,
@@ -144,13 +174,11 @@ fn backward_core(
     ct: &ChunkTerms,
     (h, v_new): (Value, Value),
     (d_o, dht): (Value, Option<Value>),
+    dh_run: DhRecurrence,
 ) -> Result<Vec<Value>> {
     let doh = prep::head_first(b, s, d_o)?;
     let doc = flat_chunks(b, s, doh, a.slot_token)?;
-    let (p1, q2) = dh_terms(b, ct, doc, !s.in_slabs())?;
-    let dht_tab = state_tab(b, s, dht)?;
-    let tables = loop_tables(b, s, a.tables)?;
-    let run = run_grads(b, s, tables, dht_tab, (p1, q2), ct)?;
+    let run = dh_run(b, s, a, ct, doc, dht)?;
     let (h, dh, vn, dvn) = (flat(b, h)?, flat(b, run.dh)?, flat(b, v_new)?, flat(b, run.dv_new)?);
     let g = chunk_grads(b, s, [w.qc, w.kc, w.vc, w.betac], ct, [h, vn, dh, dvn], doc)?;
     finish_grads(b, s, a, w, g, run.dh0_tab)
@@ -278,7 +306,20 @@ pub(in crate::op) fn backward(
     s: &ProgramSpec,
     a: &Args,
     saved: Option<Value>,
+    cotangents: (Value, Option<Value>),
+) -> Result<Vec<Value>> {
+    backward_with(f, s, a, saved, cotangents, &xla_dh)
+}
+
+/// [`backward`] with the `dh` recurrence run by `dh_run` (the chunk terms and the
+/// chunk-parallel gradients stay XLA's).
+pub(in crate::op) fn backward_with(
+    f: &mut FnBuilder,
+    s: &ProgramSpec,
+    a: &Args,
+    saved: Option<Value>,
     (d_o, dht): (Value, Option<Value>),
+    dh_run: DhRecurrence,
 ) -> Result<Vec<Value>> {
     let a = *a;
     let w = working(f, s, &a)?;
@@ -299,7 +340,7 @@ pub(in crate::op) fn backward(
             (run.h, run.v_new)
         }
     };
-    let outs = backward_core(f, s, &a, &w, &ct, (h, v_new), (d_o, dht))?;
+    let outs = backward_core(f, s, &a, &w, &ct, (h, v_new), (d_o, dht), dh_run)?;
     Ok(outs)
 }
 
@@ -325,7 +366,7 @@ pub(in crate::op) fn fused(
     // strategy, so the backward half reads them: re-running the identical recurrence would only
     // cost time. The strategies differ in slabs (`fused_slabs`) and in the split path.
     let fw = forward_core(f, s, &a, &w, &ct)?;
-    let grads = backward_core(f, s, &a, &w, &ct, (fw.h, fw.v_new), (d_o, dht))?;
+    let grads = backward_core(f, s, &a, &w, &ct, (fw.h, fw.v_new), (d_o, dht), &xla_dh)?;
     let mut outs = vec![fw.o];
     outs.extend(fw.final_state);
     outs.extend(grads);

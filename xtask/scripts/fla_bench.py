@@ -1,13 +1,16 @@
-"""fla-core's chunk_kda forward at the benchmark shapes of docs/kda.md, timed on this GPU for the
-device check (`cargo xtask gpu-check` stages and runs it beside `xtask gpu-bench`).
+"""fla-core's chunk_kda at the benchmark shapes of docs/kda.md, timed on this GPU for the device
+check (`cargo xtask gpu-check` stages and runs it beside `xtask gpu-bench`): the forward alone
+(under no_grad), and the forward plus backward() from a fixed dO (every input's gradient, the gate
+parameters' included), as a training step runs it.
 
 primary: H=8, T=1024, K=V=128, a pre-activated gate; secondary: H=32, T=8192 with the L2 norm and
 the lower-bound gate (-5) in the kernel, safe_gate; secondary-packed: the same in 25 balanced
 segments (cu_seqlens). bf16. Each shape's autotuning runs in warm-up calls outside the timed part,
 so the timed calls use the configs it pinned; each timed call is a host wall-clock span ended by
-torch.cuda.synchronize(). Kernel launches of one call are counted with torch.profiler.
+torch.cuda.synchronize(); gradients are cleared outside it. Kernel launches of one call are
+counted with torch.profiler.
 
-usage: python3 fla_forward.py [--iterations N] [--json PATH]
+usage: python3 fla_bench.py [--iterations N] [--json PATH]
 """
 import argparse
 import json
@@ -62,33 +65,61 @@ def launches(call):
     return sum(1 for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
+def timed(call, iterations, clear=lambda: None):
+    """Host wall-clock milliseconds of `iterations` calls after three warm-up ones, and the
+    launches of one."""
+    for _ in range(3):  # autotuning and compiles, outside the timed part
+        clear()
+        call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iterations):
+        clear()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    clear()
+    return times, launches(call)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iterations", type=int, default=20)
     ap.add_argument("--json")
     a = ap.parse_args()
-    print(f"fla chunk_kda forward on {torch.cuda.get_device_name()} (torch {torch.__version__})")
+    print(f"fla chunk_kda on {torch.cuda.get_device_name()} (torch {torch.__version__})")
     records = []
     for name, shape in SHAPES.items():
         args, kw = inputs(**shape)
-        call = lambda: chunk_kda(*args, **kw)  # noqa: E731
         with torch.no_grad():
-            for _ in range(3):  # autotuning and compiles, outside the timed part
-                call()
-            torch.cuda.synchronize()
-            times = []
-            for _ in range(a.iterations):
-                t0 = time.perf_counter()
-                call()
-                torch.cuda.synchronize()
-                times.append((time.perf_counter() - t0) * 1e3)
-            n = launches(call)
-        med = statistics.median(times)
-        print(f"{name}: fla forward median {med:.3f} ms (min {min(times):.3f}, max {max(times):.3f}) over {len(times)} runs; {n} launches")
-        records.append(dict(shape=name, implementation="fla", times_ms=times, median_ms=med, launches=n))
+            times, n = timed(lambda: chunk_kda(*args, **kw), a.iterations)
+        report(records, name, "forward", times, n)
+        leaves = [x.requires_grad_(True) for x in args] + [
+            kw[p].requires_grad_(True) for p in ("A_log", "dt_bias") if p in kw
+        ]
+        d_o = torch.randn_like(args[2])
+
+        def step():
+            o, _ = chunk_kda(*args, **kw)
+            o.backward(d_o)
+
+        def clear():
+            for x in leaves:
+                x.grad = None
+
+        times, n = timed(step, a.iterations, clear)
+        report(records, name, "forward+backward", times, n)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(records, f, indent=1)
+
+
+def report(records, name, program, times, n):
+    med = statistics.median(times)
+    print(f"{name}: fla {program} median {med:.3f} ms (min {min(times):.3f}, max {max(times):.3f}) over {len(times)} runs; {n} launches")
+    records.append(dict(shape=name, implementation="fla", program=program, times_ms=times, median_ms=med, launches=n))
 
 
 if __name__ == "__main__":
