@@ -121,15 +121,10 @@ mod gate_gradients {
         }
     }
 
-    /// The GPU rows through their interpret lowering (the state-gradient kernel's `dh`):
-    /// fixed and packed, with the in-kernel gates.
+    /// The GPU rows through their interpret lowering (the state-gradient kernel's `dh`);
+    /// packed rows with the in-kernel gates under `full::`.
     #[rstest]
     #[case::rows_saved_split("strong_decay_rows", Saved, Path::Split)]
-    #[case::packed_edges_lower_bound_remat_fused(
-        "strong_decay_packed_edges_lower_bound_l2norm",
-        Remat,
-        Path::Fused
-    )]
     fn on_the_gpu_kernels_under_strong_decay(
         #[case] name: &str,
         #[case] strategy: BackwardStrategy,
@@ -688,16 +683,15 @@ mod triton_interpret {
 
     /// The backward (the state-gradient kernel between XLA's chunk terms and chunk-parallel
     /// gradients) from the GPU kernels' forward: the split saved-state backward reads the
-    /// recurrence kernel's per-chunk states, the fused program its own; widths padded (K = 129,
-    /// V = 127), K = 256 in two parts, hard resets, every segment empty (`dh0` is `dht`).
+    /// recurrence kernel's per-chunk states, the fused program its own, the rematerializing
+    /// backward re-runs the forward kernels; K = 256 in two parts, every segment empty (`dh0`
+    /// is `dht`). Padded widths and hard resets under `full::`.
     #[rstest]
     #[case::fixed_small_saved_split_f32("fixed_small", F32, SavedState, Split)]
     #[case::packed_rows_differ_saved_fused_bf16("packed_rows_differ", BF16, SavedState, Fused)]
     #[case::lower_bound_l2norm_remat_fused_f32("gate_lower_bound_l2norm", F32, Rematerialize, Fused)]
     #[case::packed_lengths_saved_split_f32("packed_lengths_1_63_64_65_0", F32, SavedState, Split)]
-    #[case::k129_v127_remat_split_f32("k129_v127", F32, Rematerialize, Split)]
     #[case::k256_v32_saved_split_bf16("k256_v32", BF16, SavedState, Split)]
-    #[case::hard_reset_remat_split_bf16("hard_reset", BF16, Rematerialize, Split)]
     #[case::packed_all_empty_saved_fused_f32("packed_all_empty", F32, SavedState, Fused)]
     fn backward_meets_the_reference(
         #[case] name: &str,
@@ -1365,6 +1359,54 @@ mod full {
         assert!(failures.is_empty(), "{} cases failed:\n{}", failures.len(), failures.join("\n"));
     }
 
+    /// The GPU rows' backward on padded widths (K = 129, V = 127) and hard resets, both
+    /// rematerializing (the forward kernels run again).
+    #[rstest]
+    #[case::k129_v127_remat_split_f32("k129_v127", DType::F32)]
+    #[case::hard_reset_remat_split_bf16("hard_reset", DType::BF16)]
+    fn triton_interpret_backward(#[case] name: &str, #[case] dtype: DType) {
+        let be = super::triton_interpret::backend();
+        let r = kda_testkit::conformance::backward(
+            &be,
+            name,
+            dtype,
+            BackwardStrategy::Rematerialize,
+            Path::Split,
+        );
+        super::triton_interpret::run(r);
+    }
+
+    /// The GPU rows' gate gradients under strong decay on packed rows with the in-kernel gate.
+    #[test]
+    fn triton_interpret_gate_gradients_on_packed_rows() {
+        let be = super::triton_interpret::backend();
+        let name = "strong_decay_packed_edges_lower_bound_l2norm";
+        let r =
+            kda_testkit::conformance::gate_gradients(&be, name, BackwardStrategy::Rematerialize, Path::Fused);
+        match r {
+            Ok(report) => eprint!("{report}"),
+            Err(failure) => panic!("gate gradient failure:\n{failure}"),
+        }
+    }
+
+    /// Causality of the GPU rows' rematerializing backward, packed rows.
+    #[test]
+    fn triton_interpret_remat_is_causal() {
+        use kda_testkit::causality::{Rows, Setup};
+        let setup = Setup {
+            rows: Rows::Packed,
+            dtype: DType::BF16,
+            strategy: BackwardStrategy::Rematerialize,
+            path: Path::Split,
+        };
+        super::causality::holds(
+            kda_tpu::Implementation::TritonInterpret,
+            1,
+            super::causality::Place::InPlace,
+            setup,
+        );
+    }
+
     /// The GPU kernels' interpret lowering on every case of the table, forward and backward.
     #[rstest]
     fn triton_interpret_every_case(
@@ -1464,11 +1506,12 @@ mod causality {
         holds(Implementation::Interpret, 1, place, Setup { rows, dtype, strategy, path });
     }
 
-    /// The GPU kernels through their interpret lowering, the backward XLA's loops from their
-    /// forward: fixed rows (in place, batch-first), packed rows through lanes.
+    /// The GPU kernels through their interpret lowering (the backward's state gradient among
+    /// them): fixed rows (in place, batch-first), packed rows through lanes; the
+    /// rematerializing backward under `full::`.
     #[rstest]
     #[case::fixed_f32_saved_fused(Fixed, F32, Saved, Fused)]
-    #[case::packed_bf16_remat_split(Packed, BF16, Remat, Staged)]
+    #[case::packed_bf16_saved_split(Packed, BF16, Saved, Staged)]
     fn triton_interpret(
         #[case] rows: Rows,
         #[case] dtype: DType,
