@@ -121,21 +121,6 @@ mod gate_gradients {
         }
     }
 
-    /// The GPU rows through their interpret lowering (the state-gradient kernel's `dh`);
-    /// packed rows with the in-kernel gates under `full::`.
-    #[rstest]
-    #[case::rows_saved_split("strong_decay_rows", Saved, Path::Split)]
-    fn on_the_gpu_kernels_under_strong_decay(
-        #[case] name: &str,
-        #[case] strategy: BackwardStrategy,
-        #[case] path: Path,
-    ) {
-        match gate_gradients(&super::triton_interpret::backend(), name, strategy, path) {
-            Ok(report) => eprint!("{report}"),
-            Err(failure) => panic!("gate gradient failure:\n{failure}"),
-        }
-    }
-
     /// The same on the TPU kernels through their interpret lowering (their own `dg` fold).
     #[rstest]
     #[case::rows_saved_fused("strong_decay_rows", Saved, Path::Fused)]
@@ -1376,35 +1361,37 @@ mod full {
         super::triton_interpret::run(r);
     }
 
-    /// The GPU rows' gate gradients under strong decay on packed rows with the in-kernel gate.
-    #[test]
-    fn triton_interpret_gate_gradients_on_packed_rows() {
+    /// The GPU rows' gate gradients under strong decay (`dg` row by row; `da_log` and
+    /// `ddt_bias` on the packed rows with the in-kernel gate).
+    #[rstest]
+    #[case::rows_saved_split("strong_decay_rows", BackwardStrategy::SavedState, Path::Split)]
+    #[case::packed_edges_lower_bound_remat_fused(
+        "strong_decay_packed_edges_lower_bound_l2norm",
+        BackwardStrategy::Rematerialize,
+        Path::Fused
+    )]
+    fn triton_interpret_gate_gradients(
+        #[case] name: &str,
+        #[case] strategy: BackwardStrategy,
+        #[case] path: Path,
+    ) {
         let be = super::triton_interpret::backend();
-        let name = "strong_decay_packed_edges_lower_bound_l2norm";
-        let r =
-            kda_testkit::conformance::gate_gradients(&be, name, BackwardStrategy::Rematerialize, Path::Fused);
-        match r {
+        match kda_testkit::conformance::gate_gradients(&be, name, strategy, path) {
             Ok(report) => eprint!("{report}"),
             Err(failure) => panic!("gate gradient failure:\n{failure}"),
         }
     }
 
-    /// Causality of the GPU rows' rematerializing backward, packed rows.
-    #[test]
-    fn triton_interpret_remat_is_causal() {
+    /// Causality of the GPU rows on packed rows, both strategies (the rematerializing backward
+    /// runs the forward kernels again).
+    #[rstest]
+    fn triton_interpret_packed_rows_are_causal(
+        #[values(BackwardStrategy::SavedState, BackwardStrategy::Rematerialize)] strategy: BackwardStrategy,
+    ) {
         use kda_testkit::causality::{Rows, Setup};
-        let setup = Setup {
-            rows: Rows::Packed,
-            dtype: DType::BF16,
-            strategy: BackwardStrategy::Rematerialize,
-            path: Path::Split,
-        };
-        super::causality::holds(
-            kda_tpu::Implementation::TritonInterpret,
-            1,
-            super::causality::Place::InPlace,
-            setup,
-        );
+        let setup = Setup { rows: Rows::Packed, dtype: DType::BF16, strategy, path: Path::Split };
+        let place = super::causality::Place::InPlace;
+        super::causality::holds(kda_tpu::Implementation::TritonInterpret, 1, place, setup);
     }
 
     /// The GPU kernels' interpret lowering on every case of the table, forward and backward.
@@ -1507,11 +1494,9 @@ mod causality {
     }
 
     /// The GPU kernels through their interpret lowering (the backward's state gradient among
-    /// them): fixed rows (in place, batch-first), packed rows through lanes; the
-    /// rematerializing backward under `full::`.
+    /// them): fixed rows (in place, batch-first); packed rows under `full::`.
     #[rstest]
     #[case::fixed_f32_saved_fused(Fixed, F32, Saved, Fused)]
-    #[case::packed_bf16_saved_split(Packed, BF16, Saved, Staged)]
     fn triton_interpret(
         #[case] rows: Rows,
         #[case] dtype: DType,
