@@ -85,7 +85,7 @@ pub fn recurrence_kernel(s: &ForwardShape) -> Result<(Kernel, RecurrenceRefs)> {
 
 /// Columns `at..at + width` of chunk rows `row..row + 64` of `r`'s `[1, T, w]` lane block, as a
 /// `[C, width]` tile.
-fn columns(b: &mut Body, r: Ref, row: &V, at: i64, width: i64) -> Result<V> {
+pub(super) fn columns(b: &mut Body, r: Ref, row: &V, at: i64, width: i64) -> Result<V> {
     let x = b.load(r, &[Offset::Const(0), Offset::Dyn(row.clone(), C), Offset::Const(at)], &[1, C, width])?;
     b.reshape(&x, &[C, width])
 }

@@ -15,6 +15,7 @@ use crate::lang::{
     Binary, Bindings, Body, Index, Kernel, KernelBuilder, Lower, Offset, Operand, Ref, Semantics, Table, V,
 };
 
+use super::recurrence::columns;
 use super::{ForwardShape, C};
 
 /// The state-gradient kernel's operands by name (`[L, T, D]` lane-major tokens).
@@ -79,13 +80,6 @@ pub fn state_grad_kernel(s: &ForwardShape, dht: bool) -> Result<(Kernel, StateGr
     let refs = StateGradRefs { w, qg, kg, aqk, eg, d_o, dht, runs, dh, dv, dh0 };
     let kernel = kb.build(|b| run(b, s, &refs))?;
     Ok((kernel, refs))
-}
-
-/// Columns `at..at + width` of chunk rows `row..row + 64` of `r`'s `[1, T, w]` lane block, as a
-/// `[C, width]` tile.
-fn columns(b: &mut Body, r: Ref, row: &V, at: i64, width: i64) -> Result<V> {
-    let x = b.load(r, &[Offset::Const(0), Offset::Dyn(row.clone(), C), Offset::Const(at)], &[1, C, width])?;
-    b.reshape(&x, &[C, width])
 }
 
 /// The slot's run, last chunk first, `BK` state rows per value; `dh0` is written before the loop
