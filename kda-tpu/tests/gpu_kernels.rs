@@ -16,7 +16,9 @@ use kda_testkit::tolerance::{rms_limit, Quantity};
 use kda_testkit::Rng;
 use kda_tpu::aot::{GpuCompiler, H200};
 use kda_tpu::lang::{Interpret, Lower, Triton};
+use kda_tpu::op::gpu_kernels::intra_grad::intra_grad_kernel;
 use kda_tpu::op::gpu_kernels::state_grad::state_grad_kernel;
+use kda_tpu::op::gpu_kernels::wy_grad::wy_grad_kernel;
 use kda_tpu::op::gpu_kernels::{forward_module, ForwardShape};
 use kda_tpu::Result;
 use rstest::rstest;
@@ -219,8 +221,40 @@ fn state_grad_compiles(dtype: DType, k: i64, v: i64, grid: [u64; 3]) -> Result<(
     launches_on_the_h200(&text, dtype, &[("kda_gpu_state_grad", grid)])
 }
 
+/// The backward's chunk-parallel kernels at the primary shape (H=8, T=1024, K=V=128) in bf16:
+/// the WY gradient (per lane and chunk a key-side and a value-side program) and the intra
+/// gradient (per lane, chunk and block of 64 key columns), 8 warps, no spill stores, no
+/// atomics. f32 and K = 256 are under `full::`.
+#[rstest]
+#[case::wy_grad("kda_gpu_wy_grad")]
+#[case::intra_grad("kda_gpu_intra_grad")]
+fn gpu_chunk_grads_compile_for_the_h200_in_bf16(#[case] name: &str) -> Result<()> {
+    chunk_grad_compiles(name, DType::BF16, 128, 128)
+}
+
+/// The chunk-parallel backward kernel `name` for `dtype` at `K = k`, `V = v` (H=8, T=1024):
+/// launched on (lanes, chunks, 2 sides or the key blocks), no spills.
+fn chunk_grad_compiles(name: &str, dtype: DType, k: i64, v: i64) -> Result<()> {
+    let s = ForwardShape::new(8, 1024, k, v, dtype);
+    let (kernel, programs) = match name {
+        "kda_gpu_wy_grad" => (wy_grad_kernel(&s)?.0, s.wy_grad_parts() as u64),
+        _ => (intra_grad_kernel(&s)?.0, (k / s.intra_grad_bk()) as u64),
+    };
+    launches_on_the_h200(&kernel.module(&Triton)?, dtype, &[(name, [8, 16, programs])])
+}
+
 mod full {
     use super::*;
+
+    /// The chunk-parallel backward kernels in f32 and at K = 256 / V = 32 in bf16, no spill
+    /// stores.
+    #[rstest]
+    fn gpu_chunk_grads_compile_for_the_h200(
+        #[values("kda_gpu_wy_grad", "kda_gpu_intra_grad")] name: &str,
+        #[values((DType::F32, 128, 128), (DType::BF16, 256, 32))] shape: (DType, i64, i64),
+    ) -> Result<()> {
+        chunk_grad_compiles(name, shape.0, shape.1, shape.2)
+    }
     use kda_core::BackwardStrategy;
     use kda_testkit::{benchmark_cases, case_data};
     use kda_tpu::op::ProgramKind;
@@ -267,14 +301,14 @@ mod full {
         program_compiles_without_spills(name, dtype, ProgramKind::Forward(BackwardStrategy::Rematerialize), 3)
     }
 
-    /// The `triton` row's split backward (saved state: the state-gradient kernel alone) at the
-    /// benchmark shapes, bf16 and f32.
+    /// The `triton` row's split backward (saved state: the chunk kernels again, then the state,
+    /// WY and intra gradients) at the benchmark shapes, bf16 and f32.
     #[rstest]
     fn the_triton_backward_program_compiles_without_spills(
         #[values("bench_primary", "bench_secondary", "bench_secondary_packed")] name: &str,
         #[values(DType::BF16, DType::F32)] dtype: DType,
     ) -> Result<()> {
-        program_compiles_without_spills(name, dtype, ProgramKind::Backward(BackwardStrategy::SavedState), 1)
+        program_compiles_without_spills(name, dtype, ProgramKind::Backward(BackwardStrategy::SavedState), 5)
     }
 
     /// Compiles program `kind` of benchmark case `name` in `dtype` for the H200: at least

@@ -137,7 +137,7 @@ fn gpu_model(
     // backward runs them again) and the backward's.
     let (forward, keep_h, backward) = match kind(program) {
         ProgramKind::Forward(st) => (true, st == SavedState, false),
-        ProgramKind::Backward(st) => (st != SavedState, true, true),
+        ProgramKind::Backward(_) => (true, true, true),
         ProgramKind::Fused(_) => (true, true, true),
     };
     let (problem, _) = pieces(o, case, dtype)?;

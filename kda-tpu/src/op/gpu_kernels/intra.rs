@@ -73,7 +73,7 @@ fn and(b: &mut Body, x: &V, y: &V) -> Result<V> {
 
 /// Row `idx` (an i32 scalar) of the `[16, w]` tile `x`, stretched over its rows; `-inf` rows
 /// where there is none (`idx` = 16). Exact: a max over one value and `-inf`s.
-fn row_of(b: &mut Body, x: &V, local: &V, idx: &V) -> Result<V> {
+pub(super) fn row_of(b: &mut Body, x: &V, local: &V, idx: &V) -> Result<V> {
     let dims = x.ty.dims.clone();
     let at = b.broadcast(idx, &dims)?;
     let hit = b.compare(Cmp::Eq, local, &at)?;

@@ -5,16 +5,19 @@
 //! its inverse; in f32 a program per sub-chunk and the inverse in [`inverse`]), [`wy`] (the
 //! factors the recurrence reads) and [`recurrence`] (one program per lane, block of state
 //! columns and state slot, looping over the slot's chunks), wired by [`call_forward`]. The
-//! backward's state gradient is [`state_grad`] (docs/kernels/gpu-backward.md). The programs
-//! around them are in `program`.
+//! backward is [`state_grad`] (the reverse recurrence), [`wy_grad`] (through the states and the
+//! WY solve) and [`intra_grad`] (through the chunk's pairs) (docs/kernels/gpu-backward.md).
+//! The programs around them are in `program`.
 
 pub mod intra;
+pub mod intra_grad;
 pub mod inverse;
 pub(in crate::op) mod program;
 pub mod recurrence;
 pub mod state_grad;
 pub mod tokens;
 pub mod wy;
+pub mod wy_grad;
 
 use kda_core::{DType, GateKind};
 
@@ -111,6 +114,10 @@ pub struct ForwardShape {
     pub recurrence_launch: TritonParams,
     /// How the backward's state-gradient kernel launches.
     pub state_grad_launch: TritonParams,
+    /// How the backward's WY-gradient kernel launches.
+    pub wy_grad_launch: TritonParams,
+    /// How the backward's intra-gradient kernel launches.
+    pub intra_grad_launch: TritonParams,
 }
 
 impl ForwardShape {
@@ -139,6 +146,8 @@ impl ForwardShape {
             wy_launch: launch(8),
             recurrence_launch: launch(8),
             state_grad_launch: launch(8),
+            wy_grad_launch: launch(8),
+            intra_grad_launch: launch(8),
         }
     }
 
@@ -219,6 +228,38 @@ impl ForwardShape {
         }
     }
 
+    /// Key columns per block of the WY-gradient kernel's key side, which holds three `[64, BK]`
+    /// f32 accumulators (`dO h^T`, `v_new dh^T`, `dv' h^T`): 64 for bf16, 32 for f32.
+    pub fn wy_grad_bk(&self) -> i64 {
+        self.k.min(match self.dtype {
+            DType::BF16 => 64,
+            _ => 32,
+        })
+    }
+
+    /// Rows per program of the WY-gradient kernel's products through `A^T`: the chunk for bf16;
+    /// 32 for f32, whose three-pass product with the whole `A` spilled.
+    pub fn wy_grad_solve_rows(&self) -> i64 {
+        match self.dtype {
+            DType::BF16 => C,
+            _ => C / 2,
+        }
+    }
+
+    /// Programs per lane and chunk of the WY-gradient kernel: one per block of
+    /// [`ForwardShape::wy_grad_bk`] key columns, one for the value side's pairs and one per
+    /// block of [`ForwardShape::wy_grad_solve_rows`] rows through `A^T`.
+    pub fn wy_grad_parts(&self) -> i64 {
+        self.k / self.wy_grad_bk() + 1 + C / self.wy_grad_solve_rows()
+    }
+
+    /// Key columns per intra-gradient program: 64 for bf16, 32 for f32 (a program holds the
+    /// chunk's `q`, `k`, gates and column sums at this width beside three `[64, 64]` pair
+    /// gradients).
+    pub fn intra_grad_bk(&self) -> i64 {
+        self.wy_grad_bk()
+    }
+
     /// An `Unsupported` error naming the limit the shape is past.
     pub fn check(&self) -> Result<()> {
         let width = |n: i64| (16..=256).contains(&n) && n & (n - 1) == 0;
@@ -269,7 +310,7 @@ pub struct ForwardInputs {
 
 /// What the forward kernels return: `o` `[L, T, V]` in the input dtype, the final states `[L, slots, K, V]`
 /// (slots without chunks unwritten) and, with [`ForwardShape::keep_h`], the state entering each
-/// chunk `[L, NT, K, V]`.
+/// chunk `[L, NT, K, V]` and `v'`.
 #[derive(Clone, Copy, Debug)]
 pub struct ForwardOutputs {
     /// The output.
@@ -278,31 +319,64 @@ pub struct ForwardOutputs {
     pub ht: Value,
     /// The entering states.
     pub h: Option<Value>,
+    /// `v' = u - w S` `[L, T, V]`, kept with the entering states.
+    pub v_new: Option<Value>,
 }
 
-/// Calls the three forward kernels of `s` on `x` in `f`, lowered by `lowering`.
-pub fn call_forward(
+/// The chunk kernels' results: the factors the recurrence reads and the inverse `A` (shapes
+/// as in [`Factors`]; `A` `[L, T, C]` in [`ForwardShape::factor_dtype`]).
+#[derive(Clone, Copy, Debug)]
+pub struct FactorValues {
+    /// `w`.
+    pub w: Value,
+    /// `u`.
+    pub u: Value,
+    /// `scale q e^G`.
+    pub qg: Value,
+    /// `k e^(G_C - G)`.
+    pub kg: Value,
+    /// `scale Aqk`.
+    pub aqk: Value,
+    /// `e^(G_C)`.
+    pub eg: Value,
+    /// `A = (I + L)^-1`.
+    pub a: Value,
+}
+
+/// Binds the per-token operands `t` of a chunk-parallel kernel to `x`'s.
+pub(super) fn bind_tokens(
+    a: &mut crate::lang::Bindings,
+    t: &tokens::TokenRefs,
+    x: &ForwardInputs,
+) -> Result<()> {
+    for (r, v) in [(t.q, x.q), (t.k, x.k), (t.g, x.g), (t.beta, x.beta)] {
+        a.input(r, v)?;
+    }
+    if let Some(r) = t.v {
+        a.input(r, x.v)?;
+    }
+    if let (Some(r), Some(v)) = (t.gate, x.gate) {
+        a.input(r, v)?;
+    }
+    if let Some((q, k)) = t.whole {
+        a.input(q, x.q)?;
+        a.input(k, x.k)?;
+    }
+    a.table(t.valid, x.valid)
+}
+
+/// Calls the chunk kernels of `s` (intra, the inverse where the intra kernel splits the chunk,
+/// WY) on `x` in `f`, lowered by `lowering`.
+pub fn call_factors(
     f: &mut FnBuilder,
     s: &ForwardShape,
     x: &ForwardInputs,
     lowering: &dyn Lower,
-) -> Result<ForwardOutputs> {
+) -> Result<FactorValues> {
     s.check()?;
     let (ik, ir) = intra::intra_kernel(s)?;
-    let bind_tokens = |a: &mut crate::lang::Bindings, t: &tokens::TokenRefs| -> Result<()> {
-        for (r, v) in [(t.q, x.q), (t.k, x.k), (t.g, x.g), (t.beta, x.beta)] {
-            a.input(r, v)?;
-        }
-        if let Some(r) = t.v {
-            a.input(r, x.v)?;
-        }
-        if let (Some(r), Some(v)) = (t.gate, x.gate) {
-            a.input(r, v)?;
-        }
-        a.table(t.valid, x.valid)
-    };
     let mut a = ik.bindings();
-    bind_tokens(&mut a, &ir.tokens)?;
+    bind_tokens(&mut a, &ir.tokens, x)?;
     let intra = ik.call(f, lowering, a)?;
     let mut inverse = intra.get(ir.a)?;
     if s.intra_programs() > 1 {
@@ -313,13 +387,32 @@ pub fn call_forward(
     }
     let (wk, wr) = wy::wy_kernel(s)?;
     let mut a = wk.bindings();
-    bind_tokens(&mut a, &wr.tokens)?;
+    bind_tokens(&mut a, &wr.tokens, x)?;
     a.input(wr.a, inverse)?;
     let wy = wk.call(f, lowering, a)?;
+    Ok(FactorValues {
+        w: wy.get(wr.w)?,
+        u: wy.get(wr.u)?,
+        qg: wy.get(wr.qg)?,
+        kg: wy.get(wr.kg)?,
+        aqk: intra.get(ir.aqk)?,
+        eg: wy.get(wr.eg)?,
+        a: inverse,
+    })
+}
+
+/// Calls the recurrence kernel of `s` on the factors `fv` and `x`'s states and tables in `f`,
+/// lowered by `lowering`.
+pub fn call_recurrence(
+    f: &mut FnBuilder,
+    s: &ForwardShape,
+    x: &ForwardInputs,
+    fv: &FactorValues,
+    lowering: &dyn Lower,
+) -> Result<ForwardOutputs> {
     let (rk, rr) = recurrence::recurrence_kernel(s)?;
     let mut a = rk.bindings();
-    let from =
-        [wy.get(wr.w)?, wy.get(wr.u)?, wy.get(wr.qg)?, wy.get(wr.kg)?, intra.get(ir.aqk)?, wy.get(wr.eg)?];
+    let from = [fv.w, fv.u, fv.qg, fv.kg, fv.aqk, fv.eg];
     for (r, v) in rr.factors.all().into_iter().zip(from) {
         a.input(r, v)?;
     }
@@ -333,11 +426,20 @@ pub fn call_forward(
     }
     a.table(rr.last, x.last)?;
     let out = rk.call(f, lowering, a)?;
-    let h = match rr.h {
-        Some(h) => Some(out.get(h)?),
-        None => None,
-    };
-    Ok(ForwardOutputs { o: out.get(rr.o)?, ht: out.get(rr.ht)?, h })
+    let kept = |r: Option<Ref>| r.map(|r| out.get(r)).transpose();
+    Ok(ForwardOutputs { o: out.get(rr.o)?, ht: out.get(rr.ht)?, h: kept(rr.h)?, v_new: kept(rr.v_new)? })
+}
+
+/// Calls the forward kernels of `s` on `x` in `f` ([`call_factors`], then
+/// [`call_recurrence`]), lowered by `lowering`.
+pub fn call_forward(
+    f: &mut FnBuilder,
+    s: &ForwardShape,
+    x: &ForwardInputs,
+    lowering: &dyn Lower,
+) -> Result<ForwardOutputs> {
+    let fv = call_factors(f, s, x, lowering)?;
+    call_recurrence(f, s, x, &fv, lowering)
 }
 
 /// The kernels of the forward of `s`, in launch order (intra, the inverse where the intra kernel

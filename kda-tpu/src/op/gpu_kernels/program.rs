@@ -1,14 +1,20 @@
 //! The programs of the GPU rows (`triton`, `triton-interpret`): the forward runs the GPU
 //! kernels on the caller's batch-first rows in place (fixed length, whole chunks, widths the
 //! kernels take), else on the inputs XLA lays out as aligned chunks (packed rows gathered by
-//! `slot_token`, widths zero-padded); the backward runs the state gradient as a GPU kernel
-//! between XLA's chunk terms and chunk-parallel gradients, from the forward kernels' saved
-//! states where the strategy keeps them.
+//! `slot_token`, widths zero-padded); the backward runs the GPU backward kernels on lane-major
+//! chunks (the factors from the chunk kernels, the states saved, re-run or the fused forward's),
+//! and XLA takes the gradients through the gate floor, the L2 norm and the gate activation into
+//! the caller's layout.
 
 use kda_core::{BackwardStrategy, DType, Layout};
 
+use super::intra_grad::call_intra_grad;
 use super::state_grad::{call_state_grad, StateGradInputs};
-use super::{call_forward, fixed_tables, ForwardInputs, ForwardShape, TokenLayout, C};
+use super::wy_grad::{call_wy_grad, WyGradInputs};
+use super::{
+    call_factors, call_recurrence, fixed_tables, FactorValues, ForwardInputs, ForwardShape, TokenLayout, C,
+};
+use crate::error::TpuError;
 use crate::hlo::{Cmp, FnBuilder, TensorType, Value};
 use crate::lang::{Kernel, Lower};
 use crate::op::args::{state_tab, Args};
@@ -17,7 +23,7 @@ use crate::op::spec::{on_device, ProgramSpec};
 use crate::op::tpu_kernels::forward_program::{
     gate_operand, kernel_slots, kernel_tokens, lanes_first, or_passed,
 };
-use crate::op::xla::{self, ChunkTerms};
+use crate::op::xla;
 use crate::Result;
 
 /// The kernels' dtype for inputs held in `dtype` on the device: bf16 stays, the rest is f32.
@@ -102,12 +108,16 @@ pub(in crate::op) fn forward_kernels(s: &ProgramSpec, dtype: DType, keep_h: bool
     super::forward_kernels(&sh)
 }
 
-/// The backward kernels of `s`'s GPU rows (the state gradient), inputs held in `dtype` on the
-/// device; `dht` is read when the forward returns final states.
+/// The backward kernels of `s`'s GPU rows (state gradient, WY gradient, intra gradient), inputs
+/// held in `dtype` on the device; `dht` is read when the forward returns final states.
 pub(in crate::op) fn backward_kernels(s: &ProgramSpec, dtype: DType) -> Result<Vec<Kernel>> {
     let sh = shape(s, kernel_dtype(dtype), false);
     sh.check()?;
-    Ok(vec![super::state_grad::state_grad_kernel(&sh, s.options.final_state)?.0])
+    Ok(vec![
+        super::state_grad::state_grad_kernel(&sh, s.options.final_state)?.0,
+        super::wy_grad::wy_grad_kernel(&sh)?.0,
+        super::intra_grad::intra_grad_kernel(&sh)?.0,
+    ])
 }
 
 /// Tokens per chunk position `[NT]`: from `slot_token` for packed rows (a padding slot points
@@ -151,7 +161,7 @@ fn forward_rows(
     a: &Args,
     keep_h: bool,
     lowering: &dyn Lower,
-) -> Result<Vec<Value>> {
+) -> Result<(Vec<Value>, Kept)> {
     let (h, bb, t, k, v) =
         (s.dims.h as i64, s.dims.b as i64, s.dims.t as i64, s.dims.k as i64, s.dims.v as i64);
     let (dtype, nt) = (kernel_dtype(a.q.elem()), t / C);
@@ -194,7 +204,8 @@ fn forward_rows(
         last: flag(f, nt - 1)?,
         slot: row,
     };
-    let out = call_forward(f, &sh, &x, lowering)?;
+    let fv = call_factors(f, &sh, &x, lowering)?;
+    let out = call_recurrence(f, &sh, &x, &fv, lowering)?;
     let mut outs = vec![f.reshape(out.o, &[bb * t * h, v])?];
     if s.options.final_state {
         let ht = f.reshape(out.ht, &[h * bb, 1, k, v])?;
@@ -203,7 +214,30 @@ fn forward_rows(
     if let Some(hs) = out.h {
         outs.push(f.reshape(hs, &[h * bb, nt, k, v])?);
     }
-    Ok(outs)
+    // The factors as lane-major chunks: lane `h B + b` is row `b` of head `h`.
+    let lanes = |f: &mut FnBuilder, x: Value, n: i64| -> Result<Value> {
+        let d = x.dims()[2];
+        f.reshape(x, &[h * bb, n, d])
+    };
+    let fv = FactorValues {
+        w: lanes(f, fv.w, t)?,
+        u: lanes(f, fv.u, t)?,
+        qg: lanes(f, fv.qg, t)?,
+        kg: lanes(f, fv.kg, t)?,
+        aqk: lanes(f, fv.aqk, t)?,
+        eg: lanes(f, fv.eg, nt)?,
+        a: lanes(f, fv.a, t)?,
+    };
+    let v_new = out.v_new.map(|x| lanes(f, x, t)).transpose()?;
+    Ok((outs, Kept { factors: fv, v_new }))
+}
+
+/// What a forward hands a backward in the same program: the chunk kernels' factors and, where
+/// it kept the states, `v' = u - w S`, as lane-major chunks (widths padded).
+#[derive(Clone, Copy, Debug)]
+struct Kept {
+    factors: FactorValues,
+    v_new: Option<Value>,
 }
 
 /// The forward: `o [final_state] [h]`, the GPU kernels lowered by `lowering`.
@@ -214,13 +248,24 @@ pub(in crate::op) fn forward(
     keep_h: bool,
     lowering: &dyn Lower,
 ) -> Result<Vec<Value>> {
-    if in_place(s) {
-        return forward_rows(f, s, a, keep_h, lowering);
-    }
-    let dtype = kernel_dtype(a.q.elem());
-    let sh = ForwardShape { g_dtype: kernel_dtype(a.g.elem()), ..shape(s, dtype, keep_h) };
+    Ok(forward_parts(f, s, a, keep_h, lowering)?.0)
+}
+
+/// The shape of the lane-major kernels for `a`'s inputs.
+fn lane_shape(s: &ProgramSpec, a: &Args, keep_h: bool) -> ForwardShape {
+    ForwardShape { g_dtype: kernel_dtype(a.g.elem()), ..shape(s, kernel_dtype(a.q.elem()), keep_h) }
+}
+
+/// The inputs of the lane-major kernels of shape `sh` (tokens as aligned chunks, widths
+/// padded), and the initial states' table as the caller gave them, when given.
+fn lane_inputs(
+    f: &mut FnBuilder,
+    s: &ProgramSpec,
+    a: &Args,
+    sh: &ForwardShape,
+) -> Result<(ForwardInputs, Option<Value>)> {
     let beta = prep::beta_head_first(f, s, a.beta)?;
-    let beta = f.convert(beta, dtype)?;
+    let beta = f.convert(beta, sh.dtype)?;
     let h0 = match a.h0 {
         Some(_) => Some(state_tab(f, s, a.h0)?),
         None => None,
@@ -234,9 +279,9 @@ pub(in crate::op) fn forward(
         None => None,
     };
     let x = ForwardInputs {
-        q: tokens(f, s, a, a.q, dtype)?,
-        k: tokens(f, s, a, a.k, dtype)?,
-        v: tokens(f, s, a, a.v, dtype)?,
+        q: tokens(f, s, a, a.q, sh.dtype)?,
+        k: tokens(f, s, a, a.k, sh.dtype)?,
+        v: tokens(f, s, a, a.v, sh.dtype)?,
         g: tokens(f, s, a, a.g, sh.g_dtype)?,
         beta: kernel_tokens(f, s, beta, a.slot_token)?,
         gate: match gate {
@@ -249,7 +294,24 @@ pub(in crate::op) fn forward(
         last: a.tables.last,
         slot: kernel_slots(f, s, a.tables.slot)?,
     };
-    let out = call_forward(f, &sh, &x, lowering)?;
+    Ok((x, h0))
+}
+
+/// [`forward`], with what a backward in the same program reads.
+fn forward_parts(
+    f: &mut FnBuilder,
+    s: &ProgramSpec,
+    a: &Args,
+    keep_h: bool,
+    lowering: &dyn Lower,
+) -> Result<(Vec<Value>, Kept)> {
+    if in_place(s) {
+        return forward_rows(f, s, a, keep_h, lowering);
+    }
+    let sh = lane_shape(s, a, keep_h);
+    let (x, h0) = lane_inputs(f, s, a, &sh)?;
+    let fv = call_factors(f, &sh, &x, lowering)?;
+    let out = call_recurrence(f, &sh, &x, &fv, lowering)?;
     let (l, nt, v) = (s.lanes() as i64, s.chunks() as i64, s.dims.v as i64);
     let o = cut(f, out.o, 2, s.dims.v)?;
     let o = f.reshape(o, &[l, nt, C, v])?;
@@ -265,7 +327,7 @@ pub(in crate::op) fn forward(
         let h = cut(f, h, 2, s.dims.k)?;
         outs.push(cut(f, h, 3, s.dims.v)?);
     }
-    Ok(outs)
+    Ok((outs, Kept { factors: fv, v_new: out.v_new }))
 }
 
 /// The in-kernel gate's parameters per lane `[L, 2, K]` (lane `h B + b` takes head `h`'s; a
@@ -280,9 +342,9 @@ fn lane_gate(f: &mut FnBuilder, s: &ProgramSpec, a_log: Value, dt_bias: Option<V
     f.reshape(p, &[h * bb, 2, k])
 }
 
-/// The backward: the XLA chunk terms and chunk-parallel gradients around the GPU
-/// state-gradient kernel, from the saved states `saved` (the forward kernels' `h`) or, when
-/// rematerializing, the states of the forward kernels run again.
+/// The backward from the saved states `saved` (the forward kernels' `h`) or, when
+/// rematerializing, the states of the recurrence run again; the chunk kernels run again in
+/// both.
 pub(in crate::op) fn backward(
     f: &mut FnBuilder,
     s: &ProgramSpec,
@@ -291,19 +353,12 @@ pub(in crate::op) fn backward(
     cotangents: (Value, Option<Value>),
     lowering: &dyn Lower,
 ) -> Result<Vec<Value>> {
-    let saved = match saved {
-        Some(h) => Some(h),
-        None => forward(f, s, a, true, lowering)?.pop(),
-    };
-    let dh =
-        |f: &mut FnBuilder, s: &ProgramSpec, a: &Args, ct: &ChunkTerms, doc: Value, dht: Option<Value>| {
-            state_grads(f, s, a, ct, doc, dht, lowering)
-        };
-    xla::backward_with(f, s, a, saved, cotangents, &dh)
+    backward_from(f, s, a, saved.map(|h| (h, None)), cotangents, lowering)
 }
 
 /// The fused forward+VJP: the forward kernels keeping the entering states, then the backward
-/// from them (both strategies: the states are in the executable anyway).
+/// from them and the forward's factors (both strategies: the states are in the executable
+/// anyway).
 pub(in crate::op) fn fused(
     f: &mut FnBuilder,
     s: &ProgramSpec,
@@ -312,9 +367,9 @@ pub(in crate::op) fn fused(
     cotangents: (Value, Option<Value>),
     lowering: &dyn Lower,
 ) -> Result<Vec<Value>> {
-    let mut outs = forward(f, s, a, true, lowering)?;
-    let h = outs.pop();
-    let grads = backward(f, s, a, h, cotangents, lowering)?;
+    let (mut outs, kept) = forward_parts(f, s, a, true, lowering)?;
+    let h = outs.pop().ok_or_else(|| TpuError::builder("triton fused", "internal: no states kept"))?;
+    let grads = backward_from(f, s, a, Some((h, Some(kept))), cotangents, lowering)?;
     outs.extend(grads);
     Ok(outs)
 }
@@ -327,34 +382,40 @@ fn pad_state(f: &mut FnBuilder, x: Value, k: i64, v: i64) -> Result<Value> {
     f.transpose(x, &[0, 1, 3, 2])
 }
 
-/// The backward's `dh` recurrence as the GPU state-gradient kernel
-/// ([`super::state_grad`]) on XLA's chunk terms: the factors in the kernels' dtype, widths
-/// padded, `qg` scaled as the forward kernels hand it over.
-fn state_grads(
+/// The backward kernels on lane-major chunks: the state gradient, the WY gradient and the
+/// intra gradient, from the entering states `[L, NT, K, V]` (and the chunk kernels' factors)
+/// of a forward that ran, else from both formed again; XLA's tail then takes the gradients into
+/// the caller's layout (`xla::finish_chunk_grads`).
+fn backward_from(
     f: &mut FnBuilder,
     s: &ProgramSpec,
     a: &Args,
-    ct: &ChunkTerms,
-    doc: Value,
-    dht: Option<Value>,
+    from: Option<(Value, Option<Kept>)>,
+    (d_o, dht): (Value, Option<Value>),
     lowering: &dyn Lower,
-) -> Result<xla::DhRun> {
-    let sh = shape(s, kernel_dtype(a.q.elem()), false);
+) -> Result<Vec<Value>> {
+    let sh = lane_shape(s, a, false);
     sh.check()?;
-    let (l, nt, k, v) = (s.lanes() as i64, s.chunks() as i64, s.dims.k, s.dims.v);
-    let lanes = |f: &mut FnBuilder, x: Value, dtype: DType| -> Result<Value> {
-        let d = x.dims()[2];
-        let x = f.reshape(x, &[l, nt * C, d])?;
-        let x = pad_last(f, x, padded(d as usize))?;
-        if x.elem() == dtype {
-            Ok(x)
-        } else {
-            f.convert(x, dtype)
+    let (x, _) = lane_inputs(f, s, a, &sh)?;
+    let internal = || TpuError::builder("triton backward", "internal: no states kept");
+    let (fv, h, v_new) = match from {
+        Some((h, Some(Kept { factors, v_new: Some(v_new) }))) => {
+            (factors, pad_state(f, h, sh.k, sh.v)?, v_new)
+        }
+        Some((h, _)) => {
+            let fv = call_factors(f, &sh, &x, lowering)?;
+            let h = pad_state(f, h, sh.k, sh.v)?;
+            let v_new = saved_v_new(f, &sh, &fv, h)?;
+            (fv, h, v_new)
+        }
+        None => {
+            let fv = call_factors(f, &sh, &x, lowering)?;
+            let keep = ForwardShape { keep_h: true, ..sh };
+            let out = call_recurrence(f, &keep, &x, &fv, lowering)?;
+            (fv, out.h.ok_or_else(internal)?, out.v_new.ok_or_else(internal)?)
         }
     };
-    let fd = sh.factor_dtype();
-    let qg = f.mul_const(ct.qg, s.options.scale as f32)?;
-    let eg = f.reshape(ct.dc.eg_last, &[l, nt, k as i64])?;
+    let d_o = tokens(f, s, a, d_o, sh.dtype)?;
     let dht = match dht {
         Some(d) => {
             let tab = state_tab(f, s, Some(d))?;
@@ -362,23 +423,57 @@ fn state_grads(
         }
         None => None,
     };
-    let x = StateGradInputs {
-        w: lanes(f, ct.w, fd)?,
-        qg: lanes(f, qg, fd)?,
-        kg: lanes(f, ct.kg, fd)?,
-        aqk: lanes(f, ct.aqk, fd)?,
-        eg: pad_last(f, eg, sh.k)?,
-        d_o: lanes(f, doc, sh.dtype)?,
+    let sx = StateGradInputs {
+        w: fv.w,
+        qg: fv.qg,
+        kg: fv.kg,
+        aqk: fv.aqk,
+        eg: fv.eg,
+        d_o,
         dht,
-        first: a.tables.first,
-        slot: kernel_slots(f, s, a.tables.slot)?,
+        first: x.first,
+        slot: x.slot,
     };
-    let out = call_state_grad(f, &sh, &x, lowering)?;
-    let dh = cut(f, out.dh, 2, k)?;
-    let dh = cut(f, dh, 3, v)?;
-    let dv = cut(f, out.dv, 2, v)?;
-    let dv_new = f.reshape(dv, &[l, nt, C, v as i64])?;
-    let dh0 = cut(f, out.dh0, 2, k)?;
-    let dh0_tab = cut(f, dh0, 3, v)?;
-    Ok(xla::DhRun { dh, dv_new, dh0_tab })
+    let sg = call_state_grad(f, &sh, &sx, lowering)?;
+    let wx = WyGradInputs { a: fv.a, v_new, h, dh: sg.dh, dv_new: sg.dv, d_o };
+    let wg = call_wy_grad(f, &sh, &x, &wx, lowering)?;
+    let [dq, dk, dg, db] = call_intra_grad(f, &sh, &x, [wg.daqk, wg.dl], [wg.dq, wg.dk, wg.dg], lowering)?;
+    // dbeta: the WY gradient's terms (per key block and the value side's) and the intra
+    // gradient's (per key block).
+    let db = f.concatenate(&[wg.dbeta, db], 2)?;
+    let dbeta = f.reduce_sum(db, &[2])?;
+    let dims = dbeta.dims().to_vec();
+    let dbeta = f.reshape(dbeta, &[dims[0], dims[1], 1])?;
+    let (n, c) = ((s.lanes() * s.chunks()) as i64, C);
+    let chunked = |f: &mut FnBuilder, x: Value, d: usize| -> Result<Value> {
+        let x = cut(f, x, 2, d)?;
+        f.reshape(x, &[n, c, d as i64])
+    };
+    let (k, v) = (s.dims.k, s.dims.v);
+    let grads = [
+        chunked(f, dq, k)?,
+        chunked(f, dk, k)?,
+        chunked(f, wg.dv, v)?,
+        chunked(f, dg, k)?,
+        chunked(f, dbeta, 1)?,
+    ];
+    let dh0 = cut(f, sg.dh0, 2, k)?;
+    let dh0 = cut(f, dh0, 3, v)?;
+    xla::finish_chunk_grads(f, s, a, grads, dh0)
+}
+
+/// `v' = u - w S` `[L, T, V]` in the factors' dtype from the saved entering states `h`
+/// `[L, NT, K, V]` (padded): one batched product per chunk, as the recurrence forms it.
+fn saved_v_new(f: &mut FnBuilder, sh: &ForwardShape, fv: &FactorValues, h: Value) -> Result<Value> {
+    let (l, nt, k, v) = (sh.lanes, sh.t / C, sh.k, sh.v);
+    let n = l * nt;
+    let w = f.convert(fv.w, DType::F32)?;
+    let w = f.reshape(w, &[n, C, k])?;
+    let hs = f.reshape(h, &[n, k, v])?;
+    let ws = f.batch_matmul(w, hs, crate::hlo::Transpose::None)?;
+    let u = f.convert(fv.u, DType::F32)?;
+    let u = f.reshape(u, &[n, C, v])?;
+    let vn = f.sub(u, ws)?;
+    let vn = f.reshape(vn, &[l, nt * C, v])?;
+    f.convert(vn, sh.factor_dtype())
 }

@@ -34,6 +34,9 @@ pub struct RecurrenceRefs {
     pub ht: Ref,
     /// The state entering each chunk `[L, NT, K, V]` f32, when the shape keeps it.
     pub h: Option<Ref>,
+    /// `v' = u - w S` `[L, T, V]` in [`ForwardShape::factor_dtype`], when the shape keeps `h`
+    /// (the backward's WY gradient reads it).
+    pub v_new: Option<Ref>,
 }
 
 /// The recurrence kernel of `s`: grid (lanes, state column blocks, state slots), all parallel.
@@ -76,9 +79,13 @@ pub fn recurrence_kernel(s: &ForwardShape) -> Result<(Kernel, RecurrenceRefs)> {
         let at = vec![g0.clone(), zero(), zero(), g1.clone()];
         kb.output(Operand::blocked("h", ty(&[l, nt, k, v]), &[1, nt, k, bv], at))
     });
+    let v_new = s.keep_h.then(|| {
+        let at = vec![g0.clone(), zero(), g1.clone()];
+        kb.output(Operand::blocked("v_new", fty(&[l, t, v]), &[1, t, bv], at))
+    });
     kb.params(s.recurrence_launch);
     let factors = Factors { w, u, qg, kg, aqk, eg };
-    let refs = RecurrenceRefs { factors, runs, last, h0, o, ht, h };
+    let refs = RecurrenceRefs { factors, runs, last, h0, o, ht, h, v_new };
     let kernel = kb.build(|b| run(b, s, &refs))?;
     Ok((kernel, refs))
 }
@@ -158,6 +165,10 @@ fn step(b: &mut Body, s: &ForwardShape, r: &RecurrenceRefs, c: &V, states: &[V])
     let u = b.to_dtype(&u, DType::F32)?;
     let vnd = b.sub(&u, &ws)?;
     let vnd = b.to_dtype(&vnd, fd)?;
+    if let Some(v_new) = r.v_new {
+        let x = b.reshape(&vnd, &[1, C, bv])?;
+        b.store(v_new, &[z.clone(), Offset::Dyn(row.clone(), C), z.clone()], &x)?;
+    }
     let aqk = columns(b, r.factors.aqk, &row, 0, C)?;
     let intra = b.matmul(&aqk, &vnd, (1, 0), p)?;
     let o = b.add(&inter, &intra)?;

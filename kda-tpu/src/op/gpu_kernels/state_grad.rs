@@ -37,7 +37,8 @@ pub struct StateGradRefs {
     pub dht: Option<Ref>,
     /// Segmented shapes: each slot's first chunk position and its run's length `[slots]`.
     pub runs: Option<(Table, Table)>,
-    /// `dh` leaving each chunk `[L, NT, K, V]` f32.
+    /// `dh` leaving each chunk `[L, NT, K, V]` in [`ForwardShape::factor_dtype`] (the WY
+    /// gradient's products round it so in bf16; its `h . dh` sums take it as it is).
     pub dh: Ref,
     /// `dv'` (the gradient with respect to `v_new`) `[L, T, V]` f32.
     pub dv: Ref,
@@ -70,7 +71,7 @@ pub fn state_grad_kernel(s: &ForwardShape, dht: bool) -> Result<(Kernel, StateGr
         dht.then(|| kb.input(Operand::blocked("dht", ty(&[l, slots, k, v]), &[1, 1, k, bv], state_at())));
     let dh = kb.output(Operand::blocked(
         "dh",
-        ty(&[l, nt, k, v]),
+        fty(&[l, nt, k, v]),
         &[1, nt, k, bv],
         vec![g0.clone(), zero(), zero(), g1.clone()],
     ));
@@ -151,10 +152,10 @@ fn step(b: &mut Body, s: &ForwardShape, r: &StateGradRefs, c: &V, parts: &[V]) -
     let mut dv = b.matmul(&aqk, &d_o, (0, 0), p)?;
     for (i, part) in parts.iter().enumerate() {
         let at = i as i64 * bk;
-        let x = b.reshape(part, &[1, 1, bk, bv])?;
+        let dh = b.to_dtype(part, fd)?;
+        let x = b.reshape(&dh, &[1, 1, bk, bv])?;
         b.store(r.dh, &[z.clone(), Offset::Dyn(c.clone(), 1), Offset::Const(at), z.clone()], &x)?;
         let kg = columns(b, r.kg, &row, at, bk)?;
-        let dh = b.to_dtype(part, fd)?;
         let x = b.matmul(&kg, &dh, (1, 0), p)?;
         dv = b.add(&dv, &x)?;
     }

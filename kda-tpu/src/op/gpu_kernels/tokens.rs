@@ -6,7 +6,7 @@ use kda_core::{DType, GateKind};
 
 use crate::error::Result;
 use crate::hlo::{Cmp, TensorType};
-use crate::lang::{Body, Index, KernelBuilder, Offset, Operand, Ref, Table, V};
+use crate::lang::{Body, Index, KernelBuilder, Offset, Operand, Reduction, Ref, Table, V};
 use crate::op::chunk::{activate_columns, l2_normalise_with_scale};
 
 use super::{ForwardShape, TokenLayout, C};
@@ -30,39 +30,57 @@ pub struct TokenRefs {
     pub valid: Table,
     /// How the per-token operands are laid out.
     pub layout: TokenLayout,
+    /// Key columns of `q`, `k`, `g` and the gate in a program's block: `K`, or the block of
+    /// grid axis 2 ([`declare_key_blocks`]).
+    pub width: i64,
+    /// `q` and `k` whole, for the L2 norm's scales where a program reads a block of columns.
+    pub whole: Option<(Ref, Ref)>,
 }
 
 /// Declares the per-token operands of `s` on `kb`, whose grid is (lanes, chunk positions).
 pub fn declare(kb: &mut KernelBuilder, s: &ForwardShape, with_v: bool) -> TokenRefs {
+    declare_width(kb, s, with_v, s.k)
+}
+
+/// [`declare`] for a kernel whose grid axis 2 runs over blocks of `width` key columns: a
+/// program reads its block of `q`, `k`, `g` and the gate's parameters (and, with the L2 norm,
+/// `q` and `k` whole for the scales).
+pub fn declare_key_blocks(kb: &mut KernelBuilder, s: &ForwardShape, width: i64) -> TokenRefs {
+    declare_width(kb, s, false, width)
+}
+
+fn declare_width(kb: &mut KernelBuilder, s: &ForwardShape, with_v: bool, width: i64) -> TokenRefs {
     let (l, t, k) = (s.lanes, s.t, s.k);
+    let blocks = k / width;
     let valid = kb.table("valid", t / C);
-    let mut tok = |name: &str, d: DType, w: i64| {
+    let mut tok = |name: &str, d: DType, w: i64, keys: bool| {
+        let blocked = keys && blocks > 1;
+        let bw = if blocked { width } else { w };
         let operand = match s.layout {
             TokenLayout::Lanes => {
-                let at = vec![Index::Grid(0), Index::Grid(1), Index::Const(0)];
-                Operand::blocked(name, TensorType::new(d, &[l, t, w]), &[1, C, w], at)
+                let col = if blocked { Index::Grid(2) } else { Index::Const(0) };
+                let at = vec![Index::Grid(0), Index::Grid(1), col];
+                Operand::blocked(name, TensorType::new(d, &[l, t, w]), &[1, C, bw], at)
             }
             TokenLayout::Rows => {
-                let at = vec![Index::Grid(1), Index::Grid(0)];
-                Operand::blocked(name, TensorType::new(d, &[t, l * w]), &[C, w], at)
+                let col = if blocked { Index::Grid(0) * blocks + Index::Grid(2) } else { Index::Grid(0) };
+                Operand::blocked(name, TensorType::new(d, &[t, l * w]), &[C, bw], vec![Index::Grid(1), col])
             }
         };
         kb.input(operand)
     };
-    let (q, kk) = (tok("q", s.dtype, k), tok("k", s.dtype, k));
-    let v = with_v.then(|| tok("v", s.dtype, s.v));
-    let g = tok("g", s.g_dtype, k);
-    let beta = tok("beta", s.dtype, 1);
+    let (q, kk) = (tok("q", s.dtype, k, true), tok("k", s.dtype, k, true));
+    let whole = (blocks > 1 && s.l2norm)
+        .then(|| (tok("q_whole", s.dtype, k, false), tok("k_whole", s.dtype, k, false)));
+    let v = with_v.then(|| tok("v", s.dtype, s.v, false));
+    let g = tok("g", s.g_dtype, k, true);
+    let beta = tok("beta", s.dtype, 1, false);
     let gate = (s.gate != GateKind::Preactivated).then(|| {
         let ty = TensorType::new(DType::F32, &[l, 2, k]);
-        kb.input(Operand::blocked(
-            "gate",
-            ty,
-            &[1, 2, k],
-            vec![Index::Grid(0), Index::Const(0), Index::Const(0)],
-        ))
+        let col = if blocks > 1 { Index::Grid(2) } else { Index::Const(0) };
+        kb.input(Operand::blocked("gate", ty, &[1, 2, width], vec![Index::Grid(0), Index::Const(0), col]))
     });
-    TokenRefs { q, k: kk, v, g, beta, gate, valid, layout: s.layout }
+    TokenRefs { q, k: kk, v, g, beta, gate, valid, layout: s.layout, width, whole }
 }
 
 /// A chunk's inputs in f32, as the kernels use them.
@@ -121,16 +139,36 @@ pub struct Norms {
     pub k: V,
 }
 
-/// The chunk's [`Norms`] when the shape L2-normalises (none otherwise).
+/// Columns per load of [`norms`]: the sums of squares run over blocks of this many, so that no
+/// whole `[64, K]` row block is live at once.
+const NORM_COLUMNS: i64 = 64;
+
+/// The chunk's [`Norms`] when the shape L2-normalises (none otherwise): each row's sum of
+/// squares over blocks of [`NORM_COLUMNS`], then `rsqrt(sum + eps)`.
 pub fn norms(b: &mut Body, s: &ForwardShape, r: &TokenRefs) -> Result<Option<Norms>> {
     if !s.l2norm {
         return Ok(None);
     }
+    let w = s.k.min(NORM_COLUMNS);
     let mut scales = |x: Ref| -> Result<V> {
-        let x = f32_tile(b, x, (0, C), (0, s.k), r.layout)?;
-        Ok(l2_normalise_with_scale(b, &x)?.1)
+        let mut ss: Option<V> = None;
+        for col in (0..s.k).step_by(w as usize) {
+            let x = f32_tile(b, x, (0, C), (col, w), r.layout)?;
+            let sq = b.mul(&x, &x)?;
+            let part = b.reduce(Reduction::Sum, &sq, 1)?;
+            ss = Some(match ss {
+                Some(acc) => b.add(&acc, &part)?,
+                None => part,
+            });
+        }
+        let ss =
+            ss.ok_or_else(|| crate::error::TpuError::builder("gpu tokens", "internal: no key columns"))?;
+        let eps = b.splat(kda_core::L2NORM_EPS, DType::F32, &[C, 1])?;
+        let ss = b.add(&ss, &eps)?;
+        b.rsqrt(&ss)
     };
-    Ok(Some(Norms { q: scales(r.q)?, k: scales(r.k)? }))
+    let (q, k) = r.whole.unwrap_or((r.q, r.k));
+    Ok(Some(Norms { q: scales(q)?, k: scales(k)? }))
 }
 
 /// The chunk's `q`, `k`, `g` and `beta` (the chunk position is grid index 1) at rows

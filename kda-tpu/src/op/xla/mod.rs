@@ -11,5 +11,4 @@ mod recurrence;
 mod solve;
 mod tiles;
 
-pub(super) use intra::ChunkTerms;
-pub(super) use programs::{backward, backward_with, forward, fused, DhRun};
+pub(super) use programs::{backward, finish_chunk_grads, forward, fused};

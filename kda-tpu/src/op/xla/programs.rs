@@ -137,18 +137,14 @@ fn forward_core(
 
 /// What the backward's `dh` recurrence hands the chunk-parallel gradients: `dh` leaving every
 /// chunk `[L, NT, K, V]`, `dv_new` `[L, NT, C, V]` and the `dh0` table `[L, slots, K, V]`.
-pub(in crate::op) struct DhRun {
-    pub(in crate::op) dh: Value,
-    pub(in crate::op) dv_new: Value,
-    pub(in crate::op) dh0_tab: Value,
+struct DhRun {
+    dh: Value,
+    dv_new: Value,
+    dh0_tab: Value,
 }
 
-/// Runs the backward's `dh` recurrence from the chunk terms, `dO` in chunks (`[L*NT, C, V]`
-/// f32) and `dht` as the caller gave it: XLA's chunk loop ([`xla_dh`]) or a kernel.
-pub(in crate::op) type DhRecurrence<'a> =
-    &'a dyn Fn(&mut FnBuilder, &ProgramSpec, &Args, &ChunkTerms, Value, Option<Value>) -> Result<DhRun>;
-
-/// The `dh` recurrence as XLA's chunk loop.
+/// The backward's `dh` recurrence as XLA's chunk loop, from the chunk terms, `dO` in chunks
+/// (`[L*NT, C, V]` f32) and `dht` as the caller gave it.
 fn xla_dh(
     b: &mut FnBuilder,
     s: &ProgramSpec,
@@ -174,11 +170,10 @@ fn backward_core(
     ct: &ChunkTerms,
     (h, v_new): (Value, Value),
     (d_o, dht): (Value, Option<Value>),
-    dh_run: DhRecurrence,
 ) -> Result<Vec<Value>> {
     let doh = prep::head_first(b, s, d_o)?;
     let doc = flat_chunks(b, s, doh, a.slot_token)?;
-    let run = dh_run(b, s, a, ct, doc, dht)?;
+    let run = xla_dh(b, s, a, ct, doc, dht)?;
     let (h, dh, vn, dvn) = (flat(b, h)?, flat(b, run.dh)?, flat(b, v_new)?, flat(b, run.dv_new)?);
     let g = chunk_grads(b, s, [w.qc, w.kc, w.vc, w.betac], ct, [h, vn, dh, dvn], doc)?;
     finish_grads(b, s, a, w, g, run.dh0_tab)
@@ -252,6 +247,21 @@ fn finish_grads(
     Ok(out)
 }
 
+/// The backward's tail for gradients formed elsewhere (the GPU rows' kernels): `[dq, dk, dv,
+/// dg, dbeta]` in chunk layout `[L*NT, C, D]` f32 (`dg` summed within the chunk) through the
+/// gate floor, the L2 norm and the gate activation into the caller's layout and dtypes, then the
+/// `dh0` table `[L, slots, K, V]`: as [`backward`] returns them.
+pub(in crate::op) fn finish_chunk_grads(
+    f: &mut FnBuilder,
+    s: &ProgramSpec,
+    a: &Args,
+    [dq, dk, dv, dg, dbeta]: [Value; 5],
+    dh0_tab: Value,
+) -> Result<Vec<Value>> {
+    let w = working(f, s, a)?;
+    finish_grads(f, s, a, &w, ChunkGrads { dq, dk, dv, dg, dbeta }, dh0_tab)
+}
+
 /// The forward: `o [final_state] [h]` (`h` `[L, NT, K, V]` when `keep_h`). With slabs
 /// (`s.tuning.xla.slab`, the TPU configuration) it runs as `forward_slabs`; otherwise the chunk terms are
 /// computed for all chunks at once.
@@ -306,20 +316,7 @@ pub(in crate::op) fn backward(
     s: &ProgramSpec,
     a: &Args,
     saved: Option<Value>,
-    cotangents: (Value, Option<Value>),
-) -> Result<Vec<Value>> {
-    backward_with(f, s, a, saved, cotangents, &xla_dh)
-}
-
-/// [`backward`] with the `dh` recurrence run by `dh_run` (the chunk terms and the
-/// chunk-parallel gradients stay XLA's).
-pub(in crate::op) fn backward_with(
-    f: &mut FnBuilder,
-    s: &ProgramSpec,
-    a: &Args,
-    saved: Option<Value>,
     (d_o, dht): (Value, Option<Value>),
-    dh_run: DhRecurrence,
 ) -> Result<Vec<Value>> {
     let a = *a;
     let w = working(f, s, &a)?;
@@ -340,7 +337,7 @@ pub(in crate::op) fn backward_with(
             (run.h, run.v_new)
         }
     };
-    let outs = backward_core(f, s, &a, &w, &ct, (h, v_new), (d_o, dht), dh_run)?;
+    let outs = backward_core(f, s, &a, &w, &ct, (h, v_new), (d_o, dht))?;
     Ok(outs)
 }
 
@@ -366,7 +363,7 @@ pub(in crate::op) fn fused(
     // strategy, so the backward half reads them: re-running the identical recurrence would only
     // cost time. The strategies differ in slabs (`fused_slabs`) and in the split path.
     let fw = forward_core(f, s, &a, &w, &ct)?;
-    let grads = backward_core(f, s, &a, &w, &ct, (fw.h, fw.v_new), (d_o, dht), &xla_dh)?;
+    let grads = backward_core(f, s, &a, &w, &ct, (fw.h, fw.v_new), (d_o, dht))?;
     let mut outs = vec![fw.o];
     outs.extend(fw.final_state);
     outs.extend(grads);

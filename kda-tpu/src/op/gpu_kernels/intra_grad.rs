@@ -1,0 +1,254 @@
+//! The intra-chunk gradient of the GPU backward (fla's intra backward and its reverse cumsum):
+//! one program per (lane, chunk position) takes the pair gradients of the WY-gradient kernel
+//! ([`super::wy_grad`]), `dAqk` (of `scale q_t . k_j e^(G_t - G_j)`) and `dL` (of
+//! `beta_t k_t . k_j e^(G_t - G_j)`), back through the pairs to `q`, `k`, `beta` and the gate,
+//! adds that kernel's parts and sums the gate gradient within the chunk, `BK` key columns at a
+//! time. The decays are those of the forward's intra kernel ([`super::intra`]): pairs with an
+//! earlier 16-token sub-chunk factor at the anchor before the row's sub-chunk (a row factor and a
+//! column factor, each an exponential of a direct sum of gates at most 0: one product per side),
+//! pairs inside a sub-chunk take their own exponent column by column. Nothing above 1 is ever
+//! formed, so strongly decayed chunks keep f32 accuracy.
+//!
+//! With `M` either pair gradient and `x` its row operand (`q` or `beta k`), `y` its column
+//! operand (`k`): row `t` gets `sum_j M_tj y_j e^(G_t - G_j)` (to `x`'s gradient, and times
+//! `x_t` to `dG_t`), column `j` gets `sum_t M_tj x_t e^(G_t - G_j)` (to `k`'s gradient, and
+//! times `-k_j` to `dG_j`); `dbeta_t` gets `k_t . sum_j dL_tj k_j e^(G_t - G_j)`.
+
+use kda_core::DType;
+
+use crate::error::Result;
+use crate::hlo::{Cmp, FnBuilder, TensorType, Value};
+use crate::lang::{
+    Binary, Bindings, Body, Index, Kernel, KernelBuilder, Lower, Offset, Operand, Reduction, Ref, Scan,
+    Semantics, V,
+};
+
+use super::intra::row_of;
+use super::tokens::{self, TokenRefs};
+use super::wy_grad::product;
+use super::{ForwardShape, C, SUB};
+
+/// The intra-gradient kernel's operands by name (`[L, T, D]` lane-major tokens).
+#[derive(Clone, Copy, Debug)]
+pub struct IntraGradRefs {
+    /// The per-token inputs (no `v`).
+    pub tokens: TokenRefs,
+    /// `dAqk` (scale folded in), strictly causal, `[L, T, C]` f32.
+    pub daqk: Ref,
+    /// `dL`, strictly causal, `[L, T, C]` f32.
+    pub dl: Ref,
+    /// The WY-gradient kernel's parts of `dq`, `dk`, `dg` `[L, T, K]` f32.
+    pub parts: [Ref; 3],
+    /// `dq`, `dk`, `dg` (summed within the chunk) `[L, T, K]` and this kernel's terms of `dbeta`
+    /// per key block `[L, T, K / BK]`, f32.
+    pub grads: [Ref; 4],
+}
+
+/// The intra-gradient kernel of `s`: grid (lanes, chunk positions, key blocks of
+/// [`ForwardShape::intra_grad_bk`]), all parallel.
+pub fn intra_grad_kernel(s: &ForwardShape) -> Result<(Kernel, IntraGradRefs)> {
+    let (l, t, nt, k) = (s.lanes, s.t, s.t / C, s.k);
+    let nkb = k / s.intra_grad_bk();
+    let mut kb = KernelBuilder::new("kda_gpu_intra_grad");
+    kb.grid(l, Semantics::Parallel).grid(nt, Semantics::Parallel).grid(nkb, Semantics::Parallel);
+    let bk = s.intra_grad_bk();
+    let tokens = tokens::declare_key_blocks(&mut kb, s, bk);
+    let chunk = |name: &str, w: i64, bw: i64, col: Index| {
+        let at = vec![Index::Grid(0), Index::Grid(1), col];
+        Operand::blocked(name, TensorType::new(DType::F32, &[l, t, w]), &[1, C, bw], at)
+    };
+    let pairs = |name: &str| chunk(name, C, C, Index::Const(0));
+    let keys = |name: &str| chunk(name, k, bk, Index::Grid(2));
+    let daqk = kb.input(pairs("daqk"));
+    let dl = kb.input(pairs("dl"));
+    let parts = [kb.input(keys("dq_part")), kb.input(keys("dk_part")), kb.input(keys("dg_part"))];
+    let grads = [
+        kb.output(keys("dq")),
+        kb.output(keys("dk")),
+        kb.output(keys("dg")),
+        kb.output(chunk("dbeta", nkb, 1, Index::Grid(2))),
+    ];
+    kb.params(s.intra_grad_launch);
+    let refs = IntraGradRefs { tokens, daqk, dl, parts, grads };
+    let kernel = kb.build(|b| chunk_intra_grad(b, s, &refs))?;
+    Ok((kernel, refs))
+}
+
+/// Rows `start..start + n` and columns `col..col + w` of `r`'s `[1, C, D]` f32 block.
+fn rows_of(b: &mut Body, r: Ref, (start, n): (i64, i64), (col, w): (i64, i64)) -> Result<V> {
+    let x = b.load(r, &[Offset::Const(0), Offset::Const(start), Offset::Const(col)], &[1, n, w])?;
+    b.reshape(&x, &[n, w])
+}
+
+/// The pairs of sub-chunk `y` with itself (strictly causal), from the `[16, 16]` diagonal
+/// blocks `m` of `dAqk`, `dL` and `beta dL`: rows `[16, BK]` to `q` and `k` (the latter before
+/// `beta_t`) and columns `[16, BK]`. Column by column from the last, `d` holds
+/// `sum_{j < s <= t} g_s` on the rows after `j` (as the forward's intra kernel), each column's
+/// terms formed from it.
+fn within_sub_chunk(b: &mut Body, y: &tokens::Chunk, m: [&V; 3]) -> Result<(V, V, V)> {
+    let bk = y.g.ty.dims[1];
+    let zk = b.splat(0.0, DType::F32, &[SUB, bk])?;
+    let init = [zk.clone(), zk.clone(), zk.clone(), zk];
+    let outs = b.for_range(0, SUB, &init, |b, i, carried| {
+        let local = b.iota(&[SUB, bk], 0)?;
+        let last = b.index(SUB - 1)?;
+        let j = b.index_op(Binary::Sub, &last, i)?;
+        let one = b.index(1)?;
+        let next = b.index_op(Binary::Add, &j, &one)?;
+        let gn = row_of(b, &y.g, &local, &next)?;
+        let nexts = b.broadcast(&next, &[SUB, bk])?;
+        let after = b.compare(Cmp::Ge, &local, &nexts)?;
+        let zk = b.splat(0.0, DType::F32, &[SUB, bk])?;
+        let grown = b.add(&carried[0], &gn)?;
+        let d = b.select(&after, &grown, &zk)?;
+        let e = b.exp(&d)?;
+        let f = b.select(&after, &e, &zk)?;
+        // Column j of each pair gradient's block.
+        let cols = b.iota(&[SUB, SUB], 1)?;
+        let js = b.broadcast(&j, &[SUB, SUB])?;
+        let here = b.compare(Cmp::Eq, &cols, &js)?;
+        let zs = b.splat(0.0, DType::F32, &[SUB, SUB])?;
+        let mut col = Vec::new();
+        for x in m {
+            let x = b.select(&here, x, &zs)?;
+            col.push(b.reduce(Reduction::Sum, &x, 1)?);
+        }
+        let kj = row_of(b, &y.k, &local, &j)?;
+        let kf = b.mul(&kj, &f)?;
+        let t = b.mul(&col[0], &kf)?;
+        let q_rows = b.add(&carried[1], &t)?;
+        let t = b.mul(&col[1], &kf)?;
+        let k_rows = b.add(&carried[2], &t)?;
+        let x = b.mul(&col[0], &y.q)?;
+        let t = b.mul(&col[2], &y.k)?;
+        let x = b.add(&x, &t)?;
+        let x = b.mul(&x, &f)?;
+        let x = b.reduce(Reduction::Sum, &x, 0)?;
+        let x = b.broadcast(&x, &[SUB, bk])?;
+        let row_j = b.broadcast(&j, &[SUB, bk])?;
+        let at_j = b.compare(Cmp::Eq, &local, &row_j)?;
+        let columns = b.select(&at_j, &x, &carried[3])?;
+        Ok(vec![d, q_rows, k_rows, columns])
+    })?;
+    Ok((outs[1].clone(), outs[2].clone(), outs[3].clone()))
+}
+
+/// The body: program `i` of grid axis 2 takes key block `i` (its operands' blocks).
+fn chunk_intra_grad(b: &mut Body, s: &ForwardShape, r: &IntraGradRefs) -> Result<()> {
+    let norms = if s.intra_grad_bk() < s.k { tokens::norms(b, s, &r.tokens)? } else { None };
+    key_block(b, s, r, norms.as_ref())
+}
+
+/// The program's key block, sub-chunk by sub-chunk from the last: a sub-chunk's rows are final once its
+/// own pairs are done (their columns' later pairs came before), so its `dq`, `dk`, `dbeta` term
+/// and `dg` (the WY gradient's part plus the suffix sum of the pairs' gate terms, carried from
+/// the sub-chunks after it) are written then; only the column sums of the rows before it are
+/// carried.
+fn key_block(b: &mut Body, s: &ForwardShape, r: &IntraGradRefs, norms: Option<&tokens::Norms>) -> Result<()> {
+    let (bk, col) = (s.intra_grad_bk(), 0);
+    let [dq_in, dk_in, dg_in] = r.parts;
+    let [dq_out, dk_out, dg_out, db_out] = r.grads;
+    let z = Offset::Const(0);
+    let mut columns = b.splat(0.0, DType::F32, &[C, bk])?;
+    let mut carry = b.splat(0.0, DType::F32, &[1, bk])?;
+    for sc in (0..C / SUB).rev() {
+        let rows = (SUB * sc, SUB);
+        let y = tokens::load_tile(b, s, &r.tokens, rows, (col, bk), norms)?;
+        let aqk = rows_of(b, r.daqk, rows, (0, C))?;
+        let l = rows_of(b, r.dl, rows, (0, C))?;
+        let beta_l = b.mul(&l, &y.beta)?;
+        let m = [aqk, l, beta_l];
+        let block: Vec<V> =
+            m.iter().map(|x| b.slice(x, &[0, SUB * sc], &[SUB, SUB])).collect::<Result<_>>()?;
+        let (mut qr, mut kr, own) = within_sub_chunk(b, &y, [&block[0], &block[1], &block[2]])?;
+        let later = b.slice(&columns, &[SUB * sc, 0], &[SUB, bk])?;
+        let cols_here = b.add(&own, &later)?;
+        if sc > 0 {
+            // Through the anchor a = 16 sc - 1: e^(G_t - G_a) on the rows, e^(G_a - G_j) on the
+            // columns before it.
+            let x = tokens::load_tile(b, s, &r.tokens, (0, C), (col, bk), norms)?;
+            let rsum = b.cumsum(&y.g, 0, Scan { reverse: false, exclusive: false }, None)?;
+            let er = b.exp(&rsum)?;
+            let token = b.iota(&[C, bk], 0)?;
+            let anchor = b.splat((SUB * sc - 1) as f64, DType::I32, &[C, bk])?;
+            let to_anchor = b.compare(Cmp::Le, &token, &anchor)?;
+            let zg = b.splat(0.0, DType::F32, &[C, bk])?;
+            let upto = b.select(&to_anchor, &x.g, &zg)?;
+            let cs = b.cumsum(&upto, 0, Scan { reverse: true, exclusive: true }, None)?;
+            let ec = b.exp(&cs)?;
+            let cidx = b.iota(&[SUB, C], 1)?;
+            let edge = b.splat((SUB * sc) as f64, DType::I32, &[SUB, C])?;
+            let before = b.compare(Cmp::Lt, &cidx, &edge)?;
+            let zero = b.splat(0.0, DType::F32, &[SUB, C])?;
+            let mb: Vec<V> = m.iter().map(|x| b.select(&before, x, &zero)).collect::<Result<_>>()?;
+            let kc = b.mul(&x.k, &ec)?;
+            let t = product(b, s, &mb[0], &kc, (1, 0))?;
+            let t = b.mul(&t, &er)?;
+            qr = b.add(&qr, &t)?;
+            let t = product(b, s, &mb[1], &kc, (1, 0))?;
+            let t = b.mul(&t, &er)?;
+            kr = b.add(&kr, &t)?;
+            let yq = b.mul(&y.q, &er)?;
+            let yk = b.mul(&y.k, &er)?;
+            let c1 = product(b, s, &mb[0], &yq, (0, 0))?;
+            let c2 = product(b, s, &mb[2], &yk, (0, 0))?;
+            let c = b.add(&c1, &c2)?;
+            let c = b.mul(&c, &ec)?;
+            columns = b.add(&columns, &c)?;
+        }
+        let at = [z.clone(), Offset::Const(SUB * sc), Offset::Const(col)];
+        let store_rows = |b: &mut Body, out: Ref, x: &V| -> Result<()> {
+            let x = b.reshape(x, &[1, SUB, bk])?;
+            b.store(out, &at, &x)
+        };
+        let dq = rows_of(b, dq_in, rows, (col, bk))?;
+        let dq = b.add(&dq, &qr)?;
+        store_rows(b, dq_out, &dq)?;
+        let krb = b.mul(&kr, &y.beta)?;
+        let dk = rows_of(b, dk_in, rows, (col, bk))?;
+        let dk = b.add(&dk, &krb)?;
+        let dk = b.add(&dk, &cols_here)?;
+        store_rows(b, dk_out, &dk)?;
+        let t = b.mul(&y.k, &kr)?;
+        let db = b.reduce(Reduction::Sum, &t, 1)?;
+        let db = b.reshape(&db, &[1, SUB, 1])?;
+        b.store(db_out, &[z.clone(), Offset::Const(SUB * sc), z.clone()], &db)?;
+        let dgg = b.mul(&y.q, &qr)?;
+        let t = b.mul(&y.k, &krb)?;
+        let dgg = b.add(&dgg, &t)?;
+        let t = b.mul(&y.k, &cols_here)?;
+        let dgg = b.sub(&dgg, &t)?;
+        let suffix = b.cumsum(&dgg, 0, Scan { reverse: true, exclusive: false }, None)?;
+        let suffix = b.add(&suffix, &carry)?;
+        carry = b.slice(&suffix, &[0, 0], &[1, bk])?;
+        let dg = rows_of(b, dg_in, rows, (col, bk))?;
+        let dg = b.add(&dg, &suffix)?;
+        store_rows(b, dg_out, &dg)?;
+    }
+    Ok(())
+}
+
+/// Calls the intra-gradient kernel of `s` in `f` on the forward's per-token inputs `fx`, the
+/// pair gradients `[dAqk, dL]` and the WY-gradient kernel's `parts` (`dq`, `dk`, `dg`),
+/// lowered by `lowering`: `[dq, dk, dg, dbeta terms]`.
+pub fn call_intra_grad(
+    f: &mut FnBuilder,
+    s: &ForwardShape,
+    fx: &super::ForwardInputs,
+    [daqk, dl]: [Value; 2],
+    parts: [Value; 3],
+    lowering: &dyn Lower,
+) -> Result<[Value; 4]> {
+    s.check()?;
+    let (kernel, r) = intra_grad_kernel(s)?;
+    let mut a: Bindings = kernel.bindings();
+    super::bind_tokens(&mut a, &r.tokens, fx)?;
+    a.input(r.daqk, daqk)?;
+    a.input(r.dl, dl)?;
+    for (at, v) in r.parts.into_iter().zip(parts) {
+        a.input(at, v)?;
+    }
+    let out = kernel.call(f, lowering, a)?;
+    let got = |i: usize| out.get(r.grads[i]);
+    Ok([got(0)?, got(1)?, got(2)?, got(3)?])
+}
