@@ -603,7 +603,7 @@ mod triton_interpret {
     use rstest::rstest;
     use BackwardStrategy::{Rematerialize, SavedState};
 
-    use super::interpret::{forward_twice_on, tokens};
+    use super::interpret::{forward_twice_on, grad_tokens, only_slot_changed, tokens, vjp_twice_on};
     use DType::{BF16, F32};
     use Path::{Fused, Split};
 
@@ -718,6 +718,21 @@ mod triton_interpret {
             let same = x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits());
             assert_eq!(same, slot != 1, "final state of slot {slot}");
         }
+    }
+
+    /// The GPU backward (fused, saved state, f32): changing one segment's inputs and `do` (row
+    /// 0's second of `packed_rows_differ`, from token 30) leaves every other token's gradients
+    /// and every other segment's `dh0` bitwise equal.
+    #[test]
+    fn the_gpu_backward_isolates_segments() {
+        let case = kda_testkit::cases::case("packed_rows_differ").expect("case");
+        let inside = |r: usize, t: usize| r == 0 && (30..100).contains(&t);
+        let [a, b] = vjp_twice_on(&backend(), &case, &inside, true);
+        let outside = |r: usize, t: usize| !inside(r, t);
+        assert_eq!(grad_tokens(&a, &case, &outside), grad_tokens(&b, &case, &outside), "gradients outside");
+        assert_ne!(grad_tokens(&a, &case, &inside)[0], grad_tokens(&b, &case, &inside)[0]);
+        let (x, y) = (a.dh0.as_ref().expect("dh0"), b.dh0.as_ref().expect("dh0"));
+        only_slot_changed(x, y, case.b * 3, 1, "dh0");
     }
 }
 
@@ -972,7 +987,7 @@ mod interpret {
 
     /// `x` and `y` (`[B, N, H, K, V]` states of `slots` slots) differ in slot `changed` and
     /// are bitwise equal in every other.
-    fn only_slot_changed(x: &HostTensor, y: &HostTensor, slots: usize, changed: usize, what: &str) {
+    pub fn only_slot_changed(x: &HostTensor, y: &HostTensor, slots: usize, changed: usize, what: &str) {
         let (x, y) = (x.to_f32_vec(), y.to_f32_vec());
         let per_slot = x.len() / slots;
         for (slot, (x, y)) in x.chunks(per_slot).zip(y.chunks(per_slot)).enumerate() {
@@ -992,6 +1007,16 @@ mod interpret {
         pick: &dyn Fn(usize, usize) -> bool,
         inputs: bool,
     ) -> [kda_core::KdaGradients; 2] {
+        vjp_twice_on(&backend(), case, pick, inputs)
+    }
+
+    /// [`vjp_twice`] on the backend `be`.
+    pub fn vjp_twice_on(
+        be: &PjrtBackend,
+        case: &Case,
+        pick: &dyn Fn(usize, usize) -> bool,
+        inputs: bool,
+    ) -> [kda_core::KdaGradients; 2] {
         let a = kda_testkit::case_data(case, F32).expect("inputs");
         let other =
             kda_testkit::case_data(&Case { name: "another_draw", ..case.clone() }, F32).expect("inputs");
@@ -1007,7 +1032,6 @@ mod interpret {
             b.inputs.beta = splice(&x.beta, &y.beta, layout, dims, pick);
         }
         b.cotangents.d_o = splice(&a.cotangents.d_o, &other.cotangents.d_o, layout, dims, pick);
-        let be = backend();
         let run = |d: &kda_testkit::CaseData| {
             be.forward_and_vjp(&d.inputs, &d.cotangents, SavedState).expect("forward and vjp").1
         };
@@ -1015,7 +1039,7 @@ mod interpret {
     }
 
     /// Each per-token gradient at the tokens `pick` selects, bitwise, in the case's layout.
-    fn grad_tokens(
+    pub fn grad_tokens(
         g: &kda_core::KdaGradients,
         case: &Case,
         pick: &dyn Fn(usize, usize) -> bool,

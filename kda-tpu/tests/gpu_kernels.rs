@@ -10,7 +10,7 @@ mod hlo_support;
 
 use half::bf16;
 use hlo_support::{unit_rows, In};
-use kda_core::{DType, GateMode, HostTensor, KdaConfig, KdaInputs, Layout};
+use kda_core::{DType, GateKind, GateMode, HostTensor, KdaConfig, KdaInputs, Layout};
 use kda_testkit::metrics::agreement;
 use kda_testkit::tolerance::{rms_limit, Quantity};
 use kda_testkit::Rng;
@@ -221,21 +221,27 @@ fn state_grad_compiles(dtype: DType, k: i64, v: i64, grid: [u64; 3]) -> Result<(
     launches_on_the_h200(&text, dtype, &[("kda_gpu_state_grad", grid)])
 }
 
-/// The backward's chunk-parallel kernels at the primary shape (H=8, T=1024, K=V=128) in bf16:
-/// the WY gradient (per lane and chunk a key-side and a value-side program) and the intra
-/// gradient (per lane, chunk and block of 64 key columns), 8 warps, no spill stores, no
-/// atomics. f32 and K = 256 are under `full::`.
+/// The backward's chunk-parallel kernels at the primary shape (H=8, T=1024, K=V=128) in bf16
+/// with the secondary benchmark's options (L2 norm, the lower-bound gate: the most registers):
+/// the WY gradient (per lane and chunk a program per 64 key columns and the value side's) and
+/// the intra gradient (per lane, chunk and 64 key columns), 8 warps, no spill stores, no
+/// atomics. Without them, in f32 and at K = 256 they are under `full::`.
 #[rstest]
 #[case::wy_grad("kda_gpu_wy_grad")]
 #[case::intra_grad("kda_gpu_intra_grad")]
 fn gpu_chunk_grads_compile_for_the_h200_in_bf16(#[case] name: &str) -> Result<()> {
-    chunk_grad_compiles(name, DType::BF16, 128, 128)
+    chunk_grad_compiles(name, DType::BF16, 128, 128, true)
 }
 
-/// The chunk-parallel backward kernel `name` for `dtype` at `K = k`, `V = v` (H=8, T=1024):
-/// launched on (lanes, chunks, 2 sides or the key blocks), no spills.
-fn chunk_grad_compiles(name: &str, dtype: DType, k: i64, v: i64) -> Result<()> {
+/// The chunk-parallel backward kernel `name` for `dtype` at `K = k`, `V = v` (H=8, T=1024;
+/// `gated`: the L2 norm and the lower-bound gate): launched on (lanes, chunks, its programs
+/// per chunk), no spills.
+fn chunk_grad_compiles(name: &str, dtype: DType, k: i64, v: i64, gated: bool) -> Result<()> {
     let s = ForwardShape::new(8, 1024, k, v, dtype);
+    let s = match gated {
+        true => ForwardShape { l2norm: true, gate: GateKind::LowerBound(-5.0), ..s },
+        false => s,
+    };
     let (kernel, programs) = match name {
         "kda_gpu_wy_grad" => (wy_grad_kernel(&s)?.0, s.wy_grad_parts() as u64),
         _ => (intra_grad_kernel(&s)?.0, (k / s.intra_grad_bk()) as u64),
@@ -246,14 +252,18 @@ fn chunk_grad_compiles(name: &str, dtype: DType, k: i64, v: i64) -> Result<()> {
 mod full {
     use super::*;
 
-    /// The chunk-parallel backward kernels in f32 and at K = 256 / V = 32 in bf16, no spill
-    /// stores.
+    /// The chunk-parallel backward kernels without the gate and L2 norm, in f32 and at K = 256
+    /// / V = 32 in bf16, no spill stores.
     #[rstest]
     fn gpu_chunk_grads_compile_for_the_h200(
         #[values("kda_gpu_wy_grad", "kda_gpu_intra_grad")] name: &str,
-        #[values((DType::F32, 128, 128), (DType::BF16, 256, 32))] shape: (DType, i64, i64),
+        #[values((DType::BF16, 128, 128), (DType::F32, 128, 128), (DType::BF16, 256, 32))] shape: (
+            DType,
+            i64,
+            i64,
+        ),
     ) -> Result<()> {
-        chunk_grad_compiles(name, shape.0, shape.1, shape.2)
+        chunk_grad_compiles(name, shape.0, shape.1, shape.2, false)
     }
     use kda_core::BackwardStrategy;
     use kda_testkit::{benchmark_cases, case_data};

@@ -274,27 +274,30 @@ fn key_block(
             _ => return Err(internal("no value columns")),
         };
         let diag = mul_const(b, &diag, s.scale)?;
+        // In the order that ends each accumulator's life soonest: nw = -A^T dw (dw = -dv' h^T)
+        // first, then dq (and dqg's gate term), then dk.
+        let a = load_a(b, r)?;
+        let nw = product(b, s, &a, &ndw, (0, 0))?;
         let x = tokens::load_tile(b, s, &r.tokens, (0, C), (col, bk), norms)?;
         let gc = b.cumsum(&x.g, 0, Scan { reverse: false, exclusive: false }, None)?; // G_t
         let eg = b.exp(&gc)?;
-        let total = b.slice(&gc, &[C - 1, 0], &[1, bk])?;
-        let eg_last = b.exp(&total)?;
-        let gs = b.cumsum(&x.g, 0, Scan { reverse: true, exclusive: true }, None)?; // G_C - G_t
-        let eg_rest = b.exp(&gs)?;
-        let keg = b.mul(&x.k, &eg)?;
-        // nw = -A^T dw, with dw = -dv' h^T.
-        let a = load_a(b, r)?;
-        let nw = product(b, s, &a, &ndw, (0, 0))?;
-        let db = b.mul(&nw, &keg)?;
-        let db = b.reduce(Reduction::Sum, &db, 1)?;
-        let db = b.neg(&db)?;
-        store_columns(b, r.dbeta, i, &db, DType::F32)?;
-        let bnw = b.mul(&nw, beta)?;
         let dqg = mul_const(b, &dqg, s.scale)?;
         let dq = b.mul(&dqg, &eg)?;
         let t = b.mul(&x.k, &diag)?;
         let dq = b.add(&dq, &t)?;
         store_columns(b, r.dq, col, &dq, DType::F32)?;
+        let qeg = b.mul(&x.q, &eg)?;
+        let dgg = b.mul(&dqg, &qeg)?;
+        let keg = b.mul(&x.k, &eg)?;
+        let db = b.mul(&nw, &keg)?;
+        let db = b.reduce(Reduction::Sum, &db, 1)?;
+        let db = b.neg(&db)?;
+        store_columns(b, r.dbeta, i, &db, DType::F32)?;
+        let bnw = b.mul(&nw, beta)?;
+        let t = b.mul(&bnw, &keg)?;
+        let dgg = b.sub(&dgg, &t)?;
+        let gs = b.cumsum(&x.g, 0, Scan { reverse: true, exclusive: true }, None)?; // G_C - G_t
+        let eg_rest = b.exp(&gs)?;
         let dk = b.mul(&dkg, &eg_rest)?;
         let t = b.mul(&bnw, &eg)?;
         let dk = b.sub(&dk, &t)?;
@@ -302,14 +305,12 @@ fn key_block(
         let dk = b.add(&dk, &t)?;
         store_columns(b, r.dk, col, &dk, DType::F32)?;
         // dg_s = sum_{t >= s} dgg_t + sum_{t < s} t2_t + hd (no last-row total cancelled).
-        let qeg = b.mul(&x.q, &eg)?;
-        let dgg = b.mul(&dqg, &qeg)?;
-        let t = b.mul(&bnw, &keg)?;
-        let dgg = b.sub(&dgg, &t)?;
         let kg = b.mul(&x.k, &eg_rest)?;
         let t2 = b.mul(&dkg, &kg)?;
         let suffix = b.cumsum(&dgg, 0, Scan { reverse: true, exclusive: false }, None)?;
         let before = b.cumsum(&t2, 0, Scan { reverse: false, exclusive: true }, None)?;
+        let total = b.slice(&gc, &[C - 1, 0], &[1, bk])?;
+        let eg_last = b.exp(&total)?;
         let hd = b.mul(&hd, &eg_last)?;
         let dg = b.add(&suffix, &before)?;
         let dg = b.add(&dg, &hd)?;
