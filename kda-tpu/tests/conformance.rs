@@ -592,9 +592,8 @@ mod context_parallel {
 /// StableHLO) against the reference at the limits of docs/kda.md, Accuracy: a covering set of
 /// the forward (fixed and packed, both layouts, widths padded to the kernels' powers of two, K
 /// up to 256, the in-kernel gates and L2 norm, hard resets, every segment empty) and of the
-/// backward (the state-gradient kernel between XLA's chunk-parallel work, from the kernels'
-/// forward), bitwise causality at a boundary inside a sub-chunk, segment isolation; the rest of
-/// the table under `full::`.
+/// backward (the GPU backward kernels, from the kernels' forward), bitwise causality at a
+/// boundary inside a sub-chunk, segment isolation; the rest of the table under `full::`.
 mod triton_interpret {
     use kda_core::{BackwardStrategy, DType, Layout};
     use kda_testkit::conformance::{backward, forward, Path};
@@ -666,10 +665,9 @@ mod triton_interpret {
         run(kda_testkit::conformance::backward_case(&backend(), &case, F32, SavedState, path));
     }
 
-    /// The backward (the state-gradient kernel between XLA's chunk terms and chunk-parallel
-    /// gradients) from the GPU kernels' forward: the split saved-state backward reads the
-    /// recurrence kernel's per-chunk states, the fused program its own, the rematerializing
-    /// backward re-runs the forward kernels; K = 256 in two parts, every segment empty (`dh0`
+    /// The backward (the state, WY and intra gradient kernels) from the GPU kernels' forward:
+    /// the split saved-state backward reads the recurrence kernel's per-chunk states, the fused
+    /// program its own, the rematerializing backward re-runs the forward kernels; K = 256 in two parts, every segment empty (`dh0`
     /// is `dht`). Padded widths and hard resets under `full::`.
     #[rstest]
     #[case::fixed_small_saved_split_f32("fixed_small", F32, SavedState, Split)]
