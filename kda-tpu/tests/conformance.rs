@@ -657,12 +657,22 @@ mod triton_interpret {
         run(kda_testkit::conformance::forward_case(&backend(), &case, dtype));
     }
 
-    /// The fused saved-state forward+VJP and the split saved-state backward from the rows'
-    /// per-chunk states.
+    /// The backward of rows read in place, gradients written in place: the split saved-state
+    /// backward from the rows' per-chunk states, the fused saved-state forward+VJP, and the
+    /// rematerializing fused program with the gates and the L2 norm (the tail's gate and norm
+    /// gradients in the caller's layout).
     #[rstest]
-    fn in_place_rows_backward_meets_the_reference(#[values(Split, Fused)] path: Path) {
-        let case = Case { layout: Layout::BatchFirst, ..Case::base("rows_in_place", 2, 2, 128, 32, 16) };
-        run(kda_testkit::conformance::backward_case(&backend(), &case, F32, SavedState, path));
+    #[case::preactivated_saved_split_f32(Case { layout: Layout::BatchFirst, ..Case::base("rows_in_place", 2, 2, 128, 32, 16) }, F32, SavedState, Split)]
+    #[case::preactivated_saved_fused_f32(Case { layout: Layout::BatchFirst, ..Case::base("rows_in_place", 2, 2, 128, 32, 16) }, F32, SavedState, Fused)]
+    #[case::lower_bound_l2norm_remat_fused_bf16(Case { layout: Layout::BatchFirst, gate: CaseGate::LowerBound(-5.0), l2norm: true, ..Case::base("rows_in_place_gate", 2, 2, 192, 16, 32) }, BF16, Rematerialize, Fused)]
+    #[case::softplus_saved_split_f32(Case { layout: Layout::BatchFirst, gate: CaseGate::Softplus, ..Case::base("rows_in_place_softplus", 3, 2, 128, 32, 16) }, F32, SavedState, Split)]
+    fn in_place_rows_backward_meets_the_reference(
+        #[case] case: Case,
+        #[case] dtype: DType,
+        #[case] strategy: BackwardStrategy,
+        #[case] path: Path,
+    ) {
+        run(kda_testkit::conformance::backward_case(&backend(), &case, dtype, strategy, path));
     }
 
     /// The backward (the state, WY and intra gradient kernels) from the GPU kernels' forward:

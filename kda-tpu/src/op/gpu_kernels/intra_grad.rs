@@ -14,7 +14,7 @@
 //! `x_t` to `dG_t`), column `j` gets `sum_t M_tj x_t e^(G_t - G_j)` (to `k`'s gradient, and
 //! times `-k_j` to `dG_j`); `dbeta_t` gets `k_t . sum_j dL_tj k_j e^(G_t - G_j)`.
 
-use kda_core::DType;
+use kda_core::{DType, GateKind};
 
 use crate::error::Result;
 use crate::hlo::{Cmp, FnBuilder, TensorType, Value};
@@ -27,6 +27,7 @@ use super::intra::row_of;
 use super::tokens::{self, TokenRefs};
 use super::wy_grad::product;
 use super::{ForwardShape, C, SUB};
+use crate::op::chunk::{gate_slopes, GATE_FLOOR};
 
 /// The intra-gradient kernel's operands by name (`[L, T, D]` lane-major tokens).
 #[derive(Clone, Copy, Debug)]
@@ -39,9 +40,14 @@ pub struct IntraGradRefs {
     pub dl: Ref,
     /// The WY-gradient kernel's parts of `dq`, `dk`, `dg` `[L, T, K]` f32.
     pub parts: [Ref; 3],
-    /// `dq`, `dk`, `dg` (summed within the chunk) `[L, T, K]` and this kernel's terms of `dbeta`
-    /// per key block `[L, T, K / BK]`, f32.
+    /// `dq`, `dk` (in [`ForwardShape::qk_grad_dtype`]), `dg` (summed within the chunk, through
+    /// the floor and the in-kernel gate, in [`ForwardShape::g_dtype`]) `[L, T, K]` in the tokens'
+    /// layout, and this kernel's
+    /// terms of `dbeta` per key block `[L, T, K / BK]` f32.
     pub grads: [Ref; 4],
+    /// With an in-kernel gate: each chunk's column sums of `dg` times the gate's slopes
+    /// `[L, NT, 2, K]` f32 (`a_log`'s per channel, then `dt_bias`'s), summed outside.
+    pub gate_sums: Option<Ref>,
 }
 
 /// The intra-gradient kernel of `s`: grid (lanes, chunk positions, key blocks of
@@ -62,14 +68,21 @@ pub fn intra_grad_kernel(s: &ForwardShape) -> Result<(Kernel, IntraGradRefs)> {
     let daqk = kb.input(pairs("daqk"));
     let dl = kb.input(pairs("dl"));
     let parts = [kb.input(keys("dq_part")), kb.input(keys("dk_part")), kb.input(keys("dg_part"))];
+    let token =
+        |name: &str, d: DType| tokens::operand(name, s, d, k, (C, Index::Grid(1)), (bk, Index::Grid(2)));
     let grads = [
-        kb.output(keys("dq")),
-        kb.output(keys("dk")),
-        kb.output(keys("dg")),
+        kb.output(token("dq", s.qk_grad_dtype())),
+        kb.output(token("dk", s.qk_grad_dtype())),
+        kb.output(token("dg", s.g_dtype)),
         kb.output(chunk("dbeta", nkb, 1, Index::Grid(2))),
     ];
+    let gate_sums = (s.gate != GateKind::Preactivated).then(|| {
+        let ty = TensorType::new(DType::F32, &[l, nt, 2, k]);
+        let at = vec![Index::Grid(0), Index::Grid(1), Index::Const(0), Index::Grid(2)];
+        kb.output(Operand::blocked("gate_sums", ty, &[1, 1, 2, bk], at))
+    });
     kb.params(s.intra_grad_launch);
-    let refs = IntraGradRefs { tokens, daqk, dl, parts, grads };
+    let refs = IntraGradRefs { tokens, daqk, dl, parts, grads, gate_sums };
     let kernel = kb.build(|b| chunk_intra_grad(b, s, &refs))?;
     Ok((kernel, refs))
 }
@@ -151,6 +164,7 @@ fn key_block(b: &mut Body, s: &ForwardShape, r: &IntraGradRefs, norms: Option<&t
     let z = Offset::Const(0);
     let mut columns = b.splat(0.0, DType::F32, &[C, bk])?;
     let mut carry = b.splat(0.0, DType::F32, &[1, bk])?;
+    let mut sums = None;
     for sc in (0..C / SUB).rev() {
         let rows = (SUB * sc, SUB);
         let y = tokens::load_tile(b, s, &r.tokens, rows, (col, bk), norms)?;
@@ -196,19 +210,18 @@ fn key_block(b: &mut Body, s: &ForwardShape, r: &IntraGradRefs, norms: Option<&t
             let c = b.mul(&c, &ec)?;
             columns = b.add(&columns, &c)?;
         }
-        let at = [z.clone(), Offset::Const(SUB * sc), Offset::Const(col)];
-        let store_rows = |b: &mut Body, out: Ref, x: &V| -> Result<()> {
-            let x = b.reshape(x, &[1, SUB, bk])?;
-            b.store(out, &at, &x)
+        let at = (Offset::Const(SUB * sc), Offset::Const(col));
+        let store_rows = |b: &mut Body, out: Ref, x: &V, dtype: DType| -> Result<()> {
+            tokens::store_tile(b, out, r.tokens.layout, at.clone(), x, dtype)
         };
         let dq = rows_of(b, dq_in, rows, (col, bk))?;
         let dq = b.add(&dq, &qr)?;
-        store_rows(b, dq_out, &dq)?;
+        store_rows(b, dq_out, &dq, s.qk_grad_dtype())?;
         let krb = b.mul(&kr, &y.beta)?;
         let dk = rows_of(b, dk_in, rows, (col, bk))?;
         let dk = b.add(&dk, &krb)?;
         let dk = b.add(&dk, &cols_here)?;
-        store_rows(b, dk_out, &dk)?;
+        store_rows(b, dk_out, &dk, s.qk_grad_dtype())?;
         let t = b.mul(&y.k, &kr)?;
         let db = b.reduce(Reduction::Sum, &t, 1)?;
         let db = b.reshape(&db, &[1, SUB, 1])?;
@@ -223,14 +236,65 @@ fn key_block(b: &mut Body, s: &ForwardShape, r: &IntraGradRefs, norms: Option<&t
         carry = b.slice(&suffix, &[0, 0], &[1, bk])?;
         let dg = rows_of(b, dg_in, rows, (col, bk))?;
         let dg = b.add(&dg, &suffix)?;
-        store_rows(b, dg_out, &dg)?;
+        let dg = through_gate(b, s, r, &y, rows, &dg, &mut sums)?;
+        store_rows(b, dg_out, &dg, s.g_dtype)?;
+    }
+    if let (Some(out), Some(sums)) = (r.gate_sums, sums) {
+        let both = b.concat(&sums, 0)?;
+        let both = b.reshape(&both, &[1, 1, 2, bk])?;
+        b.store(out, &[z.clone(), z.clone(), z.clone(), z], &both)?;
     }
     Ok(())
 }
 
+/// `dg` of rows `start..start + n` through the floor (zero where the gate sat on it) and, with
+/// an in-kernel gate, through the gate (`gate_slopes`), whose parameters' column sums over the
+/// chunk's tokens (not its padding rows) are added to `sums`.
+fn through_gate(
+    b: &mut Body,
+    s: &ForwardShape,
+    r: &IntraGradRefs,
+    y: &tokens::Chunk,
+    (start, n): (i64, i64),
+    dg: &V,
+    sums: &mut Option<[V; 2]>,
+) -> Result<V> {
+    let dims = dg.ty.dims.clone();
+    let floor = b.splat(GATE_FLOOR, DType::F32, &dims)?;
+    let live = b.compare(Cmp::Gt, &y.g, &floor)?;
+    let zero = b.splat(0.0, DType::F32, &dims)?;
+    let dg = b.select(&live, dg, &zero)?;
+    if r.gate_sums.is_none() {
+        return Ok(dg);
+    }
+    let at = b.program_id(1)?;
+    let valid = b.read_table(r.tokens.valid, &at)?;
+    let valid = b.broadcast(&valid, &dims)?;
+    let row = b.iota(&dims, 0)?;
+    let first = b.splat(start as f64, DType::I32, &dims)?;
+    let row = b.add(&row, &first)?;
+    let real = b.compare(Cmp::Lt, &row, &valid)?;
+    let dg = b.select(&real, &dg, &zero)?;
+    let raw = tokens::f32_tile(b, r.tokens.g, (start, n), (0, dims[1]), r.tokens.layout)?;
+    let (dz, dlog) = gate_slopes(b, &raw, s.gate, r.tokens.gate)?;
+    let dx = b.mul(&dg, &dz)?;
+    let dl = b.mul(&dg, &dlog)?;
+    let mut next = Vec::new();
+    for (i, x) in [&dl, &dx].into_iter().enumerate() {
+        let sum = b.reduce(Reduction::Sum, x, 0)?;
+        let sum = b.reshape(&sum, &[1, dims[1]])?;
+        next.push(match sums {
+            Some(acc) => b.add(&acc[i], &sum)?,
+            None => sum,
+        });
+    }
+    *sums = Some([next[0].clone(), next[1].clone()]);
+    Ok(dx)
+}
+
 /// Calls the intra-gradient kernel of `s` in `f` on the forward's per-token inputs `fx`, the
 /// pair gradients `[dAqk, dL]` and the WY-gradient kernel's `parts` (`dq`, `dk`, `dg`),
-/// lowered by `lowering`: `[dq, dk, dg, dbeta terms]`.
+/// lowered by `lowering`.
 pub fn call_intra_grad(
     f: &mut FnBuilder,
     s: &ForwardShape,
@@ -238,7 +302,7 @@ pub fn call_intra_grad(
     [daqk, dl]: [Value; 2],
     parts: [Value; 3],
     lowering: &dyn Lower,
-) -> Result<[Value; 4]> {
+) -> Result<IntraGradOutputs> {
     s.check()?;
     let (kernel, r) = intra_grad_kernel(s)?;
     let mut a: Bindings = kernel.bindings();
@@ -250,5 +314,15 @@ pub fn call_intra_grad(
     }
     let out = kernel.call(f, lowering, a)?;
     let got = |i: usize| out.get(r.grads[i]);
-    Ok([got(0)?, got(1)?, got(2)?, got(3)?])
+    let gate_sums = r.gate_sums.map(|at| out.get(at)).transpose()?;
+    Ok(IntraGradOutputs { grads: [got(0)?, got(1)?, got(2)?, got(3)?], gate_sums })
+}
+
+/// What the intra-gradient kernel returns (shapes as in [`IntraGradRefs`]).
+#[derive(Clone, Copy, Debug)]
+pub struct IntraGradOutputs {
+    /// `[dq, dk, dg, dbeta terms]`.
+    pub grads: [Value; 4],
+    /// The gate parameters' column sums, with an in-kernel gate.
+    pub gate_sums: Option<Value>,
 }

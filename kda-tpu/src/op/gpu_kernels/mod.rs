@@ -6,12 +6,14 @@
 //! factors the recurrence reads) and [`recurrence`] (one program per lane, block of state
 //! columns and state slot, looping over the slot's chunks), wired by [`call_forward`]. The
 //! backward is [`state_grad`] (the reverse recurrence), [`wy_grad`] (through the states and the
-//! WY solve) and [`intra_grad`] (through the chunk's pairs) (docs/kernels/gpu-backward.md).
+//! WY solve), [`intra_grad`] (through the chunk's pairs, the floor and the gate) and, with the
+//! L2 norm, [`norm_grad`] (docs/kernels/gpu-backward.md).
 //! The programs around them are in `program`.
 
 pub mod intra;
 pub mod intra_grad;
 pub mod inverse;
+pub mod norm_grad;
 pub(in crate::op) mod program;
 pub mod recurrence;
 pub mod state_grad;
@@ -106,6 +108,10 @@ pub struct ForwardShape {
     /// Whether the recurrence writes the state entering every chunk (for the saved-state
     /// backward).
     pub keep_h: bool,
+    /// The dtype of the kept entering states, as the recurrence writes them and the WY gradient
+    /// reads them: f32 for a saved-state residual, the factors' dtype inside a fused program
+    /// (its products round them so anyway).
+    pub h_dtype: DType,
     /// How the intra kernel launches on a GPU.
     pub intra_launch: TritonParams,
     /// How the WY kernel launches.
@@ -118,6 +124,8 @@ pub struct ForwardShape {
     pub wy_grad_launch: TritonParams,
     /// How the backward's intra-gradient kernel launches.
     pub intra_grad_launch: TritonParams,
+    /// How the backward's L2-norm gradient kernel launches.
+    pub norm_grad_launch: TritonParams,
 }
 
 impl ForwardShape {
@@ -142,12 +150,14 @@ impl ForwardShape {
             segmented: false,
             h0: false,
             keep_h: false,
+            h_dtype: DType::F32,
             intra_launch: launch(8),
             wy_launch: launch(8),
             recurrence_launch: launch(8),
             state_grad_launch: launch(8),
             wy_grad_launch: launch(8),
             intra_grad_launch: launch(8),
+            norm_grad_launch: launch(8),
         }
     }
 
@@ -237,20 +247,20 @@ impl ForwardShape {
         })
     }
 
-    /// Rows per program of the WY-gradient kernel's products through `A^T`: the chunk for bf16;
-    /// 32 for f32, whose three-pass product with the whole `A` spilled.
-    pub fn wy_grad_solve_rows(&self) -> i64 {
-        match self.dtype {
-            DType::BF16 => C,
-            _ => C / 2,
-        }
+    /// Programs per lane and chunk of the WY-gradient kernel: one per block of
+    /// [`ForwardShape::wy_grad_bk`] key columns, one for the value side's pairs and one for the
+    /// products through `A^T`.
+    pub fn wy_grad_parts(&self) -> i64 {
+        self.k / self.wy_grad_bk() + 2
     }
 
-    /// Programs per lane and chunk of the WY-gradient kernel: one per block of
-    /// [`ForwardShape::wy_grad_bk`] key columns, one for the value side's pairs and one per
-    /// block of [`ForwardShape::wy_grad_solve_rows`] rows through `A^T`.
-    pub fn wy_grad_parts(&self) -> i64 {
-        self.k / self.wy_grad_bk() + 1 + C / self.wy_grad_solve_rows()
+    /// The dtype the intra gradient writes `dq` and `dk` in: f32 for the L2 norm's gradient
+    /// kernel ([`norm_grad`]) to take on, else the input dtype (final).
+    pub fn qk_grad_dtype(&self) -> DType {
+        match self.l2norm {
+            true => DType::F32,
+            false => self.dtype,
+        }
     }
 
     /// Key columns per intra-gradient program: 64 for bf16, 32 for f32 (a program holds the

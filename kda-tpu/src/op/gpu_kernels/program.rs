@@ -9,6 +9,7 @@
 use kda_core::{BackwardStrategy, DType, Layout};
 
 use super::intra_grad::call_intra_grad;
+use super::norm_grad::call_norm_grad;
 use super::state_grad::{call_state_grad, StateGradInputs};
 use super::wy_grad::{call_wy_grad, WyGradInputs};
 use super::{
@@ -108,16 +109,21 @@ pub(in crate::op) fn forward_kernels(s: &ProgramSpec, dtype: DType, keep_h: bool
     super::forward_kernels(&sh)
 }
 
-/// The backward kernels of `s`'s GPU rows (state gradient, WY gradient, intra gradient), inputs
+/// The backward kernels of `s`'s GPU rows (state gradient, WY gradient, intra gradient, with the
+/// L2 norm its gradient), inputs
 /// held in `dtype` on the device; `dht` is read when the forward returns final states.
 pub(in crate::op) fn backward_kernels(s: &ProgramSpec, dtype: DType) -> Result<Vec<Kernel>> {
     let sh = shape(s, kernel_dtype(dtype), false);
     sh.check()?;
-    Ok(vec![
+    let mut kernels = vec![
         super::state_grad::state_grad_kernel(&sh, s.options.final_state)?.0,
         super::wy_grad::wy_grad_kernel(&sh)?.0,
         super::intra_grad::intra_grad_kernel(&sh)?.0,
-    ])
+    ];
+    if sh.l2norm {
+        kernels.push(super::norm_grad::norm_grad_kernel(&sh)?.0);
+    }
+    Ok(kernels)
 }
 
 /// Tokens per chunk position `[NT]`: from `slot_token` for packed rows (a padding slot points
@@ -153,23 +159,26 @@ fn rows_shape(s: &ProgramSpec, base: ForwardShape) -> ForwardShape {
     ForwardShape { layout: TokenLayout::Rows, lanes: h, t: bb * t, slots: bb, run_chunks: t / C, ..base }
 }
 
-/// The forward of batch-first fixed-length rows, read and written in place (`TokenLayout::Rows`:
-/// lanes are heads, the rows' tokens one row after another, the state restarting at each row).
-fn forward_rows(
-    f: &mut FnBuilder,
-    s: &ProgramSpec,
-    a: &Args,
-    keep_h: bool,
-    lowering: &dyn Lower,
-) -> Result<(Vec<Value>, Kept)> {
+/// The shape of the row kernels ([`rows_shape`]) for `a`'s inputs.
+fn rows_kernel_shape(s: &ProgramSpec, a: &Args, keep_h: bool) -> ForwardShape {
+    ForwardShape {
+        g_dtype: kernel_dtype(a.g.elem()),
+        ..rows_shape(s, shape(s, kernel_dtype(a.q.elem()), keep_h))
+    }
+}
+
+/// The caller's batch-first tensor `x` as the row kernels read it: `[B T, H w]` in `dtype`.
+fn rows_of(f: &mut FnBuilder, s: &ProgramSpec, x: Value, dtype: DType, w: i64) -> Result<Value> {
+    let x = if x.elem() == dtype { x } else { f.convert(x, dtype)? };
+    f.reshape(x, &[(s.dims.b * s.dims.t) as i64, s.dims.h as i64 * w])
+}
+
+/// The inputs of the row kernels of shape `sh`: the caller's tensors in place, a state slot
+/// per row, each row's first and last chunk flagged.
+fn rows_inputs(f: &mut FnBuilder, s: &ProgramSpec, a: &Args, sh: &ForwardShape) -> Result<ForwardInputs> {
     let (h, bb, t, k, v) =
         (s.dims.h as i64, s.dims.b as i64, s.dims.t as i64, s.dims.k as i64, s.dims.v as i64);
-    let (dtype, nt) = (kernel_dtype(a.q.elem()), t / C);
-    let sh = ForwardShape { g_dtype: kernel_dtype(a.g.elem()), ..rows_shape(s, shape(s, dtype, keep_h)) };
-    let rows = |f: &mut FnBuilder, x: Value, dtype: DType, w: i64| -> Result<Value> {
-        let x = if x.elem() == dtype { x } else { f.convert(x, dtype)? };
-        f.reshape(x, &[bb * t, h * w])
-    };
+    let nt = t / C;
     let pos = f.iota(TensorType::new(DType::I32, &[bb * nt]), 0)?;
     let i32s = |f: &mut FnBuilder, c: i64| f.constant_i32(c as i32, TensorType::new(DType::I32, &[bb * nt]));
     let n = i32s(f, nt)?;
@@ -188,12 +197,12 @@ fn forward_rows(
         }
         None => None,
     };
-    let x = ForwardInputs {
-        q: rows(f, a.q, dtype, k)?,
-        k: rows(f, a.k, dtype, k)?,
-        v: rows(f, a.v, dtype, v)?,
-        g: rows(f, a.g, sh.g_dtype, k)?,
-        beta: rows(f, a.beta, dtype, 1)?,
+    Ok(ForwardInputs {
+        q: rows_of(f, s, a.q, sh.dtype, k)?,
+        k: rows_of(f, s, a.k, sh.dtype, k)?,
+        v: rows_of(f, s, a.v, sh.dtype, v)?,
+        g: rows_of(f, s, a.g, sh.g_dtype, k)?,
+        beta: rows_of(f, s, a.beta, sh.dtype, 1)?,
         gate: match a.a_log {
             Some(al) => Some(gate_operand(f, s, al, a.dt_bias)?),
             None => None,
@@ -203,7 +212,23 @@ fn forward_rows(
         first: flag(f, 0)?,
         last: flag(f, nt - 1)?,
         slot: row,
-    };
+    })
+}
+
+/// The forward of batch-first fixed-length rows, read and written in place (`TokenLayout::Rows`:
+/// lanes are heads, the rows' tokens one row after another, the state restarting at each row).
+fn forward_rows(
+    f: &mut FnBuilder,
+    s: &ProgramSpec,
+    a: &Args,
+    keep_h: Option<DType>,
+    lowering: &dyn Lower,
+) -> Result<(Vec<Value>, Kept)> {
+    let (h, bb, t, k, v) =
+        (s.dims.h as i64, s.dims.b as i64, s.dims.t as i64, s.dims.k as i64, s.dims.v as i64);
+    let sh = rows_kernel_shape(s, a, keep_h.is_some());
+    let sh = ForwardShape { h_dtype: keep_h.unwrap_or(sh.h_dtype), ..sh };
+    let x = rows_inputs(f, s, a, &sh)?;
     let fv = call_factors(f, &sh, &x, lowering)?;
     let out = call_recurrence(f, &sh, &x, &fv, lowering)?;
     let mut outs = vec![f.reshape(out.o, &[bb * t * h, v])?];
@@ -212,28 +237,14 @@ fn forward_rows(
         outs.push(prep::state_from_table(f, s, ht)?);
     }
     if let Some(hs) = out.h {
-        outs.push(f.reshape(hs, &[h * bb, nt, k, v])?);
+        outs.push(f.reshape(hs, &[h * bb, t / C, k, v])?);
     }
-    // The factors as lane-major chunks: lane `h B + b` is row `b` of head `h`.
-    let lanes = |f: &mut FnBuilder, x: Value, n: i64| -> Result<Value> {
-        let d = x.dims()[2];
-        f.reshape(x, &[h * bb, n, d])
-    };
-    let fv = FactorValues {
-        w: lanes(f, fv.w, t)?,
-        u: lanes(f, fv.u, t)?,
-        qg: lanes(f, fv.qg, t)?,
-        kg: lanes(f, fv.kg, t)?,
-        aqk: lanes(f, fv.aqk, t)?,
-        eg: lanes(f, fv.eg, nt)?,
-        a: lanes(f, fv.a, t)?,
-    };
-    let v_new = out.v_new.map(|x| lanes(f, x, t)).transpose()?;
-    Ok((outs, Kept { factors: fv, v_new }))
+    Ok((outs, Kept { factors: fv, v_new: out.v_new }))
 }
 
 /// What a forward hands a backward in the same program: the chunk kernels' factors and, where
-/// it kept the states, `v' = u - w S`, as lane-major chunks (widths padded).
+/// it kept the states, `v' = u - w S`, as the kernels hold them (lane-major, widths padded; for
+/// rows in place, a lane per head).
 #[derive(Clone, Copy, Debug)]
 struct Kept {
     factors: FactorValues,
@@ -248,7 +259,7 @@ pub(in crate::op) fn forward(
     keep_h: bool,
     lowering: &dyn Lower,
 ) -> Result<Vec<Value>> {
-    Ok(forward_parts(f, s, a, keep_h, lowering)?.0)
+    Ok(forward_parts(f, s, a, keep_h.then_some(DType::F32), lowering)?.0)
 }
 
 /// The shape of the lane-major kernels for `a`'s inputs.
@@ -302,13 +313,14 @@ fn forward_parts(
     f: &mut FnBuilder,
     s: &ProgramSpec,
     a: &Args,
-    keep_h: bool,
+    keep_h: Option<DType>,
     lowering: &dyn Lower,
 ) -> Result<(Vec<Value>, Kept)> {
     if in_place(s) {
         return forward_rows(f, s, a, keep_h, lowering);
     }
-    let sh = lane_shape(s, a, keep_h);
+    let sh = lane_shape(s, a, keep_h.is_some());
+    let sh = ForwardShape { h_dtype: keep_h.unwrap_or(sh.h_dtype), ..sh };
     let (x, h0) = lane_inputs(f, s, a, &sh)?;
     let fv = call_factors(f, &sh, &x, lowering)?;
     let out = call_recurrence(f, &sh, &x, &fv, lowering)?;
@@ -356,7 +368,8 @@ pub(in crate::op) fn backward(
     backward_from(f, s, a, saved.map(|h| (h, None)), cotangents, lowering)
 }
 
-/// The fused forward+VJP: the forward kernels keeping the entering states, then the backward
+/// The fused forward+VJP: the forward kernels keeping the entering states (in the factors'
+/// dtype: they only feed the WY gradient's products and its `h . dh` sums), then the backward
 /// from them and the forward's factors (both strategies: the states are in the executable
 /// anyway).
 pub(in crate::op) fn fused(
@@ -367,7 +380,8 @@ pub(in crate::op) fn fused(
     cotangents: (Value, Option<Value>),
     lowering: &dyn Lower,
 ) -> Result<Vec<Value>> {
-    let (mut outs, kept) = forward_parts(f, s, a, true, lowering)?;
+    let fd = kernel_dtype(a.q.elem());
+    let (mut outs, kept) = forward_parts(f, s, a, Some(fd), lowering)?;
     let h = outs.pop().ok_or_else(|| TpuError::builder("triton fused", "internal: no states kept"))?;
     let grads = backward_from(f, s, a, Some((h, Some(kept))), cotangents, lowering)?;
     outs.extend(grads);
@@ -382,10 +396,11 @@ fn pad_state(f: &mut FnBuilder, x: Value, k: i64, v: i64) -> Result<Value> {
     f.transpose(x, &[0, 1, 3, 2])
 }
 
-/// The backward kernels on lane-major chunks: the state gradient, the WY gradient and the
-/// intra gradient, from the entering states `[L, NT, K, V]` (and the chunk kernels' factors)
-/// of a forward that ran, else from both formed again; XLA's tail then takes the gradients into
-/// the caller's layout (`xla::finish_chunk_grads`).
+/// The backward kernels: the state gradient, the WY gradient and the intra gradient, from the
+/// entering states `[L, NT, K, V]` (and the chunk kernels' factors) of a forward that ran, else
+/// from both formed again; batch-first fixed-length rows read in place and get their gradients
+/// in place ([`rows_tail`]), the rest goes through lane-major chunks and XLA's tail
+/// (`xla::finish_chunk_grads`).
 fn backward_from(
     f: &mut FnBuilder,
     s: &ProgramSpec,
@@ -394,32 +409,51 @@ fn backward_from(
     (d_o, dht): (Value, Option<Value>),
     lowering: &dyn Lower,
 ) -> Result<Vec<Value>> {
-    let sh = lane_shape(s, a, false);
+    let rows = in_place(s);
+    let sh = match rows {
+        true => rows_kernel_shape(s, a, false),
+        false => lane_shape(s, a, false),
+    };
     sh.check()?;
-    let (x, _) = lane_inputs(f, s, a, &sh)?;
+    let x = match rows {
+        true => rows_inputs(f, s, a, &sh)?,
+        false => lane_inputs(f, s, a, &sh)?.0,
+    };
+    // A state table `[L, n, K, V]` as the kernels hold it: a lane per head for rows, else with
+    // the widths padded.
+    let states = |f: &mut FnBuilder, x: Value| -> Result<Value> {
+        match rows {
+            true => {
+                let d = x.dims().to_vec();
+                f.reshape(x, &[sh.lanes, d[0] * d[1] / sh.lanes, d[2], d[3]])
+            }
+            false => pad_state(f, x, sh.k, sh.v),
+        }
+    };
     let internal = || TpuError::builder("triton backward", "internal: no states kept");
     let (fv, h, v_new) = match from {
-        Some((h, Some(Kept { factors, v_new: Some(v_new) }))) => {
-            (factors, pad_state(f, h, sh.k, sh.v)?, v_new)
-        }
+        Some((h, Some(Kept { factors, v_new: Some(v_new) }))) => (factors, states(f, h)?, v_new),
         Some((h, _)) => {
             let fv = call_factors(f, &sh, &x, lowering)?;
-            let h = pad_state(f, h, sh.k, sh.v)?;
+            let h = states(f, h)?;
             let v_new = saved_v_new(f, &sh, &fv, h)?;
             (fv, h, v_new)
         }
         None => {
             let fv = call_factors(f, &sh, &x, lowering)?;
-            let keep = ForwardShape { keep_h: true, ..sh };
+            let keep = ForwardShape { keep_h: true, h_dtype: sh.factor_dtype(), ..sh };
             let out = call_recurrence(f, &keep, &x, &fv, lowering)?;
             (fv, out.h.ok_or_else(internal)?, out.v_new.ok_or_else(internal)?)
         }
     };
-    let d_o = tokens(f, s, a, d_o, sh.dtype)?;
+    let d_o = match rows {
+        true => rows_of(f, s, d_o, sh.dtype, s.dims.v as i64)?,
+        false => tokens(f, s, a, d_o, sh.dtype)?,
+    };
     let dht = match dht {
         Some(d) => {
             let tab = state_tab(f, s, Some(d))?;
-            Some(pad_state(f, tab, sh.k, sh.v)?)
+            Some(states(f, tab)?)
         }
         None => None,
     };
@@ -436,12 +470,21 @@ fn backward_from(
     };
     let sg = call_state_grad(f, &sh, &sx, lowering)?;
     let wx = WyGradInputs { a: fv.a, v_new, h, dh: sg.dh, dv_new: sg.dv, d_o };
-    let wg = call_wy_grad(f, &sh, &x, &wx, lowering)?;
-    let [dq, dk, dg, db] = call_intra_grad(f, &sh, &x, [wg.daqk, wg.dl], [wg.dq, wg.dk, wg.dg], lowering)?;
+    let wg = call_wy_grad(f, &ForwardShape { h_dtype: h.elem(), ..sh }, &x, &wx, lowering)?;
+    let ig = call_intra_grad(f, &sh, &x, [wg.daqk, wg.dl], [wg.dq, wg.dk, wg.dg], lowering)?;
+    let [dq, dk, dg, db] = ig.grads;
+    let [dq, dk] = match sh.l2norm {
+        true => call_norm_grad(f, &sh, [x.q, x.k], [dq, dk], lowering)?,
+        false => [dq, dk],
+    };
+    let gate_grads = gate_param_grads(f, s, ig.gate_sums)?;
     // dbeta: the WY gradient's terms (per key block and the value side's) and the intra
-    // gradient's (per key block).
+    // gradient's (per key block), `[L, T]`.
     let db = f.concatenate(&[wg.dbeta, db], 2)?;
     let dbeta = f.reduce_sum(db, &[2])?;
+    if rows {
+        return rows_tail(f, s, [dq, dk, wg.dv, dg], dbeta, sg.dh0, gate_grads);
+    }
     let dims = dbeta.dims().to_vec();
     let dbeta = f.reshape(dbeta, &[dims[0], dims[1], 1])?;
     let (n, c) = ((s.lanes() * s.chunks()) as i64, C);
@@ -459,7 +502,61 @@ fn backward_from(
     ];
     let dh0 = cut(f, sg.dh0, 2, k)?;
     let dh0 = cut(f, dh0, 3, v)?;
-    xla::finish_chunk_grads(f, s, a, grads, dh0)
+    xla::finish_chunk_grads(f, s, a, grads, dh0, gate_grads)
+}
+
+/// The gate parameters' gradients as the options ask for them (`da_log` `[H]`, then `dt_bias`'s
+/// `[H K]`) from the intra gradient's column sums `[L, NT, 2, K']` (none without an in-kernel
+/// gate).
+fn gate_param_grads(f: &mut FnBuilder, s: &ProgramSpec, sums: Option<Value>) -> Result<Vec<Value>> {
+    let Some(x) = sums else { return Ok(Vec::new()) };
+    let (h, k) = (s.dims.h as i64, s.dims.k as i64);
+    let x = cut(f, x, 3, s.dims.k)?;
+    let d = x.dims().to_vec();
+    let x = f.reshape(x, &[h, d[0] * d[1] / h, 2, k])?;
+    let x = f.reduce_sum(x, &[1])?;
+    let da_log = f.slice_axis(x, 1, 0, 1)?;
+    let mut out = vec![f.reduce_sum(da_log, &[1, 2])?];
+    if s.options.has_dt_bias {
+        let ddt = f.slice_axis(x, 1, 1, 2)?;
+        out.push(f.reshape(ddt, &[h * k])?);
+    }
+    Ok(out)
+}
+
+/// The backward's tail for rows read in place: the kernels' gradients, in the caller's layout
+/// already (`dq`, `dk`, `dg` `[B T, H K]`, `dv` `[B T, H V]`), `dbeta` `[H, B T]`, `dh0`
+/// `[H, B, K, V]` and the gate parameters' gradients, as the caller takes them: `dq dk dv dg
+/// dbeta [dh0] [da_log] [ddt_bias]`.
+fn rows_tail(
+    f: &mut FnBuilder,
+    s: &ProgramSpec,
+    [dq, dk, dv, dg]: [Value; 4],
+    dbeta: Value,
+    dh0: Value,
+    gate_grads: Vec<Value>,
+) -> Result<Vec<Value>> {
+    let (h, n, k, v) = (s.dims.h as i64, (s.dims.b * s.dims.t) as i64, s.dims.k as i64, s.dims.v as i64);
+    let e = on_device(s.options.dtype);
+    let out = |f: &mut FnBuilder, x: Value, dtype: DType, w: i64| -> Result<Value> {
+        let x = if x.elem() == dtype { x } else { f.convert(x, dtype)? };
+        f.reshape(x, &[n * h, w])
+    };
+    let dbeta = f.transpose(dbeta, &[1, 0])?;
+    let dbeta = out(f, dbeta, e, 1)?;
+    let mut outs = vec![
+        out(f, dq, e, k)?,
+        out(f, dk, e, k)?,
+        out(f, dv, e, v)?,
+        out(f, dg, on_device(s.options.g_dtype), k)?,
+        f.reshape(dbeta, &[n * h])?,
+    ];
+    if s.options.has_h0 {
+        let tab = f.reshape(dh0, &[h * s.dims.b as i64, 1, k, v])?;
+        outs.push(prep::state_from_table(f, s, tab)?);
+    }
+    outs.extend(gate_grads);
+    Ok(outs)
 }
 
 /// `v' = u - w S` `[L, T, V]` in the factors' dtype from the saved entering states `h`

@@ -32,7 +32,8 @@ pub struct RecurrenceRefs {
     pub o: Ref,
     /// The final states `[L, slots, K, V]` f32 (a slot without chunks is not written).
     pub ht: Ref,
-    /// The state entering each chunk `[L, NT, K, V]` f32, when the shape keeps it.
+    /// The state entering each chunk `[L, NT, K, V]` in [`ForwardShape::h_dtype`], when the
+    /// shape keeps it.
     pub h: Option<Ref>,
     /// `v' = u - w S` `[L, T, V]` in [`ForwardShape::factor_dtype`], when the shape keeps `h`
     /// (the backward's WY gradient reads it).
@@ -77,7 +78,7 @@ pub fn recurrence_kernel(s: &ForwardShape) -> Result<(Kernel, RecurrenceRefs)> {
     let ht = kb.output(Operand::blocked("ht", ty(&[l, slots, k, v]), &[1, 1, k, bv], state_at()));
     let h = s.keep_h.then(|| {
         let at = vec![g0.clone(), zero(), zero(), g1.clone()];
-        kb.output(Operand::blocked("h", ty(&[l, nt, k, v]), &[1, nt, k, bv], at))
+        kb.output(Operand::blocked("h", TensorType::new(s.h_dtype, &[l, nt, k, v]), &[1, nt, k, bv], at))
     });
     let v_new = s.keep_h.then(|| {
         let at = vec![g0.clone(), zero(), g1.clone()];
@@ -150,7 +151,8 @@ fn step(b: &mut Body, s: &ForwardShape, r: &RecurrenceRefs, c: &V, states: &[V])
     for (i, state) in states.iter().enumerate() {
         let at = i as i64 * bk;
         if let Some(h) = r.h {
-            let x = b.reshape(state, &[1, 1, bk, bv])?;
+            let x = b.to_dtype(state, s.h_dtype)?;
+            let x = b.reshape(&x, &[1, 1, bk, bv])?;
             b.store(h, &[z.clone(), Offset::Dyn(c.clone(), 1), Offset::Const(at), z.clone()], &x)?;
         }
         let sp = b.to_dtype(state, fd)?;

@@ -16,9 +16,11 @@ use crate::lang::{
 };
 
 use super::recurrence::columns;
+use super::tokens;
 use super::{ForwardShape, C};
 
-/// The state-gradient kernel's operands by name (`[L, T, D]` lane-major tokens).
+/// The state-gradient kernel's operands by name (`[L, T, D]` lane-major chunks; `dO` in the
+/// tokens' layout).
 #[derive(Clone, Copy, Debug)]
 pub struct StateGradRefs {
     /// `w = A (beta k e^G)` `[L, T, K]`, in [`ForwardShape::factor_dtype`].
@@ -31,7 +33,7 @@ pub struct StateGradRefs {
     pub aqk: Ref,
     /// `e^(G_C)` `[L, NT, K]` f32.
     pub eg: Ref,
-    /// `dO` `[L, T, V]` in the input dtype.
+    /// `dO` `[L, T, V]` in the input dtype, in the tokens' layout.
     pub d_o: Ref,
     /// The final states' gradients `[L, slots, K, V]` f32, when given.
     pub dht: Option<Ref>,
@@ -47,7 +49,7 @@ pub struct StateGradRefs {
 }
 
 /// The state-gradient kernel of `s`: grid (lanes, state column blocks, state slots), all
-/// parallel; lane-major tokens; `dht` says whether the final states' gradients are given.
+/// parallel; `dht` says whether the final states' gradients are given.
 pub fn state_grad_kernel(s: &ForwardShape, dht: bool) -> Result<(Kernel, StateGradRefs)> {
     let (l, t, nt, k, v, bv) = (s.lanes, s.t, s.t / C, s.k, s.v, s.grad_bv());
     let ty = |dims: &[i64]| TensorType::new(DType::F32, dims);
@@ -63,8 +65,7 @@ pub fn state_grad_kernel(s: &ForwardShape, dht: bool) -> Result<(Kernel, StateGr
     let (w, qg, kg, aqk) = (lane("w", k), lane("qg", k), lane("kg", k), lane("aqk", C));
     let eg = kb.input(Operand::blocked("eg", ty(&[l, nt, k]), &[1, nt, k], vec![g0.clone(), zero(), zero()]));
     let columns_at = || vec![g0.clone(), zero(), g1.clone()];
-    let d_o =
-        kb.input(Operand::blocked("do", TensorType::new(s.dtype, &[l, t, v]), &[1, t, bv], columns_at()));
+    let d_o = kb.input(tokens::operand("do", s, s.dtype, v, (t, zero()), (bv, g1.clone())));
     let slots = s.slots;
     let state_at = || vec![g0.clone(), g2.clone(), zero(), g1.clone()];
     let dht =
@@ -146,7 +147,7 @@ fn step(b: &mut Body, s: &ForwardShape, r: &StateGradRefs, c: &V, parts: &[V]) -
     let c64 = b.index(C)?;
     let row = b.index_op(Binary::Mul, c, &c64)?;
     let z = Offset::Const(0);
-    let d_o = columns(b, r.d_o, &row, 0, bv)?;
+    let d_o = tokens::tile(b, r.d_o, s.layout, (Offset::Dyn(row.clone(), C), C), (Offset::Const(0), bv))?;
     let d_o = b.to_dtype(&d_o, fd)?;
     let aqk = columns(b, r.aqk, &row, 0, C)?;
     let mut dv = b.matmul(&aqk, &d_o, (0, 0), p)?;

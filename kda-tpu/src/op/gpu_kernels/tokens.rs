@@ -55,19 +55,11 @@ fn declare_width(kb: &mut KernelBuilder, s: &ForwardShape, with_v: bool, width: 
     let valid = kb.table("valid", t / C);
     let mut tok = |name: &str, d: DType, w: i64, keys: bool| {
         let blocked = keys && blocks > 1;
-        let bw = if blocked { width } else { w };
-        let operand = match s.layout {
-            TokenLayout::Lanes => {
-                let col = if blocked { Index::Grid(2) } else { Index::Const(0) };
-                let at = vec![Index::Grid(0), Index::Grid(1), col];
-                Operand::blocked(name, TensorType::new(d, &[l, t, w]), &[1, C, bw], at)
-            }
-            TokenLayout::Rows => {
-                let col = if blocked { Index::Grid(0) * blocks + Index::Grid(2) } else { Index::Grid(0) };
-                Operand::blocked(name, TensorType::new(d, &[t, l * w]), &[C, bw], vec![Index::Grid(1), col])
-            }
+        let cols = match blocked {
+            true => (width, Index::Grid(2)),
+            false => (w, Index::Const(0)),
         };
-        kb.input(operand)
+        kb.input(operand(name, s, d, w, (C, Index::Grid(1)), cols))
     };
     let (q, kk) = (tok("q", s.dtype, k, true), tok("k", s.dtype, k, true));
     let whole = (blocks > 1 && s.l2norm)
@@ -95,6 +87,72 @@ pub struct Chunk {
     pub beta: V,
 }
 
+/// A per-token operand of `w` columns in `s`'s layout, a program's block `rows` tokens by `bw`
+/// columns at token block `row` and column block `col`: `[L, T, w]` in `[1, rows, bw]` blocks
+/// (lanes), `[T, L w]` in `[rows, bw]` blocks (the caller's batch-first rows).
+pub fn operand(
+    name: &str,
+    s: &ForwardShape,
+    dtype: DType,
+    w: i64,
+    (rows, row): (i64, Index),
+    (bw, col): (i64, Index),
+) -> Operand {
+    match s.layout {
+        TokenLayout::Lanes => {
+            let ty = TensorType::new(dtype, &[s.lanes, s.t, w]);
+            Operand::blocked(name, ty, &[1, rows, bw], vec![Index::Grid(0), row, col])
+        }
+        TokenLayout::Rows => {
+            let ty = TensorType::new(dtype, &[s.t, s.lanes * w]);
+            let col = match (w == bw, col) {
+                (true, Index::Const(0)) => Index::Grid(0),
+                (_, col) => Index::Grid(0) * (w / bw) + col,
+            };
+            Operand::blocked(name, ty, &[rows, bw], vec![row, col])
+        }
+    }
+}
+
+/// Rows `row..row + n` and columns `col..col + w` of `r`'s block (`[1, rows, D]`, or
+/// `[rows, D]` in rows), in `r`'s dtype.
+pub fn tile(
+    b: &mut Body,
+    r: Ref,
+    layout: TokenLayout,
+    (row, n): (Offset, i64),
+    (col, w): (Offset, i64),
+) -> Result<V> {
+    match layout {
+        TokenLayout::Lanes => {
+            let x = b.load(r, &[Offset::Const(0), row, col], &[1, n, w])?;
+            b.reshape(&x, &[n, w])
+        }
+        TokenLayout::Rows => b.load(r, &[row, col], &[n, w]),
+    }
+}
+
+/// Stores the `[n, w]` tile `x` at rows `row..` and columns `col..` of `r`'s block (as
+/// [`tile`] reads it), in `dtype`.
+pub fn store_tile(
+    b: &mut Body,
+    r: Ref,
+    layout: TokenLayout,
+    (row, col): (Offset, Offset),
+    x: &V,
+    dtype: DType,
+) -> Result<()> {
+    let x = b.to_dtype(x, dtype)?;
+    match layout {
+        TokenLayout::Lanes => {
+            let dims = x.ty.dims.clone();
+            let x = b.reshape(&x, &[1, dims[0], dims[1]])?;
+            b.store(r, &[Offset::Const(0), row, col], &x)
+        }
+        TokenLayout::Rows => b.store(r, &[row, col], &x),
+    }
+}
+
 /// Rows `start..start + n` and columns `col..col + w` of `r`'s block (`[1, C, D]`, or `[C, D]`
 /// in rows) as an f32 tile.
 pub fn f32_tile(
@@ -104,14 +162,7 @@ pub fn f32_tile(
     (col, w): (i64, i64),
     layout: TokenLayout,
 ) -> Result<V> {
-    let x = match layout {
-        TokenLayout::Lanes => {
-            let at = [Offset::Const(0), Offset::Const(start), Offset::Const(col)];
-            let x = b.load(r, &at, &[1, n, w])?;
-            b.reshape(&x, &[n, w])?
-        }
-        TokenLayout::Rows => b.load(r, &[Offset::Const(start), Offset::Const(col)], &[n, w])?,
-    };
+    let x = tile(b, r, layout, (Offset::Const(start), n), (Offset::Const(col), w))?;
     b.to_dtype(&x, DType::F32)
 }
 

@@ -19,12 +19,13 @@ use kda_core::DType;
 use crate::error::{Result, TpuError};
 use crate::hlo::{Cmp, FnBuilder, TensorType, Value};
 use crate::lang::{
-    Bindings, Body, Index, Kernel, KernelBuilder, Lower, Offset, Operand, Reduction, Ref, Scan, Semantics, V,
+    Binary, Bindings, Body, Index, Kernel, KernelBuilder, Lower, Offset, Operand, Reduction, Ref, Scan,
+    Semantics, V,
 };
 use crate::op::chunk::mul_const;
 
 use super::tokens::{self, f32_tile, store_columns, TokenRefs};
-use super::{ForwardShape, C};
+use super::{ForwardShape, TokenLayout, C};
 
 /// The WY-gradient kernel's operands by name (`[L, T, D]` lane-major tokens).
 #[derive(Clone, Copy, Debug)]
@@ -35,15 +36,15 @@ pub struct WyGradRefs {
     pub a: Ref,
     /// `v_new = u - w h` `[L, T, V]`, as the forward's recurrence writes it.
     pub v_new: Ref,
-    /// The state entering each chunk `[L, NT, K, V]` f32.
+    /// The state entering each chunk `[L, NT, K, V]` in [`ForwardShape::h_dtype`].
     pub h: Ref,
     /// `dh` leaving each chunk `[L, NT, K, V]` in the factors' dtype.
     pub dh: Ref,
     /// `dv'` `[L, T, V]` f32.
     pub dv_new: Ref,
-    /// `dO` `[L, T, V]` in the input dtype.
+    /// `dO` `[L, T, V]` in the input dtype, in the tokens' layout.
     pub d_o: Ref,
-    /// `dv` `[L, T, V]` f32.
+    /// `dv` `[L, T, V]` in the input dtype, in the tokens' layout.
     pub dv: Ref,
     /// This kernel's part of `dq` `[L, T, K]` f32.
     pub dq: Ref,
@@ -78,11 +79,12 @@ pub fn wy_grad_kernel(s: &ForwardShape) -> Result<(Kernel, WyGradRefs)> {
     let fd = s.factor_dtype();
     let a = kb.input(chunk("a", fd, C));
     let v_new = kb.input(chunk("v_new", fd, v));
-    let h = kb.input(state("h", DType::F32));
+    let h = kb.input(state("h", s.h_dtype));
     let dh = kb.input(state("dh", fd));
     let dv_new = kb.input(chunk("dv_new", DType::F32, v));
-    let d_o = kb.input(chunk("do", s.dtype, v));
-    let dv = kb.output(chunk("dv", DType::F32, v));
+    let token = |name: &str| tokens::operand(name, s, s.dtype, v, (C, Index::Grid(1)), (v, Index::Const(0)));
+    let d_o = kb.input(token("do"));
+    let dv = kb.output(token("dv"));
     let dq = kb.output(chunk("dq", DType::F32, k));
     let dk = kb.output(chunk("dk", DType::F32, k));
     let dg = kb.output(chunk("dg", DType::F32, k));
@@ -97,8 +99,7 @@ pub fn wy_grad_kernel(s: &ForwardShape) -> Result<(Kernel, WyGradRefs)> {
 
 /// Rows `0..C` and columns `col..col + w` of `r`'s `[1, C, D]` block.
 fn tile(b: &mut Body, r: Ref, col: i64, w: i64) -> Result<V> {
-    let x = b.load(r, &[Offset::Const(0), Offset::Const(0), Offset::Const(col)], &[1, C, w])?;
-    b.reshape(&x, &[C, w])
+    tokens::tile(b, r, TokenLayout::Lanes, (Offset::Const(0), C), (Offset::Const(col), w))
 }
 
 /// Rows `row..row + bk` and columns `col..col + bv` of a state block `[1, 1, K, V]`, in f32.
@@ -116,12 +117,10 @@ pub(super) fn product(b: &mut Body, s: &ForwardShape, x: &V, y: &V, contract: (u
     b.matmul(&x, &y, contract, s.precision())
 }
 
-/// `x` (rows `first..` of a chunk's pairs) where the pair `(t, j)` has `t > j`, else 0.
-pub(super) fn strictly_causal(b: &mut Body, x: &V, first: i64) -> Result<V> {
+/// `x` (a chunk's pairs) where the pair `(t, j)` has `t > j`, else 0.
+fn strictly_causal(b: &mut Body, x: &V) -> Result<V> {
     let dims = x.ty.dims.clone();
     let (rows, cols) = (b.iota(&dims, 0)?, b.iota(&dims, 1)?);
-    let first = b.splat(first as f64, DType::I32, &dims)?;
-    let rows = b.add(&rows, &first)?;
     let below = b.compare(Cmp::Gt, &rows, &cols)?;
     let zero = b.splat(0.0, DType::F32, &dims)?;
     b.select(&below, x, &zero)
@@ -136,8 +135,7 @@ fn plus(b: &mut Body, acc: Option<V>, x: V) -> Result<V> {
 }
 
 /// The body: program `i` of grid axis 2 takes key block `i`, the next the value side's pairs
-/// (`dO v_new^T`), the last ones what runs through `A^T dv'` for a block of
-/// [`ForwardShape::wy_grad_solve_rows`] rows each; each holds its own accumulators.
+/// (`dO v_new^T`), the last what runs through `A^T dv'`; each holds its own accumulators.
 fn chunk_wy_grad(b: &mut Body, s: &ForwardShape, r: &WyGradRefs) -> Result<()> {
     let beta = f32_tile(b, r.tokens.beta, (0, C), (0, 1), r.tokens.layout)?;
     let at = b.program_id(2)?;
@@ -153,12 +151,8 @@ fn chunk_wy_grad(b: &mut Body, s: &ForwardShape, r: &WyGradRefs) -> Result<()> {
     }
     let here = program(b, blocks)?;
     b.when(&here, |b| value_pairs(b, s, r))?;
-    let rows = s.wy_grad_solve_rows();
-    for (n, first) in (0..C).step_by(rows as usize).enumerate() {
-        let here = program(b, blocks + 1 + n as i64)?;
-        b.when(&here, |b| value_solve(b, s, r, &beta, (first, rows)))?;
-    }
-    Ok(())
+    let here = program(b, blocks + 1)?;
+    b.when(&here, |b| value_solve(b, s, r, &beta))
 }
 
 /// The chunk's `A` as a `[C, C]` tile.
@@ -173,61 +167,53 @@ fn value_pairs(b: &mut Body, s: &ForwardShape, r: &WyGradRefs) -> Result<()> {
     let mut da = None;
     for j in 0..v / bv {
         let vc = j * bv;
-        let d_o = tile(b, r.d_o, vc, bv)?;
+        let d_o = tokens::tile(b, r.d_o, r.tokens.layout, (Offset::Const(0), C), (Offset::Const(vc), bv))?;
         let vn = tile(b, r.v_new, vc, bv)?;
         let x = product(b, s, &d_o, &vn, (1, 1))?;
         da = Some(plus(b, da, x)?);
     }
     let da = da.ok_or_else(|| TpuError::builder("kda_gpu_wy_grad", "internal: no value columns"))?;
-    let da = strictly_causal(b, &da, 0)?;
+    let da = strictly_causal(b, &da)?;
     let da = mul_const(b, &da, s.scale)?;
     store_columns(b, r.daqk, 0, &da, DType::F32)
 }
 
-/// Through `A^T dv'`, on rows `first..first + n`: `dv = beta (A^T dv')`,
-/// `dL = -(A^T dv') v_new^T` (strictly causal, for the intra gradient) and `(A^T dv') . v` (a
-/// term of `dbeta`). The rows' `A^T` is `A`'s columns `first..first + n`.
-fn value_solve(
-    b: &mut Body,
-    s: &ForwardShape,
-    r: &WyGradRefs,
-    beta: &V,
-    (first, n): (i64, i64),
-) -> Result<()> {
+/// Through `A^T dv'`: `dv = beta (A^T dv')`, `dL = -(A^T dv') v_new^T` (strictly causal, for
+/// the intra gradient) and `(A^T dv') . v` (a term of `dbeta`). The value blocks run as a loop:
+/// unrolled, their loads were hoisted together and f32 spilled.
+fn value_solve(b: &mut Body, s: &ForwardShape, r: &WyGradRefs, beta: &V) -> Result<()> {
     let (v, bv) = (s.v, s.bv());
     let internal = |what: &str| TpuError::builder("kda_gpu_wy_grad", format!("internal: {what}"));
     let v_in = r.tokens.v.ok_or_else(|| internal("no v operand"))?;
+    let lay = r.tokens.layout;
     let z = Offset::Const(0);
-    let a = b.load(r.a, &[z.clone(), z.clone(), Offset::Const(first)], &[1, C, n])?;
-    let a = b.reshape(&a, &[C, n])?;
-    let beta = b.slice(beta, &[first, 0], &[n, 1])?;
-    let rows_at = [z.clone(), Offset::Const(first), z.clone()];
-    let (mut dl, mut db) = (None, None);
-    for j in 0..v / bv {
-        let vc = j * bv;
-        let dvn = tile(b, r.dv_new, vc, bv)?;
-        let vn = tile(b, r.v_new, vc, bv)?;
+    let a = load_a(b, r)?;
+    let init = [b.splat(0.0, DType::F32, &[C, C])?, b.splat(0.0, DType::F32, &[C, 1])?];
+    let out = b.for_range(0, v / bv, &init, |b, j, acc| {
+        let width = b.index(bv)?;
+        let vc = b.index_op(Binary::Mul, j, &width)?;
+        let cols = (Offset::Dyn(vc.clone(), bv), bv);
+        let dvn = tokens::tile(b, r.dv_new, TokenLayout::Lanes, (z.clone(), C), cols.clone())?;
+        let vn = tokens::tile(b, r.v_new, TokenLayout::Lanes, (z.clone(), C), cols.clone())?;
         let xu = product(b, s, &a, &dvn, (0, 0))?;
-        let dv = b.mul(&xu, &beta)?;
-        let dv = b.reshape(&dv, &[1, n, bv])?;
-        b.store(r.dv, &[z.clone(), Offset::Const(first), Offset::Const(vc)], &dv)?;
-        let vx = f32_tile(b, v_in, (first, n), (vc, bv), r.tokens.layout)?;
+        let dv = b.mul(&xu, beta)?;
+        tokens::store_tile(b, r.dv, lay, (z.clone(), cols.0.clone()), &dv, s.dtype)?;
+        let vx = tokens::tile(b, v_in, lay, (z.clone(), C), cols)?;
+        let vx = b.to_dtype(&vx, DType::F32)?;
         let x = b.mul(&xu, &vx)?;
         let x = b.reduce(Reduction::Sum, &x, 1)?;
-        db = Some(plus(b, db, x)?);
+        let db = b.add(&acc[1], &x)?;
         let x = product(b, s, &xu, &vn, (1, 1))?;
-        let x = b.neg(&x)?;
-        dl = Some(plus(b, dl, x)?);
-    }
-    let (dl, db) = match (dl, db) {
-        (Some(a), Some(b)) => (a, b),
-        _ => return Err(internal("no value columns")),
+        let dl = b.sub(&acc[0], &x)?;
+        Ok(vec![dl, db])
+    })?;
+    let (dl, db) = match out.as_slice() {
+        [dl, db] => (dl.clone(), db.clone()),
+        _ => return Err(internal("loop values")),
     };
-    let db = b.reshape(&db, &[1, n, 1])?;
-    b.store(r.dbeta, &[z.clone(), Offset::Const(first), Offset::Const(s.k / s.wy_grad_bk())], &db)?;
-    let dl = strictly_causal(b, &dl, first)?;
-    let dl = b.reshape(&dl, &[1, n, C])?;
-    b.store(r.dl, &rows_at, &dl)
+    store_columns(b, r.dbeta, s.k / s.wy_grad_bk(), &db, DType::F32)?;
+    let dl = strictly_causal(b, &dl)?;
+    store_columns(b, r.dl, 0, &dl, DType::F32)
 }
 
 /// Key block `i` (`BK` key columns) with the value blocks inside: `dq`, `dk` and `dg` (their
@@ -247,7 +233,8 @@ fn key_block(
         let (mut dqg, mut dkg, mut ndw, mut hd, mut diag) = (None, None, None, None, None);
         for j in 0..v / bv {
             let vc = j * bv;
-            let d_o = tile(b, r.d_o, vc, bv)?;
+            let d_o =
+                tokens::tile(b, r.d_o, r.tokens.layout, (Offset::Const(0), C), (Offset::Const(vc), bv))?;
             let d_o = b.to_dtype(&d_o, DType::F32)?;
             let dvn = tile(b, r.dv_new, vc, bv)?;
             let h = state_tile(b, r.h, (col, bk), (vc, bv))?;

@@ -176,7 +176,7 @@ fn backward_core(
     let run = xla_dh(b, s, a, ct, doc, dht)?;
     let (h, dh, vn, dvn) = (flat(b, h)?, flat(b, run.dh)?, flat(b, v_new)?, flat(b, run.dv_new)?);
     let g = chunk_grads(b, s, [w.qc, w.kc, w.vc, w.betac], ct, [h, vn, dh, dvn], doc)?;
-    finish_grads(b, s, a, w, g, run.dh0_tab)
+    finish_grads(b, s, a, w, g, run.dh0_tab, None)
 }
 
 /// The chunk-parallel terms of the `dh` recurrence: `Aqk^T dO` and `qg^T dO` (the recurrence
@@ -189,7 +189,8 @@ fn dh_terms(b: &mut FnBuilder, ct: &ChunkTerms, doc: Value, store: bool) -> Resu
 }
 
 /// Chunk gradients (`[L*NT, C, D]`) back to tokens, through the gate floor, the L2 norm and the
-/// gate activation, into the caller's layout and dtypes, in `KdaGradients` order.
+/// gate activation (unless `gated`: kernels took them through, the gate parameters' gradients
+/// given), into the caller's layout and dtypes, in `KdaGradients` order.
 fn finish_grads(
     b: &mut FnBuilder,
     s: &ProgramSpec,
@@ -197,6 +198,7 @@ fn finish_grads(
     w: &Working,
     g: ChunkGrads,
     dh0_tab: Value,
+    gated: Option<Vec<Value>>,
 ) -> Result<Vec<Value>> {
     let ChunkGrads { dq, dk, dv, dg, dbeta } = g;
     // Back to tokens, then through the L2 norm and the gate.
@@ -214,16 +216,18 @@ fn finish_grads(
     let mut dg = tok(b, dg)?;
     // Below the floor the kernel used the floor: no gradient flows to g there (the reference
     // gives exactly 0 as well, since exp(g) underflows).
-    let floor = splat(b, GATE_FLOOR, w.g.dims())?;
-    let live = b.compare(crate::hlo::Cmp::Gt, w.g, floor)?;
-    dg = keep(b, live, dg)?;
+    if gated.is_none() {
+        let floor = splat(b, GATE_FLOOR, w.g.dims())?;
+        let live = b.compare(crate::hlo::Cmp::Gt, w.g, floor)?;
+        dg = keep(b, live, dg)?;
+    }
     let dbeta = tok(b, dbeta)?;
-    if let (Some(qr), Some(kr)) = (w.q_rstd, w.k_rstd) {
+    if let (Some(qr), Some(kr), None) = (w.q_rstd, w.k_rstd, &gated) {
         dq = prep::l2_backward(b, dq, w.q, qr)?;
         dk = prep::l2_backward(b, dk, w.k, kr)?;
     }
-    let mut gate_grads = Vec::new();
-    if let Some(gp) = &w.gate {
+    let mut gate_grads = gated.clone().unwrap_or_default();
+    if let (Some(gp), None) = (&w.gate, &gated) {
         let (dx, da_log, ddt) = prep::gate_backward(b, s, w.x, w.g, dg, gp)?;
         dg = dx;
         gate_grads.push(da_log);
@@ -248,18 +252,20 @@ fn finish_grads(
 }
 
 /// The backward's tail for gradients formed elsewhere (the GPU rows' kernels): `[dq, dk, dv,
-/// dg, dbeta]` in chunk layout `[L*NT, C, D]` f32 (`dg` summed within the chunk) through the
-/// gate floor, the L2 norm and the gate activation into the caller's layout and dtypes, then the
-/// `dh0` table `[L, slots, K, V]`: as [`backward`] returns them.
+/// dg, dbeta]` in chunk layout `[L*NT, C, D]` (`dg` summed within the chunk; the gate floor,
+/// the gate and the L2 norm passed already, the gate parameters' gradients `gate_grads`) into
+/// the caller's layout and dtypes, then the `dh0` table `[L, slots, K, V]`: as [`backward`]
+/// returns them.
 pub(in crate::op) fn finish_chunk_grads(
     f: &mut FnBuilder,
     s: &ProgramSpec,
     a: &Args,
     [dq, dk, dv, dg, dbeta]: [Value; 5],
     dh0_tab: Value,
+    gate_grads: Vec<Value>,
 ) -> Result<Vec<Value>> {
     let w = working(f, s, a)?;
-    finish_grads(f, s, a, &w, ChunkGrads { dq, dk, dv, dg, dbeta }, dh0_tab)
+    finish_grads(f, s, a, &w, ChunkGrads { dq, dk, dv, dg, dbeta }, dh0_tab, Some(gate_grads))
 }
 
 /// The forward: `o [final_state] [h]` (`h` `[L, NT, K, V]` when `keep_h`). With slabs
@@ -618,7 +624,7 @@ fn fused_slabs(
         dg: back(b, bwd[5])?,
         dbeta: back(b, bwd[6])?,
     };
-    outs.extend(finish_grads(b, s, a, w, g, bwd[1])?);
+    outs.extend(finish_grads(b, s, a, w, g, bwd[1], None)?);
     Ok(outs)
 }
 
