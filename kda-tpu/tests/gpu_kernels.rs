@@ -17,6 +17,7 @@ use kda_testkit::Rng;
 use kda_tpu::aot::{GpuCompiler, H200};
 use kda_tpu::lang::{Interpret, Lower, Triton};
 use kda_tpu::op::gpu_kernels::intra_grad::intra_grad_kernel;
+use kda_tpu::op::gpu_kernels::norm_grad::norm_grad_kernel;
 use kda_tpu::op::gpu_kernels::state_grad::state_grad_kernel;
 use kda_tpu::op::gpu_kernels::wy_grad::wy_grad_kernel;
 use kda_tpu::op::gpu_kernels::{forward_module, ForwardShape};
@@ -242,6 +243,7 @@ fn chunk_grad_compiles(name: &str, dtype: DType, k: i64, v: i64, gated: bool) ->
     };
     let (kernel, programs) = match name {
         "kda_gpu_wy_grad" => (wy_grad_kernel(&s)?.0, s.wy_grad_parts() as u64),
+        "kda_gpu_norm_grad" => (norm_grad_kernel(&s)?.0, 1),
         _ => (intra_grad_kernel(&s)?.0, (k / s.intra_grad_bk()) as u64),
     };
     launches_on_the_h200(&kernel.module(&Triton)?, dtype, &[(name, [8, 16, programs])])
@@ -250,11 +252,12 @@ fn chunk_grad_compiles(name: &str, dtype: DType, k: i64, v: i64, gated: bool) ->
 mod full {
     use super::*;
 
-    /// The chunk-parallel backward kernels without the gate and L2 norm, in f32 and at K = 256
-    /// / V = 32 in bf16, no spill stores.
+    /// The chunk-parallel backward kernels without the gate and L2 norm, in f32 (the WY
+    /// gradient's products through `A^T` as a loop) and at K = 256 / V = 32 in bf16, no spill
+    /// stores.
     #[rstest]
     fn gpu_chunk_grads_compile_for_the_h200(
-        #[values("kda_gpu_wy_grad", "kda_gpu_intra_grad")] name: &str,
+        #[values("kda_gpu_wy_grad", "kda_gpu_intra_grad", "kda_gpu_norm_grad")] name: &str,
         #[values((DType::BF16, 128, 128), (DType::F32, 128, 128), (DType::BF16, 256, 32))] shape: (
             DType,
             i64,
@@ -265,7 +268,7 @@ mod full {
     }
 
     /// The intra gradient with the secondary benchmark's options (L2 norm, the lower-bound
-    /// gate) in bf16, no spill stores.
+    /// gate, whose backward and floor it runs) in bf16, no spill stores.
     #[test]
     fn gpu_intra_grad_compiles_for_the_h200_with_the_gate_and_l2_norm() -> Result<()> {
         chunk_grad_compiles("kda_gpu_intra_grad", DType::BF16, 128, 128, true)

@@ -89,6 +89,14 @@ impl FnBuilder {
         self.push_op1("constant_i32", "stablehlo.constant", &[], &attr, ty)
     }
 
+    /// A rank-1 `i32` constant holding `values` (tables known when the program is built).
+    pub fn constant_i32s(&mut self, values: &[i32]) -> Result<Value> {
+        let ty = TensorType::new(DType::I32, &[values.len() as i64]);
+        let items: Vec<String> = values.iter().map(|v| v.to_string()).collect();
+        let attr = format!("value = dense<[{}]> : {ty}", items.join(", "));
+        self.push_op1("constant_i32s", "stablehlo.constant", &[], &attr, ty)
+    }
+
     /// Splat boolean constant of type `tensor<dims x i1>`.
     pub fn constant_bool(&mut self, value: bool, dims: &[i64]) -> Result<Value> {
         let ty = TensorType::new(DType::I1, dims);

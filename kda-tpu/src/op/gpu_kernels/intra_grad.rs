@@ -267,14 +267,10 @@ fn through_gate(
     if r.gate_sums.is_none() {
         return Ok(dg);
     }
-    let at = b.program_id(1)?;
-    let valid = b.read_table(r.tokens.valid, &at)?;
-    let valid = b.broadcast(&valid, &dims)?;
-    let row = b.iota(&dims, 0)?;
-    let first = b.splat(start as f64, DType::I32, &dims)?;
-    let row = b.add(&row, &first)?;
-    let real = b.compare(Cmp::Lt, &row, &valid)?;
-    let dg = b.select(&real, &dg, &zero)?;
+    let dg = match tokens::real_rows(b, &r.tokens, (start, n), dims[1])? {
+        Some(real) => b.select(&real, &dg, &zero)?,
+        None => dg,
+    };
     let raw = tokens::f32_tile(b, r.tokens.g, (start, n), (0, dims[1]), r.tokens.layout)?;
     let (dz, dlog) = gate_slopes(b, &raw, s.gate, r.tokens.gate)?;
     let dx = b.mul(&dg, &dz)?;

@@ -372,7 +372,10 @@ pub(super) fn bind_tokens(
         a.input(q, x.q)?;
         a.input(k, x.k)?;
     }
-    a.table(t.valid, x.valid)
+    match t.valid {
+        Some(valid) => a.table(valid, x.valid),
+        None => Ok(()),
+    }
 }
 
 /// Calls the chunk kernels of `s` (intra, the inverse where the intra kernel splits the chunk,

@@ -179,17 +179,14 @@ fn rows_inputs(f: &mut FnBuilder, s: &ProgramSpec, a: &Args, sh: &ForwardShape) 
     let (h, bb, t, k, v) =
         (s.dims.h as i64, s.dims.b as i64, s.dims.t as i64, s.dims.k as i64, s.dims.v as i64);
     let nt = t / C;
-    let pos = f.iota(TensorType::new(DType::I32, &[bb * nt]), 0)?;
-    let i32s = |f: &mut FnBuilder, c: i64| f.constant_i32(c as i32, TensorType::new(DType::I32, &[bb * nt]));
-    let n = i32s(f, nt)?;
-    let row = f.div(pos, n)?;
-    let start = f.mul(row, n)?;
-    let within = f.sub(pos, start)?;
-    let flag = |f: &mut FnBuilder, at: i64| -> Result<Value> {
-        let at = i32s(f, at)?;
-        let hit = f.compare(Cmp::Eq, within, at)?;
-        f.convert(hit, DType::I32)
+    // The tables as constants (no launches): chunk position `c` is chunk `c % nt` of row `c / nt`.
+    let table = |f: &mut FnBuilder, of: &dyn Fn(i64) -> i64| -> Result<Value> {
+        let values: Vec<i32> = (0..bb * nt).map(|c| of(c) as i32).collect();
+        f.constant_i32s(&values)
     };
+    let first = table(f, &|c| i64::from(c % nt == 0))?;
+    let last = table(f, &|c| i64::from(c % nt == nt - 1))?;
+    let row = table(f, &|c| c / nt)?;
     let h0 = match a.h0 {
         Some(_) => {
             let tab = state_tab(f, s, a.h0)?;
@@ -208,9 +205,9 @@ fn rows_inputs(f: &mut FnBuilder, s: &ProgramSpec, a: &Args, sh: &ForwardShape) 
             None => None,
         },
         h0,
-        valid: i32s(f, C)?,
-        first: flag(f, 0)?,
-        last: flag(f, nt - 1)?,
+        valid: table(f, &|_| C)?,
+        first,
+        last,
         slot: row,
     })
 }
@@ -514,11 +511,13 @@ fn gate_param_grads(f: &mut FnBuilder, s: &ProgramSpec, sums: Option<Value>) -> 
     let x = cut(f, x, 3, s.dims.k)?;
     let d = x.dims().to_vec();
     let x = f.reshape(x, &[h, d[0] * d[1] / h, 2, k])?;
-    let x = f.reduce_sum(x, &[1])?;
-    let da_log = f.slice_axis(x, 1, 0, 1)?;
-    let mut out = vec![f.reduce_sum(da_log, &[1, 2])?];
+    // Each straight from the sums (one reduction apiece; summing over chunks first took a
+    // reduction and a copy more).
+    let da_log = f.slice_axis(x, 2, 0, 1)?;
+    let mut out = vec![f.reduce_sum(da_log, &[1, 2, 3])?];
     if s.options.has_dt_bias {
-        let ddt = f.slice_axis(x, 1, 1, 2)?;
+        let ddt = f.slice_axis(x, 2, 1, 2)?;
+        let ddt = f.reduce_sum(ddt, &[1, 2])?;
         out.push(f.reshape(ddt, &[h * k])?);
     }
     Ok(out)

@@ -26,8 +26,9 @@ pub struct TokenRefs {
     pub beta: Ref,
     /// The in-kernel gate's parameters `[L, 2, K]` f32 (`exp(a_log)`, `dt_bias`).
     pub gate: Option<Ref>,
-    /// Tokens held by each chunk position `[NT]` (the rest is padding).
-    pub valid: Table,
+    /// Tokens held by each chunk position `[NT]` (the rest is padding); none for rows read in
+    /// place, whose chunks are whole.
+    pub valid: Option<Table>,
     /// How the per-token operands are laid out.
     pub layout: TokenLayout,
     /// Key columns of `q`, `k`, `g` and the gate in a program's block: `K`, or the block of
@@ -52,7 +53,7 @@ pub fn declare_key_blocks(kb: &mut KernelBuilder, s: &ForwardShape, width: i64) 
 fn declare_width(kb: &mut KernelBuilder, s: &ForwardShape, with_v: bool, width: i64) -> TokenRefs {
     let (l, t, k) = (s.lanes, s.t, s.k);
     let blocks = k / width;
-    let valid = kb.table("valid", t / C);
+    let valid = (s.layout == TokenLayout::Lanes).then(|| kb.table("valid", t / C));
     let mut tok = |name: &str, d: DType, w: i64, keys: bool| {
         let blocked = keys && blocks > 1;
         let cols = match blocked {
@@ -262,15 +263,26 @@ pub fn load_tile(
     }
     let raw = f32_tile(b, r.g, (start, n), (col, w), lay)?;
     let g = activate_columns(b, &raw, s.gate, r.gate, col)?;
+    let g = match real_rows(b, r, (start, n), w)? {
+        Some(real) => {
+            let zero = b.splat(0.0, DType::F32, &[n, w])?;
+            b.select(&real, &g, &zero)?
+        }
+        None => g,
+    };
+    let beta = f32_tile(b, r.beta, (start, n), (0, 1), lay)?;
+    Ok(Chunk { q, k: kx, g, beta })
+}
+
+/// Where rows `start..start + n` of the chunk (grid index 1) hold tokens, `[n, w]`: none where
+/// every row does (rows read in place).
+pub fn real_rows(b: &mut Body, r: &TokenRefs, (start, n): (i64, i64), w: i64) -> Result<Option<V>> {
+    let Some(valid) = r.valid else { return Ok(None) };
     let at = b.program_id(1)?;
-    let valid = b.read_table(r.valid, &at)?;
+    let valid = b.read_table(valid, &at)?;
     let row = b.iota(&[n, w], 0)?;
     let first = b.splat(start as f64, DType::I32, &[n, w])?;
     let row = b.add(&row, &first)?;
     let valid = b.broadcast(&valid, &[n, w])?;
-    let real = b.compare(Cmp::Lt, &row, &valid)?;
-    let zero = b.splat(0.0, DType::F32, &[n, w])?;
-    let g = b.select(&real, &g, &zero)?;
-    let beta = f32_tile(b, r.beta, (start, n), (0, 1), lay)?;
-    Ok(Chunk { q, k: kx, g, beta })
+    Ok(Some(b.compare(Cmp::Lt, &row, &valid)?))
 }
