@@ -268,10 +268,12 @@ mod full {
     }
 
     /// The intra gradient with the secondary benchmark's options (L2 norm, the lower-bound
-    /// gate, whose backward and floor it runs) in bf16, no spill stores.
-    #[test]
-    fn gpu_intra_grad_compiles_for_the_h200_with_the_gate_and_l2_norm() -> Result<()> {
-        chunk_grad_compiles("kda_gpu_intra_grad", DType::BF16, 128, 128, true)
+    /// gate, whose backward and floor it runs) in bf16 and f32, no spill stores.
+    #[rstest]
+    fn gpu_intra_grad_compiles_for_the_h200_with_the_gate_and_l2_norm(
+        #[values(DType::BF16, DType::F32)] dtype: DType,
+    ) -> Result<()> {
+        chunk_grad_compiles("kda_gpu_intra_grad", dtype, 128, 128, true)
     }
     use kda_core::BackwardStrategy;
     use kda_testkit::{benchmark_cases, case_data};

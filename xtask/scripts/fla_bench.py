@@ -8,7 +8,9 @@ the lower-bound gate (-5) in the kernel, safe_gate; secondary-packed: the same i
 segments (cu_seqlens). bf16. Each shape's autotuning runs in warm-up calls outside the timed part,
 so the timed calls use the configs it pinned; each timed call is a host wall-clock span ended by
 torch.cuda.synchronize(); gradients are cleared outside it. Kernel launches of one call are
-counted with torch.profiler.
+counted with torch.profiler, and its peak device memory (inputs, results and gradients
+included: torch.cuda.max_memory_allocated) beside the compiler's peak of this library's
+executables (`cargo xtask aot --target h200`).
 
 usage: python3 fla_bench.py [--iterations N] [--json PATH]
 """
@@ -66,8 +68,8 @@ def launches(call):
 
 
 def timed(call, iterations, clear=lambda: None):
-    """Host wall-clock milliseconds of `iterations` calls after three warm-up ones, and the
-    launches of one."""
+    """Host wall-clock milliseconds of `iterations` calls after three warm-up ones, the launches
+    of one and its peak device memory in MB."""
     for _ in range(3):  # autotuning and compiles, outside the timed part
         clear()
         call()
@@ -81,7 +83,13 @@ def timed(call, iterations, clear=lambda: None):
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
     clear()
-    return times, launches(call)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    call()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() / 1e6
+    clear()
+    return times, launches(call), peak
 
 
 def main():
@@ -94,8 +102,8 @@ def main():
     for name, shape in SHAPES.items():
         args, kw = inputs(**shape)
         with torch.no_grad():
-            times, n = timed(lambda: chunk_kda(*args, **kw), a.iterations)
-        report(records, name, "forward", times, n)
+            times, n, peak = timed(lambda: chunk_kda(*args, **kw), a.iterations)
+        report(records, name, "forward", times, n, peak)
         leaves = [x.requires_grad_(True) for x in args] + [
             kw[p].requires_grad_(True) for p in ("A_log", "dt_bias") if p in kw
         ]
@@ -109,17 +117,17 @@ def main():
             for x in leaves:
                 x.grad = None
 
-        times, n = timed(step, a.iterations, clear)
-        report(records, name, "forward+backward", times, n)
+        times, n, peak = timed(step, a.iterations, clear)
+        report(records, name, "forward+backward", times, n, peak)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(records, f, indent=1)
 
 
-def report(records, name, program, times, n):
+def report(records, name, program, times, n, peak):
     med = statistics.median(times)
-    print(f"{name}: fla {program} median {med:.3f} ms (min {min(times):.3f}, max {max(times):.3f}) over {len(times)} runs; {n} launches")
-    records.append(dict(shape=name, implementation="fla", program=program, times_ms=times, median_ms=med, launches=n))
+    print(f"{name}: fla {program} median {med:.3f} ms (min {min(times):.3f}, max {max(times):.3f}) over {len(times)} runs; {n} launches; peak {peak:.1f} MB")
+    records.append(dict(shape=name, implementation="fla", program=program, times_ms=times, median_ms=med, launches=n, peak_mb=peak))
 
 
 if __name__ == "__main__":

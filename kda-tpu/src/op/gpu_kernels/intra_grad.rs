@@ -26,7 +26,7 @@ use crate::lang::{
 use super::intra::row_of;
 use super::tokens::{self, TokenRefs};
 use super::wy_grad::product;
-use super::{ForwardShape, C, SUB};
+use super::{ForwardShape, TokenLayout, C, SUB};
 use crate::op::chunk::{gate_slopes, GATE_FLOOR};
 
 /// The intra-gradient kernel's operands by name (`[L, T, D]` lane-major tokens).
@@ -89,8 +89,7 @@ pub fn intra_grad_kernel(s: &ForwardShape) -> Result<(Kernel, IntraGradRefs)> {
 
 /// Rows `start..start + n` and columns `col..col + w` of `r`'s `[1, C, D]` f32 block.
 fn rows_of(b: &mut Body, r: Ref, (start, n): (i64, i64), (col, w): (i64, i64)) -> Result<V> {
-    let x = b.load(r, &[Offset::Const(0), Offset::Const(start), Offset::Const(col)], &[1, n, w])?;
-    b.reshape(&x, &[n, w])
+    tokens::tile(b, r, TokenLayout::Lanes, (Offset::Const(start), n), (Offset::Const(col), w))
 }
 
 /// The pairs of sub-chunk `y` with itself (strictly causal), from the `[16, 16]` diagonal
