@@ -98,25 +98,12 @@ pub fn gate_params(
     dt_bias: Option<Value>,
     dims: &[i64],
 ) -> Result<GateParams> {
-    gate_params_at(b, s, a_log, dt_bias, dims, 0)
-}
-
-/// [`gate_params`] for a shape `dims` whose heads are axis `head` and channels the last axis
-/// (batch-first tokens `[B T, H, K]`, say).
-pub fn gate_params_at(
-    b: &mut FnBuilder,
-    s: &ProgramSpec,
-    a_log: Value,
-    dt_bias: Option<Value>,
-    dims: &[i64],
-    head: usize,
-) -> Result<GateParams> {
     let a = b.exp(a_log)?;
-    let a = b.broadcast_in_dim(a, dims, &[head as i64])?;
+    let a = b.broadcast_in_dim(a, dims, &[0])?;
     let bias = match dt_bias {
         Some(d) => {
             let d = b.reshape(d, &[s.dims.h as i64, s.dims.k as i64])?;
-            b.broadcast_in_dim(d, dims, &[head as i64, dims.len() as i64 - 1])?
+            b.broadcast_in_dim(d, dims, &[0, 3])?
         }
         None => splat(b, 0.0, dims)?,
     };
@@ -163,19 +150,6 @@ pub fn gate_backward(
     dg: Value,
     p: &GateParams,
 ) -> Result<(Value, Value, Value)> {
-    gate_backward_at(b, s, x, g, dg, p, 0)
-}
-
-/// [`gate_backward`] for tensors whose heads are axis `head` and channels the last axis.
-pub fn gate_backward_at(
-    b: &mut FnBuilder,
-    s: &ProgramSpec,
-    x: Value,
-    g: Value,
-    dg: Value,
-    p: &GateParams,
-    head: usize,
-) -> Result<(Value, Value, Value)> {
     let z = b.add(x, p.bias)?;
     let (dx, dalog) = match s.options.gate {
         GateKind::Preactivated => return Ok((dg, dg, dg)),
@@ -201,10 +175,8 @@ pub fn gate_backward_at(
             (b.mul(dg, dsa)?, b.mul(dg, dsaz)?)
         }
     };
-    let rank = x.rank();
-    let others: Vec<i64> = (0..rank).filter(|&a| a != head).map(|a| a as i64).collect();
-    let da_log = b.reduce_sum(dalog, &others)?;
-    let ddt = b.reduce_sum(dx, &others[..rank - 2])?;
+    let da_log = b.reduce_sum(dalog, &[1, 2, 3])?;
+    let ddt = b.reduce_sum(dx, &[1, 2])?;
     let ddt = b.reshape(ddt, &[(s.dims.h * s.dims.k) as i64])?;
     Ok((dx, da_log, ddt))
 }

@@ -159,12 +159,15 @@ fn rows_shape(s: &ProgramSpec, base: ForwardShape) -> ForwardShape {
     ForwardShape { layout: TokenLayout::Rows, lanes: h, t: bb * t, slots: bb, run_chunks: t / C, ..base }
 }
 
-/// The shape of the row kernels ([`rows_shape`]) for `a`'s inputs.
-fn rows_kernel_shape(s: &ProgramSpec, a: &Args, keep_h: bool) -> ForwardShape {
-    ForwardShape {
-        g_dtype: kernel_dtype(a.g.elem()),
-        ..rows_shape(s, shape(s, kernel_dtype(a.q.elem()), keep_h))
-    }
+/// The kernels' shape for `a`'s inputs: rows read in place where [`in_place`] says so, else
+/// lane-major chunks; with `keep_h` the recurrence keeps the entering states, in that dtype.
+fn kernel_shape(s: &ProgramSpec, a: &Args, keep_h: Option<DType>) -> ForwardShape {
+    let base = shape(s, kernel_dtype(a.q.elem()), keep_h.is_some());
+    let base = match in_place(s) {
+        true => rows_shape(s, base),
+        false => base,
+    };
+    ForwardShape { g_dtype: kernel_dtype(a.g.elem()), h_dtype: keep_h.unwrap_or(DType::F32), ..base }
 }
 
 /// The caller's batch-first tensor `x` as the row kernels read it: `[B T, H w]` in `dtype`.
@@ -223,8 +226,7 @@ fn forward_rows(
 ) -> Result<(Vec<Value>, Kept)> {
     let (h, bb, t, k, v) =
         (s.dims.h as i64, s.dims.b as i64, s.dims.t as i64, s.dims.k as i64, s.dims.v as i64);
-    let sh = rows_kernel_shape(s, a, keep_h.is_some());
-    let sh = ForwardShape { h_dtype: keep_h.unwrap_or(sh.h_dtype), ..sh };
+    let sh = kernel_shape(s, a, keep_h);
     let x = rows_inputs(f, s, a, &sh)?;
     let fv = call_factors(f, &sh, &x, lowering)?;
     let out = call_recurrence(f, &sh, &x, &fv, lowering)?;
@@ -257,11 +259,6 @@ pub(in crate::op) fn forward(
     lowering: &dyn Lower,
 ) -> Result<Vec<Value>> {
     Ok(forward_parts(f, s, a, keep_h.then_some(DType::F32), lowering)?.0)
-}
-
-/// The shape of the lane-major kernels for `a`'s inputs.
-fn lane_shape(s: &ProgramSpec, a: &Args, keep_h: bool) -> ForwardShape {
-    ForwardShape { g_dtype: kernel_dtype(a.g.elem()), ..shape(s, kernel_dtype(a.q.elem()), keep_h) }
 }
 
 /// The inputs of the lane-major kernels of shape `sh` (tokens as aligned chunks, widths
@@ -316,8 +313,7 @@ fn forward_parts(
     if in_place(s) {
         return forward_rows(f, s, a, keep_h, lowering);
     }
-    let sh = lane_shape(s, a, keep_h.is_some());
-    let sh = ForwardShape { h_dtype: keep_h.unwrap_or(sh.h_dtype), ..sh };
+    let sh = kernel_shape(s, a, keep_h);
     let (x, h0) = lane_inputs(f, s, a, &sh)?;
     let fv = call_factors(f, &sh, &x, lowering)?;
     let out = call_recurrence(f, &sh, &x, &fv, lowering)?;
@@ -407,10 +403,7 @@ fn backward_from(
     lowering: &dyn Lower,
 ) -> Result<Vec<Value>> {
     let rows = in_place(s);
-    let sh = match rows {
-        true => rows_kernel_shape(s, a, false),
-        false => lane_shape(s, a, false),
-    };
+    let sh = kernel_shape(s, a, None);
     sh.check()?;
     let x = match rows {
         true => rows_inputs(f, s, a, &sh)?,
