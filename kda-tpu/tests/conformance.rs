@@ -595,7 +595,7 @@ mod context_parallel {
 /// backward (the GPU backward kernels, from the kernels' forward), bitwise causality at a
 /// boundary inside a sub-chunk, segment isolation; the rest of the table under `full::`.
 mod triton_interpret {
-    use kda_core::{BackwardStrategy, DType, Layout};
+    use kda_core::{BackwardStrategy, DType, HostTensor, Layout};
     use kda_testkit::conformance::{backward, forward, Path};
     use kda_testkit::{Case, CaseGate};
     use kda_tpu::{Implementation, PjrtBackend};
@@ -725,6 +725,96 @@ mod triton_interpret {
         for (slot, (x, y)) in fa.chunks(per_slot).zip(fb.chunks(per_slot)).enumerate() {
             let same = x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits());
             assert_eq!(same, slot != 1, "final state of slot {slot}");
+        }
+    }
+
+    /// Batch-first packed rows at widths the kernels take (K = 16, V = 32), which they read in
+    /// place: two rows of 200 tokens, segments of 1, 63, 0 and 30 tokens, then of 40 and 60 and
+    /// two empty ones (each row's trailing padding past 64 rows: written by the unused chunk
+    /// positions).
+    pub fn packed_in_place(name: &'static str) -> Case {
+        let rows = vec![vec![1, 63, 0, 30], vec![40, 60, 0, 0]];
+        Case {
+            layout: Layout::BatchFirst,
+            segments: kda_testkit::cases::CaseSegments::Lengths(rows),
+            ..Case::base(name, 2, 2, 200, 16, 32)
+        }
+    }
+
+    /// Packed rows read in place, their gradients written straight to the packed tokens: the
+    /// forward and the backward against the reference (the lower-bound gate and L2 norm
+    /// rematerializing in bf16, head-first rows with the softplus gate; pre-activated and
+    /// softplus f32 under `full::`).
+    #[rstest]
+    #[case::lower_bound_l2norm_remat_fused_bf16(Case { gate: CaseGate::LowerBound(-5.0), l2norm: true, ..packed_in_place("packed_in_place_gate") }, BF16, Rematerialize, Fused)]
+    #[case::head_first_softplus_remat_split_bf16(Case { gate: CaseGate::Softplus, layout: Layout::HeadFirst, ..packed_in_place("packed_in_place_head_first") }, BF16, Rematerialize, Split)]
+    fn packed_rows_in_place_meet_the_reference(
+        #[case] case: Case,
+        #[case] dtype: DType,
+        #[case] strategy: BackwardStrategy,
+        #[case] path: Path,
+    ) {
+        packed_in_place_meets_the_reference(&case, dtype, strategy, path);
+    }
+
+    /// The forward and backward of `case` against the reference.
+    pub fn packed_in_place_meets_the_reference(
+        case: &Case,
+        dtype: DType,
+        strategy: BackwardStrategy,
+        path: Path,
+    ) {
+        run(kda_testkit::conformance::forward_case(&backend(), case, dtype));
+        run(kda_testkit::conformance::backward_case(&backend(), case, dtype, strategy, path));
+    }
+
+    /// The outputs and gradients of batch-first packed rows read in place are those of the
+    /// path that gathers the same rows into aligned chunks and compacts the results back
+    /// (`Tuning::with_packed_in_place(false)`), bitwise, with the lower-bound gate and the L2
+    /// norm (f32, fused saved state); the padding tokens' outputs and gradients are exactly 0
+    /// (head-first under `full::`).
+    #[test]
+    fn packed_rows_in_place_match_the_gather_path() {
+        packed_in_place_matches_the_gather_path(Layout::BatchFirst);
+    }
+
+    /// [`packed_rows_in_place_match_the_gather_path`] in `layout`.
+    pub fn packed_in_place_matches_the_gather_path(layout: Layout) {
+        let case = Case {
+            gate: CaseGate::LowerBound(-5.0),
+            l2norm: true,
+            layout,
+            ..packed_in_place("packed_in_place_gather")
+        };
+        let data = kda_testkit::case_data(&case, F32).expect("inputs");
+        let in_place = backend();
+        let gather =
+            in_place.clone().with_tuning(in_place.tuning().with_packed_in_place(false)).expect("tuning");
+        let run =
+            |be: &PjrtBackend| be.forward_and_vjp(&data.inputs, &data.cotangents, SavedState).expect("vjp");
+        let ((out, g), (out_gather, g_gather)) = (run(&in_place), run(&gather));
+        let bits = |x: &HostTensor| x.to_f32_vec().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        let some_bits = |x: &Option<HostTensor>| x.as_ref().map(bits);
+        assert_eq!(bits(&out.o), bits(&out_gather.o), "o");
+        assert_eq!(some_bits(&out.final_state), some_bits(&out_gather.final_state), "final states");
+        for (what, x, y) in [
+            ("dq", &g.dq, &g_gather.dq),
+            ("dk", &g.dk, &g_gather.dk),
+            ("dv", &g.dv, &g_gather.dv),
+            ("dg", &g.dg, &g_gather.dg),
+            ("dbeta", &g.dbeta, &g_gather.dbeta),
+        ] {
+            assert_eq!(bits(x), bits(y), "{what}");
+        }
+        assert_eq!(some_bits(&g.dh0), some_bits(&g_gather.dh0), "dh0");
+        assert_eq!(some_bits(&g.da_log), some_bits(&g_gather.da_log), "da_log");
+        assert_eq!(some_bits(&g.ddt_bias), some_bits(&g_gather.ddt_bias), "ddt_bias");
+        // Rows 0 and 1 end at tokens 94 and 100 of 200.
+        let padding = |r: usize, t: usize| t >= [94, 100][r];
+        let zero = |x: &HostTensor| tokens(x, &case, &padding).iter().all(|&b| b == 0);
+        assert!(zero(&out.o), "o at padding tokens");
+        for (what, x) in [("dq", &g.dq), ("dk", &g.dk), ("dv", &g.dv), ("dg", &g.dg), ("dbeta", &g.dbeta)] {
+            assert!(zero(x), "{what} at padding tokens");
         }
     }
 
@@ -1374,6 +1464,31 @@ mod full {
             .filter_map(|c| backward_case(&be, &c, dtype, strategy, path).err())
             .collect();
         assert!(failures.is_empty(), "{} cases failed:\n{}", failures.len(), failures.join("\n"));
+    }
+
+    /// Packed rows read in place: pre-activated (split saved state) and softplus (fused) in f32
+    /// against the reference.
+    #[rstest]
+    #[case::preactivated_saved_split_f32(
+        crate::triton_interpret::packed_in_place("packed_in_place"),
+        DType::F32,
+        BackwardStrategy::SavedState,
+        Path::Split
+    )]
+    #[case::softplus_saved_fused_f32(kda_testkit::Case { gate: kda_testkit::CaseGate::Softplus, ..crate::triton_interpret::packed_in_place("packed_in_place_softplus") }, DType::F32, BackwardStrategy::SavedState, Path::Fused)]
+    fn triton_interpret_packed_rows_in_place(
+        #[case] case: kda_testkit::Case,
+        #[case] dtype: DType,
+        #[case] strategy: BackwardStrategy,
+        #[case] path: Path,
+    ) {
+        super::triton_interpret::packed_in_place_meets_the_reference(&case, dtype, strategy, path);
+    }
+
+    /// Head-first packed rows read in place match the gather path bitwise.
+    #[test]
+    fn triton_interpret_head_first_packed_rows_match_the_gather_path() {
+        super::triton_interpret::packed_in_place_matches_the_gather_path(kda_core::Layout::HeadFirst);
     }
 
     /// The GPU rows' backward on padded widths (K = 129, V = 127) and hard resets, both

@@ -612,6 +612,49 @@ fn padded_widths() -> Result<Case> {
     Ok(Case { kernel, inputs, want: vec![o, sums], tol: 1e-4 })
 }
 
+/// Masked loads and stores: step `i` reads 64 rows of `x` `[200, 128]` from row `start[i]`
+/// with the rows from `count[i]` on left unread (the first window runs past the array's end),
+/// writes `2 x + 1` for its counted rows into `o` (the later steps' windows reach into rows the
+/// earlier steps wrote, which must keep their values) and its whole window into `w`.
+fn masked_rows() -> Result<Case> {
+    let (starts, counts) = ([150, 100, 40, 0], [50, 50, 60, 40]);
+    let x = rand_vec(200 * 128, 21, -1.0, 1.0);
+    let mut kb = KernelBuilder::new("masked_rows");
+    kb.grid(4, Semantics::Arbitrary);
+    let (start, count) = (kb.table("start", 4), kb.table("count", 4));
+    let xs = kb.input(Operand::whole("x", t(DType::F32, &[200, 128])));
+    let o = kb.output(Operand::whole("o", t(DType::F32, &[200, 128])));
+    let w = kb.output(Operand::blocked(
+        "w",
+        t(DType::F32, &[256, 128]),
+        &[64, 128],
+        vec![Index::Grid(0), Index::Const(0)],
+    ));
+    let kernel = kb.build(|b| {
+        let i = b.program_id(0)?;
+        let (at, n) = (b.read_table(start, &i)?, b.read_table(count, &i)?);
+        let rows = [Offset::Dyn(at, 1), Offset::Const(0)];
+        let x = b.load_rows(xs, &rows, &[64, 128], &n)?;
+        b.store_all(w, &x)?;
+        let two = b.splat(2.0, DType::F32, &[64, 128])?;
+        let one = b.splat(1.0, DType::F32, &[64, 128])?;
+        let y = b.mul(&x, &two)?;
+        let y = b.add(&y, &one)?;
+        b.store_rows(o, &rows, &y, &n)
+    })?;
+    let o_want = x.iter().map(|v| 2.0 * v + 1.0).collect();
+    let mut w_want = vec![0f32; 256 * 128];
+    for (i, (&s0, &n)) in starts.iter().zip(&counts).enumerate() {
+        for r in 0..n {
+            let (from, to) = ((s0 + r) * 128, (i * 64 + r) * 128);
+            w_want[to..to + 128].copy_from_slice(&x[from..from + 128]);
+        }
+    }
+    let tables = |v: [usize; 4]| In::I32(v.iter().map(|&x| x as i32).collect(), vec![4]);
+    let inputs = vec![tables(starts), tables(counts), In::F32(x, vec![200, 128])];
+    Ok(Case { kernel, inputs, want: vec![o_want, w_want], tol: 0.0 })
+}
+
 fn case(name: &str) -> Case {
     let built = match name {
         "matmul_f32" => matmul_f32(),
@@ -630,6 +673,7 @@ fn case(name: &str) -> Case {
         "unit_lower_inverse" => unit_lower_inverse(),
         "chunk_terms" => chunk_terms(),
         "padded_widths" => padded_widths(),
+        "masked_rows" => masked_rows(),
         other => panic!("no case {other}"),
     };
     built.unwrap_or_else(|e| panic!("{name}: {e}"))
@@ -686,6 +730,18 @@ fn mosaic_kernel_interprets_and_compiles(#[case] name: &str) -> Result<()> {
         "{name}: the results' {results} B are in the outputs ({} B)",
         m.output_bytes
     );
+    Ok(())
+}
+
+/// Masked loads and stores run through the interpret lowering (rows past the count read zero,
+/// the memory past it kept) and the Mosaic lowering refuses the masked store, naming it.
+#[test]
+fn masked_rows_interpret_and_mosaic_refuses_them() -> Result<()> {
+    let c = case("masked_rows");
+    runs_and_matches("masked_rows", &c, Lowering::Interpret)?;
+    let e = c.kernel.module(&Lowering::Mosaic).expect_err("Mosaic has no masked rows");
+    assert!(matches!(e, kda_tpu::TpuError::Unsupported { .. }), "{e}");
+    assert!(e.to_string().contains("masked store"), "{e}");
     Ok(())
 }
 
@@ -790,6 +846,7 @@ fn a_vmem_limit_reaches_the_compiler() -> Result<()> {
 #[case::for_loop("for_loop", None)]
 #[case::chunk_terms("chunk_terms", Some(Feature::ScratchWindow))]
 #[case::padded_widths("padded_widths", None)]
+#[case::masked_rows("masked_rows", None)]
 fn kernel_compiles_for_the_h200_or_is_refused(
     #[case] name: &str,
     #[case] refused: Option<Feature>,
@@ -1157,7 +1214,7 @@ fn run_time_bounds() -> Result<Kernel> {
             Ok(vec![b.add(&acc[0], &one)?])
         })?;
         b.store_all(trips, &counted[0])?;
-        let y = b.load_rows(x, &[Offset::Const(0), Offset::Const(0)], &[16, 128], &n, 0.0)?;
+        let y = b.load_rows(x, &[Offset::Const(0), Offset::Const(0)], &[16, 128], &n)?;
         let s = b.reduce(Reduction::Sum, &y, 0)?;
         b.store_all(rows, &s)
     })

@@ -218,9 +218,14 @@ impl Body {
 
     /// A `dims` block of `from` at `offsets`, in `from`'s element type.
     pub fn load(&mut self, from: Ref, offsets: &[Offset], dims: &[i64]) -> Result<V> {
+        self.load_op(from, offsets, dims, None)
+    }
+
+    fn load_op(&mut self, from: Ref, offsets: &[Offset], dims: &[i64], rows: Option<&V>) -> Result<V> {
         let ty = self.check_window("load", from, offsets, dims)?;
         let out = self.fresh(TensorType::new(ty.elem, dims));
-        self.push(Op::Load { out: out.clone(), from, offsets: offsets.to_vec() });
+        let rows = rows.cloned();
+        self.push(Op::Load { out: out.clone(), from, offsets: offsets.to_vec(), rows });
         Ok(out)
     }
 
@@ -235,37 +240,47 @@ impl Body {
         self.load(from, &zeros, &ty.dims)
     }
 
-    /// A `dims` block of `from` at `offsets` whose rows (dim 0) from the run-time count `rows`
-    /// (an i32 scalar) on hold `fill`, whatever memory holds there: the rows past a packed
-    /// chunk's tokens, say.
-    pub fn load_rows(
-        &mut self,
-        from: Ref,
-        offsets: &[Offset],
-        dims: &[i64],
-        rows: &V,
-        fill: f64,
-    ) -> Result<V> {
-        if rows.ty != TensorType::scalar(DType::I32) || dims.len() < 2 {
-            return Err(err("load_rows", format!("{} rows of a {dims:?} block", fmt_ty(&rows.ty))));
+    /// A masked load: a `dims` block of `from` at `offsets` whose rows (dim 0) from the run-time
+    /// count `rows` (an i32 scalar) on are not read and hold zero, so that a window may run past
+    /// the tokens it owns (a packed chunk's rows read in place) or past the array's end.
+    pub fn load_rows(&mut self, from: Ref, offsets: &[Offset], dims: &[i64], rows: &V) -> Result<V> {
+        self.uses("load_rows", &[rows])?;
+        if rows.ty != TensorType::scalar(DType::I32) || dims.len() < 2 || self.scope.of(from).is_none() {
+            return Err(err("load_rows", format!("{} rows of a {dims:?} window", fmt_ty(&rows.ty))));
         }
-        let x = self.load(from, offsets, dims)?;
-        let row = self.iota(dims, 0)?;
-        let count = self.broadcast(rows, dims)?;
-        let kept = self.compare(Cmp::Lt, &row, &count)?;
-        let fill = self.splat(fill, x.ty.elem, dims)?;
-        self.select(&kept, &x, &fill)
+        if matches!(from.place, Place::Scratch(_)) {
+            return Err(err("load_rows", "a masked load of a scratch buffer (it has no memory to spare)"));
+        }
+        self.load_op(from, offsets, dims, Some(rows))
     }
 
     /// Writes `value` into `to` at `offsets` (same element type).
     pub fn store(&mut self, to: Ref, offsets: &[Offset], value: &V) -> Result<()> {
+        self.store_op(to, offsets, value, None)
+    }
+
+    fn store_op(&mut self, to: Ref, offsets: &[Offset], value: &V, rows: Option<&V>) -> Result<()> {
         self.uses("store", &[value])?;
         let ty = self.check_window("store", to, offsets, &value.ty.dims)?;
         if ty.elem != value.ty.elem {
             return Err(err("store", format!("{} into a {} reference", fmt_ty(&value.ty), ty.elem)));
         }
-        self.push(Op::Store { to, offsets: offsets.to_vec(), value: value.clone() });
+        let rows = rows.cloned();
+        self.push(Op::Store { to, offsets: offsets.to_vec(), value: value.clone(), rows });
         Ok(())
+    }
+
+    /// A masked store: writes the rows (dim 0) of `value` below the run-time count `rows` (an
+    /// i32 scalar) into `to` at `offsets`, leaving the memory of the others as it was.
+    pub fn store_rows(&mut self, to: Ref, offsets: &[Offset], value: &V, rows: &V) -> Result<()> {
+        self.uses("store_rows", &[rows])?;
+        if rows.ty != TensorType::scalar(DType::I32) || value.ty.dims.len() < 2 {
+            return Err(err("store_rows", format!("{} rows of {}", fmt_ty(&rows.ty), fmt_ty(&value.ty))));
+        }
+        if matches!(to.place, Place::Scratch(_)) {
+            return Err(err("store_rows", "a masked store into a scratch buffer"));
+        }
+        self.store_op(to, offsets, value, Some(rows))
     }
 
     /// Writes `value` over the whole of `to`.

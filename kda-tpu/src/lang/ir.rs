@@ -137,10 +137,12 @@ pub enum Op {
     ReadTable { out: V, table: usize, index: V },
     /// A vector of one value.
     Splat { out: V, value: f64 },
-    /// A block of `out.ty.dims` from `from` at `offsets`.
-    Load { out: V, from: Ref, offsets: Vec<Offset> },
-    /// Writes `value` into `to` at `offsets`.
-    Store { to: Ref, offsets: Vec<Offset>, value: V },
+    /// A block of `out.ty.dims` from `from` at `offsets`; with `rows` (an i32 scalar), the
+    /// window's rows (dim 0) from `rows` on are not read and hold zero.
+    Load { out: V, from: Ref, offsets: Vec<Offset>, rows: Option<V> },
+    /// Writes `value` into `to` at `offsets`; with `rows`, only the window's rows (dim 0) below
+    /// `rows`, the rest of memory left as it was.
+    Store { to: Ref, offsets: Vec<Offset>, value: V, rows: Option<V> },
     /// `a x b` contracting `a`'s dim `contract.0` with `b`'s dim `contract.1` (2-D operands,
     /// output `[a free, b free]`, f32 accumulation).
     Matmul { out: V, a: V, b: V, contract: (usize, usize), precision: MatPrecision },
@@ -209,6 +211,12 @@ pub enum OpKind {
     Load,
     /// A block written to a reference ([`super::Body::store`]).
     Store,
+    /// A block read from a reference with its rows from a run-time count on left unread
+    /// ([`super::Body::load_rows`]).
+    LoadRows,
+    /// A block's rows below a run-time count written to a reference
+    /// ([`super::Body::store_rows`]).
+    StoreRows,
     /// A matrix product ([`super::Body::matmul`]).
     Matmul,
     /// An elementwise binary op ([`super::Body::add`], `sub`, `mul`, `div`, `max`, `min`).
@@ -252,8 +260,10 @@ impl Op {
             Op::IndexBinary { .. } => OpKind::IndexBinary,
             Op::ReadTable { .. } => OpKind::ReadTable,
             Op::Splat { .. } => OpKind::Splat,
-            Op::Load { .. } => OpKind::Load,
-            Op::Store { .. } => OpKind::Store,
+            Op::Load { rows: None, .. } => OpKind::Load,
+            Op::Load { rows: Some(_), .. } => OpKind::LoadRows,
+            Op::Store { rows: None, .. } => OpKind::Store,
+            Op::Store { rows: Some(_), .. } => OpKind::StoreRows,
             Op::Matmul { .. } => OpKind::Matmul,
             Op::Binary { .. } => OpKind::Binary,
             Op::Unary { .. } => OpKind::Unary,

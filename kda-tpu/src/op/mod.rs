@@ -39,7 +39,7 @@ pub use interface::{index_tables, index_tables_for, IndexTable, Port, ProgramKin
 pub use spec::KernelSpec;
 pub(crate) use spec::CHUNK;
 pub use spec::{
-    on_device, Implementation, OpOptions, ProgramSpec, TpuKernelConfig, Tuning, XlaConfig,
+    on_device, GpuKernelConfig, Implementation, OpOptions, ProgramSpec, TpuKernelConfig, Tuning, XlaConfig,
     PACKED_RESULT_BYTES, SUB, TPU_SLAB,
 };
 pub use table::{row, Family, Row};

@@ -90,6 +90,25 @@ pub struct Tuning {
     pub xla: XlaConfig,
     /// The TPU kernels' part (the `mosaic` and `interpret` rows).
     pub tpu_kernels: TpuKernelConfig,
+    /// The GPU kernels' part (the `triton` and `triton-interpret` rows).
+    pub gpu_kernels: GpuKernelConfig,
+}
+
+/// The tuning the GPU kernels read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct GpuKernelConfig {
+    /// Whether the kernels read packed rows at widths they take in place, writing `o` and the
+    /// gradients straight to the packed tokens (true, the default: no gather or compaction in
+    /// XLA); else XLA gathers them into aligned chunks and compacts the results back.
+    pub packed_in_place: bool,
+}
+
+impl Default for GpuKernelConfig {
+    /// Packed rows read in place.
+    fn default() -> Self {
+        GpuKernelConfig { packed_in_place: true }
+    }
 }
 
 /// The tuning the XLA chunk loops read.
@@ -141,6 +160,7 @@ impl Default for Tuning {
             implementation: Implementation::Xla,
             xla: XlaConfig::default(),
             tpu_kernels: TpuKernelConfig::default(),
+            gpu_kernels: GpuKernelConfig::default(),
         }
     }
 }
@@ -182,6 +202,12 @@ impl Tuning {
     /// With [`Tuning::with_packed_result_bytes`] 0 every packed row goes through lanes.
     pub fn with_packed_blocks(mut self, blocks: bool) -> Self {
         self.tpu_kernels.packed_blocks = blocks;
+        self
+    }
+    /// The GPU kernels reading packed rows in place (true, the default) or XLA gathering them
+    /// into aligned chunks and compacting the results ([`GpuKernelConfig::packed_in_place`]).
+    pub fn with_packed_in_place(mut self, in_place: bool) -> Self {
+        self.gpu_kernels.packed_in_place = in_place;
         self
     }
 }

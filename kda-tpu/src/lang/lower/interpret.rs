@@ -5,7 +5,8 @@
 //! result blocks back (dynamic updates). A result block is a buffer as on the TPU: kept while
 //! consecutive steps share its block index, NaN on every new visit (so a block read before it
 //! is written, or revisited after other blocks and not rewritten, poisons the check, where a
-//! TPU would read or write back stale VMEM); scratch buffers are loop values, zero at the start.
+//! TPU would read or write back stale VMEM), save a result written by masked stores, whose new
+//! visit starts from the results so far (as a GPU's memory holds them); scratch buffers are loop values, zero at the start.
 //! Stores inside `when` are selects on the condition; `for_range` is a counted loop that
 //! carries the references with its values.
 
@@ -105,6 +106,24 @@ fn unwritten(b: &mut FnBuilder, t: &TensorType) -> Result<Value> {
     } else {
         b.constant_i32(i32::MIN, t.clone())
     }
+}
+
+/// `x` with `n` zero rows past its end (dim 0), so that a masked window reaching past the
+/// array starts where it says (a dynamic slice would clamp it back inside).
+fn past_end(b: &mut FnBuilder, x: Value, n: i64) -> Result<Value> {
+    let dims = x.dims().to_vec();
+    let zero = zeros(b, &TensorType::scalar(x.elem()))?;
+    let (lo, mut hi) = (vec![0; dims.len()], vec![0; dims.len()]);
+    hi[0] = n;
+    b.pad(x, zero, &lo, &hi, &vec![0; dims.len()])
+}
+
+/// An i1 `dims` mask: the rows (dim 0) below the i32 scalar `n`.
+fn rows_below(b: &mut FnBuilder, dims: &[i64], n: Value) -> Result<Value> {
+    let ty = TensorType::new(DType::I32, dims);
+    let row = b.iota(ty.clone(), 0)?;
+    let n = b.broadcast_in_dim(n, dims, &[])?;
+    b.compare(Cmp::Lt, row, n)
 }
 
 /// The references of one step: input, output and scratch blocks as values.
@@ -238,14 +257,40 @@ impl Step<'_> {
                 };
                 (out, v)
             }
-            Op::Load { out, from, offsets } => {
+            Op::Load { out, from, offsets, rows } => {
                 let offs = self.offsets(b, offsets, vals)?;
-                (out, b.dynamic_slice(refs.get(*from), &offs, &out.ty.dims)?)
+                let dims = &out.ty.dims;
+                match rows {
+                    None => (out, b.dynamic_slice(refs.get(*from), &offs, dims)?),
+                    Some(n) => {
+                        let n = get(vals, n)?;
+                        let padded = past_end(b, refs.get(*from), dims[0])?;
+                        let x = b.dynamic_slice(padded, &offs, dims)?;
+                        let zero = zeros(b, &tensor(&out.ty))?;
+                        let kept = rows_below(b, dims, n)?;
+                        (out, b.select(kept, x, zero)?)
+                    }
+                }
             }
-            Op::Store { to, offsets, value } => {
+            Op::Store { to, offsets, value, rows } => {
                 let offs = self.offsets(b, offsets, vals)?;
                 let v = get(vals, value)?;
-                let updated = b.dynamic_update_slice(refs.get(*to), v, &offs)?;
+                let updated = match rows {
+                    None => b.dynamic_update_slice(refs.get(*to), v, &offs)?,
+                    Some(n) => {
+                        // Past the end as for a load; the rows from `n` on keep what memory held.
+                        let n = get(vals, n)?;
+                        let whole = refs.get(*to);
+                        let full = whole.dims().to_vec();
+                        let dims = &value.ty.dims;
+                        let padded = past_end(b, whole, dims[0])?;
+                        let held = b.dynamic_slice(padded, &offs, dims)?;
+                        let kept = rows_below(b, dims, n)?;
+                        let v = b.select(kept, v, held)?;
+                        let padded = b.dynamic_update_slice(padded, v, &offs)?;
+                        b.slice_axis(padded, 0, 0, full[0])?
+                    }
+                };
                 refs.set(*to, updated);
                 return Ok(());
             }
@@ -616,6 +661,20 @@ fn grid_loop(
     })
 }
 
+/// The results that `ops` write with masked stores.
+fn masked_stores(ops: &[Op], into: &mut std::collections::BTreeSet<usize>) {
+    for op in ops {
+        match op {
+            Op::Store { to: Ref { place: Place::Output(i), .. }, rows: Some(_), .. } => {
+                into.insert(*i);
+            }
+            Op::If { then, .. } => masked_stores(then, into),
+            Op::For { body, .. } => masked_stores(body, into),
+            _ => {}
+        }
+    }
+}
+
 /// One grid step at `step`'s indices: blocks in, the body, result blocks back.
 fn step(
     k: &Kernel,
@@ -645,6 +704,8 @@ fn step(
     }
     let mut kept = &state[n_out + n_scratch..];
     let mut out_starts = Vec::with_capacity(n_out);
+    let mut masked = std::collections::BTreeSet::new();
+    masked_stores(&k.body, &mut masked);
     for o in &k.outputs {
         let s = starts(b, o)?;
         let (held, rest) = kept.split_at(1 + o.block.len());
@@ -655,7 +716,12 @@ fn step(
             let eq = b.compare(crate::hlo::Cmp::Eq, now, before)?;
             same = b.and(same, eq)?;
         }
-        let fresh = unwritten(b, &o.block_type())?;
+        // A result a masked store writes starts a visit from memory (the rows past its count
+        // keep what the steps before wrote there); any other, unwritten.
+        let fresh = match masked.contains(&refs.outputs.len()) {
+            true => b.dynamic_slice(state[refs.outputs.len()], &s, &o.block)?,
+            false => unwritten(b, &o.block_type())?,
+        };
         refs.outputs.push(b.select(same, held[0], fresh)?);
         out_starts.push(s);
     }

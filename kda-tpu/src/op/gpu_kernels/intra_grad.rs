@@ -24,9 +24,9 @@ use crate::lang::{
 };
 
 use super::intra::row_of;
-use super::tokens::{self, TokenRefs};
+use super::tokens::{self, ChunkRows, TokenRefs};
 use super::wy_grad::product;
-use super::{ForwardShape, TokenLayout, C, SUB};
+use super::{ForwardShape, C, SUB};
 use crate::op::chunk::{gate_slopes, GATE_FLOOR};
 
 /// The intra-gradient kernel's operands by name (`[L, T, D]` lane-major tokens).
@@ -89,7 +89,7 @@ pub fn intra_grad_kernel(s: &ForwardShape) -> Result<(Kernel, IntraGradRefs)> {
 
 /// Rows `start..start + n` and columns `col..col + w` of `r`'s `[1, C, D]` f32 block.
 fn rows_of(b: &mut Body, r: Ref, (start, n): (i64, i64), (col, w): (i64, i64)) -> Result<V> {
-    tokens::tile(b, r, TokenLayout::Lanes, (Offset::Const(start), n), (Offset::Const(col), w))
+    tokens::tile(b, r, &ChunkRows::LANE_BLOCK, (start, n), (Offset::Const(col), w))
 }
 
 /// The pairs of sub-chunk `y` with itself (strictly causal), from the `[16, 16]` diagonal
@@ -161,6 +161,7 @@ fn key_block(b: &mut Body, s: &ForwardShape, r: &IntraGradRefs, norms: Option<&t
     let [dq_in, dk_in, dg_in] = r.parts;
     let [dq_out, dk_out, dg_out, db_out] = r.grads;
     let z = Offset::Const(0);
+    let placed = r.tokens.rows(b)?;
     let mut columns = b.splat(0.0, DType::F32, &[C, bk])?;
     let mut carry = b.splat(0.0, DType::F32, &[1, bk])?;
     let mut sums = None;
@@ -209,9 +210,21 @@ fn key_block(b: &mut Body, s: &ForwardShape, r: &IntraGradRefs, norms: Option<&t
             let c = b.mul(&c, &ec)?;
             columns = b.add(&columns, &c)?;
         }
-        let at = (Offset::Const(SUB * sc), Offset::Const(col));
+        // Packed rows in place write the rows past the chunk's tokens too (a row's trailing
+        // padding): exactly zero there.
+        let real = match placed {
+            ChunkRows::Packed { .. } => tokens::real_rows(b, &r.tokens, rows, bk)?,
+            ChunkRows::Aligned(..) => None,
+        };
         let store_rows = |b: &mut Body, out: Ref, x: &V, dtype: DType| -> Result<()> {
-            tokens::store_tile(b, out, r.tokens.layout, at.clone(), x, dtype)
+            let x = match &real {
+                Some(real) => {
+                    let zero = b.splat(0.0, DType::F32, &[SUB, bk])?;
+                    b.select(real, x, &zero)?
+                }
+                None => x.clone(),
+            };
+            tokens::store_tile(b, out, &placed, (SUB * sc, Offset::Const(col)), &x, dtype)
         };
         let dq = rows_of(b, dq_in, rows, (col, bk))?;
         let dq = b.add(&dq, &qr)?;
@@ -270,7 +283,8 @@ fn through_gate(
         Some(real) => b.select(&real, &dg, &zero)?,
         None => dg,
     };
-    let raw = tokens::f32_tile(b, r.tokens.g, (start, n), (0, dims[1]), r.tokens.layout)?;
+    let at = r.tokens.rows(b)?;
+    let raw = tokens::f32_tile(b, r.tokens.g, &at, (start, n), (0, dims[1]))?;
     let (dz, dlog) = gate_slopes(b, &raw, s.gate, r.tokens.gate)?;
     let dx = b.mul(&dg, &dz)?;
     let dl = b.mul(&dg, &dlog)?;

@@ -69,6 +69,22 @@ pub enum TokenLayout {
     /// heads and `T` the rows' tokens one row after another (each row whole chunks; the tables
     /// restart the state at each row).
     Rows,
+    /// The caller's batch-first packed rows read in place: `[B T, L * D]`, lanes being heads;
+    /// chunk position `c` reads the `valid[c]` tokens from token `start[c]` (masked loads: the
+    /// rest of its window reads zero) and writes `written[c]` rows there (masked stores: a row's
+    /// trailing padding tokens are written by its last chunk and by the unused positions, as
+    /// zeros).
+    Packed,
+    /// The caller's head-first packed rows read in place: `[L, B T, D]` (`beta` `[L, B T, 1]`),
+    /// each chunk position placed as in [`TokenLayout::Packed`].
+    PackedLanes,
+}
+
+impl TokenLayout {
+    /// Whether the layout is packed rows read in place (the chunk positions' tables place them).
+    pub fn packed(self) -> bool {
+        matches!(self, TokenLayout::Packed | TokenLayout::PackedLanes)
+    }
 }
 
 /// The problem the GPU kernels take: `lanes` (heads x rows) of `t` aligned token slots
@@ -79,6 +95,9 @@ pub struct ForwardShape {
     pub lanes: i64,
     /// Token slots per lane, a multiple of 64.
     pub t: i64,
+    /// Rows of the caller's per-token tensors the kernels read in place ([`TokenLayout::Rows`],
+    /// [`TokenLayout::Packed`]): `t` for rows, `B T` for packed rows.
+    pub tokens: i64,
     /// Key width, a power of two from 16 to 256.
     pub k: i64,
     /// Value width, a power of two from 16 to 256.
@@ -137,6 +156,7 @@ impl ForwardShape {
         ForwardShape {
             lanes,
             t,
+            tokens: t,
             k,
             v,
             dtype,
@@ -316,6 +336,19 @@ pub struct ForwardInputs {
     pub last: Value,
     /// The state slot of each chunk position `[NT]` i32.
     pub slot: Value,
+    /// Packed rows read in place: each chunk position's first token and the rows it writes
+    /// (`[NT]` i32 each; [`TokenLayout::Packed`]).
+    pub packed: Option<PackedTables>,
+}
+
+/// Where packed rows read in place put each chunk position ([`TokenLayout::Packed`]).
+#[derive(Clone, Copy, Debug)]
+pub struct PackedTables {
+    /// The caller's token at the chunk position's first row (any in-range value where it reads
+    /// and writes nothing).
+    pub start: Value,
+    /// Rows written from `start`: its tokens, and the trailing padding it zeroes.
+    pub written: Value,
 }
 
 /// What the forward kernels return: `o` `[L, T, V]` in the input dtype, the final states `[L, slots, K, V]`
@@ -372,10 +405,10 @@ pub(super) fn bind_tokens(
         a.input(q, x.q)?;
         a.input(k, x.k)?;
     }
-    match t.valid {
-        Some(valid) => a.table(valid, x.valid),
-        None => Ok(()),
+    if let Some(valid) = t.valid {
+        a.table(valid, x.valid)?;
     }
+    tokens::bind_packed(a, t.packed.as_ref(), x.valid, x.packed)
 }
 
 /// Calls the chunk kernels of `s` (intra, the inverse where the intra kernel splits the chunk,
@@ -438,6 +471,7 @@ pub fn call_recurrence(
         a.table(chunks_t, chunks)?;
     }
     a.table(rr.last, x.last)?;
+    tokens::bind_packed(&mut a, rr.packed.as_ref(), x.valid, x.packed)?;
     let out = rk.call(f, lowering, a)?;
     let kept = |r: Option<Ref>| r.map(|r| out.get(r)).transpose();
     Ok(ForwardOutputs { o: out.get(rr.o)?, ht: out.get(rr.ht)?, h: kept(rr.h)?, v_new: kept(rr.v_new)? })
@@ -511,7 +545,8 @@ pub fn forward_module(s: &ForwardShape, lowering: &dyn Lower) -> Result<String> 
     };
     let [valid, first, last, slot] = fixed_tables(&mut f, t, t / C)?;
     let shape = ForwardShape { gate: GateKind::Preactivated, slots: 1, ..*s };
-    let x = ForwardInputs { q, k: kk, v: vv, g, beta, gate: None, h0, valid, first, last, slot };
+    let x =
+        ForwardInputs { q, k: kk, v: vv, g, beta, gate: None, h0, valid, first, last, slot, packed: None };
     let out = call_forward(&mut f, &shape, &x, lowering)?;
     let ht = f.reshape(out.ht, &[l, k, v])?;
     let o = match out.o.elem() {

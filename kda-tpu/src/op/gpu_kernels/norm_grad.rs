@@ -11,8 +11,8 @@ use crate::hlo::{FnBuilder, Value};
 use crate::lang::{Bindings, Body, Index, Kernel, KernelBuilder, Lower, Offset, Ref, Semantics};
 use crate::op::chunk::{l2_backward, l2_normalise_with_scale};
 
-use super::tokens;
-use super::{ForwardShape, C};
+use super::tokens::{self, ChunkRows};
+use super::{ForwardInputs, ForwardShape, C};
 
 /// The norm-gradient kernel's operands by name (`[L, T, K]` tokens in the shape's layout).
 #[derive(Clone, Copy, Debug)]
@@ -23,6 +23,8 @@ pub struct NormGradRefs {
     pub dy: [Ref; 2],
     /// `dq` and `dk` with respect to `q` and `k`, in the input dtype.
     pub dx: [Ref; 2],
+    /// Packed rows in place: where each chunk position's rows are.
+    pub packed: Option<tokens::PackedRefs>,
 }
 
 /// The norm-gradient kernel of `s`: grid (lanes, chunk positions), all parallel.
@@ -34,39 +36,42 @@ pub fn norm_grad_kernel(s: &ForwardShape) -> Result<(Kernel, NormGradRefs)> {
     let x = [kb.input(token("q", s.dtype)), kb.input(token("k", s.dtype))];
     let dy = [kb.input(token("dq_normed", DType::F32)), kb.input(token("dk_normed", DType::F32))];
     let dx = [kb.output(token("dq", s.dtype)), kb.output(token("dk", s.dtype))];
+    let packed = tokens::declare_packed(&mut kb, s);
     kb.params(s.norm_grad_launch);
-    let refs = NormGradRefs { x, dy, dx };
+    let refs = NormGradRefs { x, dy, dx, packed };
     let kernel = kb.build(|b| chunk_norm_grad(b, s, &refs))?;
     Ok((kernel, refs))
 }
 
 /// The body: `q`'s rows, then `k`'s.
 fn chunk_norm_grad(b: &mut Body, s: &ForwardShape, r: &NormGradRefs) -> Result<()> {
+    let at = ChunkRows::of_step(b, s.layout, r.packed.as_ref())?;
     for i in 0..2 {
-        let x = tokens::f32_tile(b, r.x[i], (0, C), (0, s.k), s.layout)?;
+        let x = tokens::f32_tile(b, r.x[i], &at, (0, C), (0, s.k))?;
         let (y, scale) = l2_normalise_with_scale(b, &x)?;
-        let dy = tokens::f32_tile(b, r.dy[i], (0, C), (0, s.k), s.layout)?;
+        let dy = tokens::f32_tile(b, r.dy[i], &at, (0, C), (0, s.k))?;
         let dx = l2_backward(b, &dy, &y, &scale)?;
-        tokens::store_tile(b, r.dx[i], s.layout, (Offset::Const(0), Offset::Const(0)), &dx, s.dtype)?;
+        tokens::store_tile(b, r.dx[i], &at, (0, Offset::Const(0)), &dx, s.dtype)?;
     }
     Ok(())
 }
 
-/// Calls the norm-gradient kernel of `s` in `f` on `q`, `k` (as the forward kernels take them)
-/// and the intra gradient's `[dq, dk]`, lowered by `lowering`: `[dq, dk]`.
+/// Calls the norm-gradient kernel of `s` in `f` on `q`, `k` (as the forward kernels take them,
+/// with their tables) and the intra gradient's `[dq, dk]`, lowered by `lowering`: `[dq, dk]`.
 pub fn call_norm_grad(
     f: &mut FnBuilder,
     s: &ForwardShape,
-    [q, k]: [Value; 2],
+    x: &ForwardInputs,
     [dq, dk]: [Value; 2],
     lowering: &dyn Lower,
 ) -> Result<[Value; 2]> {
     s.check()?;
     let (kernel, r) = norm_grad_kernel(s)?;
     let mut a: Bindings = kernel.bindings();
-    for (at, v) in [(r.x[0], q), (r.x[1], k), (r.dy[0], dq), (r.dy[1], dk)] {
+    for (at, v) in [(r.x[0], x.q), (r.x[1], x.k), (r.dy[0], dq), (r.dy[1], dk)] {
         a.input(at, v)?;
     }
+    tokens::bind_packed(&mut a, r.packed.as_ref(), x.valid, x.packed)?;
     let out = kernel.call(f, lowering, a)?;
     Ok([out.get(r.dx[0])?, out.get(r.dx[1])?])
 }

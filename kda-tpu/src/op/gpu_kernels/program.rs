@@ -13,7 +13,8 @@ use super::norm_grad::call_norm_grad;
 use super::state_grad::{call_state_grad, StateGradInputs};
 use super::wy_grad::{call_wy_grad, WyGradInputs};
 use super::{
-    call_factors, call_recurrence, fixed_tables, FactorValues, ForwardInputs, ForwardShape, TokenLayout, C,
+    call_factors, call_recurrence, fixed_tables, FactorValues, ForwardInputs, ForwardShape, PackedTables,
+    TokenLayout, C,
 };
 use crate::error::TpuError;
 use crate::hlo::{Cmp, FnBuilder, TensorType, Value};
@@ -99,12 +100,7 @@ fn tokens(f: &mut FnBuilder, s: &ProgramSpec, a: &Args, x: Value, dtype: DType) 
 /// `dtype` on the device.
 pub(in crate::op) fn forward_kernels(s: &ProgramSpec, dtype: DType, keep_h: bool) -> Result<Vec<Kernel>> {
     let g_dtype = kernel_dtype(crate::op::spec::on_device(s.options.g_dtype));
-    let base = shape(s, kernel_dtype(dtype), keep_h);
-    let sh = match in_place(s) {
-        true => rows_shape(s, base),
-        false => base,
-    };
-    let sh = ForwardShape { g_dtype, ..sh };
+    let sh = ForwardShape { g_dtype, ..placed(s, shape(s, kernel_dtype(dtype), keep_h)) };
     sh.check()?;
     super::forward_kernels(&sh)
 }
@@ -113,7 +109,7 @@ pub(in crate::op) fn forward_kernels(s: &ProgramSpec, dtype: DType, keep_h: bool
 /// L2 norm its gradient), inputs
 /// held in `dtype` on the device; `dht` is read when the forward returns final states.
 pub(in crate::op) fn backward_kernels(s: &ProgramSpec, dtype: DType) -> Result<Vec<Kernel>> {
-    let sh = shape(s, kernel_dtype(dtype), false);
+    let sh = placed(s, shape(s, kernel_dtype(dtype), false));
     sh.check()?;
     let mut kernels = vec![
         super::state_grad::state_grad_kernel(&sh, s.options.final_state)?.0,
@@ -142,38 +138,62 @@ fn valid(f: &mut FnBuilder, s: &ProgramSpec, a: &Args) -> Result<Value> {
     f.reduce_sum(real, &[1])
 }
 
-/// Whether the kernels read the caller's tensors in place: batch-first fixed-length rows of
-/// whole chunks and widths the kernels take as they are.
-fn in_place(s: &ProgramSpec) -> bool {
-    s.options.layout == Layout::BatchFirst
-        && s.packed_chunks.is_none()
-        && s.dims.t.is_multiple_of(C as usize)
-        && padded(s.dims.k) == s.dims.k as i64
-        && padded(s.dims.v) == s.dims.v as i64
+/// How the kernels read `s`'s per-token tensors: batch-first fixed-length rows of whole chunks
+/// in place ([`TokenLayout::Rows`]), batch-first packed rows in place ([`TokenLayout::Packed`]),
+/// head-first packed rows in place ([`TokenLayout::PackedLanes`]), all at widths the kernels
+/// take as they are (packed rows unless the tuning says otherwise); else as lane-major chunks
+/// XLA lays out ([`TokenLayout::Lanes`]: head-first tensors, widths the kernels pad).
+fn placement(s: &ProgramSpec) -> TokenLayout {
+    let exact = padded(s.dims.k) == s.dims.k as i64 && padded(s.dims.v) == s.dims.v as i64;
+    // A chunk's window of 64 rows fits the tokens.
+    let windows = s.dims.b * s.dims.t >= C as usize && s.tuning.gpu_kernels.packed_in_place;
+    match (s.options.layout, s.packed_chunks) {
+        _ if !exact => TokenLayout::Lanes,
+        (Layout::BatchFirst, None) if s.dims.t.is_multiple_of(C as usize) => TokenLayout::Rows,
+        (Layout::BatchFirst, Some(_)) if windows => TokenLayout::Packed,
+        (Layout::HeadFirst, Some(_)) if windows => TokenLayout::PackedLanes,
+        _ => TokenLayout::Lanes,
+    }
 }
 
-/// `base` for rows read in place: lanes are heads, the rows' tokens one after another, a state
-/// slot per row.
-fn rows_shape(s: &ProgramSpec, base: ForwardShape) -> ForwardShape {
+/// `base` (lane-major) as the kernels read `s`'s tensors ([`placement`]): for rows, lanes are
+/// heads, the rows' tokens one after another, a state slot per row; for packed rows, the
+/// caller's `B T` tokens in place.
+fn placed(s: &ProgramSpec, base: ForwardShape) -> ForwardShape {
     let (h, bb, t) = (s.dims.h as i64, s.dims.b as i64, s.dims.t as i64);
-    ForwardShape { layout: TokenLayout::Rows, lanes: h, t: bb * t, slots: bb, run_chunks: t / C, ..base }
+    match placement(s) {
+        TokenLayout::Rows => ForwardShape {
+            layout: TokenLayout::Rows,
+            lanes: h,
+            t: bb * t,
+            tokens: bb * t,
+            slots: bb,
+            run_chunks: t / C,
+            ..base
+        },
+        layout @ (TokenLayout::Packed | TokenLayout::PackedLanes) => {
+            ForwardShape { layout, tokens: bb * t, ..base }
+        }
+        TokenLayout::Lanes => base,
+    }
 }
 
-/// The kernels' shape for `a`'s inputs: rows read in place where [`in_place`] says so, else
-/// lane-major chunks; with `keep_h` the recurrence keeps the entering states, in that dtype.
+/// The kernels' shape for `a`'s inputs ([`placed`]); with `keep_h` the recurrence keeps the
+/// entering states, in that dtype.
 fn kernel_shape(s: &ProgramSpec, a: &Args, keep_h: Option<DType>) -> ForwardShape {
-    let base = shape(s, kernel_dtype(a.q.elem()), keep_h.is_some());
-    let base = match in_place(s) {
-        true => rows_shape(s, base),
-        false => base,
-    };
+    let base = placed(s, shape(s, kernel_dtype(a.q.elem()), keep_h.is_some()));
     ForwardShape { g_dtype: kernel_dtype(a.g.elem()), h_dtype: keep_h.unwrap_or(DType::F32), ..base }
 }
 
-/// The caller's batch-first tensor `x` as the row kernels read it: `[B T, H w]` in `dtype`.
+/// The caller's tensor `x` as the kernels read it in place, in `dtype`: batch-first `[B T, H w]`,
+/// head-first `[H B T, w]`.
 fn rows_of(f: &mut FnBuilder, s: &ProgramSpec, x: Value, dtype: DType, w: i64) -> Result<Value> {
     let x = if x.elem() == dtype { x } else { f.convert(x, dtype)? };
-    f.reshape(x, &[(s.dims.b * s.dims.t) as i64, s.dims.h as i64 * w])
+    let (h, n) = (s.dims.h as i64, (s.dims.b * s.dims.t) as i64);
+    match s.options.layout {
+        Layout::BatchFirst => f.reshape(x, &[n, h * w]),
+        Layout::HeadFirst => f.reshape(x, &[h * n, w]),
+    }
 }
 
 /// The inputs of the row kernels of shape `sh`: the caller's tensors in place, a state slot
@@ -212,6 +232,7 @@ fn rows_inputs(f: &mut FnBuilder, s: &ProgramSpec, a: &Args, sh: &ForwardShape) 
         first,
         last,
         slot: row,
+        packed: None,
     })
 }
 
@@ -298,6 +319,7 @@ fn lane_inputs(
         first: a.tables.first,
         last: a.tables.last,
         slot: kernel_slots(f, s, a.tables.slot)?,
+        packed: None,
     };
     Ok((x, h0))
 }
@@ -310,18 +332,28 @@ fn forward_parts(
     keep_h: Option<DType>,
     lowering: &dyn Lower,
 ) -> Result<(Vec<Value>, Kept)> {
-    if in_place(s) {
-        return forward_rows(f, s, a, keep_h, lowering);
-    }
     let sh = kernel_shape(s, a, keep_h);
-    let (x, h0) = lane_inputs(f, s, a, &sh)?;
+    let (x, h0) = match sh.layout {
+        TokenLayout::Rows => return forward_rows(f, s, a, keep_h, lowering),
+        TokenLayout::Packed | TokenLayout::PackedLanes => packed_inputs(f, s, a, &sh)?,
+        TokenLayout::Lanes => lane_inputs(f, s, a, &sh)?,
+    };
     let fv = call_factors(f, &sh, &x, lowering)?;
     let out = call_recurrence(f, &sh, &x, &fv, lowering)?;
     let (l, nt, v) = (s.lanes() as i64, s.chunks() as i64, s.dims.v as i64);
-    let o = cut(f, out.o, 2, s.dims.v)?;
-    let o = f.reshape(o, &[l, nt, C, v])?;
-    let o = prep::from_chunks(f, s, o, a.token_slot)?;
-    let mut outs = vec![prep::to_caller(f, s, o, on_device(s.options.dtype))?];
+    let o = match sh.layout {
+        // In the caller's layout already.
+        TokenLayout::Packed | TokenLayout::PackedLanes => {
+            f.reshape(out.o, &[(s.dims.b * s.dims.t * s.dims.h) as i64, v])?
+        }
+        _ => {
+            let o = cut(f, out.o, 2, s.dims.v)?;
+            let o = f.reshape(o, &[l, nt, C, v])?;
+            let o = prep::from_chunks(f, s, o, a.token_slot)?;
+            prep::to_caller(f, s, o, on_device(s.options.dtype))?
+        }
+    };
+    let mut outs = vec![o];
     if s.options.final_state {
         let ht = cut(f, out.ht, 2, s.dims.k)?;
         let ht = cut(f, ht, 3, s.dims.v)?;
@@ -333,6 +365,148 @@ fn forward_parts(
         outs.push(cut(f, h, 3, s.dims.v)?);
     }
     Ok((outs, Kept { factors: fv, v_new: out.v_new }))
+}
+
+/// The inputs of the packed kernels of shape `sh` (the caller's batch-first packed rows in
+/// place, [`packed_tables`] placing each chunk position), and the initial states' table, when
+/// given.
+fn packed_inputs(
+    f: &mut FnBuilder,
+    s: &ProgramSpec,
+    a: &Args,
+    sh: &ForwardShape,
+) -> Result<(ForwardInputs, Option<Value>)> {
+    let (k, v) = (s.dims.k as i64, s.dims.v as i64);
+    let h0 = match a.h0 {
+        Some(_) => Some(state_tab(f, s, a.h0)?),
+        None => None,
+    };
+    let valid = valid(f, s, a)?;
+    let x = ForwardInputs {
+        q: rows_of(f, s, a.q, sh.dtype, k)?,
+        k: rows_of(f, s, a.k, sh.dtype, k)?,
+        v: rows_of(f, s, a.v, sh.dtype, v)?,
+        g: rows_of(f, s, a.g, sh.g_dtype, k)?,
+        beta: rows_of(f, s, a.beta, sh.dtype, 1)?,
+        gate: match a.a_log {
+            Some(al) => Some(lane_gate(f, s, al, a.dt_bias)?),
+            None => None,
+        },
+        h0,
+        valid,
+        first: a.tables.first,
+        last: a.tables.last,
+        slot: kernel_slots(f, s, a.tables.slot)?,
+        packed: Some(packed_tables(f, s, a, valid)?),
+    };
+    Ok((x, h0))
+}
+
+/// Where each chunk position of packed rows read in place reads and writes the caller's tokens
+/// (`valid` `[NT]`: its tokens). A used position starts at its first token and writes its
+/// tokens, the last of a batch row's also the row's trailing padding up to 64 rows; the unused
+/// positions (after the used ones) each take the next 64 rows of that padding past the rows'
+/// last chunks (the plan's capacity holds them: a row's chunks with its padding as part of its
+/// last segment are a segmentation of the row), reading nothing, writing zeros.
+fn packed_tables(f: &mut FnBuilder, s: &ProgramSpec, a: &Args, valid: Value) -> Result<PackedTables> {
+    let (bb, t, nt) = (s.dims.b as i64, s.dims.t as i64, s.chunks() as i64);
+    let (Some(slot_token), Some(token_slot)) = (a.slot_token, a.token_slot) else {
+        return Err(TpuError::builder("triton packed rows", "internal: no token tables"));
+    };
+    let i32t = |dims: &[i64]| TensorType::new(DType::I32, dims);
+    let splat = |f: &mut FnBuilder, x: i64, dims: &[i64]| f.constant_i32(x as i32, i32t(dims));
+    let c = splat(f, C, &[nt])?;
+    let tt = splat(f, t, &[nt])?;
+    let zero = splat(f, 0, &[nt])?;
+    // Used positions: their first token (a slot's token) and rows to the end of their batch row.
+    let first = f.reshape(slot_token, &[nt, C])?;
+    let first = f.slice_axis(first, 1, 0, 1)?;
+    let first = f.reshape(first, &[nt])?;
+    let used = f.compare(Cmp::Gt, valid, zero)?;
+    let first = f.select(used, first, zero)?;
+    let row = f.div(first, tt)?;
+    let one = splat(f, 1, &[nt])?;
+    let next_row = f.add(row, one)?;
+    let row_end = f.mul(next_row, tt)?;
+    let after = f.add(first, valid)?;
+    let last_token = splat(f, bb * t - 1, &[nt])?;
+    let peek = f.min(after, last_token)?;
+    let peek = f.gather_axis(token_slot, 0, peek)?;
+    let pad_slot = splat(f, nt * C, &[nt])?;
+    let padding_next = f.compare(Cmp::Eq, peek, pad_slot)?;
+    let row_ends = f.compare(Cmp::Eq, after, row_end)?;
+    let ends_row = f.or(padding_next, row_ends)?;
+    let to_end = f.sub(row_end, first)?;
+    let to_end = f.min(to_end, c)?;
+    let written = f.select(ends_row, to_end, valid)?;
+    // Each batch row's first token not written by its used positions, and the 64-row pieces
+    // of padding from there to its end.
+    let bn = [bb, nt];
+    let b_of = f.iota(i32t(&bn), 0)?;
+    let row_n = f.broadcast_in_dim(row, &bn, &[1])?;
+    let mine = f.compare(Cmp::Eq, row_n, b_of)?;
+    let used_n = f.broadcast_in_dim(used, &bn, &[1])?;
+    let mine = f.and(mine, used_n)?;
+    let reach = f.add(first, written)?;
+    let reach = f.broadcast_in_dim(reach, &bn, &[1])?;
+    let tb = splat(f, t, &bn)?;
+    let row_start = f.mul(b_of, tb)?;
+    let reach = f.select(mine, reach, row_start)?;
+    let from = f.reduce_max(reach, &[1])?;
+    let b1 = f.iota(i32t(&[bb]), 0)?;
+    let ones = splat(f, 1, &[bb])?;
+    let b1 = f.add(b1, ones)?;
+    let tb1 = splat(f, t, &[bb])?;
+    let end = f.mul(b1, tb1)?;
+    let left = f.sub(end, from)?;
+    let c63 = splat(f, C - 1, &[bb])?;
+    let cb = splat(f, C, &[bb])?;
+    let pieces = f.add(left, c63)?;
+    let pieces = f.div(pieces, cb)?;
+    // Pieces before each row (an exclusive prefix sum over B).
+    let bbd = [bb, bb];
+    let at = f.iota(i32t(&bbd), 0)?;
+    let before = f.iota(i32t(&bbd), 1)?;
+    let earlier = f.compare(Cmp::Lt, before, at)?;
+    let wide = f.broadcast_in_dim(pieces, &bbd, &[1])?;
+    let zb = splat(f, 0, &bbd)?;
+    let kept = f.select(earlier, wide, zb)?;
+    let offset = f.reduce_sum(kept, &[1])?;
+    // Unused position `c` takes piece `c - used` of the rows' pieces in order.
+    let used_i = f.convert(used, DType::I32)?;
+    let n_used = f.reduce_sum(used_i, &[0])?;
+    let n_used = f.broadcast_in_dim(n_used, &[nt], &[])?;
+    let pos = f.iota(i32t(&[nt]), 0)?;
+    let piece = f.sub(pos, n_used)?;
+    let nb = [nt, bb];
+    let piece_n = f.broadcast_in_dim(piece, &nb, &[0])?;
+    let ends = f.add(offset, pieces)?;
+    let ends = f.broadcast_in_dim(ends, &nb, &[1])?;
+    let passed = f.compare(Cmp::Le, ends, piece_n)?;
+    let passed = f.convert(passed, DType::I32)?;
+    let owner = f.reduce_sum(passed, &[1])?;
+    let owner_n = f.broadcast_in_dim(owner, &nb, &[0])?;
+    let b_of = f.iota(i32t(&nb), 1)?;
+    let pick = f.compare(Cmp::Eq, b_of, owner_n)?;
+    let zn = splat(f, 0, &nb)?;
+    let chosen = |f: &mut FnBuilder, x: Value| -> Result<Value> {
+        let x = f.broadcast_in_dim(x, &nb, &[1])?;
+        let x = f.select(pick, x, zn)?;
+        f.reduce_sum(x, &[1])
+    };
+    let (p_from, p_offset, p_end) = (chosen(f, from)?, chosen(f, offset)?, chosen(f, end)?);
+    let k = f.sub(piece, p_offset)?;
+    let k = f.mul(k, c)?;
+    let p_first = f.add(p_from, k)?;
+    let p_left = f.sub(p_end, p_first)?;
+    let p_written = f.min(p_left, c)?;
+    let b_count = splat(f, bb, &[nt])?;
+    let owned = f.compare(Cmp::Lt, owner, b_count)?;
+    let unused = f.compare(Cmp::Le, valid, zero)?;
+    let owned = f.and(owned, unused)?;
+    let p_first = f.select(owned, p_first, zero)?;
+    let p_written = f.select(owned, p_written, zero)?;
+    Ok(PackedTables { start: f.select(used, first, p_first)?, written: f.select(used, written, p_written)? })
 }
 
 /// The in-kernel gate's parameters per lane `[L, 2, K]` (lane `h B + b` takes head `h`'s; a
@@ -402,12 +576,13 @@ fn backward_from(
     (d_o, dht): (Value, Option<Value>),
     lowering: &dyn Lower,
 ) -> Result<Vec<Value>> {
-    let rows = in_place(s);
     let sh = kernel_shape(s, a, None);
     sh.check()?;
-    let x = match rows {
-        true => rows_inputs(f, s, a, &sh)?,
-        false => lane_inputs(f, s, a, &sh)?.0,
+    let rows = sh.layout == TokenLayout::Rows;
+    let x = match sh.layout {
+        TokenLayout::Rows => rows_inputs(f, s, a, &sh)?,
+        TokenLayout::Packed | TokenLayout::PackedLanes => packed_inputs(f, s, a, &sh)?.0,
+        TokenLayout::Lanes => lane_inputs(f, s, a, &sh)?.0,
     };
     // A state table `[L, n, K, V]` as the kernels hold it: a lane per head for rows, else with
     // the widths padded.
@@ -436,9 +611,9 @@ fn backward_from(
             (fv, out.h.ok_or_else(internal)?, out.v_new.ok_or_else(internal)?)
         }
     };
-    let d_o = match rows {
-        true => rows_of(f, s, d_o, sh.dtype, s.dims.v as i64)?,
-        false => tokens(f, s, a, d_o, sh.dtype)?,
+    let d_o = match sh.layout {
+        TokenLayout::Lanes => tokens(f, s, a, d_o, sh.dtype)?,
+        _ => rows_of(f, s, d_o, sh.dtype, s.dims.v as i64)?,
     };
     let dht = match dht {
         Some(d) => {
@@ -457,6 +632,8 @@ fn backward_from(
         dht,
         first: x.first,
         slot: x.slot,
+        valid: x.valid,
+        packed: x.packed,
     };
     let sg = call_state_grad(f, &sh, &sx, lowering)?;
     let wx = WyGradInputs { a: fv.a, v_new, h, dh: sg.dh, dv_new: sg.dv, d_o };
@@ -464,7 +641,7 @@ fn backward_from(
     let ig = call_intra_grad(f, &sh, &x, [wg.daqk, wg.dl], [wg.dq, wg.dk, wg.dg], lowering)?;
     let [dq, dk, dg, db] = ig.grads;
     let [dq, dk] = match sh.l2norm {
-        true => call_norm_grad(f, &sh, [x.q, x.k], [dq, dk], lowering)?,
+        true => call_norm_grad(f, &sh, &x, [dq, dk], lowering)?,
         false => [dq, dk],
     };
     let gate_grads = gate_param_grads(f, s, ig.gate_sums)?;
@@ -472,8 +649,22 @@ fn backward_from(
     // gradient's (per key block), `[L, T]`.
     let db = f.concatenate(&[wg.dbeta, db], 2)?;
     let dbeta = f.reduce_sum(db, &[2])?;
-    if rows {
-        return rows_tail(f, s, [dq, dk, wg.dv, dg], dbeta, sg.dh0, gate_grads);
+    let (h, k, v) = (s.dims.h as i64, s.dims.k as i64, s.dims.v as i64);
+    match sh.layout {
+        TokenLayout::Rows => {
+            let dbeta = f.transpose(dbeta, &[1, 0])?;
+            let dbeta = f.reshape(dbeta, &[(s.dims.b * s.dims.t) as i64 * h])?;
+            let dh0 = f.reshape(sg.dh0, &[h * s.dims.b as i64, 1, k, v])?;
+            return rows_tail(f, s, [dq, dk, wg.dv, dg], dbeta, dh0, gate_grads);
+        }
+        TokenLayout::Packed | TokenLayout::PackedLanes => {
+            // dbeta alone is compacted from its chunk positions.
+            let dbeta = f.reshape(dbeta, &[sh.lanes, sh.t / C, C, 1])?;
+            let dbeta = prep::from_chunks(f, s, dbeta, a.token_slot)?;
+            let dbeta = prep::beta_to_caller(f, s, dbeta, on_device(s.options.dtype))?;
+            return rows_tail(f, s, [dq, dk, wg.dv, dg], dbeta, sg.dh0, gate_grads);
+        }
+        TokenLayout::Lanes => {}
     }
     let dims = dbeta.dims().to_vec();
     let dbeta = f.reshape(dbeta, &[dims[0], dims[1], 1])?;
@@ -516,16 +707,16 @@ fn gate_param_grads(f: &mut FnBuilder, s: &ProgramSpec, sums: Option<Value>) -> 
     Ok(out)
 }
 
-/// The backward's tail for rows read in place: the kernels' gradients, in the caller's layout
-/// already (`dq`, `dk`, `dg` `[B T, H K]`, `dv` `[B T, H V]`), `dbeta` `[H, B T]`, `dh0`
-/// `[H, B, K, V]` and the gate parameters' gradients, as the caller takes them: `dq dk dv dg
-/// dbeta [dh0] [da_log] [ddt_bias]`.
+/// The backward's tail for rows and packed rows read in place: the kernels' gradients, in the
+/// caller's layout already (`dq`, `dk`, `dg` `[B T, H K]`, `dv` `[B T, H V]`), `dbeta` in the
+/// caller's order, the initial states' gradients as a state table and the gate parameters'
+/// gradients, as the caller takes them: `dq dk dv dg dbeta [dh0] [da_log] [ddt_bias]`.
 fn rows_tail(
     f: &mut FnBuilder,
     s: &ProgramSpec,
     [dq, dk, dv, dg]: [Value; 4],
     dbeta: Value,
-    dh0: Value,
+    dh0_tab: Value,
     gate_grads: Vec<Value>,
 ) -> Result<Vec<Value>> {
     let (h, n, k, v) = (s.dims.h as i64, (s.dims.b * s.dims.t) as i64, s.dims.k as i64, s.dims.v as i64);
@@ -534,18 +725,16 @@ fn rows_tail(
         let x = if x.elem() == dtype { x } else { f.convert(x, dtype)? };
         f.reshape(x, &[n * h, w])
     };
-    let dbeta = f.transpose(dbeta, &[1, 0])?;
-    let dbeta = out(f, dbeta, e, 1)?;
+    let dbeta = if dbeta.elem() == e { dbeta } else { f.convert(dbeta, e)? };
     let mut outs = vec![
         out(f, dq, e, k)?,
         out(f, dk, e, k)?,
         out(f, dv, e, v)?,
         out(f, dg, on_device(s.options.g_dtype), k)?,
-        f.reshape(dbeta, &[n * h])?,
+        dbeta,
     ];
     if s.options.has_h0 {
-        let tab = f.reshape(dh0, &[h * s.dims.b as i64, 1, k, v])?;
-        outs.push(prep::state_from_table(f, s, tab)?);
+        outs.push(prep::state_from_table(f, s, dh0_tab)?);
     }
     outs.extend(gate_grads);
     Ok(outs)

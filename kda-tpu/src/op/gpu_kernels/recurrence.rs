@@ -14,7 +14,8 @@ use crate::error::Result;
 use crate::hlo::{Cmp, FnBuilder, TensorType, Value};
 use crate::lang::{Binary, Body, Index, Kernel, KernelBuilder, Offset, Operand, Ref, Semantics, Table, V};
 
-use super::{Factors, ForwardShape, TokenLayout, C};
+use super::tokens::{self, ChunkRows};
+use super::{Factors, ForwardShape, C};
 
 /// The recurrence kernel's operands by name.
 #[derive(Clone, Copy, Debug)]
@@ -38,6 +39,8 @@ pub struct RecurrenceRefs {
     /// `v' = u - w S` `[L, T, V]` in [`ForwardShape::factor_dtype`], when the shape keeps `h`
     /// (the backward's WY gradient reads it).
     pub v_new: Option<Ref>,
+    /// Packed rows in place: where each chunk position's rows of `o` are.
+    pub packed: Option<tokens::PackedRefs>,
 }
 
 /// The recurrence kernel of `s`: grid (lanes, state column blocks, state slots), all parallel.
@@ -63,18 +66,8 @@ pub fn recurrence_kernel(s: &ForwardShape) -> Result<(Kernel, RecurrenceRefs)> {
     let state_at = || vec![g0.clone(), g2.clone(), zero(), g1.clone()];
     let h0 =
         s.h0.then(|| kb.input(Operand::blocked("h0", ty(&[l, slots, k, v]), &[1, 1, k, bv], state_at())));
-    let o = kb.output(match s.layout {
-        TokenLayout::Lanes => Operand::blocked(
-            "o",
-            TensorType::new(s.dtype, &[l, t, v]),
-            &[1, t, bv],
-            vec![g0.clone(), zero(), g1.clone()],
-        ),
-        TokenLayout::Rows => {
-            let at = vec![zero(), g0.clone() * (v / bv) + g1.clone()];
-            Operand::blocked("o", TensorType::new(s.dtype, &[t, l * v]), &[t, bv], at)
-        }
-    });
+    let o = kb.output(tokens::operand("o", s, s.dtype, v, (t, zero()), (bv, g1.clone())));
+    let packed = tokens::declare_packed(&mut kb, s);
     let ht = kb.output(Operand::blocked("ht", ty(&[l, slots, k, v]), &[1, 1, k, bv], state_at()));
     let h = s.keep_h.then(|| {
         let at = vec![g0.clone(), zero(), zero(), g1.clone()];
@@ -86,7 +79,7 @@ pub fn recurrence_kernel(s: &ForwardShape) -> Result<(Kernel, RecurrenceRefs)> {
     });
     kb.params(s.recurrence_launch);
     let factors = Factors { w, u, qg, kg, aqk, eg };
-    let refs = RecurrenceRefs { factors, runs, last, h0, o, ht, h, v_new };
+    let refs = RecurrenceRefs { factors, runs, last, h0, o, ht, h, v_new, packed };
     let kernel = kb.build(|b| run(b, s, &refs))?;
     Ok((kernel, refs))
 }
@@ -174,14 +167,8 @@ fn step(b: &mut Body, s: &ForwardShape, r: &RecurrenceRefs, c: &V, states: &[V])
     let aqk = columns(b, r.factors.aqk, &row, 0, C)?;
     let intra = b.matmul(&aqk, &vnd, (1, 0), p)?;
     let o = b.add(&inter, &intra)?;
-    let o = b.to_dtype(&o, s.dtype)?;
-    match s.layout {
-        TokenLayout::Lanes => {
-            let o = b.reshape(&o, &[1, C, bv])?;
-            b.store(r.o, &[z.clone(), Offset::Dyn(row.clone(), C), z.clone()], &o)?;
-        }
-        TokenLayout::Rows => b.store(r.o, &[Offset::Dyn(row.clone(), C), z.clone()], &o)?,
-    }
+    let at = ChunkRows::of_chunk(b, s.layout, r.packed.as_ref(), c)?;
+    tokens::store_tile(b, r.o, &at, (0, z.clone()), &o, s.dtype)?;
     let last = b.read_table(r.last, c)?;
     let zero = b.index(0)?;
     let at_last = b.compare(Cmp::Ne, &last, &zero)?;
@@ -208,7 +195,8 @@ fn step(b: &mut Body, s: &ForwardShape, r: &RecurrenceRefs, c: &V, states: &[V])
 /// Each slot's run of chunk positions from the chunk tables `first` and `slot` (`[NT]` i32):
 /// `run_start[s]`, the position flagged first for slot `s` (`NT` if none), and `run_chunks[s]`,
 /// the positions up to the next slot's start or the end (so that trailing padding positions,
-/// whose inputs are zero, ride with the last run and get their `o` and `h` written).
+/// whose inputs are zero, ride with the last run and get their `o` and `h` written; with every
+/// segment empty, slot 0 runs them all).
 pub fn runs(f: &mut FnBuilder, slots: i64, first: Value, slot: Value) -> Result<(Value, Value)> {
     let nt = first.dims()[0];
     let sn = TensorType::new(DType::I32, &[slots, nt]);
@@ -231,5 +219,18 @@ pub fn runs(f: &mut FnBuilder, slots: i64, first: Value, slot: Value) -> Result<
     let next = f.select(after, other, none)?;
     let end = f.reduce_min(next, &[1])?;
     let chunks = f.sub(end, start)?;
+    // Every segment empty: slot 0 runs every position (zero inputs, its state unchanged), so
+    // that packed rows read in place get their padding tokens' `o` written.
+    let st = TensorType::new(DType::I32, &[slots]);
+    let first_run = f.reduce_min(start, &[0])?;
+    let first_run = f.broadcast_in_dim(first_run, &[slots], &[])?;
+    let nts = f.constant_i32(nt as i32, st.clone())?;
+    let none_run = f.compare(Cmp::Eq, first_run, nts)?;
+    let which = f.iota(st.clone(), 0)?;
+    let zeros = f.constant_i32(0, st)?;
+    let slot0 = f.compare(Cmp::Eq, which, zeros)?;
+    let all = f.and(none_run, slot0)?;
+    let start = f.select(all, zeros, start)?;
+    let chunks = f.select(all, nts, chunks)?;
     Ok((start, chunks))
 }

@@ -16,8 +16,8 @@ use crate::lang::{
 };
 
 use super::recurrence::columns;
-use super::tokens;
-use super::{ForwardShape, C};
+use super::tokens::{self, ChunkRows};
+use super::{ForwardShape, PackedTables, C};
 
 /// The state-gradient kernel's operands by name (`[L, T, D]` lane-major chunks; `dO` in the
 /// tokens' layout).
@@ -46,6 +46,8 @@ pub struct StateGradRefs {
     pub dv: Ref,
     /// The initial states' gradients `[L, slots, K, V]` f32 (`dht` for a slot without chunks).
     pub dh0: Ref,
+    /// Packed rows in place: where each chunk position's rows of `dO` are.
+    pub packed: Option<tokens::PackedRefs>,
 }
 
 /// The state-gradient kernel of `s`: grid (lanes, state column blocks, state slots), all
@@ -78,8 +80,9 @@ pub fn state_grad_kernel(s: &ForwardShape, dht: bool) -> Result<(Kernel, StateGr
     ));
     let dv = kb.output(Operand::blocked("dv", ty(&[l, t, v]), &[1, t, bv], columns_at()));
     let dh0 = kb.output(Operand::blocked("dh0", ty(&[l, slots, k, v]), &[1, 1, k, bv], state_at()));
+    let packed = tokens::declare_packed(&mut kb, s);
     kb.params(s.state_grad_launch);
-    let refs = StateGradRefs { w, qg, kg, aqk, eg, d_o, dht, runs, dh, dv, dh0 };
+    let refs = StateGradRefs { w, qg, kg, aqk, eg, d_o, dht, runs, dh, dv, dh0, packed };
     let kernel = kb.build(|b| run(b, s, &refs))?;
     Ok((kernel, refs))
 }
@@ -147,7 +150,8 @@ fn step(b: &mut Body, s: &ForwardShape, r: &StateGradRefs, c: &V, parts: &[V]) -
     let c64 = b.index(C)?;
     let row = b.index_op(Binary::Mul, c, &c64)?;
     let z = Offset::Const(0);
-    let d_o = tokens::tile(b, r.d_o, s.layout, (Offset::Dyn(row.clone(), C), C), (Offset::Const(0), bv))?;
+    let at = ChunkRows::of_chunk(b, s.layout, r.packed.as_ref(), c)?;
+    let d_o = tokens::tile(b, r.d_o, &at, (0, C), (Offset::Const(0), bv))?;
     let d_o = b.to_dtype(&d_o, fd)?;
     let aqk = columns(b, r.aqk, &row, 0, C)?;
     let mut dv = b.matmul(&aqk, &d_o, (0, 0), p)?;
@@ -202,6 +206,10 @@ pub struct StateGradInputs {
     pub first: Value,
     /// The state slot of each chunk position `[NT]` i32 (segmented shapes).
     pub slot: Value,
+    /// Tokens per chunk position `[NT]` i32 (read with packed rows in place).
+    pub valid: Value,
+    /// Packed rows in place: their tables.
+    pub packed: Option<PackedTables>,
 }
 
 /// What the state-gradient kernel returns (shapes as in [`StateGradRefs`]).
@@ -237,6 +245,7 @@ pub fn call_state_grad(
         a.table(start_t, start)?;
         a.table(chunks_t, chunks)?;
     }
+    tokens::bind_packed(&mut a, r.packed.as_ref(), x.valid, x.packed)?;
     let out = kernel.call(f, lowering, a)?;
     Ok(StateGradOutputs { dh: out.get(r.dh)?, dv: out.get(r.dv)?, dh0: out.get(r.dh0)? })
 }

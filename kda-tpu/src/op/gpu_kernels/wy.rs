@@ -115,8 +115,9 @@ fn wy_block(b: &mut Body, s: &ForwardShape, r: &WyRefs, a: &V, block: Block) -> 
         Block::Values(col) => {
             let bu = s.bu();
             let v_in = r.tokens.v.ok_or_else(|| TpuError::builder("kda_gpu_wy", "internal: no v operand"))?;
-            let beta = f32_tile(b, r.tokens.beta, (0, C), (0, 1), r.tokens.layout)?;
-            let vx = f32_tile(b, v_in, (0, C), (col, bu), r.tokens.layout)?;
+            let rows = r.tokens.rows(b)?;
+            let beta = f32_tile(b, r.tokens.beta, &rows, (0, C), (0, 1))?;
+            let vx = f32_tile(b, v_in, &rows, (0, C), (col, bu))?;
             let beta_v = b.broadcast(&beta, &[C, bu])?;
             let bv = b.mul(&vx, &beta_v)?;
             let uv = b.matmul(a, &bv, (1, 0), p)?;

@@ -24,8 +24,8 @@ use crate::lang::{
 };
 use crate::op::chunk::mul_const;
 
-use super::tokens::{self, f32_tile, store_columns, TokenRefs};
-use super::{ForwardShape, TokenLayout, C};
+use super::tokens::{self, f32_tile, store_columns, ChunkRows, TokenRefs};
+use super::{ForwardShape, C};
 
 /// The WY-gradient kernel's operands by name (`[L, T, D]` lane-major tokens).
 #[derive(Clone, Copy, Debug)]
@@ -99,7 +99,7 @@ pub fn wy_grad_kernel(s: &ForwardShape) -> Result<(Kernel, WyGradRefs)> {
 
 /// Rows `0..C` and columns `col..col + w` of `r`'s `[1, C, D]` block.
 fn tile(b: &mut Body, r: Ref, col: i64, w: i64) -> Result<V> {
-    tokens::tile(b, r, TokenLayout::Lanes, (Offset::Const(0), C), (Offset::Const(col), w))
+    tokens::tile(b, r, &ChunkRows::LANE_BLOCK, (0, C), (Offset::Const(col), w))
 }
 
 /// Rows `row..row + bk` and columns `col..col + bv` of a state block `[1, 1, K, V]`, in f32.
@@ -137,7 +137,8 @@ fn plus(b: &mut Body, acc: Option<V>, x: V) -> Result<V> {
 /// The body: program `i` of grid axis 2 takes key block `i`, the next the value side's pairs
 /// (`dO v_new^T`), the last what runs through `A^T dv'`; each holds its own accumulators.
 fn chunk_wy_grad(b: &mut Body, s: &ForwardShape, r: &WyGradRefs) -> Result<()> {
-    let beta = f32_tile(b, r.tokens.beta, (0, C), (0, 1), r.tokens.layout)?;
+    let rows = r.tokens.rows(b)?;
+    let beta = f32_tile(b, r.tokens.beta, &rows, (0, C), (0, 1))?;
     let at = b.program_id(2)?;
     let blocks = s.k / s.wy_grad_bk();
     let norms = if s.wy_grad_bk() < s.k { tokens::norms(b, s, &r.tokens)? } else { None };
@@ -164,10 +165,11 @@ fn load_a(b: &mut Body, r: &WyGradRefs) -> Result<V> {
 /// `scale dO v_new^T`, strictly causal, for the intra gradient.
 fn value_pairs(b: &mut Body, s: &ForwardShape, r: &WyGradRefs) -> Result<()> {
     let (v, bv) = (s.v, s.bv());
+    let rows = r.tokens.rows(b)?;
     let mut da = None;
     for j in 0..v / bv {
         let vc = j * bv;
-        let d_o = tokens::tile(b, r.d_o, r.tokens.layout, (Offset::Const(0), C), (Offset::Const(vc), bv))?;
+        let d_o = tokens::tile(b, r.d_o, &rows, (0, C), (Offset::Const(vc), bv))?;
         let vn = tile(b, r.v_new, vc, bv)?;
         let x = product(b, s, &d_o, &vn, (1, 1))?;
         da = Some(plus(b, da, x)?);
@@ -185,20 +187,20 @@ fn value_solve(b: &mut Body, s: &ForwardShape, r: &WyGradRefs, beta: &V) -> Resu
     let (v, bv) = (s.v, s.bv());
     let internal = |what: &str| TpuError::builder("kda_gpu_wy_grad", format!("internal: {what}"));
     let v_in = r.tokens.v.ok_or_else(|| internal("no v operand"))?;
-    let lay = r.tokens.layout;
-    let z = Offset::Const(0);
+    let rows = r.tokens.rows(b)?;
+    let lanes = ChunkRows::LANE_BLOCK;
     let a = load_a(b, r)?;
     let init = [b.splat(0.0, DType::F32, &[C, C])?, b.splat(0.0, DType::F32, &[C, 1])?];
     let out = b.for_range(0, v / bv, &init, |b, j, acc| {
         let width = b.index(bv)?;
         let vc = b.index_op(Binary::Mul, j, &width)?;
         let cols = (Offset::Dyn(vc.clone(), bv), bv);
-        let dvn = tokens::tile(b, r.dv_new, TokenLayout::Lanes, (z.clone(), C), cols.clone())?;
-        let vn = tokens::tile(b, r.v_new, TokenLayout::Lanes, (z.clone(), C), cols.clone())?;
+        let dvn = tokens::tile(b, r.dv_new, &lanes, (0, C), cols.clone())?;
+        let vn = tokens::tile(b, r.v_new, &lanes, (0, C), cols.clone())?;
         let xu = product(b, s, &a, &dvn, (0, 0))?;
         let dv = b.mul(&xu, beta)?;
-        tokens::store_tile(b, r.dv, lay, (z.clone(), cols.0.clone()), &dv, s.dtype)?;
-        let vx = tokens::tile(b, v_in, lay, (z.clone(), C), cols)?;
+        tokens::store_tile(b, r.dv, &rows, (0, cols.0.clone()), &dv, s.dtype)?;
+        let vx = tokens::tile(b, v_in, &rows, (0, C), cols)?;
         let vx = b.to_dtype(&vx, DType::F32)?;
         let x = b.mul(&xu, &vx)?;
         let x = b.reduce(Reduction::Sum, &x, 1)?;
@@ -230,11 +232,11 @@ fn key_block(
     let internal = |what: &str| TpuError::builder("kda_gpu_wy_grad", format!("internal: {what}"));
     {
         let col = i * bk;
+        let rows = r.tokens.rows(b)?;
         let (mut dqg, mut dkg, mut ndw, mut hd, mut diag) = (None, None, None, None, None);
         for j in 0..v / bv {
             let vc = j * bv;
-            let d_o =
-                tokens::tile(b, r.d_o, r.tokens.layout, (Offset::Const(0), C), (Offset::Const(vc), bv))?;
+            let d_o = tokens::tile(b, r.d_o, &rows, (0, C), (Offset::Const(vc), bv))?;
             let d_o = b.to_dtype(&d_o, DType::F32)?;
             let dvn = tile(b, r.dv_new, vc, bv)?;
             let h = state_tile(b, r.h, (col, bk), (vc, bv))?;

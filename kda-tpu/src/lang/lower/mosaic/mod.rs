@@ -53,6 +53,10 @@ pub(crate) fn base64(bytes: &[u8]) -> String {
 const CUMSUM_REFUSED: &str =
     "a cumsum (no scan in this lowering: write a prefix sum as a product with a triangular mask)";
 
+/// Why the Mosaic lowering refuses a masked store.
+const MASKED_REFUSED: &str = "a masked store (`store_rows`: a Mosaic block is written back whole, \
+     with no rows left out)";
+
 /// The Mosaic lowering: a kernel as a Mosaic TPU kernel inside a `tpu_custom_call`, for
 /// libtpu. Reads each kernel's [`MosaicParams`] (defaults where it has none).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -161,10 +165,16 @@ impl Lower for Mosaic {
         if let Some(bytes) = params.vmem_limit.filter(|&b| b <= 0) {
             return Err(refuse(self, kernel, format!("a vmem limit of {bytes} bytes")));
         }
-        let mut scans = false;
-        kernel.walk(&mut |kind| scans |= kind == OpKind::Cumsum);
+        let (mut scans, mut masked) = (false, false);
+        kernel.walk(&mut |kind| {
+            scans |= kind == OpKind::Cumsum;
+            masked |= kind == OpKind::StoreRows;
+        });
         if scans {
             return Err(refuse(self, kernel, CUMSUM_REFUSED));
+        }
+        if masked {
+            return Err(refuse(self, kernel, MASKED_REFUSED));
         }
         for o in kernel.inputs.iter().chain(&kernel.outputs) {
             if let Some(why) = params.tiling.off(o) {

@@ -41,21 +41,37 @@ impl OpRules for Emitter<'_> {
         Ok(())
     }
 
-    /// The Mosaic text of `Load`.
+    /// The Mosaic text of `Load`; a masked load reads the whole window (inside the step's VMEM
+    /// block) and selects zero for the rows from the count on.
     fn emit_load(&mut self, op: &Op) -> Result<()> {
-        let Op::Load { out, from, offsets } = op else {
+        let Op::Load { out, from, offsets, rows } = op else {
             return Err(internal("Load"));
         };
         let idx = self.offsets(offsets)?;
         let (r, rty) = self.reference(*from);
+        let ty = vty(&out.ty);
+        let Some(rows) = rows else {
+            let n = self.def(out);
+            self.line(&format!("{n} = vector.load {r}[{idx}] : {rty}, {ty}"));
+            return Ok(());
+        };
+        let ity = vty(&TensorType::new(DType::I32, &out.ty.dims));
+        let mty = vty(&TensorType::new(DType::I1, &out.ty.dims));
+        let (x, i, c, m, z) = (self.temp(), self.temp(), self.temp(), self.temp(), self.temp());
+        let count = self.name(rows)?;
+        self.line(&format!("{x} = vector.load {r}[{idx}] : {rty}, {ty}"));
+        self.line(&format!("{i} = tpu.iota {{dimensions = array<i32: 0>}} : {ity}"));
+        self.line(&format!("{c} = vector.broadcast {count} : i32 to {ity}"));
+        self.line(&format!("{m} = arith.cmpi slt, {i}, {c} : {ity}"));
+        self.line(&format!("{z} = arith.constant dense<{}> : {ty}", literal(0.0, out.ty.elem)));
         let n = self.def(out);
-        self.line(&format!("{n} = vector.load {r}[{idx}] : {rty}, {}", vty(&out.ty)));
+        self.line(&format!("{n} = arith.select {m}, {x}, {z} : {mty}, {ty}"));
         Ok(())
     }
 
     /// The Mosaic text of `Store`.
     fn emit_store(&mut self, op: &Op) -> Result<()> {
-        let Op::Store { to, offsets, value } = op else {
+        let Op::Store { to, offsets, value, rows: None } = op else {
             return Err(internal("Store"));
         };
         let idx = self.offsets(offsets)?;

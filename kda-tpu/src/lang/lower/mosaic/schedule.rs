@@ -72,11 +72,13 @@ fn reads(op: &Op, vals: &mut Vec<u32>, refs: &mut Vec<Ref>, writes: &mut bool) {
             v(b)
         }
         Op::Concat { parts, .. } => parts.iter().for_each(v),
-        Op::Load { from, offsets: o, .. } => {
+        Op::Load { from, offsets: o, rows, .. } => {
+            rows.iter().for_each(&mut v);
             refs.push(*from);
             offsets(o, vals)
         }
-        Op::Store { to, offsets: o, value } => {
+        Op::Store { to, offsets: o, value, rows } => {
+            rows.iter().for_each(&mut v);
             vals.push(value.id);
             refs.push(*to);
             *writes = true;

@@ -59,7 +59,7 @@ fn pow2(n: i64) -> bool {
 fn used(k: &Kernel, ops: &[Op], out: &mut Vec<(Feature, String)>) {
     for op in ops {
         match op {
-            Op::Load { from, offsets, out: v } | Op::Store { to: from, offsets, value: v } => {
+            Op::Load { from, offsets, out: v, .. } | Op::Store { to: from, offsets, value: v, .. } => {
                 let store = matches!(op, Op::Store { .. });
                 match from.place {
                     Place::Scratch(i) => {

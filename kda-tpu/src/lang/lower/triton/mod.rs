@@ -270,6 +270,21 @@ impl<'k> Emitter<'k> {
         mask
     }
 
+    /// `mask` (a window's padding mask, if any) and, with `rows`, the window's rows (dim 0)
+    /// below that i32 scalar: a masked load reads zero there, a masked store skips them.
+    fn with_rows(&mut self, mask: Option<String>, dims: &[i64], rows: Option<&V>) -> Result<Option<String>> {
+        let Some(n) = rows else { return Ok(mask) };
+        let n = self.name(n)?;
+        let p = padded(dims);
+        let i = self.iota(&p, 0);
+        let bound = self.let_(&format!("tt.splat {n} : i32 -> {}", tty(&p, "i32")));
+        let below = self.let_(&format!("arith.cmpi slt, {i}, {bound} : {}", tty(&p, "i32")));
+        Ok(Some(match mask {
+            None => below,
+            Some(m) => self.let_(&format!("arith.andi {m}, {below} : {}", tty(&p, "i1"))),
+        }))
+    }
+
     /// `x` (of logical `dims`, type `e`) with its padding along `d` replaced by `fill`.
     fn fill_padding(&mut self, x: &str, dims: &[i64], e: DType, d: usize, fill: f64) -> String {
         let p = padded(dims);

@@ -49,7 +49,7 @@ impl OpRules for Emitter<'_> {
 
     /// The TTIR of `Load`.
     fn emit_load(&mut self, op: &Op) -> Result<()> {
-        let Op::Load { out, from, offsets } = op else {
+        let Op::Load { out, from, offsets, rows } = op else {
             return Err(internal("Load"));
         };
         match from.place {
@@ -59,6 +59,7 @@ impl OpRules for Emitter<'_> {
             }
             _ => {
                 let (ptrs, pty, mask) = self.window(*from, offsets, &out.ty.dims)?;
+                let mask = self.with_rows(mask, &out.ty.dims, rows.as_ref())?;
                 let n = self.def(out);
                 match mask {
                     None => self.line(&format!("{n} = tt.load {ptrs} : {pty}")),
@@ -78,7 +79,7 @@ impl OpRules for Emitter<'_> {
 
     /// The TTIR of `Store`.
     fn emit_store(&mut self, op: &Op) -> Result<()> {
-        let Op::Store { to, offsets, value } = op else {
+        let Op::Store { to, offsets, value, rows } = op else {
             return Err(internal("Store"));
         };
         let v = self.name(value)?;
@@ -86,6 +87,7 @@ impl OpRules for Emitter<'_> {
             Place::Scratch(i) => self.scratch[i] = v,
             _ => {
                 let (ptrs, pty, mask) = self.window(*to, offsets, &value.ty.dims)?;
+                let mask = self.with_rows(mask, &value.ty.dims, rows.as_ref())?;
                 match mask {
                     None => self.line(&format!("tt.store {ptrs}, {v} : {pty}")),
                     Some(m) => self.line(&format!("tt.store {ptrs}, {v}, {m} : {pty}")),
