@@ -1324,13 +1324,13 @@ mod interpret {
     }
 
     /// Fixed-length rows read in place run several chunks per grid step (four by default at
-    /// these sizes, 0 below; sixteen when the inputs stream from HBM): the per-chunk states,
-    /// initial and final states, `o` and every gradient of every chunk of a step.
+    /// these sizes, 0 below; sixteen when the inputs stream from HBM, under `full::`): the
+    /// per-chunk states, initial and final states, `o` and every gradient of every chunk of a
+    /// step.
     #[rstest]
     #[case::two_head_first_f32(Layout::HeadFirst, F32, 256, 2)]
     #[case::four_batch_first_bf16(Layout::BatchFirst, BF16, 256, 0)]
-    #[case::sixteen_batch_first_bf16(Layout::BatchFirst, BF16, 1024, 16)]
-    fn chunks_per_step_keep_every_state(
+    pub fn chunks_per_step_keep_every_state(
         #[case] layout: Layout,
         #[case] dtype: DType,
         #[case] t: usize,
@@ -1351,6 +1351,18 @@ mod interpret {
 /// strategy x path x dtype, for data and for context parallelism (the pieces on XLA's programs
 /// and on the kernels); the interpret lowering of the kernels on every case of the table.
 mod full {
+    /// Sixteen chunks per grid step of fixed-length rows read in place (the inputs streamed
+    /// from HBM): every state and gradient of every chunk of a step.
+    #[test]
+    fn interpret_sixteen_chunks_per_step_keep_every_state() {
+        super::interpret::chunks_per_step_keep_every_state(
+            kda_core::Layout::BatchFirst,
+            kda_core::DType::BF16,
+            1024,
+            16,
+        );
+    }
+
     use kda_core::{BackwardStrategy, DType};
     use kda_testkit::conformance::{backward_case, Path};
     use kda_tpu::PjrtOptions;

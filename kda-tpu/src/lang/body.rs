@@ -221,14 +221,6 @@ impl Body {
         self.load_op(from, offsets, dims, None)
     }
 
-    fn load_op(&mut self, from: Ref, offsets: &[Offset], dims: &[i64], rows: Option<&V>) -> Result<V> {
-        let ty = self.check_window("load", from, offsets, dims)?;
-        let out = self.fresh(TensorType::new(ty.elem, dims));
-        let rows = rows.cloned();
-        self.push(Op::Load { out: out.clone(), from, offsets: offsets.to_vec(), rows });
-        Ok(out)
-    }
-
     /// The whole of `from`.
     pub fn load_all(&mut self, from: Ref) -> Result<V> {
         let ty = self
@@ -240,23 +232,38 @@ impl Body {
         self.load(from, &zeros, &ty.dims)
     }
 
-    /// A masked load: a `dims` block of `from` at `offsets` whose rows (dim 0) from the run-time
-    /// count `rows` (an i32 scalar) on are not read and hold zero, so that a window may run past
-    /// the tokens it owns (a packed chunk's rows read in place) or past the array's end.
+    /// A masked [`Body::load`]: the window's rows (dim 0) from the i32 `rows` on unread, zero.
     pub fn load_rows(&mut self, from: Ref, offsets: &[Offset], dims: &[i64], rows: &V) -> Result<V> {
-        self.uses("load_rows", &[rows])?;
-        if rows.ty != TensorType::scalar(DType::I32) || dims.len() < 2 || self.scope.of(from).is_none() {
-            return Err(err("load_rows", format!("{} rows of a {dims:?} window", fmt_ty(&rows.ty))));
-        }
-        if matches!(from.place, Place::Scratch(_)) {
-            return Err(err("load_rows", "a masked load of a scratch buffer (it has no memory to spare)"));
-        }
+        self.masked("load_rows", from, rows, dims)?;
         self.load_op(from, offsets, dims, Some(rows))
+    }
+
+    fn load_op(&mut self, from: Ref, offsets: &[Offset], dims: &[i64], rows: Option<&V>) -> Result<V> {
+        let ty = self.check_window("load", from, offsets, dims)?;
+        let out = self.fresh(TensorType::new(ty.elem, dims));
+        self.push(Op::Load { out: out.clone(), from, offsets: offsets.to_vec(), rows: rows.cloned() });
+        Ok(out)
+    }
+
+    /// Refuses a masked access by a non-i32 count, of a 1-D window or of a scratch buffer.
+    fn masked(&self, op: &str, r: Ref, rows: &V, dims: &[i64]) -> Result<()> {
+        self.uses(op, &[rows])?;
+        let bad = rows.ty != TensorType::scalar(DType::I32) || dims.len() < 2;
+        match bad || matches!(r.place, Place::Scratch(_)) {
+            true => Err(err(op, format!("{} rows of a {dims:?} window of {r:?}", fmt_ty(&rows.ty)))),
+            false => Ok(()),
+        }
     }
 
     /// Writes `value` into `to` at `offsets` (same element type).
     pub fn store(&mut self, to: Ref, offsets: &[Offset], value: &V) -> Result<()> {
         self.store_op(to, offsets, value, None)
+    }
+
+    /// A masked [`Body::store`]: only the rows (dim 0) below the i32 `rows`; memory keeps the rest.
+    pub fn store_rows(&mut self, to: Ref, offsets: &[Offset], value: &V, rows: &V) -> Result<()> {
+        self.masked("store_rows", to, rows, &value.ty.dims)?;
+        self.store_op(to, offsets, value, Some(rows))
     }
 
     fn store_op(&mut self, to: Ref, offsets: &[Offset], value: &V, rows: Option<&V>) -> Result<()> {
@@ -265,22 +272,8 @@ impl Body {
         if ty.elem != value.ty.elem {
             return Err(err("store", format!("{} into a {} reference", fmt_ty(&value.ty), ty.elem)));
         }
-        let rows = rows.cloned();
-        self.push(Op::Store { to, offsets: offsets.to_vec(), value: value.clone(), rows });
+        self.push(Op::Store { to, offsets: offsets.to_vec(), value: value.clone(), rows: rows.cloned() });
         Ok(())
-    }
-
-    /// A masked store: writes the rows (dim 0) of `value` below the run-time count `rows` (an
-    /// i32 scalar) into `to` at `offsets`, leaving the memory of the others as it was.
-    pub fn store_rows(&mut self, to: Ref, offsets: &[Offset], value: &V, rows: &V) -> Result<()> {
-        self.uses("store_rows", &[rows])?;
-        if rows.ty != TensorType::scalar(DType::I32) || value.ty.dims.len() < 2 {
-            return Err(err("store_rows", format!("{} rows of {}", fmt_ty(&rows.ty), fmt_ty(&value.ty))));
-        }
-        if matches!(to.place, Place::Scratch(_)) {
-            return Err(err("store_rows", "a masked store into a scratch buffer"));
-        }
-        self.store_op(to, offsets, value, Some(rows))
     }
 
     /// Writes `value` over the whole of `to`.

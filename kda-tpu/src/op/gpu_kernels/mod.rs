@@ -14,6 +14,7 @@ pub mod intra;
 pub mod intra_grad;
 pub mod inverse;
 pub mod norm_grad;
+mod packed;
 pub(in crate::op) mod program;
 pub mod recurrence;
 pub mod state_grad;

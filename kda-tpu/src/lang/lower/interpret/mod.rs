@@ -14,12 +14,15 @@ use std::collections::HashMap;
 
 use kda_core::DType;
 
+mod memory;
+
 use super::triton::{F32Dot, TritonParams};
 use super::Lower;
 use crate::error::{Result, TpuError};
 use crate::hlo::{Cmp, FnBuilder, Precision, TensorType, Value};
 use crate::lang::ir::{Binary, MatPrecision, Offset, Op, Place, Reduction, Ref, Scan, Unary, V};
 use crate::lang::kernel::{Index, Kernel};
+use memory::masked_stores;
 
 fn err(message: impl Into<String>) -> TpuError {
     TpuError::builder("interpret lowering", message)
@@ -106,24 +109,6 @@ fn unwritten(b: &mut FnBuilder, t: &TensorType) -> Result<Value> {
     } else {
         b.constant_i32(i32::MIN, t.clone())
     }
-}
-
-/// `x` with `n` zero rows past its end (dim 0), so that a masked window reaching past the
-/// array starts where it says (a dynamic slice would clamp it back inside).
-fn past_end(b: &mut FnBuilder, x: Value, n: i64) -> Result<Value> {
-    let dims = x.dims().to_vec();
-    let zero = zeros(b, &TensorType::scalar(x.elem()))?;
-    let (lo, mut hi) = (vec![0; dims.len()], vec![0; dims.len()]);
-    hi[0] = n;
-    b.pad(x, zero, &lo, &hi, &vec![0; dims.len()])
-}
-
-/// An i1 `dims` mask: the rows (dim 0) below the i32 scalar `n`.
-fn rows_below(b: &mut FnBuilder, dims: &[i64], n: Value) -> Result<Value> {
-    let ty = TensorType::new(DType::I32, dims);
-    let row = b.iota(ty.clone(), 0)?;
-    let n = b.broadcast_in_dim(n, dims, &[])?;
-    b.compare(Cmp::Lt, row, n)
 }
 
 /// The references of one step: input, output and scratch blocks as values.
@@ -258,41 +243,10 @@ impl Step<'_> {
                 (out, v)
             }
             Op::Load { out, from, offsets, rows } => {
-                let offs = self.offsets(b, offsets, vals)?;
-                let dims = &out.ty.dims;
-                match rows {
-                    None => (out, b.dynamic_slice(refs.get(*from), &offs, dims)?),
-                    Some(n) => {
-                        let n = get(vals, n)?;
-                        let padded = past_end(b, refs.get(*from), dims[0])?;
-                        let x = b.dynamic_slice(padded, &offs, dims)?;
-                        let zero = zeros(b, &tensor(&out.ty))?;
-                        let kept = rows_below(b, dims, n)?;
-                        (out, b.select(kept, x, zero)?)
-                    }
-                }
+                (out, self.load(b, (out, *from), (offsets, rows), vals, refs)?)
             }
             Op::Store { to, offsets, value, rows } => {
-                let offs = self.offsets(b, offsets, vals)?;
-                let v = get(vals, value)?;
-                let updated = match rows {
-                    None => b.dynamic_update_slice(refs.get(*to), v, &offs)?,
-                    Some(n) => {
-                        // Past the end as for a load; the rows from `n` on keep what memory held.
-                        let n = get(vals, n)?;
-                        let whole = refs.get(*to);
-                        let full = whole.dims().to_vec();
-                        let dims = &value.ty.dims;
-                        let padded = past_end(b, whole, dims[0])?;
-                        let held = b.dynamic_slice(padded, &offs, dims)?;
-                        let kept = rows_below(b, dims, n)?;
-                        let v = b.select(kept, v, held)?;
-                        let padded = b.dynamic_update_slice(padded, v, &offs)?;
-                        b.slice_axis(padded, 0, 0, full[0])?
-                    }
-                };
-                refs.set(*to, updated);
-                return Ok(());
+                return self.store(b, *to, offsets, (value, rows), vals, refs)
             }
             Op::Matmul { out, a, b: y, contract, precision } => {
                 (out, matmul(b, get(vals, a)?, get(vals, y)?, *contract, self.products.rounding(*precision))?)
@@ -659,20 +613,6 @@ fn grid_loop(
         g.push(i);
         grid_loop(k, b, &g, x, st)
     })
-}
-
-/// The results that `ops` write with masked stores.
-fn masked_stores(ops: &[Op], into: &mut std::collections::BTreeSet<usize>) {
-    for op in ops {
-        match op {
-            Op::Store { to: Ref { place: Place::Output(i), .. }, rows: Some(_), .. } => {
-                into.insert(*i);
-            }
-            Op::If { then, .. } => masked_stores(then, into),
-            Op::For { body, .. } => masked_stores(body, into),
-            _ => {}
-        }
-    }
 }
 
 /// One grid step at `step`'s indices: blocks in, the body, result blocks back.
