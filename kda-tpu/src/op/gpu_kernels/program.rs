@@ -195,6 +195,18 @@ fn rows_of(f: &mut FnBuilder, s: &ProgramSpec, x: Value, dtype: DType, w: i64) -
     }
 }
 
+/// `q k v g beta` as the kernels of shape `sh` read them in place ([`rows_of`]).
+fn in_place_tokens(f: &mut FnBuilder, s: &ProgramSpec, a: &Args, sh: &ForwardShape) -> Result<[Value; 5]> {
+    let (k, v) = (s.dims.k as i64, s.dims.v as i64);
+    Ok([
+        rows_of(f, s, a.q, sh.dtype, k)?,
+        rows_of(f, s, a.k, sh.dtype, k)?,
+        rows_of(f, s, a.v, sh.dtype, v)?,
+        rows_of(f, s, a.g, sh.g_dtype, k)?,
+        rows_of(f, s, a.beta, sh.dtype, 1)?,
+    ])
+}
+
 /// The inputs of the row kernels of shape `sh`: the caller's tensors in place, a state slot
 /// per row, each row's first and last chunk flagged.
 fn rows_inputs(f: &mut FnBuilder, s: &ProgramSpec, a: &Args, sh: &ForwardShape) -> Result<ForwardInputs> {
@@ -216,12 +228,13 @@ fn rows_inputs(f: &mut FnBuilder, s: &ProgramSpec, a: &Args, sh: &ForwardShape) 
         }
         None => None,
     };
+    let [q, kk, vv, g, beta] = in_place_tokens(f, s, a, sh)?;
     Ok(ForwardInputs {
-        q: rows_of(f, s, a.q, sh.dtype, k)?,
-        k: rows_of(f, s, a.k, sh.dtype, k)?,
-        v: rows_of(f, s, a.v, sh.dtype, v)?,
-        g: rows_of(f, s, a.g, sh.g_dtype, k)?,
-        beta: rows_of(f, s, a.beta, sh.dtype, 1)?,
+        q,
+        k: kk,
+        v: vv,
+        g,
+        beta,
         gate: match a.a_log {
             Some(al) => Some(gate_operand(f, s, al, a.dt_bias)?),
             None => None,
@@ -375,18 +388,18 @@ fn packed_inputs(
     a: &Args,
     sh: &ForwardShape,
 ) -> Result<(ForwardInputs, Option<Value>)> {
-    let (k, v) = (s.dims.k as i64, s.dims.v as i64);
     let h0 = match a.h0 {
         Some(_) => Some(state_tab(f, s, a.h0)?),
         None => None,
     };
     let valid = valid(f, s, a)?;
+    let [q, kk, vv, g, beta] = in_place_tokens(f, s, a, sh)?;
     let x = ForwardInputs {
-        q: rows_of(f, s, a.q, sh.dtype, k)?,
-        k: rows_of(f, s, a.k, sh.dtype, k)?,
-        v: rows_of(f, s, a.v, sh.dtype, v)?,
-        g: rows_of(f, s, a.g, sh.g_dtype, k)?,
-        beta: rows_of(f, s, a.beta, sh.dtype, 1)?,
+        q,
+        k: kk,
+        v: vv,
+        g,
+        beta,
         gate: match a.a_log {
             Some(al) => Some(lane_gate(f, s, al, a.dt_bias)?),
             None => None,
