@@ -25,7 +25,7 @@ use crate::lang::{
 
 use super::intra::row_of;
 use super::tokens::{self, ChunkRows, TokenRefs};
-use super::wy_grad::product;
+use super::wy_grad::{plus, product};
 use super::{ForwardShape, C, SUB};
 use crate::op::chunk::{gate_slopes, GATE_FLOOR};
 
@@ -154,61 +154,33 @@ fn chunk_intra_grad(b: &mut Body, s: &ForwardShape, r: &IntraGradRefs) -> Result
 /// The program's key block, sub-chunk by sub-chunk from the last: a sub-chunk's rows are final once its
 /// own pairs are done (their columns' later pairs came before), so its `dq`, `dk`, `dbeta` term
 /// and `dg` (the WY gradient's part plus the suffix sum of the pairs' gate terms, carried from
-/// the sub-chunks after it) are written then; only the column sums of the rows before it are
-/// carried.
+/// the sub-chunks after it) are written then; only the column sums of the sub-chunks before it
+/// are carried, one `[16, BK]` tile each.
 fn key_block(b: &mut Body, s: &ForwardShape, r: &IntraGradRefs, norms: Option<&tokens::Norms>) -> Result<()> {
     let (bk, col) = (s.intra_grad_bk(), 0);
     let [dq_in, dk_in, dg_in] = r.parts;
     let [dq_out, dk_out, dg_out, db_out] = r.grads;
     let z = Offset::Const(0);
     let placed = r.tokens.rows(b)?;
-    let mut columns = b.splat(0.0, DType::F32, &[C, bk])?;
+    let mut columns =
+        (0..C / SUB).map(|_| b.splat(0.0, DType::F32, &[SUB, bk])).collect::<Result<Vec<_>>>()?;
     let mut carry = b.splat(0.0, DType::F32, &[1, bk])?;
     let mut sums = None;
     for sc in (0..C / SUB).rev() {
         let rows = (SUB * sc, SUB);
         let y = tokens::load_tile(b, s, &r.tokens, rows, (col, bk), norms)?;
-        let aqk = rows_of(b, r.daqk, rows, (0, C))?;
-        let l = rows_of(b, r.dl, rows, (0, C))?;
-        let beta_l = b.mul(&l, &y.beta)?;
-        let m = [aqk, l, beta_l];
-        let block: Vec<V> =
-            m.iter().map(|x| b.slice(x, &[0, SUB * sc], &[SUB, SUB])).collect::<Result<_>>()?;
-        let (mut qr, mut kr, own) = within_sub_chunk(b, &y, [&block[0], &block[1], &block[2]])?;
-        let later = b.slice(&columns, &[SUB * sc, 0], &[SUB, bk])?;
-        let cols_here = b.add(&own, &later)?;
-        if sc > 0 {
-            // Through the anchor a = 16 sc - 1: e^(G_t - G_a) on the rows, e^(G_a - G_j) on the
-            // columns before it.
-            let x = tokens::load_tile(b, s, &r.tokens, (0, C), (col, bk), norms)?;
-            let rsum = b.cumsum(&y.g, 0, Scan { reverse: false, exclusive: false }, None)?;
-            let er = b.exp(&rsum)?;
-            let token = b.iota(&[C, bk], 0)?;
-            let anchor = b.splat((SUB * sc - 1) as f64, DType::I32, &[C, bk])?;
-            let to_anchor = b.compare(Cmp::Le, &token, &anchor)?;
-            let zg = b.splat(0.0, DType::F32, &[C, bk])?;
-            let upto = b.select(&to_anchor, &x.g, &zg)?;
-            let cs = b.cumsum(&upto, 0, Scan { reverse: true, exclusive: true }, None)?;
-            let ec = b.exp(&cs)?;
-            let cidx = b.iota(&[SUB, C], 1)?;
-            let edge = b.splat((SUB * sc) as f64, DType::I32, &[SUB, C])?;
-            let before = b.compare(Cmp::Lt, &cidx, &edge)?;
-            let zero = b.splat(0.0, DType::F32, &[SUB, C])?;
-            let mb: Vec<V> = m.iter().map(|x| b.select(&before, x, &zero)).collect::<Result<_>>()?;
-            let kc = b.mul(&x.k, &ec)?;
-            let t = product(b, s, &mb[0], &kc, (1, 0))?;
-            let t = b.mul(&t, &er)?;
-            qr = b.add(&qr, &t)?;
-            let t = product(b, s, &mb[1], &kc, (1, 0))?;
-            let t = b.mul(&t, &er)?;
-            kr = b.add(&kr, &t)?;
-            let yq = b.mul(&y.q, &er)?;
-            let yk = b.mul(&y.k, &er)?;
-            let c1 = product(b, s, &mb[0], &yq, (0, 0))?;
-            let c2 = product(b, s, &mb[2], &yk, (0, 0))?;
-            let c = b.add(&c1, &c2)?;
-            let c = b.mul(&c, &ec)?;
-            columns = b.add(&columns, &c)?;
+        // The earlier sub-chunks' pairs first: fewer values live at once (f32 fits 255
+        // registers this way).
+        let earlier = match sc {
+            0 => None,
+            _ => Some(earlier_sub_chunks(b, s, r, &y, sc, norms, &mut columns)?),
+        };
+        let m = pair_blocks(b, r, &y, sc, sc)?;
+        let (mut qr, mut kr, own) = within_sub_chunk(b, &y, [&m[0], &m[1], &m[2]])?;
+        let cols_here = b.add(&own, &columns[sc as usize])?;
+        if let Some((q_more, k_more)) = earlier {
+            qr = b.add(&qr, &q_more)?;
+            kr = b.add(&kr, &k_more)?;
         }
         // Packed rows in place write the rows past the chunk's tokens too (a row's trailing
         // padding): exactly zero there.
@@ -259,6 +231,65 @@ fn key_block(b: &mut Body, s: &ForwardShape, r: &IntraGradRefs, norms: Option<&t
     Ok(())
 }
 
+/// The `[16, 16]` blocks of `dAqk`, `dL` and `beta dL` pairing sub-chunk `sc`'s rows (`y`)
+/// with sub-chunk `e`'s columns.
+fn pair_blocks(b: &mut Body, r: &IntraGradRefs, y: &tokens::Chunk, sc: i64, e: i64) -> Result<[V; 3]> {
+    let (rows, cols) = ((SUB * sc, SUB), (SUB * e, SUB));
+    let aqk = rows_of(b, r.daqk, rows, cols)?;
+    let l = rows_of(b, r.dl, rows, cols)?;
+    let beta_l = b.mul(&l, &y.beta)?;
+    Ok([aqk, l, beta_l])
+}
+
+/// The pairs of sub-chunk `sc`'s rows (`y`) with every earlier sub-chunk's columns, through the
+/// anchor `a = 16 sc - 1`: `e^(G_t - G_a)` on the rows, `e^(G_a - G_j)` on the columns, the
+/// latter the sub-chunk's own reverse sum plus the totals of the sub-chunks between it and the
+/// anchor. Returns the rows' parts of `q` and `k` (the latter before `beta_t`); adds the
+/// columns' parts to `columns`. Every operand is a `[16, BK]` tile.
+fn earlier_sub_chunks(
+    b: &mut Body,
+    s: &ForwardShape,
+    r: &IntraGradRefs,
+    y: &tokens::Chunk,
+    sc: i64,
+    norms: Option<&tokens::Norms>,
+    columns: &mut [V],
+) -> Result<(V, V)> {
+    let bk = y.g.ty.dims[1];
+    let rsum = b.cumsum(&y.g, 0, Scan { reverse: false, exclusive: false }, None)?;
+    let er = b.exp(&rsum)?;
+    let yq = b.mul(&y.q, &er)?;
+    let yk = b.mul(&y.k, &er)?;
+    let (mut q_acc, mut k_acc, mut between): (Option<V>, Option<V>, Option<V>) = (None, None, None);
+    for e in (0..sc).rev() {
+        let x = tokens::load_tile(b, s, &r.tokens, (SUB * e, SUB), (0, bk), norms)?;
+        let mut cs = b.cumsum(&x.g, 0, Scan { reverse: true, exclusive: true }, None)?;
+        if let Some(t) = &between {
+            let t = b.broadcast(t, &[SUB, bk])?;
+            cs = b.add(&cs, &t)?;
+        }
+        let ec = b.exp(&cs)?;
+        let m = pair_blocks(b, r, y, sc, e)?;
+        let kc = b.mul(&x.k, &ec)?;
+        let t = product(b, s, &m[0], &kc, (1, 0))?;
+        q_acc = Some(plus(b, q_acc, t)?);
+        let t = product(b, s, &m[1], &kc, (1, 0))?;
+        k_acc = Some(plus(b, k_acc, t)?);
+        let c1 = product(b, s, &m[0], &yq, (0, 0))?;
+        let c2 = product(b, s, &m[2], &yk, (0, 0))?;
+        let c = b.add(&c1, &c2)?;
+        let c = b.mul(&c, &ec)?;
+        columns[e as usize] = b.add(&columns[e as usize], &c)?;
+        let total = b.reduce(Reduction::Sum, &x.g, 0)?;
+        let total = b.reshape(&total, &[1, bk])?;
+        between = Some(plus(b, between, total)?);
+    }
+    let missing = || crate::error::TpuError::builder("gpu intra gradient", "internal: no earlier sub-chunk");
+    let q = b.mul(&q_acc.ok_or_else(missing)?, &er)?;
+    let k = b.mul(&k_acc.ok_or_else(missing)?, &er)?;
+    Ok((q, k))
+}
+
 /// `dg` of rows `start..start + n` through the floor (zero where the gate sat on it) and, with
 /// an in-kernel gate, through the gate (`gate_slopes`), whose parameters' column sums over the
 /// chunk's tokens (not its padding rows) are added to `sums`.
@@ -283,9 +314,7 @@ fn through_gate(
         Some(real) => b.select(&real, &dg, &zero)?,
         None => dg,
     };
-    let at = r.tokens.rows(b)?;
-    let raw = tokens::f32_tile(b, r.tokens.g, &at, (start, n), (0, dims[1]))?;
-    let (dz, dlog) = gate_slopes(b, &raw, s.gate, r.tokens.gate)?;
+    let (dz, dlog) = gate_slopes(b, &y.raw, s.gate, r.tokens.gate)?;
     let dx = b.mul(&dg, &dz)?;
     let dl = b.mul(&dg, &dlog)?;
     let mut next = Vec::new();

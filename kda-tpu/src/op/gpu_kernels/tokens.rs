@@ -226,6 +226,8 @@ pub struct Chunk {
     pub g: V,
     /// `beta` `[C, 1]`.
     pub beta: V,
+    /// The gate as stored, before its activation and floor, in f32.
+    pub raw: V,
 }
 
 /// A per-token operand of `w` columns in `s`'s layout, a program's block `rows` tokens by `bw`
@@ -439,7 +441,7 @@ pub fn load_tile(
         None => g,
     };
     let beta = f32_tile(b, r.beta, &at, (start, n), (0, 1))?;
-    Ok(Chunk { q, k: kx, g, beta })
+    Ok(Chunk { q, k: kx, g, beta, raw })
 }
 
 /// Where rows `start..start + n` of the chunk (grid index 1) hold tokens, `[n, w]`: none where

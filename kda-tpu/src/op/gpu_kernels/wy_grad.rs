@@ -127,7 +127,7 @@ fn strictly_causal(b: &mut Body, x: &V) -> Result<V> {
 }
 
 /// `acc + x`, or `x` where there is no `acc` yet.
-fn plus(b: &mut Body, acc: Option<V>, x: V) -> Result<V> {
+pub(super) fn plus(b: &mut Body, acc: Option<V>, x: V) -> Result<V> {
     match acc {
         Some(a) => b.add(&a, &x),
         None => Ok(x),
