@@ -4,12 +4,14 @@
 //! Mosaic grid, or any loop, that ends in `scmp.ge.s32 .., N /* loop exit test */` runs N
 //! times; an XLA `while` of the top-level program takes its trip count from the HLO condition
 //! (`compare(i, constant(N)), direction=LT`); a loop whose count is neither is counted once and
-//! reported. Predicated regions count in full (the longest path). A model, not a time: stalls
-//! are not in it.
+//! reported. A region behind a branch on the loop's iteration index alone (the software
+//! pipeline's guard: [`super::guards`]) counts on the trips it runs; other predicated regions
+//! count in full (the longest path). A model, not a time: stalls are not in it.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
+use super::guards::{self, Def, Scalars, Trips};
 use crate::error::{Result, TpuError};
 
 /// The flags that make libtpu write the listings this module reads into `dir`; put them in
@@ -31,8 +33,9 @@ pub struct StaticCycles {
     /// Loops whose trip count is unknown statically (counted once).
     pub unknown_loops: usize,
     /// Bytes the DMAs along the path move (`size_in_granules` x 32 per DMA issued), kernels and
-    /// XLA ops alike. Predicated DMAs count in full on every step (a result block's write-back,
-    /// issued only when its block index changes, counts on each): an upper bound.
+    /// XLA ops alike. DMAs behind the pipeline's guard count on the trips they run, other
+    /// predicated DMAs on every step (a result block's write-back, issued only when its block
+    /// index changes, counts on each): an upper bound.
     pub dma_bytes: u64,
     /// Each Mosaic kernel's share, by its module name (`module @name` of its body).
     pub per_kernel: BTreeMap<String, KernelShare>,
@@ -61,6 +64,10 @@ struct Bundle {
     dma_bytes: u64,
     /// The callee (`inlined_call`).
     call: Option<String>,
+    /// Whether it holds no op (a delay slot).
+    empty: bool,
+    /// Its scalar definitions and branch, for guards on a loop's index.
+    scalars: Scalars,
 }
 
 /// The bundles of one listing.
@@ -69,7 +76,15 @@ fn bundles(text: &str) -> Vec<Bundle> {
     for line in text.lines() {
         match bundle_head(line) {
             Some((depth, loop_body)) => {
-                let b = Bundle { depth, loop_body, exit_trips: None, dma_bytes: 0, call: None };
+                let b = Bundle {
+                    depth,
+                    loop_body,
+                    exit_trips: None,
+                    dma_bytes: 0,
+                    call: None,
+                    empty: false,
+                    scalars: Scalars::default(),
+                };
                 out.push((b, line.to_string()))
             }
             None => {
@@ -97,6 +112,8 @@ fn bundles(text: &str) -> Vec<Bundle> {
             b.exit_trips = exit_trips(&t);
             b.dma_bytes = dma_bytes(&t);
             b.call = call(&t);
+            b.empty = empty_bundle(&t);
+            b.scalars = guards::scalars(&t);
             b
         })
         .collect()
@@ -257,7 +274,8 @@ impl Listings {
         };
         let text = std::fs::read_to_string(&path).map_err(|e| io(&path, e))?;
         let b = bundles(&text);
-        let mut c = self.region(&b, 0, b.len(), 0, key == "TLP")?;
+        let defs = guards::definitions(b.iter().map(|x| &x.scalars));
+        let mut c = self.region(&b, &defs, (0, b.len()), 0, key == "TLP")?;
         if let Some(module) = kernel {
             c.kernels = c.total;
             let share = KernelShare { bundles: c.total, dma_bytes: c.dma_bytes, calls: 1 };
@@ -271,8 +289,8 @@ impl Listings {
     fn region(
         &mut self,
         b: &[Bundle],
-        from: usize,
-        to: usize,
+        defs: &HashMap<String, Def>,
+        (from, to): (usize, usize),
         depth: usize,
         top: bool,
     ) -> Result<StaticCycles> {
@@ -295,16 +313,61 @@ impl Listings {
             while j < to && b[j].depth > depth && !(b[j].depth == depth + 1 && b[j].loop_body) {
                 j += 1;
             }
-            let body = self.region(b, i, j, depth + 1, top)?;
             let exit =
                 b[i..j].iter().filter(|x| x.depth == depth + 1).filter_map(|x| x.exit_trips).next_back();
             let trips = exit.or_else(|| if top { self.while_trips(&b[i..j], depth + 1) } else { None });
-            if trips.is_none() {
-                c.unknown_loops += 1;
+            match trips {
+                Some(n) => {
+                    let looped = self.guarded_loop(b, defs, (i, j), depth + 1, top, n)?;
+                    add(&mut c, &looped, 1);
+                }
+                None => {
+                    c.unknown_loops += 1;
+                    let body = self.region(b, defs, (i, j), depth + 1, top)?;
+                    add(&mut c, &body, 1);
+                }
             }
-            add(&mut c, &body, trips.unwrap_or(1));
             i = j;
         }
+        Ok(c)
+    }
+
+    /// A loop of `trips` trips whose body is bundles `from..to` at `depth`: each region behind a
+    /// branch on its iteration index counted on the trips it runs, the rest on every trip.
+    fn guarded_loop(
+        &mut self,
+        b: &[Bundle],
+        defs: &HashMap<String, Def>,
+        (from, to): (usize, usize),
+        depth: usize,
+        top: bool,
+        trips: u64,
+    ) -> Result<StaticCycles> {
+        let level: Vec<usize> = (from..to).filter(|&k| b[k].depth == depth).collect();
+        let scalars: Vec<&Scalars> = level.iter().map(|&k| &b[k].scalars).collect();
+        let mut c = StaticCycles::default();
+        let mut cursor = from;
+        if let Some(index) = Trips::of(defs, &scalars) {
+            let mut at = 0;
+            while at < level.len() {
+                let guard = index.taken(scalars[at], trips).zip(guards::target(&scalars, at));
+                let Some((skips, landing)) = guard else {
+                    at += 1;
+                    continue;
+                };
+                // The branch's delay slots (the empty bundles after it) run either way.
+                let mut start = level[at] + 1;
+                while start < level[landing] && b[start].empty {
+                    start += 1;
+                }
+                let end = level[landing];
+                add(&mut c, &self.region(b, defs, (cursor, start), depth, top)?, trips);
+                add(&mut c, &self.region(b, defs, (start, end), depth, top)?, trips - skips);
+                cursor = end;
+                at = landing;
+            }
+        }
+        add(&mut c, &self.region(b, defs, (cursor, to), depth, top)?, trips);
         Ok(c)
     }
 
@@ -436,6 +499,38 @@ mod tests {
             count_top_level("empty", tlp),
             StaticCycles { total: 1 + 4 * 10 + 2, ..Default::default() }
         );
+    }
+
+    /// A software-pipelined loop of 10 trips (8 steps): its 3-bundle compute region sits behind
+    /// `pnand(i >= 1, i < 9)` and runs on 8 trips, the rest of the body (11 bundles, the
+    /// branch's delay slot among them) on all 10; a guard on anything but the index counts on
+    /// every trip, as does one on an index that does not start from 0.
+    #[rstest::rstest]
+    #[case::on_the_index("scmp.lt.s32.totalorder %s2, 9", "0", 1 + 11 * 10 - 3 * 2 + 1)]
+    #[case::on_the_index_plus_one("scmp.lt.s32.totalorder %s12, 10", "0", 1 + 11 * 10 - 3 * 2 + 1)]
+    #[case::on_a_register("scmp.lt.s32.totalorder %s2, %s40", "0", 1 + 11 * 10 + 1)]
+    #[case::from_an_unknown_start("scmp.lt.s32.totalorder %s2, 9", "%s0", 1 + 11 * 10 + 1)]
+    fn a_region_guarded_by_the_loop_index_counts_on_its_trips(
+        #[case] upper: &str,
+        #[case] start: &str,
+        #[case] want: u64,
+    ) {
+        let tlp = format!(
+            "     0   :  {{ %s1 = smov.u32 {start} }}\n\
+               0x1 LB: > {{ %s2 = sphi %s1, %s9 /* phi copy :: iteration index, stage = 0 */  ;;  %s12 = sadd.s32 1, %s2 }} /* Start region 9 */\n\
+               0x2   : > {{ %p3 = scmp.ge.s32.totalorder %s2, 1  ;;  %p4 = {upper} }}\n\
+               0x3   : > {{ %p5 = pnand %p3, %p4 }}\n\
+               0x4   : > {{ %6 = sbr.rel (%p5) target = $region7 }}\n\
+               0x5   :  {{}}\n\
+               0x6   : > {{ %7 = vadd.f32 %v1, %v2 }} /* Start region 6 */\n\
+               0x7   : > {{ %8 = vmul.f32 %v1, %v2 }}\n\
+               0x8   : > {{ %9 = vst [vmem:[#allocation3] sm:$0xff] }} /* End region 6 */\n\
+               0x9 PF: > {{ %s9 = sadd.s32 1, %s2 }} /* Start/End empty region 7 */\n\
+               0xa   : > {{ %p10 = scmp.ge.s32.totalorder %s9, 10 /* loop exit test */ }}\n\
+               0xb   : > {{ %11 = sbr.rel (!%p10) target = $region9 }}\n\
+               0xc   :  {{}}\n"
+        );
+        assert_eq!(count_top_level("guard", &tlp), StaticCycles { total: want, ..Default::default() });
     }
 
     #[test]

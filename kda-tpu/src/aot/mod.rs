@@ -5,6 +5,7 @@
 pub mod cycles;
 pub mod gpu;
 pub mod gpu_model;
+mod guards;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
