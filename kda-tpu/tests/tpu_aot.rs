@@ -157,6 +157,11 @@ fn static_cycles_of_the_forward() {
     {
         let mosaic = count(name, Mosaic);
         assert!(mosaic.kernels > 0 && mosaic.kernels <= mosaic.total, "{mosaic:?}");
+        // The forward kernel's ops by unit: vector work, products and exponentials, all on
+        // the path; its listing spills (docs/kernels/static-cycles.md).
+        let u = mosaic.per_kernel["kda_forward"].units;
+        assert!(u.valu > 0 && u.mxu_pushes > 0 && u.transcendental_pushes > 0, "{u:?}");
+        assert!(u.spill_stores > 0 && u.spill_loads >= u.spill_stores, "{u:?}");
         assert!(mosaic.total <= limit, "{name} Mosaic forward: {} cycles, over {limit}", mosaic.total);
     }
     std::fs::remove_dir_all(&dir).ok();

@@ -57,8 +57,10 @@ options:
                        temp_bytes, code_bytes, kernel_vmem_bytes, static_cycles,
                        kernel_cycles, unknown_trip_loops, dma_bytes, gflop, and kernels:
                        per Mosaic kernel its name, bundles, dma_bytes, model_us (the
-                       calibrated model of TPU_CYCLES.md: 2.2 G bundles/s) and hbm_us (its
-                       DMA bytes at 3.7 TB/s))
+                       calibrated model of TPU_CYCLES.md: 2.2 G bundles/s), hbm_us (its
+                       DMA bytes at 3.7 TB/s) and its ops along the path by unit:
+                       valu_ops, spill_stores, spill_loads, mxu_pushes,
+                       transcendental_pushes (docs/kernels/static-cycles.md))
   --libtpu PATH        libtpu to load (default $KDA_LIBTPU, else the one setup installed)
   -h, --help           show this text
 

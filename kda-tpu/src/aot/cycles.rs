@@ -12,6 +12,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use super::guards::{self, Def, Scalars, Trips};
+pub use super::units::Units;
 use crate::error::{Result, TpuError};
 
 /// The flags that make libtpu write the listings this module reads into `dir`; put them in
@@ -39,6 +40,8 @@ pub struct StaticCycles {
     pub dma_bytes: u64,
     /// Each Mosaic kernel's share, by its module name (`module @name` of its body).
     pub per_kernel: BTreeMap<String, KernelShare>,
+    /// The ops along the path by unit ([`Units`]), kernels and XLA ops alike.
+    pub units: Units,
 }
 
 /// One Mosaic kernel's share of a program's count, over all its calls.
@@ -50,6 +53,8 @@ pub struct KernelShare {
     pub dma_bytes: u64,
     /// Times it runs.
     pub calls: u64,
+    /// Its ops along the path by unit.
+    pub units: Units,
 }
 
 /// The bytes of one DMA granule.
@@ -68,6 +73,8 @@ struct Bundle {
     empty: bool,
     /// Its scalar definitions and branch, for guards on a loop's index.
     scalars: Scalars,
+    /// Its ops by unit.
+    units: Units,
 }
 
 /// The bundles of one listing.
@@ -84,6 +91,7 @@ fn bundles(text: &str) -> Vec<Bundle> {
                     call: None,
                     empty: false,
                     scalars: Scalars::default(),
+                    units: Units::default(),
                 };
                 out.push((b, line.to_string()))
             }
@@ -114,6 +122,7 @@ fn bundles(text: &str) -> Vec<Bundle> {
             b.call = call(&t);
             b.empty = empty_bundle(&t);
             b.scalars = guards::scalars(&t);
+            b.units = super::units::of_bundle(&t);
             b
         })
         .collect()
@@ -278,7 +287,7 @@ impl Listings {
         let mut c = self.region(&b, &defs, (0, b.len()), 0, key == "TLP")?;
         if let Some(module) = kernel {
             c.kernels = c.total;
-            let share = KernelShare { bundles: c.total, dma_bytes: c.dma_bytes, calls: 1 };
+            let share = KernelShare { bundles: c.total, dma_bytes: c.dma_bytes, calls: 1, units: c.units };
             c.per_kernel = BTreeMap::from([(module.to_string(), share)]);
         }
         self.memo.insert(key, c.clone());
@@ -300,6 +309,7 @@ impl Listings {
             if b[i].depth <= depth {
                 c.total += 1;
                 c.dma_bytes += b[i].dma_bytes;
+                c.units.add(&b[i].units, 1);
                 if let Some(name) = &b[i].call {
                     let kernel = self.hlo.kernels.get(name).cloned();
                     let name = name.clone();
@@ -384,11 +394,13 @@ fn add(c: &mut StaticCycles, x: &StaticCycles, times: u64) {
     c.kernels += x.kernels * times;
     c.unknown_loops += x.unknown_loops;
     c.dma_bytes += x.dma_bytes * times;
+    c.units.add(&x.units, times);
     for (name, k) in &x.per_kernel {
         let e = c.per_kernel.entry(name.clone()).or_default();
         e.bundles += k.bundles * times;
         e.dma_bytes += k.dma_bytes * times;
         e.calls += k.calls * times;
+        e.units.add(&k.units, times);
     }
 }
 
@@ -479,13 +491,14 @@ mod tests {
         ];
         let c = count(&files).expect("counted");
         std::fs::remove_dir_all(&dir).ok();
-        let share = KernelShare { bundles: 31, dma_bytes: 10 * 2 * 32, calls: 1 };
+        let share = KernelShare { bundles: 31, dma_bytes: 10 * 2 * 32, calls: 1, units: Units::default() };
         let want = StaticCycles {
             total: 3 + 4 * (2 + 2) + (1 + 10 * 3),
             kernels: 31,
             unknown_loops: 0,
             dma_bytes: 10 * 2 * 32,
             per_kernel: BTreeMap::from([("kda_k".to_string(), share)]),
+            units: Units::default(),
         };
         assert_eq!(c, want);
     }
@@ -501,19 +514,19 @@ mod tests {
         );
     }
 
-    /// A software-pipelined loop of 10 trips (8 steps): its 3-bundle compute region sits behind
-    /// `pnand(i >= 1, i < 9)` and runs on 8 trips, the rest of the body (11 bundles, the
-    /// branch's delay slot among them) on all 10; a guard on anything but the index counts on
-    /// every trip, as does one on an index that does not start from 0.
+    /// A software-pipelined loop of 10 trips (8 steps): its 3-bundle compute region (two vector
+    /// ALU ops) sits behind `pnand(i >= 1, i < 9)` and runs on 8 trips, the rest of the body (8
+    /// bundles, the branch's delay slot among them) on all 10; a guard on anything but the index
+    /// counts on every trip, as does one on an index that does not start from 0.
     #[rstest::rstest]
-    #[case::on_the_index("scmp.lt.s32.totalorder %s2, 9", "0", 1 + 11 * 10 - 3 * 2 + 1)]
-    #[case::on_the_index_plus_one("scmp.lt.s32.totalorder %s12, 10", "0", 1 + 11 * 10 - 3 * 2 + 1)]
-    #[case::on_a_register("scmp.lt.s32.totalorder %s2, %s40", "0", 1 + 11 * 10 + 1)]
-    #[case::from_an_unknown_start("scmp.lt.s32.totalorder %s2, 9", "%s0", 1 + 11 * 10 + 1)]
+    #[case::on_the_index("scmp.lt.s32.totalorder %s2, 9", "0", 8)]
+    #[case::on_the_index_plus_one("scmp.lt.s32.totalorder %s12, 10", "0", 8)]
+    #[case::on_a_register("scmp.lt.s32.totalorder %s2, %s40", "0", 10)]
+    #[case::from_an_unknown_start("scmp.lt.s32.totalorder %s2, 9", "%s0", 10)]
     fn a_region_guarded_by_the_loop_index_counts_on_its_trips(
         #[case] upper: &str,
         #[case] start: &str,
-        #[case] want: u64,
+        #[case] runs: u64,
     ) {
         let tlp = format!(
             "     0   :  {{ %s1 = smov.u32 {start} }}\n\
@@ -530,7 +543,9 @@ mod tests {
                0xb   : > {{ %11 = sbr.rel (!%p10) target = $region9 }}\n\
                0xc   :  {{}}\n"
         );
-        assert_eq!(count_top_level("guard", &tlp), StaticCycles { total: want, ..Default::default() });
+        let units = Units { valu: 2 * runs, ..Default::default() };
+        let want = StaticCycles { total: 1 + 8 * 10 + 3 * runs + 1, units, ..Default::default() };
+        assert_eq!(count_top_level("guard", &tlp), want);
     }
 
     #[test]

@@ -6,6 +6,7 @@ pub mod cycles;
 pub mod gpu;
 pub mod gpu_model;
 mod guards;
+mod units;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

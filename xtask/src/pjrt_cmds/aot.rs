@@ -386,6 +386,11 @@ pub fn run(o: &AotOptions) -> Result<(), String> {
                         k.dma_bytes as f64 / 1e6,
                         k.hbm_us()
                     );
+                    let [valu, stores, loads, mxu, eup] = k.units;
+                    println!(
+                        "      by unit: {valu} vector ALU ops, {stores} spill stores, {loads} spill loads, \
+                         {mxu} MXU pushes, {eup} transcendental pushes"
+                    );
                 }
                 println!(
                     "  cost:   {:.3} GFLOP, {:.3} GB accessed (optimal_seconds {:.3e}: not \
@@ -424,6 +429,11 @@ pub fn run(o: &AotOptions) -> Result<(), String> {
                         "dma_bytes": k.dma_bytes,
                         "model_us": k.model_us(),
                         "hbm_us": k.hbm_us(),
+                        "valu_ops": k.units[0],
+                        "spill_stores": k.units[1],
+                        "spill_loads": k.units[2],
+                        "mxu_pushes": k.units[3],
+                        "transcendental_pushes": k.units[4],
                     })).collect::<Vec<_>>(),
                     "gflop": r.flops / 1e9,
                 }));

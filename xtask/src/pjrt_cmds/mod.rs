@@ -57,6 +57,9 @@ pub struct KernelFigures {
     pub bundles: i64,
     /// Bytes its DMAs move along the path.
     pub dma_bytes: i64,
+    /// Its ops along the path by unit (`kda_tpu::aot::cycles::Units`): vector ALU ops, spill
+    /// stores, spill loads, MXU pushes, transcendental pushes.
+    pub units: [i64; 5],
 }
 
 /// Issue rate of Mosaic kernel bundles in the calibrated model of `shared/docs/TPU_CYCLES.md`
@@ -110,7 +113,7 @@ pub struct AotFigures {
 }
 
 /// The cache file's fixed lines, in order; then one `kernel NAME BUNDLES DMA_BYTES` line per
-/// Mosaic kernel.
+/// Mosaic kernel, followed by its five unit counts (a line without them is a miss).
 const CACHE_FIELDS: [&str; 16] = [
     "argument",
     "output",
@@ -187,6 +190,14 @@ pub fn compile_aot_replicas(
                 name: name.clone(),
                 bundles: k.bundles as i64,
                 dma_bytes: k.dma_bytes as i64,
+                units: [
+                    k.units.valu,
+                    k.units.spill_stores,
+                    k.units.spill_loads,
+                    k.units.mxu_pushes,
+                    k.units.transcendental_pushes,
+                ]
+                .map(|x| x as i64),
             };
             c.per_kernel.iter().map(share).collect()
         }),
@@ -213,7 +224,8 @@ pub fn compile_aot_replicas(
     ];
     let mut body: String = CACHE_FIELDS.iter().zip(values).map(|(k, v)| format!("{k} {v:?}\n")).collect();
     for k in &f.per_kernel {
-        body += &format!("kernel {} {} {}\n", k.name, k.bundles, k.dma_bytes);
+        let units: Vec<String> = k.units.iter().map(i64::to_string).collect();
+        body += &format!("kernel {} {} {} {}\n", k.name, k.bundles, k.dma_bytes, units.join(" "));
     }
     // Best effort: a cache that cannot be written only costs the next run a compile.
     let _ = std::fs::create_dir_all(cache_dir()).and_then(|()| std::fs::write(&file, body));
@@ -262,16 +274,16 @@ fn parse_cached(s: &str) -> Option<AotFigures> {
     }
     let mut per_kernel = Vec::new();
     for line in lines {
-        let mut w = line.split(' ');
-        let (Some("kernel"), Some(name), Some(b), Some(d), None) =
-            (w.next(), w.next(), w.next(), w.next(), w.next())
-        else {
+        let w: Vec<&str> = line.split(' ').collect();
+        let ["kernel", name, b, d, units @ ..] = w.as_slice() else {
             return None;
         };
+        let units: Vec<i64> = units.iter().map(|x| x.parse().ok()).collect::<Option<_>>()?;
         per_kernel.push(KernelFigures {
             name: name.to_string(),
             bundles: b.parse().ok()?,
             dma_bytes: d.parse().ok()?,
+            units: units.try_into().ok()?,
         });
     }
     let [argument, output, alias, temp, code, peak] = [v[0], v[1], v[2], v[3], v[4], v[5]].map(|x| x as i64);
