@@ -268,12 +268,27 @@ mod full {
     }
 
     /// The intra gradient with the secondary benchmark's options (L2 norm, the lower-bound
-    /// gate, whose backward and floor it runs) in bf16 and f32, no spill stores.
+    /// gate, whose backward and floor it runs) in bf16 and f32, no spill stores: on lanes at
+    /// H=8, T=1024, and as the `triton` program launches it at the secondary shape (H=32,
+    /// T=8192, batch-first rows read in place; the register allocation follows the index
+    /// arithmetic, so the shape the program runs is compiled itself).
     #[rstest]
     fn gpu_intra_grad_compiles_for_the_h200_with_the_gate_and_l2_norm(
         #[values(DType::BF16, DType::F32)] dtype: DType,
+        #[values(false, true)] secondary_rows: bool,
     ) -> Result<()> {
-        chunk_grad_compiles("kda_gpu_intra_grad", dtype, 128, 128, true)
+        if !secondary_rows {
+            return chunk_grad_compiles("kda_gpu_intra_grad", dtype, 128, 128, true);
+        }
+        let s = ForwardShape {
+            layout: kda_tpu::op::gpu_kernels::TokenLayout::Rows,
+            l2norm: true,
+            gate: GateKind::LowerBound(-5.0),
+            ..ForwardShape::new(32, 8192, 128, 128, dtype)
+        };
+        let kernel = intra_grad_kernel(&s)?.0;
+        let grid = [32, 128, (128 / s.intra_grad_bk()) as u64];
+        launches_on_the_h200(&kernel.module(&Triton)?, dtype, &[("kda_gpu_intra_grad", grid)])
     }
     use kda_core::BackwardStrategy;
     use kda_testkit::{benchmark_cases, case_data};

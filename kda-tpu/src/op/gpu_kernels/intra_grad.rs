@@ -270,16 +270,17 @@ fn earlier_sub_chunks(
         }
         let ec = b.exp(&cs)?;
         let m = pair_blocks(b, r, y, sc, e)?;
-        let kc = b.mul(&x.k, &ec)?;
-        let t = product(b, s, &m[0], &kc, (1, 0))?;
-        q_acc = Some(plus(b, q_acc, t)?);
-        let t = product(b, s, &m[1], &kc, (1, 0))?;
-        k_acc = Some(plus(b, k_acc, t)?);
+        // The columns' products before the rows' (f32 fits 255 registers this way).
         let c1 = product(b, s, &m[0], &yq, (0, 0))?;
         let c2 = product(b, s, &m[2], &yk, (0, 0))?;
         let c = b.add(&c1, &c2)?;
         let c = b.mul(&c, &ec)?;
         columns[e as usize] = b.add(&columns[e as usize], &c)?;
+        let kc = b.mul(&x.k, &ec)?;
+        let t = product(b, s, &m[0], &kc, (1, 0))?;
+        q_acc = Some(plus(b, q_acc, t)?);
+        let t = product(b, s, &m[1], &kc, (1, 0))?;
+        k_acc = Some(plus(b, k_acc, t)?);
         let total = b.reduce(Reduction::Sum, &x.g, 0)?;
         let total = b.reshape(&total, &[1, bk])?;
         between = Some(plus(b, between, total)?);
