@@ -422,10 +422,14 @@ mod tests {
         assert_eq!((f.memory.argument, f.memory.peak, f.flops, f.compile_ms), (0, 7, 9.0, 13.5));
         assert_eq!(parse_cached(&body.replace("peak", "top")), None);
         assert_eq!(parse_cached("argument 1\n"), None);
-        let with_kernels = body.clone() + "kernel kda_forward 72494 2230272\nkernel kda_term_masks 224 0\n";
+        let with_kernels = body.clone()
+            + "kernel kda_forward 72494 2230272 5 4 3 2 1\nkernel kda_term_masks 224 0 0 0 0 0 0\n";
         let k = parse_cached(&with_kernels).unwrap().per_kernel;
         assert_eq!(k.len(), 2);
         assert_eq!((k[0].name.as_str(), k[0].bundles, k[0].dma_bytes), ("kda_forward", 72494, 2230272));
+        assert_eq!(k[0].units, [5, 4, 3, 2, 1]);
+        // A kernel line written before the unit counts is a miss (the compile runs again).
+        assert_eq!(parse_cached(&(body.clone() + "kernel kda_forward 72494 2230272\n")), None);
         assert!(
             (k[0].model_us() - 72494.0 / 2200.0).abs() < 1e-9
                 && (k[0].hbm_us() - 2230272.0 / 3.7e6).abs() < 1e-9
