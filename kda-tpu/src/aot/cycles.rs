@@ -264,6 +264,14 @@ fn decode_base64(s: &str) -> Option<String> {
     String::from_utf8(out).ok()
 }
 
+/// One listing as the count walks it: its bundles, its scalar definitions (for guards) and
+/// whether it is the top-level program (whose `while`s take their trips from the HLO).
+struct Parsed<'a> {
+    b: &'a [Bundle],
+    defs: &'a HashMap<String, Def>,
+    top: bool,
+}
+
 struct Listings {
     files: HashMap<String, PathBuf>,
     alias: HashMap<String, String>,
@@ -284,7 +292,8 @@ impl Listings {
         let text = std::fs::read_to_string(&path).map_err(|e| io(&path, e))?;
         let b = bundles(&text);
         let defs = guards::definitions(b.iter().map(|x| &x.scalars));
-        let mut c = self.region(&b, &defs, (0, b.len()), 0, key == "TLP")?;
+        let listing = Parsed { b: &b, defs: &defs, top: key == "TLP" };
+        let mut c = self.region(&listing, (0, b.len()), 0)?;
         if let Some(module) = kernel {
             c.kernels = c.total;
             let share = KernelShare { bundles: c.total, dma_bytes: c.dma_bytes, calls: 1, units: c.units };
@@ -294,15 +303,9 @@ impl Listings {
         Ok(c)
     }
 
-    /// Bundles `from..to` at nesting `depth` (deeper runs are loops).
-    fn region(
-        &mut self,
-        b: &[Bundle],
-        defs: &HashMap<String, Def>,
-        (from, to): (usize, usize),
-        depth: usize,
-        top: bool,
-    ) -> Result<StaticCycles> {
+    /// Bundles `from..to` of `l` at nesting `depth` (deeper runs are loops).
+    fn region(&mut self, l: &Parsed, (from, to): (usize, usize), depth: usize) -> Result<StaticCycles> {
+        let (b, top) = (l.b, l.top);
         let mut c = StaticCycles::default();
         let mut i = from;
         while i < to {
@@ -328,12 +331,12 @@ impl Listings {
             let trips = exit.or_else(|| if top { self.while_trips(&b[i..j], depth + 1) } else { None });
             match trips {
                 Some(n) => {
-                    let looped = self.guarded_loop(b, defs, (i, j), depth + 1, top, n)?;
+                    let looped = self.guarded_loop(l, (i, j), depth + 1, n)?;
                     add(&mut c, &looped, 1);
                 }
                 None => {
                     c.unknown_loops += 1;
-                    let body = self.region(b, defs, (i, j), depth + 1, top)?;
+                    let body = self.region(l, (i, j), depth + 1)?;
                     add(&mut c, &body, 1);
                 }
             }
@@ -342,22 +345,22 @@ impl Listings {
         Ok(c)
     }
 
-    /// A loop of `trips` trips whose body is bundles `from..to` at `depth`: each region behind a
-    /// branch on its iteration index counted on the trips it runs, the rest on every trip.
+    /// A loop of `trips` trips whose body is bundles `from..to` of `l` at `depth`: each region
+    /// behind a branch on its iteration index counted on the trips it runs, the rest on every
+    /// trip.
     fn guarded_loop(
         &mut self,
-        b: &[Bundle],
-        defs: &HashMap<String, Def>,
+        l: &Parsed,
         (from, to): (usize, usize),
         depth: usize,
-        top: bool,
         trips: u64,
     ) -> Result<StaticCycles> {
+        let b = l.b;
         let level: Vec<usize> = (from..to).filter(|&k| b[k].depth == depth).collect();
         let scalars: Vec<&Scalars> = level.iter().map(|&k| &b[k].scalars).collect();
         let mut c = StaticCycles::default();
         let mut cursor = from;
-        if let Some(index) = Trips::of(defs, &scalars) {
+        if let Some(index) = Trips::of(l.defs, &scalars) {
             let mut at = 0;
             while at < level.len() {
                 let guard = index.taken(scalars[at], trips).zip(guards::target(&scalars, at));
@@ -371,13 +374,13 @@ impl Listings {
                     start += 1;
                 }
                 let end = level[landing];
-                add(&mut c, &self.region(b, defs, (cursor, start), depth, top)?, trips);
-                add(&mut c, &self.region(b, defs, (start, end), depth, top)?, trips - skips);
+                add(&mut c, &self.region(l, (cursor, start), depth)?, trips);
+                add(&mut c, &self.region(l, (start, end), depth)?, trips - skips);
                 cursor = end;
                 at = landing;
             }
         }
-        add(&mut c, &self.region(b, defs, (cursor, to), depth, top)?, trips);
+        add(&mut c, &self.region(l, (cursor, to), depth)?, trips);
         Ok(c)
     }
 
@@ -458,7 +461,10 @@ mod tests {
 
     /// The count of a top-level program listing `tlp` alone (written to a scratch folder `tag`).
     fn count_top_level(tag: &str, tlp: &str) -> StaticCycles {
-        let dir = std::env::temp_dir().join(format!("kda-cycles-{tag}-{}", std::process::id()));
+        // A folder per call: the cases of one test run in parallel threads of one process.
+        static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("kda-cycles-{tag}-{}-{n}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("dir");
         let files = vec![write(&dir, "1-TLP-02-final_bundles.txt", tlp)];
         let c = count(&files).expect("counted");
