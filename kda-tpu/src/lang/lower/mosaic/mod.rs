@@ -145,6 +145,16 @@ pub enum Schedule {
     /// A list schedule on a model of a TensorCore (`schedule.rs`): each step's independent
     /// work fills the waits on its products.
     List,
+    /// The list schedule with at most about `ahead` of a body's `of` chunks in flight: an op
+    /// more than `ahead / of` of the body's ops past the first op not yet placed waits while a
+    /// nearer one is ready. Fewer values are live at once for libtpu to spill, at the price of
+    /// less independent work to fill each wait (docs/kernels/op-order.md).
+    Windowed {
+        /// Chunks in flight.
+        ahead: u32,
+        /// Chunks of the body.
+        of: u32,
+    },
     /// The order the body was built in.
     Built,
 }
@@ -348,7 +358,11 @@ fn text(k: &Kernel, params: &MosaicParams) -> Result<String> {
     let ordered;
     let ops = match params.schedule {
         Schedule::List => {
-            ordered = schedule::schedule(&k.body);
+            ordered = schedule::schedule(&k.body, None);
+            &ordered
+        }
+        Schedule::Windowed { ahead, of } => {
+            ordered = schedule::schedule(&k.body, Some((ahead, of)));
             &ordered
         }
         Schedule::Built => &k.body,

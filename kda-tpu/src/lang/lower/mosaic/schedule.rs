@@ -198,8 +198,10 @@ fn predecessors(ops: &[Op]) -> Vec<Vec<usize>> {
 
 /// `ops` in the order of a greedy schedule on the model: repeatedly the ready op (every
 /// predecessor placed) that can start first, ties to the longer path to the end, then to the
-/// written order.
-pub(crate) fn schedule(ops: &[Op]) -> Vec<Op> {
+/// written order. With a `window` `(ahead, of)`, ops more than `ahead / of` of the body past
+/// the first op not yet placed wait while a nearer one is ready: a body built chunk by chunk
+/// then has about `ahead` of its `of` chunks in flight, not all of them.
+pub(crate) fn schedule(ops: &[Op], window: Option<(u32, u32)>) -> Vec<Op> {
     let n = ops.len();
     let preds = predecessors(ops);
     let mut succs = vec![vec![]; n];
@@ -223,6 +225,9 @@ pub(crate) fn schedule(ops: &[Op]) -> Vec<Op> {
     // placed).
     let mut ready: Vec<(usize, f64)> = (0..n).filter(|&i| missing[i] == 0).map(|i| (i, 0.0)).collect();
     let mut order = Vec::with_capacity(n);
+    let reach = window.map_or(n, |(ahead, of)| n * ahead as usize / of.max(1) as usize);
+    let mut placed = vec![false; n];
+    let mut first = 0;
     while !ready.is_empty() {
         let start = |&(i, inputs): &(usize, f64)| {
             let unit = match costs[i].0 {
@@ -232,7 +237,11 @@ pub(crate) fn schedule(ops: &[Op]) -> Vec<Op> {
             };
             inputs.max(unit)
         };
-        let key = |r: &(usize, f64)| (start(r), -path[r.0], r.0);
+        while first < n && placed[first] {
+            first += 1;
+        }
+        let far = |i: usize| u8::from(i >= first + reach);
+        let key = |r: &(usize, f64)| (far(r.0), start(r), -path[r.0], r.0);
         let pos = (0..ready.len())
             .min_by(|&x, &y| key(&ready[x]).partial_cmp(&key(&ready[y])).unwrap_or(std::cmp::Ordering::Equal))
             .unwrap_or(0);
@@ -250,6 +259,7 @@ pub(crate) fn schedule(ops: &[Op]) -> Vec<Op> {
             }
         }
         done[i] = s + busy + latency;
+        placed[i] = true;
         order.push(i);
         for &x in &succs[i] {
             missing[x] -= 1;
@@ -334,12 +344,39 @@ mod tests {
             b.store_all(o, &r)
         });
         let ((p1, q1), (p2, _)) = (first.unwrap(), second.unwrap());
-        let order = schedule(&ops);
+        let order = schedule(&ops, None);
         assert_a_valid_order(&ops, &order);
         // Written chain after chain; scheduled, the second chain's first product goes ahead of
         // the first chain's second, which waits on a result.
         assert!(at(&order, defining(p2)) < at(&order, defining(q1)));
         assert!(at(&order, defining(p1)) < at(&order, defining(p2)));
+    }
+
+    /// With a quarter of the body in reach (two of its eight ops past the first not yet placed),
+    /// the second chain waits for the first: the first chain's dependent product goes ahead of
+    /// the second's first one.
+    #[test]
+    fn a_window_keeps_later_chunks_waiting() {
+        let (mut first, mut second) = (None, None);
+        let ops = body(|b, [x, o, s]| {
+            let a = b.load_all(x)?;
+            let (p1, q1) = chain(b, &a)?;
+            b.store_all(o, &q1)?;
+            let c = b.load_all(x)?;
+            let (p2, q2) = chain(b, &c)?;
+            b.store_all(s, &q2)?;
+            first = Some((p1.id, q1.id));
+            second = Some(p2.id);
+            Ok(())
+        });
+        let ((p1, q1), p2) = (first.unwrap(), second.unwrap());
+        let free = schedule(&ops, None);
+        assert!(at(&free, defining(p2)) < at(&free, defining(q1)), "without a window");
+        assert_eq!(ops.len(), 8);
+        let order = schedule(&ops, Some((1, 4)));
+        assert_a_valid_order(&ops, &order);
+        assert!(at(&order, defining(p1)) < at(&order, defining(q1)));
+        assert!(at(&order, defining(q1)) < at(&order, defining(p2)));
     }
 
     #[test]
@@ -364,7 +401,7 @@ mod tests {
             ids = vec![late.id, l1.id, early.id, l2.id, l3.id];
             Ok(())
         });
-        let order = schedule(&ops);
+        let order = schedule(&ops, None);
         assert_a_valid_order(&ops, &order);
         let (late, l1, early, l2, l3) = (ids[0], ids[1], ids[2], ids[3], ids[4]);
         let region = at(&order, |o| matches!(o, Op::If { .. }));
