@@ -11,14 +11,14 @@ mod hlo_support;
 
 use half::bf16;
 use hlo_support::{assert_close, rand_vec, unit_rows, In};
-use kda_core::DType;
+use kda_core::{DType, GateKind};
 use kda_tpu::aot::{GpuCompiler, H200};
 use kda_tpu::hlo::{Cmp, TensorType};
 use kda_tpu::lang::{
     Binary, Cost, F32Dot, Feature, Index, Interpret, Kernel, KernelBuilder, Lower, Lowering, MatPrecision,
     Mosaic, MosaicParams, Offset, Operand, Reduction, Ref, Scan, Semantics, Triton, TritonParams,
 };
-use kda_tpu::op::tpu_kernels::terms::{TermMasks, TermScratch};
+use kda_tpu::op::tpu_kernels::terms::{Levels, TermMasks, TermScratch};
 use kda_tpu::{Result, TpuCompiler, DEFAULT_TOPOLOGY};
 use rstest::rstest;
 
@@ -496,19 +496,27 @@ fn unit_lower_inverse() -> Result<Case> {
     Ok(Case { kernel, inputs: vec![In::F32(l, vec![64, 64])], want: vec![want], tol: 1e-5 })
 }
 
-fn chunk_terms() -> Result<Case> {
-    // One chunk, K = 128: q, k of unit rows, g in [-5, 0] with hard resets at the floor: two
-    // alone, and three in a row inside the 4-token block 48..52, where the level-0 factors
-    // reach their range (e^(+-60) beside the anchor, token 49).
+/// The chunk terms on `levels`. One chunk, K = 128: q, k of unit rows, g in [-5, 0]; for
+/// 4-token level-0 blocks with hard resets at the floor: two alone, and three in a row inside
+/// the block 48..52, where the level-0 factors reach their range (e^(+-60) beside the anchor,
+/// token 49); for the larger blocks of a lower bound (16 tokens for -5, 8 for -10), g just
+/// above -5 on the whole block 48..64, where the 16-token factors reach their range (e^(+-70)).
+fn chunk_terms(levels: Levels) -> Result<Case> {
     let kd = 128usize;
     let (q, k) =
         (unit_rows(rand_vec(64 * kd, 18, -1.0, 1.0), kd), unit_rows(rand_vec(64 * kd, 19, -1.0, 1.0), kd));
     let mut g = rand_vec(64 * kd, 20, -5.0, 0.0);
     for c in 0..kd {
-        g[21 * kd + c] = -30.0;
-        g[40 * kd + c] = -30.0;
-        for r in 49..52 {
-            g[r * kd + c] = -30.0;
+        if levels == Levels::FINE {
+            g[21 * kd + c] = -30.0;
+            g[40 * kd + c] = -30.0;
+            for r in 49..52 {
+                g[r * kd + c] = -30.0;
+            }
+        } else {
+            for r in 48..64 {
+                g[r * kd + c] = -4.99;
+            }
         }
     }
     let beta = rand_vec(64, 21, 0.0, 1.0);
@@ -536,7 +544,7 @@ fn chunk_terms() -> Result<Case> {
             &x[2],
             &x[3],
             scale,
-            TermScratch { masks: TermMasks::Build, sums },
+            TermScratch { masks: TermMasks::Build, sums, levels },
             MatPrecision::Highest,
             2,
         )?;
@@ -671,7 +679,9 @@ fn case(name: &str) -> Case {
         "unaligned_window" => unaligned_window(),
         "for_loop" => for_loop(),
         "unit_lower_inverse" => unit_lower_inverse(),
-        "chunk_terms" => chunk_terms(),
+        "chunk_terms" => chunk_terms(Levels::FINE),
+        "chunk_terms_bounded" => chunk_terms(Levels::for_gate(GateKind::LowerBound(-5.0))),
+        "chunk_terms_bounded_8" => chunk_terms(Levels::for_gate(GateKind::LowerBound(-10.0))),
         "padded_widths" => padded_widths(),
         "masked_rows" => masked_rows(),
         other => panic!("no case {other}"),
@@ -709,6 +719,8 @@ fn runs_and_matches(name: &str, c: &Case, lowering: Lowering) -> Result<()> {
 #[case::for_loop("for_loop")]
 #[case::unit_lower_inverse("unit_lower_inverse")]
 #[case::chunk_terms("chunk_terms")]
+#[case::chunk_terms_bounded("chunk_terms_bounded")]
+#[case::chunk_terms_bounded_8("chunk_terms_bounded_8")]
 #[case::padded_widths("padded_widths")]
 fn mosaic_kernel_interprets_and_compiles(#[case] name: &str) -> Result<()> {
     let c = case(name);

@@ -35,13 +35,18 @@ use super::operands::{
 use super::terms::{chunk_factors, chunk_terms, unit_lower_inverse_of_parts, ChunkFactors, TermScratch};
 use crate::error::Result;
 use crate::hlo::Cmp;
-use crate::lang::Kernel;
 use crate::lang::{Binary, Body, MatPrecision, Offset, Reduction, Ref, V};
+use crate::lang::{Kernel, MosaicParams};
 
 /// The most chunks a backward grid step takes by default (the forward's default, capped): a
 /// fixed-length row's step is one block, whose spill slots grow with its chunks (twice the
 /// chunks took twice the VMEM for no fewer cycles: docs/performance.md, Design figures).
 pub const BACKWARD_STEP_CHUNKS: i64 = 8;
+
+/// The most chunks of a grid step the backward kernel's op order keeps in flight
+/// ([`KernelDims::schedule`]): three of eight, where all eight held about 1,300 vector
+/// registers live for libtpu to spill (docs/kernels/op-order.md).
+pub const BACKWARD_CHUNKS_IN_FLIGHT: u32 = 3;
 
 /// The backward kernel and its operands by name.
 pub(super) struct BackwardKernel {
@@ -68,6 +73,7 @@ pub(super) fn backward_kernel(d: KernelDims, scale: f64) -> Result<BackwardKerne
     let (mut kb, refs) = declare_backward(&d)?;
     let cx = BackwardStep { d: &d, r: &refs, scale, p: d.precision(), g_passes: d.g_passes() };
     kb.cost(backward_cost(&d));
+    kb.params(MosaicParams::default().with_schedule(d.schedule(BACKWARD_CHUNKS_IN_FLIGHT)));
     let kernel = kb.build(|b| backward_step(b, &cx))?;
     Ok(BackwardKernel { kernel, refs })
 }
@@ -230,7 +236,7 @@ fn chunk_state(
 ) -> Result<(ChunkState, V)> {
     let (d, r, p) = (cx.d, cx.r, cx.p);
     let (k, v) = (d.k, d.v);
-    let scratch = TermScratch::of_kernel([r.masks[0], r.masks[1]], r.sums);
+    let scratch = TermScratch::of_kernel([r.masks[0], r.masks[1]], r.sums, d.levels());
     let at4 = [Offset::Const(0), Offset::Const(ci), Offset::Const(0), Offset::Const(0)];
     let (t, a, aqk) = match r.terms {
         Some(saved) => {
@@ -560,8 +566,14 @@ fn chunk_grads(
     let stacked = b.concat(&all, 0)?;
     // With gate parameters, which sum `dg` over every token, the gradients of `G` and of the
     // strict suffix (the masks that sum up to 64 of their rows) go in two bf16 parts: nearly
-    // the accuracy of every array in two parts at a quarter of its cycles.
-    let split = if d.gate_params { 2 * C } else { 0 };
+    // the accuracy of every array in two parts at a quarter of its cycles. Above 4-token
+    // level-0 blocks the mid anchor's too: its row and column terms cancel on the tokens after
+    // the anchor (`backward_levels::two_part_product`).
+    let split = match (d.gate_params, d.levels().base > 4) {
+        (false, _) => 0,
+        (true, false) => 2 * C,
+        (true, true) => 3 * C,
+    };
     let dg = fold(b, masks_t, &stacked, p, split)?;
     Ok(Grads { dq, dk, dv, dbeta, dg, d_last })
 }

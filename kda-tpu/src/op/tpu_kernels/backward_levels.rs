@@ -4,7 +4,7 @@
 use kda_core::DType;
 
 use super::dims::C;
-use super::terms::{by_halves, ChunkFactors, HALVES};
+use super::terms::{by_halves, ChunkFactors};
 use crate::error::Result;
 use crate::hlo::Cmp;
 use crate::lang::{Body, MatPrecision, Ref, V};
@@ -52,15 +52,16 @@ pub(super) fn level_grads(
         let both = as_op(b, &both)?;
         let m = b.mul(&m, &both)?;
         let cols = b.mul(k, fc)?;
-        let cols = as_op(b, &cols)?;
         let rows_q = b.mul(q, fr)?;
         let rows_l = b.mul(&t.bk, fr)?;
         let rows = b.concat(&[rows_q, rows_l], 0)?;
-        let rows = as_op(b, &rows)?;
-        let r = b.matmul(&m, &cols, (1, 0), p)?;
+        // Blocks above 4 tokens: the factors in two bf16 parts (see [`two_part_product`]).
+        let parts =
+            if p == MatPrecision::Default && t.halves.first().is_some_and(|&h| h > 4) { 2 } else { 1 };
+        let r = two_part_product(b, &m, &cols, (1, 0), p, parts)?;
         let rq = b.slice(&r, &[0, 0], &[C, kd])?;
         let rl = b.slice(&r, &[C, 0], &[C, kd])?;
-        let cc = b.matmul(&m, &rows, (0, 0), p)?;
+        let cc = two_part_product(b, &m, &rows, (0, 0), p, parts)?;
         let (pq, pl, pk) = (b.mul(&rq, fr)?, b.mul(&rl, fr)?, b.mul(&cc, fc)?);
         dq = b.add(&dq, &pq)?;
         dk = b.add(&dk, &pk)?;
@@ -90,7 +91,7 @@ pub(super) fn level_grads(
     };
     let pm = b.select(&lower, &m1, &m2t)?;
     let qm = b.select(&lower, &m2, &m1t)?;
-    for (i, &half) in HALVES.iter().enumerate() {
+    for (i, &half) in t.halves.iter().enumerate() {
         let f = &t.factors[i + 1].0;
         let sym = as_op(b, &t.pairs[i])?;
         let (x1, x2) = (b.mul(&pm, &sym)?, b.mul(&qm, &sym)?);
@@ -124,6 +125,31 @@ pub(super) fn level_grads(
         dk = pick(b, &dk, &x)?;
     }
     Ok(LevelGrads { dq, dk, d_bk, d_exponents })
+}
+
+/// `m x` at `p` for `m` in the products' type and `x` f32, `x` rounded to it once (`parts` 1) or
+/// split into two bf16 parts (`parts` 2, about 16 bits: `m` is exact in bf16, so the product
+/// carries `x` that far). Level 0's row and column terms reach `dg` through one exponent array
+/// whose row and column gradients cancel on the tokens after the anchor; across a 16-token
+/// block one rounding of the factors left `da_log` outside its limit.
+fn two_part_product(
+    b: &mut Body,
+    m: &V,
+    x: &V,
+    contract: (usize, usize),
+    p: MatPrecision,
+    parts: usize,
+) -> Result<V> {
+    let hi = as_operand(b, x, p)?;
+    let y = b.matmul(m, &hi, contract, p)?;
+    if parts < 2 {
+        return Ok(y);
+    }
+    let back = b.to_dtype(&hi, DType::F32)?;
+    let rest = b.sub(x, &back)?;
+    let lo = as_operand(b, &rest, p)?;
+    let z = b.matmul(m, &lo, contract, p)?;
+    b.add(&y, &z)
 }
 
 /// `sum_m M_m^T de_m` over the exponent masks (`masks_t` holds the transposes side by side)

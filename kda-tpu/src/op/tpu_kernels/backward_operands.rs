@@ -5,7 +5,6 @@ use kda_core::DType;
 
 use super::dims::{KernelDims, Tokens, C};
 use super::operands::{token_operand, ChunkTabs, PerToken, TokenIn};
-use super::terms::EXPONENT_ROWS;
 use crate::error::Result;
 use crate::hlo::TensorType;
 use crate::lang::{Cost, Index, KernelBuilder, Operand, Ref};
@@ -75,7 +74,8 @@ pub(super) fn declare_backward(d: &KernelDims) -> Result<(KernelBuilder, Backwar
         kb.input(Operand::blocked("dht", ty(DType::F32, &[l, d.slots, k, v]), &[1, 1, k, v], slot()))
     });
     let [exponents, levels] = d.declare_masks(&mut kb);
-    let transposes = kb.input(Operand::whole("exponent_masks_t", ty(d.mask_dtype(), &[C, EXPONENT_ROWS])));
+    let transposes =
+        kb.input(Operand::whole("exponent_masks_t", ty(d.mask_dtype(), &[C, d.levels().exponent_rows()])));
     let masks = [exponents, levels, transposes];
     let mut grad = |name: &str, dtype: DType, w: i64| -> Result<Ref> {
         Ok(kb.output(if d.tokens.packed() {

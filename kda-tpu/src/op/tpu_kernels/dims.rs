@@ -4,8 +4,9 @@
 
 use kda_core::{DType, GateKind};
 
+use super::terms::Levels;
 use crate::error::{Result, TpuError};
-use crate::lang::MatPrecision;
+use crate::lang::{MatPrecision, Schedule};
 
 pub(super) use super::super::chunk::C;
 
@@ -249,6 +250,18 @@ impl KernelDims {
         n
     }
 
+    /// The Mosaic op order of a kernel that keeps at most `in_flight` of a step's chunks in
+    /// flight: the list schedule, windowed when a step has more chunks
+    /// (docs/kernels/op-order.md).
+    pub fn schedule(&self, in_flight: u32) -> Schedule {
+        let of = u32::try_from(self.chunks_per_step()).unwrap_or(u32::MAX);
+        if of > in_flight {
+            Schedule::Windowed { ahead: in_flight, of }
+        } else {
+            Schedule::List
+        }
+    }
+
     /// The scoped VMEM the forward kernel asks for beyond the default: [`SEGMENT_VMEM_BYTES`]
     /// for segment masks on more than sixteen chunks a step, else none.
     pub fn vmem_limit(&self) -> Option<i64> {
@@ -274,6 +287,11 @@ impl KernelDims {
         } else {
             DType::F32
         }
+    }
+
+    /// The levels of the chunk terms under the kernel's gate ([`Levels::for_gate`]).
+    pub fn levels(&self) -> Levels {
+        Levels::for_gate(self.gate)
     }
 
     /// The dtype of the exponent masks the kernel reads

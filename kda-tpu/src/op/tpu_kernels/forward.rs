@@ -182,7 +182,7 @@ struct ForwardStep<'a> {
 
 impl ForwardStep<'_> {
     fn term_scratch(&self) -> TermScratch {
-        TermScratch::of_kernel(self.r.masks, self.r.sums)
+        TermScratch::of_kernel(self.r.masks, self.r.sums, self.d.levels())
     }
 }
 

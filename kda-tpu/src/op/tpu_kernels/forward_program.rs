@@ -408,9 +408,9 @@ pub(super) fn kernel_calls<'l>(
     lowering: &'l dyn Lower,
 ) -> Result<KernelCalls<'l>> {
     // The masks' dtype follows the kernels' products, whatever the gate's dtype.
-    let dtype = kernel_dims(s, tokens_of(s), on_device(s.options.dtype)).mask_dtype();
+    let dims = kernel_dims(s, tokens_of(s), on_device(s.options.dtype));
     let transposed = readers == MaskReaders::ForwardAndBackward;
-    let masks = super::terms::term_masks_kernel(dtype, transposed)?;
+    let masks = super::terms::term_masks_kernel(dims.mask_dtype(), transposed, dims.levels())?;
     let outs = masks.kernel.call(b, lowering, masks.kernel.bindings())?;
     let exponents_t = match masks.exponents_t {
         Some(t) => Some(outs.get(t)?),

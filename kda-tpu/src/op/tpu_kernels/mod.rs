@@ -1,6 +1,6 @@
 //! The TPU kernels of the KDA op, written in [`crate::lang`]: the chunked forward
 //! ([`mod@forward`]) and backward ([`mod@backward`]) kernels for the dims of [`dims`], the operands
-//! both declare by name (`operands`), their chunk terms ([`terms`]), and their wiring into
+//! both declare by name (`operands`), their chunk terms ([`terms`]) on the levels of `levels`, and their wiring into
 //! the op's programs (`forward_program`, `backward_program`), lowered to Mosaic for libtpu or
 //! through the interpret lowering on any plugin.
 
@@ -11,6 +11,7 @@ mod backward_program;
 pub mod dims;
 pub mod forward;
 pub(in crate::op) mod forward_program;
+mod levels;
 mod operands;
 pub mod terms;
 

@@ -6,7 +6,6 @@ use kda_core::DType;
 use kda_core::GateKind;
 
 use super::dims::{KernelDims, Tokens, C};
-use super::terms::{EXPONENT_ROWS, LEVEL_ROWS};
 use crate::error::{Result, TpuError};
 use crate::hlo::{Cmp, TensorType, Value};
 use crate::lang::{Bindings, Body, Index, KernelBuilder, Offset, Operand, Ref, Semantics, Table, V};
@@ -183,9 +182,12 @@ impl KernelDims {
         [
             kb.input(Operand::whole(
                 "exponent_masks",
-                TensorType::new(self.mask_dtype(), &[EXPONENT_ROWS, C]),
+                TensorType::new(self.mask_dtype(), &[self.levels().exponent_rows(), C]),
             )),
-            kb.input(Operand::whole("level_masks", TensorType::new(DType::F32, &[LEVEL_ROWS, C]))),
+            kb.input(Operand::whole(
+                "level_masks",
+                TensorType::new(DType::F32, &[self.levels().level_rows(), C]),
+            )),
         ]
     }
 }

@@ -7,6 +7,8 @@ use crate::error::{Result, TpuError};
 use crate::hlo::Cmp;
 use crate::lang::{Body, MatPrecision, Offset, Ref, V};
 
+pub use super::levels::Levels;
+
 /// Rows of a chunk and of its diagonal blocks.
 use super::super::chunk::mul_const;
 use super::super::chunk::C;
@@ -99,11 +101,6 @@ fn exp2(b: &mut Body, v: &V) -> Result<V> {
     b.unary(crate::lang::Unary::Exp2, v)
 }
 
-/// Block sizes of the hierarchy of [`chunk_terms`]: a pair `j < t` of one chunk falls in one
-/// 4-token block (level 0), or its tokens first part at block size `B`: in the two halves of one
-/// block of `2B` (the level of `B`).
-pub const HALVES: [i64; 4] = [4, 8, 16, 32];
-
 /// `x / d` of non-negative i32 indices for a power of two `d`, exact (through f32).
 fn div_pow2(b: &mut Body, x: &V, d: i64) -> Result<V> {
     let f = b.cast(x, DType::F32)?;
@@ -127,12 +124,12 @@ fn pick(b: &mut Body, x: &V, cmp: Cmp, y: &V, then: &V, other: &V) -> Result<V> 
 /// exponent `G_t - G_a` (`a = 4 floor(t / 4) + 1`; signed), and per `B` of [`HALVES`] the
 /// level exponent: the sum from the start of `t`'s `B` block to `t` when `t` lies in the
 /// second half of its `2B` block, the sum after `t` to the end of its `B` block otherwise.
-fn exponent_masks(b: &mut Body) -> Result<Vec<V>> {
-    exponent_masks_along(b, 0)
+fn exponent_masks(b: &mut Body, lv: Levels) -> Result<Vec<V>> {
+    exponent_masks_along(b, 0, lv)
 }
 
 /// [`exponent_masks`] with row `t` along dim `rows` (1: the transposed masks).
-fn exponent_masks_along(b: &mut Body, rows: usize) -> Result<Vec<V>> {
+fn exponent_masks_along(b: &mut Body, rows: usize, lv: Levels) -> Result<Vec<V>> {
     let (t, s) = (b.iota(&[C, C], rows)?, b.iota(&[C, C], 1 - rows)?);
     let one = b.splat(1.0, DType::F32, &[C, C])?;
     let zero = b.splat(0.0, DType::F32, &[C, C])?;
@@ -141,8 +138,8 @@ fn exponent_masks_along(b: &mut Body, rows: usize) -> Result<Vec<V>> {
     let after = pick(b, &s, Cmp::Gt, &t, &one, &zero)?;
     // Mid anchor: +1 on (a, t], -1 on (t, a].
     let a = {
-        let q = div_pow2(b, &t, 4)?;
-        let four = int(b, 4, &t)?;
+        let q = div_pow2(b, &t, lv.base)?;
+        let four = int(b, lv.base, &t)?;
         let base = b.mul(&q, &four)?;
         let one_i = int(b, 1, &t)?;
         b.add(&base, &one_i)?
@@ -152,7 +149,7 @@ fn exponent_masks_along(b: &mut Body, rows: usize) -> Result<Vec<V>> {
     let neg = pick(b, &s, Cmp::Gt, &t, &neg_in, &zero)?;
     let mid = b.add(&pos, &neg)?;
     let mut masks = vec![upto.clone(), after.clone(), mid];
-    for &half in &HALVES {
+    for half in lv.halves() {
         let (bt, bs) = (div_pow2(b, &t, half)?, div_pow2(b, &s, half)?);
         let same = pick(b, &bt, Cmp::Eq, &bs, &one, &zero)?;
         let (p, q) = (b.mul(&same, &upto)?, b.mul(&same, &after)?);
@@ -170,13 +167,14 @@ fn exponent_masks_along(b: &mut Body, rows: usize) -> Result<Vec<V>> {
 /// 4-token block, then per `B` of [`HALVES`] the pairs whose 4-blocks first part at `B`; then
 /// per level above 0 the symmetric mask ([`LEVEL_PAIRS`]: its pairs in either order, what the
 /// level products of both kernels keep), and the strictly lower triangle.
-fn level_masks(b: &mut Body) -> Result<Vec<V>> {
+fn level_masks(b: &mut Body, lv: Levels) -> Result<Vec<V>> {
     let dims = [C, C];
+    let halves = lv.halves();
     let (t, j) = (b.iota(&dims, 0)?, b.iota(&dims, 1)?);
     let (zero_i, one_i) = (int(b, 0, &t)?, int(b, 1, &t)?);
-    // Level: how many of the block sizes 4, 8, 16, 32 put t and j in different blocks.
+    // Level: how many of the block sizes `base` to 32 put t and j in different blocks.
     let mut level = zero_i.clone();
-    for &half in &HALVES {
+    for &half in &halves {
         let (bt, bj) = (div_pow2(b, &t, half)?, div_pow2(b, &j, half)?);
         let ne = b.compare(Cmp::Ne, &bt, &bj)?;
         let inc = b.select(&ne, &one_i, &zero_i)?;
@@ -187,7 +185,7 @@ fn level_masks(b: &mut Body) -> Result<Vec<V>> {
     let causal = pick(b, &t, Cmp::Ge, &j, &one, &zero)?;
     let strict = pick(b, &t, Cmp::Gt, &j, &one, &zero)?;
     let mut masks = Vec::new();
-    for l in 0..=HALVES.len() as i64 {
+    for l in 0..=halves.len() as i64 {
         let li = int(b, l, &t)?;
         for kept in [&causal, &strict] {
             masks.push(pick(b, &level, Cmp::Eq, &li, kept, &zero)?);
@@ -195,7 +193,7 @@ fn level_masks(b: &mut Body) -> Result<Vec<V>> {
     }
     // Per level above 0, its pairs in both orders (the strict mask and its transpose); then
     // the strictly lower triangle.
-    for l in 1..=HALVES.len() as i64 {
+    for l in 1..=halves.len() as i64 {
         let li = int(b, l, &t)?;
         let off_diagonal = pick(b, &t, Cmp::Ne, &j, &one, &zero)?;
         masks.push(pick(b, &level, Cmp::Eq, &li, &off_diagonal, &zero)?);
@@ -318,16 +316,9 @@ pub struct ChunkFactors {
     pub lower: V,
     /// The 64x64 identity (from the level masks).
     pub eye: V,
+    /// The block sizes of the levels above 0 ([`Levels::halves`]).
+    pub halves: Vec<i64>,
 }
-
-/// Rows of the stacked exponent masks ([`exponent_masks`]): `[EXPONENT_ROWS, 64]`.
-pub const EXPONENT_ROWS: i64 = (3 + HALVES.len() as i64) * C;
-
-/// Rows of the stacked level masks ([`level_masks`], `[64, 64]` each): `[LEVEL_ROWS, 64]` f32.
-pub const LEVEL_ROWS: i64 = LEVEL_PAIRS + (HALVES.len() as i64 + 1) * C;
-
-/// Row of the level masks where the symmetric masks of levels 1 to 4 start (`[64, 64]` each).
-pub const LEVEL_PAIRS: i64 = (1 + HALVES.len() as i64) * 2 * C;
 
 /// Where [`chunk_terms`] finds its constant masks: made in the body at every step (`Build`), or
 /// read from inputs holding [`term_masks_kernel`]'s results (`Input`, one block each for the
@@ -353,27 +344,27 @@ pub enum TermMasks {
 /// [`TermMasks::Build`], made once per call instead of once per step. With `transposed` a
 /// third result holds the exponent masks' transposes side by side, `[64, EXPONENT_ROWS]` in
 /// `dtype` (what the backward kernel's gate gradient multiplies by).
-pub fn term_masks_kernel(dtype: DType, transposed: bool) -> Result<TermMasksKernel> {
+pub fn term_masks_kernel(dtype: DType, transposed: bool, lv: Levels) -> Result<TermMasksKernel> {
     use crate::lang::{KernelBuilder, Operand, Semantics};
     let ty = |t: DType, rows: i64| crate::hlo::TensorType::new(t, &[rows, C]);
     let mut kb = KernelBuilder::new("kda_term_masks");
     kb.grid(1, Semantics::Arbitrary);
-    let exponents = kb.output(Operand::whole("exponents", ty(dtype, EXPONENT_ROWS)));
-    let levels = kb.output(Operand::whole("levels", ty(DType::F32, LEVEL_ROWS)));
+    let exponents = kb.output(Operand::whole("exponents", ty(dtype, lv.exponent_rows())));
+    let levels = kb.output(Operand::whole("levels", ty(DType::F32, lv.level_rows())));
     let exponents_t = transposed.then(|| {
-        kb.output(Operand::whole("exponents_t", crate::hlo::TensorType::new(dtype, &[C, EXPONENT_ROWS])))
+        kb.output(Operand::whole("exponents_t", crate::hlo::TensorType::new(dtype, &[C, lv.exponent_rows()])))
     });
     let cast = |b: &mut Body, m: &V| b.to_dtype(m, dtype);
     let kernel = kb.build(|b| {
-        for (i, m) in exponent_masks(b)?.iter().enumerate() {
+        for (i, m) in exponent_masks(b, lv)?.iter().enumerate() {
             let m = cast(b, m)?;
             b.store(exponents, &at(i as i64 * C, 0), &m)?;
         }
-        for (i, m) in level_masks(b)?.iter().enumerate() {
+        for (i, m) in level_masks(b, lv)?.iter().enumerate() {
             b.store(levels, &at(i as i64 * C, 0), m)?;
         }
         if let Some(out) = exponents_t {
-            for (i, m) in exponent_masks_along(b, 1)?.iter().enumerate() {
+            for (i, m) in exponent_masks_along(b, 1, lv)?.iter().enumerate() {
                 let m = cast(b, m)?;
                 b.store(out, &at(0, i as i64 * C), &m)?;
             }
@@ -395,21 +386,23 @@ pub struct TermMasksKernel {
     pub exponents_t: Option<Ref>,
 }
 
-/// The memory [`chunk_terms`] uses: where its masks come from, and `sums`, a `[64, K]` f32
-/// scratch holding `G` (whose last row is the chunk's total).
+/// The memory [`chunk_terms`] uses: where its masks come from (and the levels they were made
+/// for), and `sums`, a `[64, K]` f32 scratch holding `G` (whose last row is the chunk's total).
 #[derive(Clone, Copy, Debug)]
 pub struct TermScratch {
     /// Where the masks come from.
     pub masks: TermMasks,
     /// `G`, whose last row is the chunk's total.
     pub sums: Ref,
+    /// The levels of the masks.
+    pub levels: Levels,
 }
 
 impl TermScratch {
-    /// A kernel's: the masks kernel's exponent and level masks read from the inputs
-    /// `[exponents, levels]`, `G` in the scratch `sums`.
-    pub fn of_kernel([exponents, levels]: [Ref; 2], sums: Ref) -> Self {
-        TermScratch { masks: TermMasks::Input { exponents, levels }, sums }
+    /// A kernel's: the masks kernel's exponent and level masks for `levels` read from the
+    /// inputs `[exponents, levels]`, `G` in the scratch `sums`.
+    pub fn of_kernel([exponents, level_masks]: [Ref; 2], sums: Ref, levels: Levels) -> Self {
+        TermScratch { masks: TermMasks::Input { exponents, levels: level_masks }, sums, levels }
     }
 }
 
@@ -460,25 +453,27 @@ pub fn chunk_factors(
     if !ok(q, kd) || !ok(k, kd) || !ok(g, kd) || !ok(beta, 1) {
         return Err(TpuError::builder("mosaic chunk_terms", "q, k, g [64, K] and beta [64, 1], f32"));
     }
-    let n_levels = 2 * (1 + HALVES.len());
+    let lv = scratch.levels;
+    let halves = lv.halves();
+    let n_levels = 2 * (1 + halves.len());
     let (masks, levels, pairs, lower) = match scratch.masks {
         TermMasks::Build => {
-            let mut levels = level_masks(b)?;
+            let mut levels = level_masks(b, lv)?;
             let mut pairs = levels.split_off(n_levels);
             let lower = pairs.pop().ok_or_else(|| TpuError::builder("mosaic chunk_terms", "level masks"))?;
-            (exponent_masks(b)?, levels, pairs, lower)
+            (exponent_masks(b, lv)?, levels, pairs, lower)
         }
         TermMasks::Input { exponents, levels } => {
             let rows = |b: &mut Body, r: Ref, from: i64, n: usize| -> Result<Vec<V>> {
                 (0..n as i64).map(|i| b.load(r, &at(from + i * C, 0), &[C, C])).collect()
             };
             // One-pass products read `G`'s mask alone (the other arrays come from `G`).
-            let exps = if data == MatPrecision::Default { 1 } else { 3 + HALVES.len() };
+            let exps = if data == MatPrecision::Default { 1 } else { 3 + halves.len() };
             (
                 rows(b, exponents, 0, exps)?,
                 rows(b, levels, 0, n_levels)?,
-                rows(b, levels, LEVEL_PAIRS, HALVES.len())?,
-                b.load(levels, &at(LEVEL_PAIRS + HALVES.len() as i64 * C, 0), &[C, C])?,
+                rows(b, levels, lv.level_pairs(), halves.len())?,
+                b.load(levels, &at(lv.level_pairs() + halves.len() as i64 * C, 0), &[C, C])?,
             )
         }
     };
@@ -502,11 +497,11 @@ pub fn chunk_factors(
             let mut sums = vec![gc.clone()];
             // The suffix, G_63 - G_t; the mid-anchor exponent, G_t - G_a.
             sums.push(anchored(b, &gc, |_| (C - 1, false))?);
-            sums.push(anchored(b, &gc, |t| (4 * (t / 4) + 1, true))?);
+            sums.push(anchored(b, &gc, |t| (lv.base * (t / lv.base) + 1, true))?);
             // Level B: the sum to t from its B block's start in the second half of its 2B
             // block, G_t - G_r, else after t to its B block's end, G_r - G_t, with r the last
             // row of the 2B block's first half.
-            for &half in &HALVES {
+            for &half in &halves {
                 sums.push(anchored(b, &gc, |t| {
                     (half * (2 * (t / (2 * half)) + 1) - 1, (t / half) % 2 == 1)
                 })?);
@@ -544,7 +539,7 @@ pub fn chunk_factors(
     }
     // The identity is level 0's causal mask less its strict one.
     let eye = b.sub(&levels[0], &levels[1])?;
-    Ok(ChunkFactors { qg, kg, kbg, eg_last, egc, egs, bk, factors, levels, pairs, lower, eye })
+    Ok(ChunkFactors { qg, kg, kbg, eg_last, egc, egs, bk, factors, levels, pairs, lower, eye, halves })
 }
 
 /// The products of [`chunk_terms`] from its factors.
@@ -581,8 +576,10 @@ fn chunk_products(
     // `x y^T` holds the level's `Aqk` pairs below the diagonal and its `L` pairs transposed
     // above. Summed on each level's pairs, apart for the levels within 16 tokens (`L`'s
     // diagonal blocks) and across them.
-    let mut z = [zero.clone(), zero.clone()];
-    for (i, &half) in HALVES.iter().enumerate() {
+    // `z[0]` the levels within 16 tokens, `z[1]` those across (none within for 16-token
+    // level-0 blocks).
+    let mut z: [Option<V>; 2] = [None, None];
+    for (i, &half) in f.halves.iter().enumerate() {
         let e = &f.factors[i + 1].0;
         let x = by_halves(b, half, q, k)?;
         let x = b.mul(&x, e)?;
@@ -591,19 +588,38 @@ fn chunk_products(
         let p = b.matmul(&x, &y, (1, 1), data)?;
         let kept = b.mul(&p, &f.pairs[i])?;
         let at = usize::from(half >= S);
-        z[at] = b.add(&z[at], &kept)?;
+        z[at] = Some(b.add(z[at].as_ref().unwrap_or(&zero), &kept)?);
     }
-    // Below the diagonal (0/1 products, no selects), and what is left above it.
-    let below = [b.mul(&z[0], &f.lower)?, b.mul(&z[1], &f.lower)?];
-    let x = b.add(&level0[0], &below[0])?;
-    let aqk = b.add(&x, &below[1])?;
+    // Below the diagonal (0/1 products, no selects), and what is left above it, transposed.
+    let mut below = vec![];
+    for zi in &z {
+        below.push(match zi {
+            Some(zi) => Some(b.mul(zi, &f.lower)?),
+            None => None,
+        });
+    }
+    let mut aqk = level0[0].clone();
+    for x in below.iter().flatten() {
+        aqk = b.add(&aqk, x)?;
+    }
     let mut l_parts = vec![];
     for (zi, bi) in z.iter().zip(&below) {
-        let above = b.sub(zi, bi)?;
-        l_parts.push(b.transpose(&above)?);
+        l_parts.push(match (zi, bi) {
+            (Some(zi), Some(bi)) => {
+                let above = b.sub(zi, bi)?;
+                Some(b.transpose(&above)?)
+            }
+            _ => None,
+        });
     }
-    let l_blocks = b.add(&level0[1], &l_parts[0])?;
-    let l_rest = l_parts[1].clone();
+    let l_blocks = match &l_parts[0] {
+        Some(x) => b.add(&level0[1], x)?,
+        None => level0[1].clone(),
+    };
+    let l_rest = match l_parts[1].take() {
+        Some(x) => x,
+        None => zero,
+    };
     let scale_c = b.splat(scale, DType::F32, &[C, C])?;
     let aqk = b.mul(&aqk, &scale_c)?;
     let l = b.add(&l_blocks, &l_rest)?;
