@@ -106,7 +106,10 @@ fn mosaic_forward_compiles(name: &str, strategy: BackwardStrategy, limit_mb: Opt
         m.generated_code_bytes as f64 / MB
     );
     assert_eq!(vmem.len(), 2, "the forward kernel and the chunk terms' masks kernel");
-    assert!(vmem.iter().all(|&b| b > 0 && b <= VMEM_LIMIT), "kernel VMEM {vmem:?} B");
+    // The forward and backward kernels hold blocks in scoped VMEM; libtpu may give the
+    // one-step masks kernel none (at H=32 with the lower-bound gate's three levels).
+    assert!(vmem.iter().all(|&b| b <= VMEM_LIMIT), "kernel VMEM {vmem:?} B");
+    assert!(vmem.iter().filter(|&&b| b > 0).count() >= 2, "kernel VMEM {vmem:?} B");
     if let Some(limit) = limit_mb {
         assert!(peak <= limit, "{name}: tpu7x peak {peak:.2} MB above tokamax's {limit} MB");
     }
@@ -129,10 +132,12 @@ fn listing_compiler() -> (TpuCompiler, std::path::PathBuf) {
 /// forward's count at the primary shape agrees within 1% with the independent count of the same
 /// method, which evaluates the pipelined loops' guards (496 k bundles, libtpu 0.0.52;
 /// docs/performance.md: 495.7 k here, 506.2 k with guarded regions counted on every trip), and
-/// the Mosaic forward's counts
-/// come with their kernels' share and are at most tokamax's Mosaic forward's counted the same
-/// way (docs/kda.md, Benchmarks): 86.7 k at the primary shape, 2.61 M at H=32, T=8192, and with
-/// four segments two thirds of its 177 k (118 k: packed rows read as whole blocks).
+/// the Mosaic forward's counts come with their kernels' share and are at most two thirds of
+/// tokamax's Mosaic forward's counted the same way (docs/kda.md, Benchmarks): 57.8 k of its
+/// 86.7 k at the primary shape, 1.74 M of its 2.61 M at H=32, T=8192 (the L2 norm and the
+/// lower-bound gate, whose 16-token level-0 blocks take two levels fewer), and with four
+/// segments no more than the 52.5 k it took before those (two thirds of its 177 k is 118 k:
+/// packed rows read as whole blocks).
 #[test]
 fn static_cycles_of_the_forward() {
     use kda_tpu::Implementation::{Mosaic, Xla};
@@ -153,7 +158,7 @@ fn static_cycles_of_the_forward() {
     assert!(off <= 0.01, "XLA forward: {} cycles, {:.1}% off 496 k", xla.total, off * 100.0);
     assert_eq!(xla.kernels, 0);
     for (name, limit) in
-        [("bench_primary", 86_700), ("bench_primary_packed", 118_000), ("bench_secondary", 2_610_000)]
+        [("bench_primary", 57_800), ("bench_primary_packed", 52_500), ("bench_secondary", 1_740_000)]
     {
         let mosaic = count(name, Mosaic);
         assert!(mosaic.kernels > 0 && mosaic.kernels <= mosaic.total, "{mosaic:?}");
@@ -171,12 +176,13 @@ fn static_cycles_of_the_forward() {
 /// segments): three kernels (the forward, the backward, the masks they share) within the
 /// default scoped VMEM; the peak below the XLA fused programs' (49.2 MB fixed, 60.5 MB packed,
 /// remat: the lower of the two strategies) and so below the seed's 64.0 / 97.7 MB; static
-/// cycles at most two thirds of tokamax's Mosaic forward+VJP counted the same way with four
-/// segments (240 k of its 361 k: packed rows read as whole blocks), and at most its 186 k
-/// fixed. H=32, T=8192 in `full`.
+/// cycles no more than before the windowed op order and the lower-bound gate's levels (141.5 k
+/// fixed, 152.9 k with four segments: the fixed row's two thirds of tokamax's 186 k, 124 k, is
+/// not reached yet; with four segments two thirds of its 361 k is 240 k). H=32, T=8192 in
+/// `full`.
 #[test]
 fn static_cycles_and_peaks_of_the_fused_kernels() {
-    for (name, peak_mb, cycles) in [("bench_primary", 49.2, 186_000), ("bench_primary_packed", 60.5, 240_000)]
+    for (name, peak_mb, cycles) in [("bench_primary", 49.2, 141_500), ("bench_primary_packed", 60.5, 152_900)]
     {
         fused_kernels_hold(name, peak_mb, cycles);
     }
@@ -196,8 +202,24 @@ fn fused_kernels_hold(name: &str, peak_mb: f64, cycles: u64) {
     eprintln!(
         "{name} mosaic fused bf16 on {DEFAULT_TOPOLOGY}: peak {peak:.2} MB, kernel VMEM {vmem:?} B, {c:?}"
     );
+    // The Mosaic text each kernel hands libtpu, in vector-register ops a grid step: the basis
+    // of docs/kernels/static-cycles.md's per-chunk figures (eight chunks a step here).
+    let texts = kda_tpu::aot::mosaic_text::kernel_texts(&text).expect("the program's Mosaic kernels");
+    assert_eq!(texts.len(), 3, "forward, backward and their masks kernel");
+    for (name, body) in &texts {
+        let t = kda_tpu::aot::mosaic_text::count(name, body);
+        eprintln!("{name} mosaic fused bf16, Mosaic text a grid step: {t:?}");
+        assert!(c.per_kernel.contains_key(name.as_str()), "{name}: no share of the listing's bundles");
+        assert!(t.valu > 0 && t.stores > 0, "{t:?}");
+        if name != "kda_term_masks" {
+            assert!(t.products > 0 && t.transcendental > 0 && t.conversions > 0 && t.loads > 0, "{t:?}");
+        }
+    }
     assert_eq!(vmem.len(), 3, "forward, backward and their masks kernel");
-    assert!(vmem.iter().all(|&b| b > 0 && b <= VMEM_LIMIT), "kernel VMEM {vmem:?} B");
+    // The forward and backward kernels hold blocks in scoped VMEM; libtpu may give the
+    // one-step masks kernel none (at H=32 with the lower-bound gate's three levels).
+    assert!(vmem.iter().all(|&b| b <= VMEM_LIMIT), "kernel VMEM {vmem:?} B");
+    assert!(vmem.iter().filter(|&&b| b > 0).count() >= 2, "kernel VMEM {vmem:?} B");
     assert!(peak <= peak_mb, "{name}: tpu7x peak {peak:.2} MB above {peak_mb} MB");
     assert!(c.kernels > 0 && c.total <= cycles, "{name}: {c:?} over {cycles} cycles");
     std::fs::remove_dir_all(&dir).ok();
@@ -299,9 +321,11 @@ mod full {
     }
 
     /// The fused forward+VJP on the kernels at H=32, T=8192: at most tokamax's Pallas peak
-    /// (2421 MB) and its Mosaic forward+VJP's static cycles (6.62 M).
+    /// (2421 MB), and static cycles no more than before the windowed op order and the
+    /// lower-bound gate's levels (5.499 M; two thirds of tokamax's 6.62 M, 4.41 M, is not
+    /// reached yet).
     #[test]
     fn mosaic_fused_at_h32_holds_tokamax() {
-        fused_kernels_hold("bench_secondary", 2421.0, 6_620_000);
+        fused_kernels_hold("bench_secondary", 2421.0, 5_499_400);
     }
 }

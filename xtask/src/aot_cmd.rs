@@ -60,7 +60,8 @@ options:
                        calibrated model of TPU_CYCLES.md: 2.2 G bundles/s), hbm_us (its
                        DMA bytes at 3.7 TB/s) and its ops along the path by unit:
                        valu_ops, spill_stores, spill_loads, mxu_pushes,
-                       transcendental_pushes (docs/kernels/static-cycles.md))
+                       transcendental_pushes, and text: its Mosaic text's vreg ops a grid
+                       step by class (docs/kernels/static-cycles.md))
   --libtpu PATH        libtpu to load (default $KDA_LIBTPU, else the one setup installed)
   -h, --help           show this text
 

@@ -6,6 +6,7 @@ pub mod cycles;
 pub mod gpu;
 pub mod gpu_model;
 mod guards;
+pub mod mosaic_text;
 mod units;
 
 use std::collections::BTreeMap;

@@ -289,6 +289,20 @@ fn run_gpu(o: &AotOptions, be: &PjrtBackend, target: &str) -> Result<(), String>
 }
 
 /// Compiles every (shape, dtype, program) of `o` for its topology and prints the figures.
+/// A kernel's Mosaic text counts (vreg ops a grid step) for `--json`.
+fn text_json(t: &kda_tpu::aot::mosaic_text::TextCounts) -> serde_json::Value {
+    serde_json::json!({
+        "valu": t.valu,
+        "conversions": t.conversions,
+        "transcendental": t.transcendental,
+        "products": t.products,
+        "layout": t.layout,
+        "loads": t.loads,
+        "stores": t.stores,
+        "constants": t.constants,
+    })
+}
+
 pub fn run(o: &AotOptions) -> Result<(), String> {
     // The CPU plugin only serves `spec()` (the packed capacity plan); nothing runs on it.
     let be = PjrtBackend::new().map_err(err)?;
@@ -377,6 +391,14 @@ pub fn run(o: &AotOptions) -> Result<(), String> {
                     );
                 }
                 println!("  static cycles: {}", cycles_line(&r));
+                let texts = kda_tpu::aot::mosaic_text::kernel_texts(&text).map_err(err)?;
+                let text_of = |name: &str| {
+                    texts
+                        .iter()
+                        .find(|(n, _)| n == name)
+                        .map(|(n, t)| kda_tpu::aot::mosaic_text::count(n, t))
+                        .unwrap_or_default()
+                };
                 for k in &r.per_kernel {
                     println!(
                         "    kernel {}: {} bundles (model {:.1} us), {:.2} MB of DMA (HBM time {:.1} us at 3.7 TB/s)",
@@ -390,6 +412,19 @@ pub fn run(o: &AotOptions) -> Result<(), String> {
                     println!(
                         "      by unit: {valu} vector ALU ops, {stores} spill stores, {loads} spill loads, \
                          {mxu} MXU pushes, {eup} transcendental pushes"
+                    );
+                    let t = text_of(&k.name);
+                    println!(
+                        "      Mosaic text, vreg ops a grid step: {} vector ALU, {} conversions, {} \
+                         transcendental, {} product results, {} layout, {} loads, {} stores, {} constants",
+                        t.valu,
+                        t.conversions,
+                        t.transcendental,
+                        t.products,
+                        t.layout,
+                        t.loads,
+                        t.stores,
+                        t.constants
                     );
                 }
                 println!(
@@ -423,7 +458,7 @@ pub fn run(o: &AotOptions) -> Result<(), String> {
                     "kernel_cycles": r.kernel_cycles,
                     "unknown_trip_loops": r.unknown_loops,
                     "dma_bytes": r.dma_bytes,
-                    "kernels": r.per_kernel.iter().map(|k| serde_json::json!({
+                    "kernels": r.per_kernel.iter().map(|k| (k, text_of(&k.name))).map(|(k, t)| serde_json::json!({
                         "name": k.name,
                         "bundles": k.bundles,
                         "dma_bytes": k.dma_bytes,
@@ -434,6 +469,7 @@ pub fn run(o: &AotOptions) -> Result<(), String> {
                         "spill_loads": k.units[2],
                         "mxu_pushes": k.units[3],
                         "transcendental_pushes": k.units[4],
+                        "text": text_json(&t),
                     })).collect::<Vec<_>>(),
                     "gflop": r.flops / 1e9,
                 }));
