@@ -172,6 +172,44 @@ fn static_cycles_of_the_forward() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// A one-step kernel of `rows x 128` f32 that holds `e = 2^x` across a reduction over all its
+/// rows, `o = e * colsum(e)`: `rows / 8` vector registers live at once, which libtpu cannot
+/// take back from the input (`e` is computed). 128 rows (16 registers) fit the file of 64;
+/// 1024 rows (128 registers) do not, and the listing's `vst` to `_spill` slots
+/// (`cycles::Units`, docs/kernels/static-cycles.md) must show it.
+#[rstest]
+#[case::fits(128, false)]
+#[case::spills(1024, true)]
+fn a_kernel_holding_more_registers_than_the_file_spills(#[case] rows: i64, #[case] spills: bool) {
+    use kda_tpu::hlo::TensorType;
+    use kda_tpu::lang::{KernelBuilder, Mosaic, Operand, Reduction, Semantics, Unary};
+    let (tpu, dir) = listing_compiler();
+    let mut kb = KernelBuilder::new("kda_spill_probe");
+    kb.grid(1, Semantics::Parallel);
+    let ty = TensorType::new(DType::F32, &[rows, 128]);
+    let x = kb.input(Operand::whole("x", ty.clone()));
+    let o = kb.output(Operand::whole("o", ty));
+    let kernel = kb
+        .build(|b| {
+            let x = b.load_all(x)?;
+            let e = b.unary(Unary::Exp2, &x)?;
+            let sum = b.reduce(Reduction::Sum, &e, 0)?;
+            let sum = b.reshape(&sum, &[1, 128])?;
+            let sum = b.broadcast(&sum, &[rows, 128])?;
+            let y = b.mul(&e, &sum)?;
+            b.store_all(o, &y)
+        })
+        .expect("the probe builds");
+    let text = kernel.module(&Mosaic).expect("its Mosaic module");
+    let report = tpu.compile(&text, DEFAULT_TOPOLOGY).expect("tpu7x compile");
+    let c = report.static_cycles.expect("a static cycle count");
+    let u = c.per_kernel["kda_spill_probe"].units;
+    eprintln!("{rows} rows: {u:?}");
+    assert_eq!(u.spill_stores > 0, spills, "{rows} rows: {u:?}");
+    assert!(u.spill_loads >= u.spill_stores, "{u:?}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// The fused forward+VJP on the Mosaic kernels (bf16, the primary shape, fixed and with four
 /// segments): three kernels (the forward, the backward, the masks they share) within the
 /// default scoped VMEM; the peak below the XLA fused programs' (49.2 MB fixed, 60.5 MB packed,
