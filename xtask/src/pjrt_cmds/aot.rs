@@ -391,15 +391,20 @@ pub fn run(o: &AotOptions) -> Result<(), String> {
                     );
                 }
                 println!("  static cycles: {}", cycles_line(&r));
+                // Each kernel's Mosaic text counted once, in the order of `per_kernel`.
                 let texts = kda_tpu::aot::mosaic_text::kernel_texts(&text).map_err(err)?;
-                let text_of = |name: &str| {
-                    texts
-                        .iter()
-                        .find(|(n, _)| n == name)
-                        .map(|(n, t)| kda_tpu::aot::mosaic_text::count(n, t))
-                        .unwrap_or_default()
-                };
-                for k in &r.per_kernel {
+                let counts: Vec<_> = r
+                    .per_kernel
+                    .iter()
+                    .map(|k| {
+                        texts
+                            .iter()
+                            .find(|(n, _)| *n == k.name)
+                            .map(|(n, t)| kda_tpu::aot::mosaic_text::count(n, t))
+                            .unwrap_or_default()
+                    })
+                    .collect();
+                for (k, t) in r.per_kernel.iter().zip(&counts) {
                     println!(
                         "    kernel {}: {} bundles (model {:.1} us), {:.2} MB of DMA (HBM time {:.1} us at 3.7 TB/s)",
                         k.name,
@@ -413,7 +418,6 @@ pub fn run(o: &AotOptions) -> Result<(), String> {
                         "      by unit: {valu} vector ALU ops, {stores} spill stores, {loads} spill loads, \
                          {mxu} MXU pushes, {eup} transcendental pushes"
                     );
-                    let t = text_of(&k.name);
                     println!(
                         "      Mosaic text, vreg ops a grid step: {} vector ALU, {} conversions, {} \
                          transcendental, {} product results, {} layout, {} loads, {} stores, {} constants",
@@ -458,7 +462,7 @@ pub fn run(o: &AotOptions) -> Result<(), String> {
                     "kernel_cycles": r.kernel_cycles,
                     "unknown_trip_loops": r.unknown_loops,
                     "dma_bytes": r.dma_bytes,
-                    "kernels": r.per_kernel.iter().map(|k| (k, text_of(&k.name))).map(|(k, t)| serde_json::json!({
+                    "kernels": r.per_kernel.iter().zip(&counts).map(|(k, t)| serde_json::json!({
                         "name": k.name,
                         "bundles": k.bundles,
                         "dma_bytes": k.dma_bytes,
@@ -469,7 +473,7 @@ pub fn run(o: &AotOptions) -> Result<(), String> {
                         "spill_loads": k.units[2],
                         "mxu_pushes": k.units[3],
                         "transcendental_pushes": k.units[4],
-                        "text": text_json(&t),
+                        "text": text_json(t),
                     })).collect::<Vec<_>>(),
                     "gflop": r.flops / 1e9,
                 }));

@@ -569,7 +569,7 @@ fn chunk_grads(
     // the accuracy of every array in two parts at a quarter of its cycles. Above 4-token
     // level-0 blocks the mid anchor's too: its row and column terms cancel on the tokens after
     // the anchor (`backward_levels::two_part_product`).
-    let split = match (d.gate_params, d.levels().base > 4) {
+    let split = match (d.gate_params, d.levels().wide_level0()) {
         (false, _) => 0,
         (true, false) => 2 * C,
         (true, true) => 3 * C,

@@ -56,8 +56,7 @@ pub(super) fn level_grads(
         let rows_l = b.mul(&t.bk, fr)?;
         let rows = b.concat(&[rows_q, rows_l], 0)?;
         // Blocks above 4 tokens: the factors in two bf16 parts (see [`two_part_product`]).
-        let parts =
-            if p == MatPrecision::Default && t.halves.first().is_some_and(|&h| h > 4) { 2 } else { 1 };
+        let parts = if p == MatPrecision::Default && t.blocks.wide_level0() { 2 } else { 1 };
         let r = two_part_product(b, &m, &cols, (1, 0), p, parts)?;
         let rq = b.slice(&r, &[0, 0], &[C, kd])?;
         let rl = b.slice(&r, &[C, 0], &[C, kd])?;
@@ -91,7 +90,7 @@ pub(super) fn level_grads(
     };
     let pm = b.select(&lower, &m1, &m2t)?;
     let qm = b.select(&lower, &m2, &m1t)?;
-    for (i, &half) in t.halves.iter().enumerate() {
+    for (i, half) in t.blocks.halves().into_iter().enumerate() {
         let f = &t.factors[i + 1].0;
         let sym = as_op(b, &t.pairs[i])?;
         let (x1, x2) = (b.mul(&pm, &sym)?, b.mul(&qm, &sym)?);

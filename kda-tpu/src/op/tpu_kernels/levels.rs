@@ -33,6 +33,13 @@ impl Levels {
         Levels { base }
     }
 
+    /// Whether level 0 spans more than 4 tokens: its mid anchor's row and column terms then
+    /// cancel on up to `base - 2` tokens, and the backward takes its factors and that array's
+    /// gradient in two bf16 parts (docs/kernels/tpu-backward.md, The gate's gradient).
+    pub fn wide_level0(&self) -> bool {
+        self.base > Self::FINE.base
+    }
+
     /// The block sizes `B` of the levels above 0: `base` to 32.
     pub fn halves(&self) -> Vec<i64> {
         std::iter::successors(Some(self.base), |&h| (h < C / 2).then_some(2 * h)).collect()

@@ -316,8 +316,8 @@ pub struct ChunkFactors {
     pub lower: V,
     /// The 64x64 identity (from the level masks).
     pub eye: V,
-    /// The block sizes of the levels above 0 ([`Levels::halves`]).
-    pub halves: Vec<i64>,
+    /// The levels the factors were made for.
+    pub blocks: Levels,
 }
 
 /// Where [`chunk_terms`] finds its constant masks: made in the body at every step (`Build`), or
@@ -539,7 +539,7 @@ pub fn chunk_factors(
     }
     // The identity is level 0's causal mask less its strict one.
     let eye = b.sub(&levels[0], &levels[1])?;
-    Ok(ChunkFactors { qg, kg, kbg, eg_last, egc, egs, bk, factors, levels, pairs, lower, eye, halves })
+    Ok(ChunkFactors { qg, kg, kbg, eg_last, egc, egs, bk, factors, levels, pairs, lower, eye, blocks: lv })
 }
 
 /// The products of [`chunk_terms`] from its factors.
@@ -579,7 +579,7 @@ fn chunk_products(
     // `z[0]` the levels within 16 tokens, `z[1]` those across (none within for 16-token
     // level-0 blocks).
     let mut z: [Option<V>; 2] = [None, None];
-    for (i, &half) in f.halves.iter().enumerate() {
+    for (i, half) in f.blocks.halves().into_iter().enumerate() {
         let e = &f.factors[i + 1].0;
         let x = by_halves(b, half, q, k)?;
         let x = b.mul(&x, e)?;
