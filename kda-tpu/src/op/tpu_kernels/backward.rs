@@ -21,9 +21,8 @@
 
 use kda_core::DType;
 
-use super::super::chunk::{
-    activate, gate_slopes, l2_backward, l2_normalise_with_scale, mul_const, rowdot, GATE_FLOOR,
-};
+use super::super::chunk::{activate, gate_slopes, l2_backward, l2_normalise_with_scale, rowdot, GATE_FLOOR};
+use super::backward_chain::DhChain;
 use super::backward_levels::{as_operand, fold, level_grads, LevelGrads};
 use super::backward_operands::{backward_cost, declare_backward, BackwardRefs};
 use super::dims::{KernelDims, Tokens, C};
@@ -38,15 +37,37 @@ use crate::hlo::Cmp;
 use crate::lang::{Binary, Body, MatPrecision, Offset, Reduction, Ref, V};
 use crate::lang::{Kernel, MosaicParams};
 
-/// The most chunks a backward grid step takes by default (the forward's default, capped): a
-/// fixed-length row's step is one block, whose spill slots grow with its chunks (twice the
-/// chunks took twice the VMEM for no fewer cycles: docs/performance.md, Design figures).
-pub const BACKWARD_STEP_CHUNKS: i64 = 8;
+/// How the backward kernel steps (docs/kernels/op-order.md, "Chunks in flight"). With one-pass
+/// (bf16) products `dh` enters one product a chunk ([`DhChain`]), so a step's chunks overlap
+/// and sixteen a step with ten in flight count fewest; f32 products take six passes each and
+/// keep two products in a row, eight chunks a step and three in flight (docs/performance.md,
+/// Figures behind the code's constants).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BackwardSteps {
+    /// The most chunks a step takes by default (the forward's default, capped).
+    pub chunks: i64,
+    /// The most chunks of a step the op order keeps in flight ([`KernelDims::schedule`]).
+    pub in_flight: u32,
+    /// The scoped VMEM the kernel asks for: its steps' spill slots pass the default of v5e and
+    /// v5p. More lets libtpu move the program's buffers into VMEM, which costs cycles.
+    pub vmem_limit: i64,
+    /// Whether `dh` enters one product a chunk ([`DhChain::step`]): one product more a chunk,
+    /// worth it where a product is one pass.
+    pub one_product_chain: bool,
+}
 
-/// The most chunks of a grid step the backward kernel's op order keeps in flight
-/// ([`KernelDims::schedule`]): three of eight, where all eight held about 1,300 vector
-/// registers live for libtpu to spill (docs/kernels/op-order.md).
-pub const BACKWARD_CHUNKS_IN_FLIGHT: u32 = 3;
+impl BackwardSteps {
+    /// The steps of a backward kernel whose products take `p`.
+    pub fn for_precision(p: MatPrecision) -> BackwardSteps {
+        let vmem_limit = 32 << 20;
+        match p {
+            MatPrecision::Default => {
+                BackwardSteps { chunks: 16, in_flight: 10, vmem_limit, one_product_chain: true }
+            }
+            _ => BackwardSteps { chunks: 8, in_flight: 3, vmem_limit, one_product_chain: false },
+        }
+    }
+}
 
 /// The backward kernel and its operands by name.
 pub(super) struct BackwardKernel {
@@ -71,9 +92,12 @@ pub(super) struct BackwardKernel {
 pub(super) fn backward_kernel(d: KernelDims, scale: f64) -> Result<BackwardKernel> {
     d.check("mosaic backward")?;
     let (mut kb, refs) = declare_backward(&d)?;
-    let cx = BackwardStep { d: &d, r: &refs, scale, p: d.precision(), g_passes: d.g_passes() };
+    let steps = BackwardSteps::for_precision(d.precision());
+    let cx = BackwardStep { d: &d, r: &refs, scale, p: d.precision(), g_passes: d.g_passes(), steps };
     kb.cost(backward_cost(&d));
-    kb.params(MosaicParams::default().with_schedule(d.schedule(BACKWARD_CHUNKS_IN_FLIGHT)));
+    let params = MosaicParams::default().with_schedule(d.schedule(steps.in_flight));
+    let params = params.with_vmem_limit(steps.vmem_limit)?;
+    kb.params(params);
     let kernel = kb.build(|b| backward_step(b, &cx))?;
     Ok(BackwardKernel { kernel, refs })
 }
@@ -86,6 +110,7 @@ struct BackwardStep<'a> {
     p: MatPrecision,
     /// The bf16 parts the sums of `g` take ([`chunk_terms`]).
     g_passes: usize,
+    steps: BackwardSteps,
 }
 
 impl BackwardStep<'_> {
@@ -266,36 +291,9 @@ fn chunk_state(
     let ws = b.matmul(&w, &s0, (1, 0), p)?;
     let ws = segment_rows(b, segs, &ws, SegmentRows::First)?;
     let vn = b.sub(&u, &ws)?;
-    let dvn = {
-        // One product: [Aqk^T, kg] [dO; dh].
-        let op = aqk.ty.elem;
-        let at = b.transpose(&aqk)?;
-        let kg = segment_rows(b, segs, &t.kg, SegmentRows::Last)?;
-        let kg = b.to_dtype(&kg, op)?;
-        let lhs = b.concat(&[at, kg], 1)?;
-        let d_o_op = b.to_dtype(&x.d_o, op)?;
-        let dh_op = b.to_dtype(dh, op)?;
-        let rhs = b.concat(&[d_o_op, dh_op], 0)?;
-        b.matmul(&lhs, &rhs, (1, 0), p)?
-    };
-    // `scale dO`, for `dh` and for `Aqk`'s cotangent.
-    let sd_o = mul_const(b, &x.d_o, cx.scale)?;
-    let dh_prev = {
-        let decay = b.reshape(&t.eg_last, &[k, 1])?;
-        let decay = b.broadcast(&decay, &[k, v])?;
-        let kept = b.mul(dh, &decay)?;
-        let kept = if_whole(b, segs, &kept)?;
-        // Both products as one over the stacked tokens: [qg; w]^T [scale dO; -dv_new].
-        let (qg, w) = (
-            segment_rows(b, segs, &t.qg, SegmentRows::First)?,
-            segment_rows(b, segs, &w, SegmentRows::First)?,
-        );
-        let lhs = b.concat(&[qg, w], 0)?;
-        let ndvn = b.neg(&dvn)?;
-        let rhs = b.concat(&[sd_o.clone(), ndvn], 0)?;
-        let y = b.matmul(&lhs, &rhs, (0, 0), p)?;
-        b.add(&kept, &y)?
-    };
+    // `scale dO` too, for `Aqk`'s cotangent.
+    let chain = DhChain { t: &t, aqk: &aqk, w: &w, d_o: &x.d_o, scale: cx.scale, segs };
+    let (dvn, sd_o, dh_prev) = chain.step(b, dh, cx.steps.one_product_chain, p)?;
     Ok((ChunkState { t, a, s0, vn, dvn, sd_o }, dh_prev))
 }
 

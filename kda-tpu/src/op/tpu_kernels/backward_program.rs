@@ -9,7 +9,7 @@
 //! the floor, the gate and the L2 norm to the gradients itself when it reads raw inputs in
 //! place; for lanes XLA takes `dg` through the gate.
 
-use super::backward::{backward_kernel, BACKWARD_STEP_CHUNKS};
+use super::backward::{backward_kernel, BackwardSteps};
 use super::dims::{KernelDims, Tokens};
 use super::forward_program::{
     forward_body, kernel_calls, kernel_dims, kernel_input, or_passed, packed_fits, packed_result,
@@ -68,7 +68,8 @@ pub(super) fn grads(
         saved_chunks,
         ..dims
     };
-    let bk = backward_kernel(with_steps(dims, s, Some(BACKWARD_STEP_CHUNKS)), s.options.scale)?;
+    let cap = BackwardSteps::for_precision(dims.precision()).chunks;
+    let bk = backward_kernel(with_steps(dims, s, Some(cap)), s.options.scale)?;
     let r = &bk.refs;
     let mut args = bk.kernel.bindings();
     shared.bind(&mut args, &r.tabs, &r.tokens, r.gate)?;

@@ -243,8 +243,16 @@ impl KernelDims {
             return RESIDENT_STEP_CHUNKS;
         }
         let chunk = C * token + if self.states { 4 * self.k * self.v } else { 0 };
+        // A kernel that saves its chunk terms (the fused program's forward) writes its states in
+        // their dtype and the terms beside them, and asks for more VMEM ([`Self::vmem_limit`]).
+        let (chunk, budget) = if self.terms {
+            let saved = bytes(self.state_dtype()) * self.k * self.v + 2 * C * C * bytes(self.mask_dtype());
+            (C * token + saved, TERMS_STEP_BLOCK_BYTES)
+        } else {
+            (chunk, STEP_BLOCK_BYTES)
+        };
         let mut n = STREAMED_STEP_CHUNKS;
-        while n > 2 && 2 * n * chunk > STEP_BLOCK_BYTES {
+        while n > 2 && 2 * n * chunk > budget {
             n /= 2;
         }
         n
@@ -262,10 +270,18 @@ impl KernelDims {
         }
     }
 
-    /// The scoped VMEM the forward kernel asks for beyond the default: [`SEGMENT_VMEM_BYTES`]
-    /// for segment masks on more than sixteen chunks a step, else none.
+    /// The scoped VMEM the forward kernel asks for beyond the default: when it saves its chunk
+    /// terms [`TERMS_VMEM_BYTES`] on more than sixteen chunks a step, else
+    /// [`RESIDENT_TERMS_VMEM_BYTES`]; [`SEGMENT_VMEM_BYTES`] for segment masks on more than
+    /// sixteen chunks; otherwise none.
     pub fn vmem_limit(&self) -> Option<i64> {
-        (self.segments && self.step_chunks > 16).then_some(SEGMENT_VMEM_BYTES)
+        match (self.terms, self.segments) {
+            (true, _) if self.step_chunks > 16 => Some(TERMS_VMEM_BYTES),
+            (true, _) => Some(RESIDENT_TERMS_VMEM_BYTES),
+            _ if self.step_chunks <= 16 => None,
+            (false, true) => Some(SEGMENT_VMEM_BYTES),
+            (false, false) => None,
+        }
     }
 
     /// The bf16 parts the kernels' sums of `g` take ([`super::terms::chunk_terms`]): a
@@ -328,6 +344,21 @@ pub const SEGMENT_VMEM_BYTES: i64 = 32 << 20;
 /// The bound on one grid step's double-buffered per-token blocks (and saved states) that
 /// [`KernelDims::default_step_chunks`] keeps to, well inside the default scoped VMEM.
 pub const STEP_BLOCK_BYTES: i64 = 8 << 20;
+
+/// The bound of [`STEP_BLOCK_BYTES`] for a kernel that saves its chunk terms and states (the
+/// fused program's forward): twice the other kernels', so that bf16 streamed rows take
+/// [`STREAMED_STEP_CHUNKS`] a step, which count fewer cycles than sixteen (docs/performance.md,
+/// Figures behind the code's constants).
+pub const TERMS_STEP_BLOCK_BYTES: i64 = 16 << 20;
+
+/// The scoped VMEM a kernel that saves its chunk terms asks for on steps of more than sixteen
+/// chunks ([`KernelDims::vmem_limit`]).
+pub const TERMS_VMEM_BYTES: i64 = 48 << 20;
+
+/// The scoped VMEM a kernel that saves its chunk terms asks for on sixteen chunks a step or
+/// fewer: f32 at the primary shape passes v5p's default. More lets libtpu move the program's
+/// buffers into VMEM, which costs cycles.
+pub const RESIDENT_TERMS_VMEM_BYTES: i64 = 32 << 20;
 
 /// Tokens of a row read with segment ids ([`KernelDims::segments`]): the ids are f32, exact
 /// below 2^24.

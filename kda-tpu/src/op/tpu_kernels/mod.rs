@@ -5,6 +5,7 @@
 //! through the interpret lowering on any plugin.
 
 pub mod backward;
+mod backward_chain;
 mod backward_levels;
 mod backward_operands;
 mod backward_program;
