@@ -51,8 +51,8 @@ pub struct BackwardSteps {
     /// The scoped VMEM the kernel asks for: its steps' spill slots pass the default of v5e and
     /// v5p. More lets libtpu move the program's buffers into VMEM, which costs cycles.
     pub vmem_limit: i64,
-    /// Whether `dh` enters one product a chunk ([`DhChain::step`]): one product more a chunk,
-    /// worth it where a product is one pass.
+    /// Whether `dh` enters one product a chunk ([`DhChain::step`]) on steps of several chunks:
+    /// one product more a chunk, worth it where a product is one pass.
     pub one_product_chain: bool,
 }
 
@@ -293,7 +293,9 @@ fn chunk_state(
     let vn = b.sub(&u, &ws)?;
     // `scale dO` too, for `Aqk`'s cotangent.
     let chain = DhChain { t: &t, aqk: &aqk, w: &w, d_o: &x.d_o, scale: cx.scale, segs };
-    let (dvn, sd_o, dh_prev) = chain.step(b, dh, cx.steps.one_product_chain, p)?;
+    // One chunk a step overlaps nothing: the extra product would be all cost.
+    let one_product = cx.steps.one_product_chain && d.chunks_per_step() > 1;
+    let (dvn, sd_o, dh_prev) = chain.step(b, dh, one_product, p)?;
     Ok((ChunkState { t, a, s0, vn, dvn, sd_o }, dh_prev))
 }
 
