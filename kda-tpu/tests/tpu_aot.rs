@@ -234,6 +234,35 @@ fn fused_kernels_compile_for_v5e() {
     fused_compiles_for_v5e("bench_primary");
 }
 
+/// `Tuning::with_step_chunks(8)`, the faster compile (docs/kda.md, Compile time), gives both
+/// kernels of the fused program at the primary shape eight chunks a grid step where their
+/// defaults take sixteen: each hands libtpu about half the Mosaic text a step. Text only: no
+/// libtpu loads.
+#[test]
+fn eight_chunk_steps_halve_the_kernels_text() {
+    let cpu = PjrtBackend::new().expect("PJRT CPU plugin (run `cargo xtask setup`)");
+    let valu = |steps: Option<usize>| {
+        let spec = bench_spec(&cpu, "bench_primary", true, |t| {
+            let t = t.with_implementation(kda_tpu::Implementation::Mosaic);
+            steps.map_or(t, |n| t.with_step_chunks(n))
+        });
+        let text = kda_tpu::op::program(&spec, ProgramKind::Fused(S::SavedState)).expect("program");
+        let texts = kda_tpu::aot::mosaic_text::kernel_texts(&text).expect("the program's Mosaic kernels");
+        let counts: std::collections::BTreeMap<String, u64> =
+            texts.iter().map(|(n, t)| (n.clone(), kda_tpu::aot::mosaic_text::count(n, t).valu)).collect();
+        counts
+    };
+    let (default, eight) = (valu(None), valu(Some(8)));
+    for name in ["kda_forward", "kda_backward"] {
+        let r = eight[name] as f64 / default[name] as f64;
+        eprintln!(
+            "{name}: {} vector ALU ops a step by default, {} in eight-chunk steps",
+            default[name], eight[name]
+        );
+        assert!((0.45..=0.55).contains(&r), "{name}: eight-chunk steps hold {r:.3}x the default's text");
+    }
+}
+
 fn fused_compiles_for_v5e(name: &str) {
     let tpu = TpuCompiler::load().unwrap_or_else(|e| panic!("no libtpu ({e}); run `cargo xtask setup`"));
     let cpu = PjrtBackend::new().expect("PJRT CPU plugin (run `cargo xtask setup`)");

@@ -48,6 +48,9 @@ options:
   --packed-windows     packed rows without per-segment states read through per-chunk windows
                        (the route of rows with states) instead of as whole blocks with
                        segment masks
+  --step-chunks N      the Mosaic kernels take at most N chunks a grid step (a power of two;
+                       default the kernels' own: fewer chunks, smaller kernels that libtpu
+                       compiles faster, at more cycles; docs/kda.md, Compile time)
   --emit DIR           write each program's StableHLO text to
                        DIR/<program>.<shape>.<dtype>.<implementation>[.d<devices>].mlir
                        instead of compiling it (no libtpu needed; compare two commits'
@@ -217,6 +220,8 @@ pub struct AotOptions {
     pub packed_result_bytes: Option<usize>,
     /// Packed rows without per-segment states through windows (`Tuning::packed_blocks` false).
     pub packed_windows: bool,
+    /// The kernels' chunks a grid step (`Tuning::with_step_chunks`; `None`: their default).
+    pub step_chunks: Option<usize>,
     /// Write the program texts here instead of compiling them.
     pub emit: Option<String>,
     /// Compile for this GPU target (`--target`) instead of the TPU topology.
@@ -243,6 +248,7 @@ impl Default for AotOptions {
             implementation: kda_core::Implementation::Xla,
             packed_result_bytes: None,
             packed_windows: false,
+            step_chunks: None,
             emit: None,
         }
     }
@@ -296,6 +302,13 @@ pub fn parse_args(args: &[String]) -> Result<Option<AotOptions>, String> {
             "--json" => o.json = Some(flags.value(flag)?),
             "--emit" => o.emit = Some(flags.value(flag)?),
             "--packed-windows" => o.packed_windows = true,
+            "--step-chunks" => {
+                let n = cli::positive(flag, &flags.value(flag)?)?;
+                if !n.is_power_of_two() {
+                    return Err(format!("`{flag}` needs a power of two, got {n}"));
+                }
+                o.step_chunks = Some(n);
+            }
             "--packed-result-bytes" => {
                 let v = flags.value(flag)?;
                 o.packed_result_bytes =
@@ -397,6 +410,14 @@ mod tests {
         assert_eq!((o.topology.as_str(), o.dtypes.as_slice()), (topology, dtypes));
     }
 
+    #[rstest]
+    #[case("", None)]
+    #[case("--step-chunks 8", Some(8))]
+    #[case("--step-chunks=1", Some(1))]
+    fn parses_step_chunks(#[case] line: &str, #[case] steps: Option<usize>) {
+        assert_eq!(parse_args(&args(line)).unwrap().unwrap().step_chunks, steps);
+    }
+
     #[test]
     fn shape_overrides_rebalance_segments() {
         let o = parse_args(&args("--devices 4 --t 32768 --heads 16 --json out.json")).unwrap().unwrap();
@@ -424,6 +445,8 @@ mod tests {
     #[case("--topology", "`--topology` needs a value")]
     #[case("--topology=", "needs a name")]
     #[case("--peak", "unknown argument `--peak`")]
+    #[case("--step-chunks 12", "needs a power of two, got 12")]
+    #[case("--step-chunks 0", "positive whole number")]
     #[case("--target h200 --topology v6e:2x2", "excludes `--topology`")]
     #[case("--target h200 --devices 2", "excludes `--devices`")]
     #[case("--target h200 --implementation mosaic", "Mosaic kernels are TPU kernels")]

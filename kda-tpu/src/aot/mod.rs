@@ -101,7 +101,8 @@ impl TpuCompiler {
     /// Counts static cycles ([`AotReport::static_cycles`]) from the listings libtpu writes to
     /// `dir`, which needs `LIBTPU_INIT_ARGS` to hold [`cycles::listing_flags`]`(dir)` before
     /// libtpu is loaded (the library leaves the environment to its caller). Each compile reads
-    /// the files it added and removes them (tens of MB per program).
+    /// the files it added and removes them (tens of MB per program); with `KDA_KEEP=DIR` set, it
+    /// first copies them to `DIR`, an existing folder (to read a kernel's bundles).
     pub fn with_listings(mut self, dir: impl Into<PathBuf>) -> Self {
         self.listings = Some(dir.into());
         self

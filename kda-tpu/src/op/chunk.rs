@@ -240,13 +240,19 @@ pub fn chunk_output(b: &mut Body, x: &ChunkUpdate, mask: TermMask) -> Result<(V,
     Ok((v_new, o))
 }
 
+/// `e^(G_C) S`: each row of a state (or its gradient) `[K, W]` times its lane's whole-chunk
+/// decay `last_decay` `[1, K]`.
+pub fn decayed(b: &mut Body, state: &V, last_decay: &V) -> Result<V> {
+    let dims = state.ty.dims.clone();
+    let decay = b.reshape(last_decay, &[dims[0], 1])?;
+    let decay = b.broadcast(&decay, &dims)?;
+    b.mul(state, &decay)
+}
+
 /// The state leaving the chunk: `S <- e^(G_C) S + kg^T v_new` (`v_new` as [`chunk_output`]
 /// returned it), `[K, Vb]` f32.
 pub fn chunk_state_next(b: &mut Body, x: &ChunkUpdate, v_new: &V, mask: TermMask) -> Result<V> {
-    let dims = x.state.ty.dims.clone();
-    let decay = b.reshape(x.last_decay, &[dims[0], 1])?;
-    let decay = b.broadcast(&decay, &dims)?;
-    let kept = b.mul(x.state, &decay)?;
+    let kept = decayed(b, x.state, x.last_decay)?;
     let kept = mask(b, UpdateTerm::Kept, &kept)?;
     let kg = mask(b, UpdateTerm::Leaving, x.kg)?;
     let add = b.matmul(&kg, v_new, (0, 0), x.precision)?;

@@ -126,8 +126,9 @@ pub struct XlaConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub struct TpuKernelConfig {
-    /// The kernel forward's wish of chunks per grid step for fixed-length rows (0: its default,
-    /// the TPU forward kernel's `default_step_chunks`).
+    /// The TPU kernels' wish of chunks per grid step for rows of whole blocks (0: their
+    /// defaults, the forward kernel's `default_step_chunks`, the backward's capped by its
+    /// `BackwardSteps`).
     pub step_chunks: usize,
     /// The VMEM packed kernel programs may give a head's resident results (f32,
     /// double-buffered) to read packed tokens in place; above it they go through lanes.
@@ -182,10 +183,11 @@ impl Tuning {
         self.xla.slab = chunks;
         self
     }
-    /// The kernel forward running at most `chunks` chunks per grid step on fixed-length rows
-    /// (the largest power of two up to it dividing the chunk count; 0: its default). The step
-    /// count trades the per-step cost of streaming operands against code size and VMEM
-    /// ([`TpuKernelConfig::step_chunks`]).
+    /// The TPU kernels (forward and backward) running at most `chunks` chunks per grid step on
+    /// rows of whole blocks (the largest power of two up to it dividing the chunk count; 0:
+    /// their defaults, which count fewest cycles). More chunks a step overlap more work and
+    /// stream operands in fewer steps; fewer make smaller kernels that libtpu compiles faster
+    /// (eight: docs/kda.md, Compile time) ([`TpuKernelConfig::step_chunks`]).
     pub fn with_step_chunks(mut self, chunks: usize) -> Self {
         self.tpu_kernels.step_chunks = chunks;
         self

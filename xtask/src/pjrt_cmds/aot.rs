@@ -61,6 +61,7 @@ fn program_text(
             None => s.tuning,
         };
         let tuning = if o.packed_windows { tuning.with_packed_blocks(false) } else { tuning };
+        let tuning = o.step_chunks.map_or(tuning, |n| tuning.with_step_chunks(n));
         s.with_tuning(tuning)
     };
     if o.devices > 1 {

@@ -67,6 +67,13 @@ impl BackwardSteps {
             _ => BackwardSteps { chunks: 8, in_flight: 3, vmem_limit, one_product_chain: false },
         }
     }
+
+    /// Whether a step of `chunks_per_step` chunks walks `dh` through one product a chunk: only
+    /// with [`Self::one_product_chain`] and several chunks a step (one chunk a step overlaps
+    /// nothing, and the extra product would be all cost).
+    pub fn one_product(&self, chunks_per_step: i64) -> bool {
+        self.one_product_chain && chunks_per_step > 1
+    }
 }
 
 /// The backward kernel and its operands by name.
@@ -291,11 +298,9 @@ fn chunk_state(
     let ws = b.matmul(&w, &s0, (1, 0), p)?;
     let ws = segment_rows(b, segs, &ws, SegmentRows::First)?;
     let vn = b.sub(&u, &ws)?;
-    // `scale dO` too, for `Aqk`'s cotangent.
+    // `dh` stepped back, with `dv_new` and `scale dO` (for `Aqk`'s cotangent).
     let chain = DhChain { t: &t, aqk: &aqk, w: &w, d_o: &x.d_o, scale: cx.scale, segs };
-    // One chunk a step overlaps nothing: the extra product would be all cost.
-    let one_product = cx.steps.one_product_chain && d.chunks_per_step() > 1;
-    let (dvn, sd_o, dh_prev) = chain.step(b, dh, one_product, p)?;
+    let (dvn, sd_o, dh_prev) = chain.step(b, dh, cx.steps.one_product(d.chunks_per_step()), p)?;
     Ok((ChunkState { t, a, s0, vn, dvn, sd_o }, dh_prev))
 }
 

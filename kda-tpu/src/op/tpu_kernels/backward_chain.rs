@@ -3,7 +3,7 @@
 //! value. With segments, the entering state's terms (`qg`, `w`) on the chunk's first segment's
 //! rows, the leaving state's (`kg`) on its last's, `e^(G_C) dh` only across a whole chunk.
 
-use super::super::chunk::mul_const;
+use super::super::chunk::{decayed, mul_const};
 use super::operands::{if_whole, segment_rows, ChunkSegments, SegmentRows};
 use super::terms::ChunkFactors;
 use crate::error::Result;
@@ -106,10 +106,7 @@ impl DhChain<'_> {
 
     /// `e^(G_C) dh`, across a whole chunk only.
     fn kept(&self, b: &mut Body, dh: &V) -> Result<V> {
-        let dims = dh.ty.dims.clone();
-        let decay = b.reshape(&self.t.eg_last, &[dims[0], 1])?;
-        let decay = b.broadcast(&decay, &dims)?;
-        let kept = b.mul(dh, &decay)?;
+        let kept = decayed(b, dh, &self.t.eg_last)?;
         if_whole(b, self.segs, &kept)
     }
 }

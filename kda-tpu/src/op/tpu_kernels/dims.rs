@@ -242,17 +242,17 @@ impl KernelDims {
         if operands <= STREAMED_BYTES {
             return RESIDENT_STEP_CHUNKS;
         }
-        let chunk = C * token + if self.states { 4 * self.k * self.v } else { 0 };
-        // A kernel that saves its chunk terms (the fused program's forward) writes its states in
-        // their dtype and the terms beside them, and asks for more VMEM ([`Self::vmem_limit`]).
-        let (chunk, budget) = if self.terms {
+        // A chunk's blocks; a kernel that saves its chunk terms (the fused program's forward)
+        // writes its states in their dtype and the terms beside them, and asks for more VMEM
+        // ([`Self::vmem_limit`]).
+        let (per_chunk, budget) = if self.terms {
             let saved = bytes(self.state_dtype()) * self.k * self.v + 2 * C * C * bytes(self.mask_dtype());
             (C * token + saved, TERMS_STEP_BLOCK_BYTES)
         } else {
-            (chunk, STEP_BLOCK_BYTES)
+            (C * token + if self.states { 4 * self.k * self.v } else { 0 }, STEP_BLOCK_BYTES)
         };
         let mut n = STREAMED_STEP_CHUNKS;
-        while n > 2 && 2 * n * chunk > budget {
+        while n > 2 && 2 * n * per_chunk > budget {
             n /= 2;
         }
         n
