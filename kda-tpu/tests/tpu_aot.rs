@@ -8,9 +8,11 @@
 use kda_core::BackwardStrategy;
 use kda_core::{BackwardStrategy as S, DType};
 use kda_testkit::{benchmark_cases, case_data};
+use kda_tpu::aot::StaticCycles;
 use kda_tpu::op::TPU_SLAB;
 use kda_tpu::{PjrtBackend, ProgramKind, TpuCompiler, DEFAULT_TOPOLOGY};
 use rstest::rstest;
+use std::collections::BTreeMap;
 
 /// The spec of benchmark case `name` in bf16 as the CPU plugin `cpu` plans it (nothing runs
 /// on it: it only plans the packed capacity), taking `dht` when `dht` is asked and the case
@@ -248,11 +250,9 @@ fn eight_chunk_steps_halve_the_kernels_text() {
         });
         let text = kda_tpu::op::program(&spec, ProgramKind::Fused(S::SavedState)).expect("program");
         let texts = kda_tpu::aot::mosaic_text::kernel_texts(&text).expect("the program's Mosaic kernels");
-        let counts: std::collections::BTreeMap<String, u64> =
-            texts.iter().map(|(n, t)| (n.clone(), kda_tpu::aot::mosaic_text::count(n, t).valu)).collect();
-        counts
+        texts.iter().map(|(n, t)| (n.clone(), kda_tpu::aot::mosaic_text::count(n, t).valu)).collect()
     };
-    let (default, eight) = (valu(None), valu(Some(8)));
+    let (default, eight): (BTreeMap<String, u64>, BTreeMap<String, u64>) = (valu(None), valu(Some(8)));
     for name in ["kda_forward", "kda_backward"] {
         let r = eight[name] as f64 / default[name] as f64;
         eprintln!(
@@ -337,18 +337,22 @@ fn packed_rows_cost_what_fixed_rows_cost(
     packed_within(fixed, packed, kind, ratio);
 }
 
+/// The static cycles of program `kind` of benchmark case `name` on the Mosaic kernels (bf16,
+/// tpu7x), which has no loop of run-time trip count.
+fn mosaic_cycles(tpu: &TpuCompiler, cpu: &PjrtBackend, name: &str, kind: ProgramKind) -> StaticCycles {
+    let spec = bench_spec(cpu, name, true, |t| t.with_implementation(kda_tpu::Implementation::Mosaic));
+    let text = kda_tpu::op::program(&spec, kind).expect("program");
+    let report = tpu.compile(&text, DEFAULT_TOPOLOGY).expect("tpu7x compile");
+    let c = report.static_cycles.expect("a static cycle count");
+    eprintln!("{name} mosaic {kind:?} bf16: {c:?}");
+    assert_eq!(c.unknown_loops, 0, "{name}: loops of run-time trip count");
+    c
+}
+
 fn packed_within(fixed: &str, packed: &str, kind: ProgramKind, ratio: f64) {
     let (tpu, dir) = listing_compiler();
     let cpu = PjrtBackend::new().expect("PJRT CPU plugin (run `cargo xtask setup`)");
-    let count = |name: &str| {
-        let spec = bench_spec(&cpu, name, true, |t| t.with_implementation(kda_tpu::Implementation::Mosaic));
-        let text = kda_tpu::op::program(&spec, kind).expect("program");
-        let report = tpu.compile(&text, DEFAULT_TOPOLOGY).expect("tpu7x compile");
-        let c = report.static_cycles.expect("a static cycle count");
-        eprintln!("{name} mosaic {kind:?} bf16: {c:?}");
-        assert_eq!(c.unknown_loops, 0, "{name}: loops of run-time trip count");
-        c.total
-    };
+    let count = |name: &str| mosaic_cycles(&tpu, &cpu, name, kind).total;
     let (f, p) = (count(fixed), count(packed));
     let r = p as f64 / f as f64;
     eprintln!("{packed}: {r:.3}x {fixed}");
@@ -427,14 +431,7 @@ mod full {
     fn mosaic_forward_with_segments_at_h32_holds() {
         let (tpu, dir) = listing_compiler();
         let cpu = PjrtBackend::new().expect("PJRT CPU plugin (run `cargo xtask setup`)");
-        let spec = bench_spec(&cpu, "bench_secondary_packed", true, |t| {
-            t.with_implementation(kda_tpu::Implementation::Mosaic)
-        });
-        let text = kda_tpu::op::program(&spec, FORWARD).expect("program");
-        let report = tpu.compile(&text, DEFAULT_TOPOLOGY).expect("tpu7x compile");
-        let c = report.static_cycles.expect("a static cycle count");
-        eprintln!("bench_secondary_packed mosaic forward bf16: {c:?}");
-        assert_eq!(c.unknown_loops, 0, "loops of run-time trip count");
+        let c = mosaic_cycles(&tpu, &cpu, "bench_secondary_packed", FORWARD);
         assert!(c.kernels > 0 && c.total <= 2_126_000, "{c:?} over 2,126,000 cycles");
         std::fs::remove_dir_all(&dir).ok();
     }

@@ -38,7 +38,7 @@ impl DhChain<'_> {
 
     /// `[Aqk^T, kg] [dO; dh]`, then `[qg; w]^T [scale dO; -dv_new]`.
     fn two_products(&self, b: &mut Body, dh: &V, p: MatPrecision) -> Result<(V, V, V)> {
-        let (t, segs, op) = (self.t, self.segs, self.aqk.ty.elem);
+        let op = self.aqk.ty.elem;
         let dvn = {
             let at = b.transpose(self.aqk)?;
             let kg = self.kg(b)?;
@@ -50,14 +50,8 @@ impl DhChain<'_> {
         };
         let sd_o = mul_const(b, self.d_o, self.scale)?;
         let kept = self.kept(b, dh)?;
-        let (qg, w) = (
-            segment_rows(b, segs, &t.qg, SegmentRows::First)?,
-            segment_rows(b, segs, self.w, SegmentRows::First)?,
-        );
-        let lhs = b.concat(&[qg, w], 0)?;
-        let ndvn = b.neg(&dvn)?;
-        let rhs = b.concat(&[sd_o.clone(), ndvn], 0)?;
-        let y = b.matmul(&lhs, &rhs, (0, 0), p)?;
+        let (qg, w) = self.entering(b)?;
+        let y = stacked(b, [qg, w], &sd_o, &dvn, p)?;
         let dh_prev = b.add(&kept, &y)?;
         Ok((dvn, sd_o, dh_prev))
     }
@@ -65,12 +59,9 @@ impl DhChain<'_> {
     /// `dv_new = Aqk^T dO + kg dh` and `dh_prev = e^(G_C) dh - (w^T kg) dh + [qg; w]^T
     /// [scale dO; -Aqk^T dO]`: `dh` reaches `dh_prev` through one product.
     fn one_product(&self, b: &mut Body, dh: &V, p: MatPrecision) -> Result<(V, V, V)> {
-        let (t, segs, op) = (self.t, self.segs, self.aqk.ty.elem);
+        let op = self.aqk.ty.elem;
         let kg = self.kg(b)?;
-        let (qg, w) = (
-            segment_rows(b, segs, &t.qg, SegmentRows::First)?,
-            segment_rows(b, segs, self.w, SegmentRows::First)?,
-        );
+        let (qg, w) = self.entering(b)?;
         let at_do = {
             let at = b.transpose(self.aqk)?;
             let d_o = b.to_dtype(self.d_o, op)?;
@@ -89,13 +80,16 @@ impl DhChain<'_> {
             b.to_dtype(&y, op)?
         };
         let chain = b.matmul(&wkg, &dh_op, (1, 0), p)?;
-        let lhs = b.concat(&[qg, w], 0)?;
-        let n_at_do = b.neg(&at_do)?;
-        let rhs = b.concat(&[sd_o.clone(), n_at_do], 0)?;
-        let beside = b.matmul(&lhs, &rhs, (0, 0), p)?;
+        let beside = stacked(b, [qg, w], &sd_o, &at_do, p)?;
         let kept = b.sub(&kept, &chain)?;
         let dh_prev = b.add(&kept, &beside)?;
         Ok((dvn, sd_o, dh_prev))
+    }
+
+    /// `qg` and `w` on the chunk's first segment's rows (the entering state's terms).
+    fn entering(&self, b: &mut Body) -> Result<(V, V)> {
+        let qg = segment_rows(b, self.segs, &self.t.qg, SegmentRows::First)?;
+        Ok((qg, segment_rows(b, self.segs, self.w, SegmentRows::First)?))
     }
 
     /// `kg` on the chunk's last segment's rows, as the products read it.
@@ -109,4 +103,12 @@ impl DhChain<'_> {
         let kept = decayed(b, dh, &self.t.eg_last)?;
         if_whole(b, self.segs, &kept)
     }
+}
+
+/// `[qg; w]^T [scale dO; -x]`: both products with `dO`'s side as one over the stacked tokens.
+fn stacked(b: &mut Body, [qg, w]: [V; 2], sd_o: &V, x: &V, p: MatPrecision) -> Result<V> {
+    let lhs = b.concat(&[qg, w], 0)?;
+    let nx = b.neg(x)?;
+    let rhs = b.concat(&[sd_o.clone(), nx], 0)?;
+    b.matmul(&lhs, &rhs, (0, 0), p)
 }

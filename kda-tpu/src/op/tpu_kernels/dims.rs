@@ -275,12 +275,11 @@ impl KernelDims {
     /// [`RESIDENT_TERMS_VMEM_BYTES`]; [`SEGMENT_VMEM_BYTES`] for segment masks on more than
     /// sixteen chunks; otherwise none.
     pub fn vmem_limit(&self) -> Option<i64> {
-        match (self.terms, self.segments) {
-            (true, _) if self.step_chunks > 16 => Some(TERMS_VMEM_BYTES),
-            (true, _) => Some(RESIDENT_TERMS_VMEM_BYTES),
-            _ if self.step_chunks <= 16 => None,
-            (false, true) => Some(SEGMENT_VMEM_BYTES),
-            (false, false) => None,
+        let wide = self.step_chunks > 16;
+        if self.terms {
+            Some(if wide { TERMS_VMEM_BYTES } else { RESIDENT_TERMS_VMEM_BYTES })
+        } else {
+            (self.segments && wide).then_some(SEGMENT_VMEM_BYTES)
         }
     }
 
